@@ -1,0 +1,18 @@
+"""ort-lightning: train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
+
+Example::
+
+    >>> import ort_lightning
+    >>> sorted(ort_lightning.__all__)[:3]
+    ['ORTLightningModule', 'ORTOptimizer', 'TrainingArtifacts']
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ort_lightning.artifacts import TrainingArtifacts, export_artifacts
+from ort_lightning.module import ORTLightningModule
+from ort_lightning.optim import ORTOptimizer
+
+__all__ = ["ORTLightningModule", "ORTOptimizer", "TrainingArtifacts", "__version__", "export_artifacts"]

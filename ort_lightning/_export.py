@@ -1,0 +1,200 @@
+"""torch -> ONNX details: the exporter's settings and the graph fixes ORT 1.19.2 needs.
+
+Pure functions over `onnx.ModelProto`s and files; no ONNX Runtime import here.
+
+Example::
+
+    >>> import torch
+    >>> proto = torch_to_onnx(torch.nn.Linear(3, 2), (torch.zeros(4, 3),), input_names=["x"])
+    >>> [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
+    (['x'], ['logits'])
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import onnx
+import torch
+
+from ort_lightning.errors import ExportError
+
+__all__ = [
+    "MAX_IR_VERSION",
+    "MAX_OPSET",
+    "OPSET",
+    "buffer_inputs_of",
+    "check_opset",
+    "default_input_names",
+    "default_output_names",
+    "fix_eval_graph",
+    "lower_ir_version",
+    "set_torch_adamw_mode",
+    "torch_to_onnx",
+]
+
+#: The newest ONNX IR version and ai.onnx opset that ONNX Runtime 1.19.2 loads.
+MAX_IR_VERSION = 10
+MAX_OPSET = 21
+#: The opset the torch exporter writes: new enough for every op we use, within MAX_OPSET.
+OPSET = 17
+
+_TRAINING_ONLY_OUTPUTS = ("BatchNormalization", "Dropout")
+
+
+def default_input_names(count: int) -> list[str]:
+    """Return ``["input"]`` for one input, else ``["input_0", "input_1", ...]``."""
+    return ["input"] if count == 1 else [f"input_{i}" for i in range(count)]
+
+
+def default_output_names(count: int, *, model_returns_loss: bool) -> list[str]:
+    """Name a model's outputs: the first is ``"loss"`` or ``"logits"``, then ``output_1`` ...
+
+    Example::
+
+        >>> default_output_names(2, model_returns_loss=False)
+        ['logits', 'output_1']
+    """
+    first = "loss" if model_returns_loss else "logits"
+    return [first] + [f"output_{i}" for i in range(1, count)]
+
+
+def _count_outputs(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> int:
+    with torch.no_grad():
+        outputs = model(*example_inputs)
+    return len(outputs) if isinstance(outputs, (tuple, list)) else 1
+
+
+def torch_to_onnx(
+    model: torch.nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    input_names: Sequence[str],
+    model_returns_loss: bool = False,
+) -> onnx.ModelProto:
+    """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
+
+    The model is copied first: tracing in training mode would otherwise update the caller's
+    BatchNorm running statistics.
+
+    Raises:
+        ExportError: when torch cannot export the model.
+    """
+    # NOTE: the TorchScript exporter, not dynamo: dynamo folds BatchNorm into Conv (its
+    # parameters vanish) and emits Dropout without the mask the gradient builder needs.
+    model = copy.deepcopy(model).train()
+    count = _count_outputs(copy.deepcopy(model), example_inputs)
+    output_names = default_output_names(count, model_returns_loss=model_returns_loss)
+    # A loss output is a scalar: it has no batch dimension to make dynamic.
+    batched = [*input_names, *output_names[1:]] if model_returns_loss else [*input_names, *output_names]
+    dynamic_axes = {name: {0: "batch"} for name in batched}
+    buffer = io.BytesIO()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                model,
+                example_inputs,
+                buffer,
+                dynamo=False,
+                training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False,
+                export_params=True,
+                opset_version=OPSET,
+                input_names=list(input_names),
+                output_names=list(output_names),
+                dynamic_axes=dynamic_axes,
+            )
+    except Exception as error:  # torch raises many types here; all mean "cannot export"
+        raise ExportError(
+            f"torch.onnx.export failed for {type(model).__name__}: {error}. Check that `example_inputs` "
+            "is what the model's forward takes, or export the model to ONNX yourself and pass the file."
+        ) from error
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def buffer_inputs_of(proto: onnx.ModelProto) -> set[str]:
+    """Return initializers used as BatchNormalization running statistics (never trained)."""
+    initializers = {tensor.name for tensor in proto.graph.initializer}
+    names = set()
+    for node in proto.graph.node:
+        if node.op_type == "BatchNormalization":
+            names.update(name for name in node.input[3:5] if name in initializers)
+    return names
+
+
+def check_opset(proto: onnx.ModelProto, source: str) -> None:
+    """Refuse a model whose ai.onnx opset is newer than ORT 1.19.2 reads.
+
+    Raises:
+        ExportError: naming the opset found and the limit.
+    """
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
+            raise ExportError(
+                f"{source} uses ai.onnx opset {opset.version}, but ONNX Runtime 1.19.2 reads opset <= "
+                f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it with "
+                "onnx.version_converter."
+            )
+
+
+def lower_ir_version(proto: onnx.ModelProto) -> bool:
+    """Stamp IR version `MAX_IR_VERSION` on a model that claims a newer one; True if changed.
+
+    Newer onnx packages stamp IR 11+ on everything they write, even graphs that use nothing
+    newer than IR 10, and ORT 1.19.2 refuses those files.
+    """
+    if proto.ir_version <= MAX_IR_VERSION:
+        return False
+    proto.ir_version = MAX_IR_VERSION
+    return True
+
+
+def _rewrite(path: Path, proto: onnx.ModelProto) -> None:
+    lower_ir_version(proto)
+    onnx.save(proto, path)
+
+
+def fix_eval_graph(path: Path) -> None:
+    """Make ``eval_model.onnx`` an inference graph that ORT can load.
+
+    ORT's generator turns training mode off in the eval graph but keeps the training-only
+    outputs (running statistics of BatchNormalization, the mask of Dropout), which ORT then
+    refuses. Those outputs are trimmed and Dropout becomes an Identity.
+    """
+    proto = onnx.load(path)
+    for node in proto.graph.node:
+        if node.op_type in _TRAINING_ONLY_OUTPUTS:
+            del node.output[1:]
+        if node.op_type == "Dropout":
+            node.op_type = "Identity"
+            del node.input[1:]
+            del node.attribute[:]
+    _rewrite(path, proto)
+
+
+def set_torch_adamw_mode(path: Path) -> None:
+    """Switch the AdamW node of an optimizer graph to torch's decoupled weight decay.
+
+    ORT's default ``adam_mode=1`` decays after the update (the Hugging Face variant);
+    ``adam_mode=0`` decays before, as ``torch.optim.AdamW`` does.
+    """
+    proto = onnx.load(path)
+    for node in proto.graph.node:
+        if node.op_type == "AdamWOptimizer":
+            for attribute in node.attribute:
+                if attribute.name == "adam_mode":
+                    attribute.i = 0
+    _rewrite(path, proto)
+
+
+def lower_ir_versions(paths: Iterable[Path]) -> None:
+    """Apply `lower_ir_version` to model files in place."""
+    for path in paths:
+        proto = onnx.load(path)
+        if lower_ir_version(proto):
+            onnx.save(proto, path)

@@ -1,0 +1,288 @@
+"""The one module that imports ONNX Runtime's training API.
+
+Everything else in the package goes through the small surface below, so that an ORT upgrade
+(or its absence) is this file's business alone.
+
+Example::
+
+    >>> from ort_lightning import _ort
+    >>> _ort.parse_device("cpu")
+    ('cpu', 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ort_lightning.errors import DeviceError, ExportError
+
+_INSTALL_HINT = (
+    "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
+    '  pip install "ort-lightning[cpu]"   # onnxruntime-training-cpu==1.19.2\n'
+    '  pip install "ort-lightning[cuda]"  # onnxruntime-training==1.19.2 (CUDA build)\n'
+    "Install exactly one, and never beside plain `onnxruntime`: all three provide the same package."
+)
+
+try:
+    import onnxruntime
+    from onnxruntime.capi import _pybind_state as _C
+    from onnxruntime.training import artifacts as _artifacts
+    from onnxruntime.training import onnxblock
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+    from onnxruntime.training.onnxblock import _training_graph_utils
+except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(_INSTALL_HINT) from error
+
+__all__ = [
+    "LOSS_LABEL_NAMES",
+    "OrtValue",
+    "OrtValueVector",
+    "TrainingSession",
+    "assemble",
+    "generate",
+    "is_block",
+    "optimizer_kind_of",
+    "parse_device",
+    "versions",
+]
+
+OrtValue = _C.OrtValue
+OrtValueVector = _C.OrtValueVector
+
+# NOTE: this build logs at INFO by default; ERROR keeps a user's console readable.
+_SEVERITY_ERROR = 3
+onnxruntime.set_default_logger_severity(_SEVERITY_ERROR)
+
+#: Loss name -> onnxblock class; each adds a label input named as in LOSS_LABEL_NAMES.
+_LOSSES = {
+    "cross_entropy": onnxblock.loss.CrossEntropyLoss,
+    "mse": onnxblock.loss.MSELoss,
+    "bce_with_logits": onnxblock.loss.BCEWithLogitsLoss,
+    "l1": onnxblock.loss.L1Loss,
+}
+LOSS_LABEL_NAMES = {"cross_entropy": "labels", "mse": "target", "bce_with_logits": "target", "l1": "target"}
+
+#: Optimizer graph node -> the optimizer kind used in the manifest.
+_OPTIMIZER_NODES = {"AdamWOptimizer": "adamw", "SGDOptimizerV2": "sgd"}
+
+
+def versions() -> dict[str, str]:
+    """Return the ONNX Runtime version, for the manifest."""
+    return {"onnxruntime": onnxruntime.__version__}
+
+
+def session_options() -> Any:
+    """Return `SessionOptions` that log errors only."""
+    options = _C.SessionOptions()
+    options.log_severity_level = _SEVERITY_ERROR
+    return options
+
+
+@contextlib.contextmanager
+def _quiet_graph_builder() -> Iterator[None]:
+    # NOTE: the gradient builder makes its own SessionOptions, whose session logger ignores the
+    # default severity; swapping the factory for the duration of one build is the only knob.
+    original = _training_graph_utils.SessionOptions
+    _training_graph_utils.SessionOptions = session_options
+    try:
+        yield
+    finally:
+        _training_graph_utils.SessionOptions = original
+
+
+def is_block(obj: object) -> bool:
+    """Tell whether `obj` is an `onnxblock.Block` (a custom loss)."""
+    return isinstance(obj, onnxblock.Block)
+
+
+def _loss_block(loss: str | Any | None) -> Any:
+    if loss is None:
+        return None
+    if is_block(loss):
+        return loss
+    return _LOSSES[loss]()
+
+
+def _optimizer_block(kind: str, options: dict[str, Any]) -> Any:
+    if kind == "sgd":
+        return onnxblock.optim.SGD()
+    return onnxblock.optim.AdamW(
+        betas=tuple(options["betas"]), eps=options["eps"], weight_decay=options["weight_decay"]
+    )
+
+
+def generate(
+    model: Any,
+    *,
+    trainable: Sequence[str],
+    frozen: Sequence[str],
+    loss: str | Any | None,
+    optimizer: str,
+    optimizer_options: dict[str, Any],
+    directory: os.PathLike[str] | str,
+    extra_outputs: Sequence[str],
+    loss_inputs: Sequence[str] | None,
+) -> None:
+    """Write training, eval and optimizer graphs and the checkpoint with ORT's generator.
+
+    Args:
+        model: the forward `onnx.ModelProto`, parameters as initializers.
+        trainable: initializers that get gradients.
+        frozen: initializers kept in the checkpoint state without gradients.
+        loss: a loss name, an `onnxblock.Block`, or None when the model's first output is the loss.
+        optimizer: ``"adamw"`` or ``"sgd"``.
+        optimizer_options: the normalized hyper-parameters of `optimizer`.
+        directory: where the four artifacts go.
+        extra_outputs: model outputs kept as graph outputs next to the loss.
+        loss_inputs: model outputs fed to the loss (None: all of them).
+
+    Raises:
+        ExportError: when ORT cannot build the gradient graph.
+    """
+    loss_block = _loss_block(loss)
+    try:
+        with _quiet_graph_builder():
+            _artifacts.generate_artifacts(
+                model,
+                requires_grad=list(trainable),
+                frozen_params=list(frozen),
+                loss=loss_block,
+                optimizer=_optimizer_block(optimizer, optimizer_options),
+                artifact_directory=os.fspath(directory),
+                additional_output_names=list(extra_outputs) or None,
+                loss_input_names=list(loss_inputs) if loss_inputs else None,
+            )
+    except (RuntimeError, _C.Fail, _C.InvalidArgument, _C.InvalidGraph) as error:
+        raise ExportError(
+            f"ONNX Runtime could not build training graphs for this model: {error}. Check that every "
+            "operator is differentiable by ORT 1.19.2 and that `loss` matches the model's outputs."
+        ) from error
+
+
+def optimizer_kind_of(nodes: Sequence[str]) -> str | None:
+    """Map the node types of an optimizer graph to ``"adamw"``, ``"sgd"`` or None.
+
+    Example::
+
+        >>> optimizer_kind_of(["AdamWOptimizer"])
+        'adamw'
+    """
+    for op_type in nodes:
+        if op_type in _OPTIMIZER_NODES:
+            return _OPTIMIZER_NODES[op_type]
+    return None
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """Split ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into a kind and an index, checking the build.
+
+    Raises:
+        DeviceError: for another spelling, or for CUDA without the CUDA build of ORT.
+
+    Example::
+
+        >>> parse_device("cpu")
+        ('cpu', 0)
+    """
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise DeviceError(
+            f"Expected a device 'cpu', 'cuda' or 'cuda:N', but got {device!r}; pass one of those spellings."
+        )
+    if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise DeviceError(
+            f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build offers "
+            f"{onnxruntime.get_available_providers()}; run `pip uninstall -y onnxruntime-training-cpu && "
+            'pip install "ort-lightning[cuda]"`, or train on "cpu".'
+        )
+    return kind, int(index or 0)
+
+
+class TrainingSession:
+    """The ORT objects that train one set of artifacts: state, module, optimizer.
+
+    The module and the optimizer share `state`, so an optimizer update is visible to the next
+    step at once. Hot-path methods are bound C functions; nothing is looked up per step.
+    """
+
+    def __init__(self, state: Any, module: Any, optimizer: Any, device: str) -> None:
+        self.device = device
+        self._state = state
+        self._module = module
+        self._optimizer = optimizer
+        self._train = module._model.train_step_with_ort_values
+        self._eval = module._model.eval_step_with_ort_values
+        self.optimizer_step = optimizer._optimizer.optimizer_step
+        self.lazy_reset_grad = module._model.lazy_reset_grad
+        self.set_lr = optimizer._optimizer.set_learning_rate
+        self.get_lr = optimizer._optimizer.get_learning_rate
+
+    def train_step(self, inputs: Any) -> Any:
+        """Run forward and backward; gradients are added to ORT's buffers. Returns the fetches."""
+        # NOTE: a fresh fetch vector per step; a reused one makes ORT overwrite the previous
+        # step's outputs in place, under tensors Lightning may still hold.
+        fetches = OrtValueVector()
+        self._train(inputs, fetches)
+        return fetches
+
+    def eval_step(self, inputs: Any) -> Any:
+        """Run the eval graph. Returns the fetches."""
+        fetches = OrtValueVector()
+        self._eval(inputs, fetches)
+        return fetches
+
+    def parameters(self) -> list[tuple[str, Any, Any | None, bool]]:
+        """Return ``(name, data, grad or None, requires_grad)`` OrtValues of the checkpoint state."""
+        result = []
+        for name in self._state._state.parameter_names():
+            parameter = self._state._state.get_parameter(name)
+            grad = parameter.grad if parameter.requires_grad and parameter.grad.has_value() else None
+            result.append((name, parameter.data, grad, bool(parameter.requires_grad)))
+        return result
+
+    def input_names(self, *, training: bool = True) -> list[str]:
+        """Return the user inputs of the training (or eval) graph, in order."""
+        return list(self._module._model.input_names(training))
+
+    def output_names(self, *, training: bool = True) -> list[str]:
+        """Return the outputs of the training (or eval) graph, in order."""
+        return list(self._module._model.output_names(training))
+
+    def linear_scheduler(self, *, warmup_steps: int, total_steps: int, lr: float) -> Any:
+        """Create ORT's LinearLRScheduler; its lr applies to the optimizer at once.
+
+        Returns an object whose ``scheduler_step()`` recomputes the lr from the optimizer's step.
+        """
+        # NOTE: the 1.19.2 Python wrapper passes (warmup, total) to a C binding that takes
+        # (total, warmup); calling the binding directly with the right order avoids the swap.
+        return _C.LinearLRScheduler(self._optimizer._optimizer, total_steps, warmup_steps, lr)
+
+
+def assemble(
+    *,
+    training_model: os.PathLike[str] | str,
+    eval_model: os.PathLike[str] | str,
+    optimizer_model: os.PathLike[str] | str,
+    checkpoint: os.PathLike[str] | str,
+    device: str = "cpu",
+) -> TrainingSession:
+    """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
+
+    Raises:
+        DeviceError: for a device this build cannot use.
+    """
+    kind, index = parse_device(device)
+    state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
+    module = Module(
+        os.fspath(training_model),
+        state,
+        os.fspath(eval_model),
+        device=f"{kind}:{index}" if kind == "cuda" else "cpu",
+        session_options=session_options(),
+    )
+    optimizer = Optimizer(os.fspath(optimizer_model), module)
+    return TrainingSession(state, module, optimizer, device=f"{kind}:{index}" if kind == "cuda" else "cpu")
+

@@ -1,0 +1,144 @@
+"""DLPack bridge between torch tensors and ONNX Runtime OrtValues, without copies.
+
+A `BatchBinder` turns a DataLoader batch into the input vector of one graph: each tensor is
+moved to the artifacts' device only when it is elsewhere, made contiguous only when it is
+not, checked against the graph's dtype, and wrapped by DLPack (same memory, no copy).
+`to_torch` goes back the same way, and `parameter_views` gives torch tensors that share
+memory with the parameters and gradients held by ORT's CheckpointState.
+
+Example::
+
+    >>> import torch
+    >>> from ort_lightning.artifacts import TensorSpec
+    >>> binder = BatchBinder((TensorSpec("input", "float32", ("batch", 3)),), torch.device("cpu"), graph="training")
+    >>> x = torch.ones(2, 3)
+    >>> to_torch(binder((x,))[0]).data_ptr() == x.data_ptr()
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ort_lightning._ort import OrtValue, OrtValueVector, TrainingSession
+from ort_lightning.artifacts import TensorSpec
+from ort_lightning.errors import BatchError
+
+__all__ = ["BatchBinder", "ParameterView", "parameter_views", "to_torch", "torch_device"]
+
+_from_dlpack = OrtValue.from_dlpack
+
+
+def torch_device(device: str) -> torch.device:
+    """Return the torch device of an artifacts device string (``"cpu"``, ``"cuda:0"``)."""
+    return torch.device(device)
+
+
+def to_torch(value: Any) -> torch.Tensor:
+    """View an OrtValue as a torch tensor (same memory)."""
+    return torch.from_dlpack(value.to_dlpack())
+
+
+class BatchBinder:
+    """Turns batches into the OrtValue inputs of one graph.
+
+    Args:
+        specs: the graph's user inputs in order (model inputs, then labels).
+        device: where the graph runs; tensors elsewhere are moved there first.
+        graph: ``"training"`` or ``"eval"``, for error messages.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device, *, graph: str) -> None:
+        self.specs = tuple(specs)
+        self.names = [spec.name for spec in self.specs]
+        self.device = device
+        self.graph = graph
+        self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
+
+    def __call__(self, batch: Any) -> Any:
+        """Return an OrtValueVector holding `batch` in graph-input order.
+
+        Raises:
+            BatchError: for a batch with the wrong number of tensors, missing names, or a dtype
+                other than the graph's.
+        """
+        tensors = self._ordered(batch)
+        vector = OrtValueVector()
+        vector.reserve(len(tensors))
+        device = self.device
+        for tensor, (name, dtype, is_bool) in zip(tensors, self._plan):
+            if tensor.dtype != dtype:
+                raise self._dtype_error(name, dtype, tensor)
+            if tensor.device != device:
+                tensor = tensor.to(device)
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            if tensor.requires_grad:
+                tensor = tensor.detach()
+            vector.push_back(_from_dlpack(tensor.__dlpack__(), is_bool))
+        return vector
+
+    def _ordered(self, batch: Any) -> Sequence[torch.Tensor]:
+        if isinstance(batch, (tuple, list)):
+            tensors: Sequence[Any] = batch
+        elif isinstance(batch, Mapping):
+            missing = [name for name in self.names if name not in batch]
+            if missing:
+                raise BatchError(
+                    f"The {self.graph} graph expects inputs {self.names}, the batch dict lacks {missing} "
+                    f"(it has {sorted(map(str, batch))}); key the dict by input name."
+                )
+            tensors = [batch[name] for name in self.names]
+        elif isinstance(batch, torch.Tensor):
+            tensors = (batch,)
+        else:
+            raise BatchError(
+                f"The {self.graph} graph expects a tuple/list of tensors {self.names} or a dict keyed by those "
+                f"names, but the batch is a {type(batch).__name__}; return tensors from your Dataset."
+            )
+        if len(tensors) != len(self.names):
+            raise BatchError(
+                f"The {self.graph} graph expects {len(self.names)} inputs {self.names}, the batch has "
+                f"{len(tensors)} tensors; return ({', '.join(self.names)}) from your Dataset or pass a dict "
+                "keyed by input name."
+            )
+        for name, tensor in zip(self.names, tensors):
+            if not isinstance(tensor, torch.Tensor):
+                raise BatchError(
+                    f"Input {name!r} of the {self.graph} graph must be a torch.Tensor, but got "
+                    f"{type(tensor).__name__}; convert it in your Dataset or collate_fn."
+                )
+        return tensors
+
+    def _dtype_error(self, name: str, expected: torch.dtype, tensor: torch.Tensor) -> BatchError:
+        target = str(expected).replace("torch.", "")
+        return BatchError(
+            f"Input {name!r} of the {self.graph} graph expects dtype {target}, but the batch gives "
+            f"{str(tensor.dtype).replace('torch.', '')}; convert it in your Dataset or collate_fn "
+            f"(tensor.to(torch.{target}))."
+        )
+
+
+@dataclass(frozen=True)
+class ParameterView:
+    """Torch views of one ORT parameter: its data and, when it trains, its gradient buffer."""
+
+    name: str
+    data: torch.Tensor
+    grad: torch.Tensor | None
+    trainable: bool
+
+
+def parameter_views(session: TrainingSession) -> list[ParameterView]:
+    """Return torch tensors sharing memory with every parameter (and gradient) of the ORT state.
+
+    Writing into a view writes into ORT's state; ORT's updates are visible in the view at once.
+    """
+    return [
+        ParameterView(name, to_torch(data), None if grad is None else to_torch(grad), trainable)
+        for name, data, grad, trainable in session.parameters()
+    ]

@@ -1,0 +1,32 @@
+"""Exceptions raised by ort-lightning.
+
+Every message says what was wrong, what was expected and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ArtifactError", "BatchError", "ConfigurationError", "DeviceError", "ExportError", "ORTLightningError"]
+
+
+class ORTLightningError(Exception):
+    """Base class of every error that ort-lightning raises on purpose."""
+
+
+class ArtifactError(ORTLightningError, ValueError):
+    """Training artifacts are missing, foreign, or unreadable by the installed ONNX Runtime."""
+
+
+class ExportError(ORTLightningError, ValueError):
+    """A model or an option given to `export_artifacts` cannot be turned into artifacts."""
+
+
+class BatchError(ORTLightningError, ValueError):
+    """A batch does not match the inputs of the training or eval graph."""
+
+
+class DeviceError(ORTLightningError, RuntimeError):
+    """The requested device is unknown or the installed ONNX Runtime build cannot use it."""
+
+
+class ConfigurationError(ORTLightningError, ValueError):
+    """A Trainer or module option that ort-lightning cannot honour."""

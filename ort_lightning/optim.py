@@ -1,0 +1,138 @@
+"""Torch-shaped facades over ONNX Runtime's optimizer and linear LR scheduler.
+
+Lightning only drives what looks like a torch optimizer: `ORTOptimizer` is a
+``torch.optim.Optimizer`` whose ``param_groups`` hold the torch views of ORT's parameters
+(their ``.grad`` are views of ORT's gradient buffers) and whose ``lr`` is ORT's learning
+rate. `LinearLRSchedule` wraps ORT's ``LinearLRScheduler`` with ``step``/``state_dict``.
+
+Example::
+
+    >>> # inside an ORTLightningModule: configure_optimizers() returns these
+    >>> # {"optimizer": ORTOptimizer(session, params, lr=1e-3),
+    >>> #  "lr_scheduler": {"scheduler": LinearLRSchedule(optimizer, warmup_steps=10, total_steps=100),
+    >>> #                   "interval": "step"}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ort_lightning._ort import TrainingSession
+from ort_lightning.errors import ConfigurationError
+
+__all__ = ["LinearLRSchedule", "ORTOptimizer", "linear_lr_factor"]
+
+
+class ORTOptimizer(torch.optim.Optimizer):
+    """The ORT optimizer (AdamW or SGD graph) seen as a ``torch.optim.Optimizer``.
+
+    ``step(closure)`` runs the closure (ORT forward and backward inside ``training_step``), sends
+    ``param_groups[0]["lr"]`` to ORT, runs the ORT update, then schedules ORT's gradient reset.
+    Moments and the step count live in ORT's CheckpointState, not in ``state``.
+
+    Args:
+        session: the assembled ORT objects.
+        params: torch views of the trainable ORT parameters.
+        lr: initial learning rate.
+    """
+
+    def __init__(self, session: TrainingSession, params: Iterable[torch.nn.Parameter], *, lr: float) -> None:
+        if not lr > 0:
+            raise ConfigurationError(f"Expected argument `lr` to be a positive float, but got {lr!r}.")
+        super().__init__(list(params), {"lr": float(lr)})
+        self.session = session
+        session.set_lr(float(lr))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        session = self.session
+        session.set_lr(self.param_groups[0]["lr"])
+        session.optimizer_step()
+        # NOTE: the reset goes right after the update. Lightning's zero_grad runs inside the
+        # closure after training_step, which for ORT (gradients appear in training_step, not in
+        # backward) would discard the first micro-batch under gradient accumulation.
+        session.lazy_reset_grad()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Do nothing: ORT resets its gradient buffers after each update (see `step`).
+
+        Setting ``.grad`` to None would also cut the views of ORT's gradient buffers.
+        """
+
+
+def linear_lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """The multiplier of ORT's LinearLRScheduler after `step` completed optimizer steps.
+
+    Example::
+
+        >>> [linear_lr_factor(s, warmup_steps=2, total_steps=4) for s in range(5)]
+        [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+class LinearLRSchedule:
+    """ORT's LinearLRScheduler as a Lightning scheduler: linear warmup to `lr`, then decay to 0.
+
+    The lr is computed by ORT from the optimizer's own step count, so it stays right after a
+    resume; ``param_groups`` mirror it for ``LearningRateMonitor``.
+
+    Args:
+        optimizer: the `ORTOptimizer` whose lr it drives.
+        warmup_steps: optimizer steps of the warmup.
+        total_steps: optimizer steps until the lr reaches 0.
+    """
+
+    def __init__(self, optimizer: ORTOptimizer, *, warmup_steps: int, total_steps: int) -> None:
+        if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+            raise ConfigurationError(
+                f"Expected 0 <= warmup_steps <= total_steps and total_steps >= 1, but got warmup_steps="
+                f"{warmup_steps}, total_steps={total_steps}; lower warmup_steps or raise total_steps."
+            )
+        self.optimizer = optimizer
+        self.warmup_steps = int(warmup_steps)
+        self.total_steps = int(total_steps)
+        self.base_lr = float(optimizer.defaults["lr"])
+        self._scheduler = optimizer.session.linear_scheduler(
+            warmup_steps=self.warmup_steps, total_steps=self.total_steps, lr=self.base_lr
+        )
+        self._sync()
+
+    def _sync(self) -> None:
+        lr = self.optimizer.session.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        """Recompute the lr from the optimizer's step count (call after each optimizer step)."""
+        self._scheduler.scheduler_step()
+        self._sync()
+
+    def get_last_lr(self) -> list[float]:
+        """The lr the next optimizer step will use, one per param group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's settings; the step itself lives in ORT's optimizer state."""
+        return {"warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "base_lr": self.base_lr}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the settings written by `state_dict` and recompute the lr."""
+        self.warmup_steps = int(state_dict["warmup_steps"])
+        self.total_steps = int(state_dict["total_steps"])
+        self.base_lr = float(state_dict["base_lr"])
+        self._scheduler = self.optimizer.session.linear_scheduler(
+            warmup_steps=self.warmup_steps, total_steps=self.total_steps, lr=self.base_lr
+        )
+        self._sync()
