@@ -1,0 +1,69 @@
+"""The distribution's promises: dependency bounds, extras, and the error without ONNX Runtime."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _requirement(name: str, requirements: list[str]) -> Requirement:
+    matches = [Requirement(text) for text in requirements if Requirement(text).name == name]
+    assert len(matches) == 1, f"expected one requirement on {name}, found {matches}"
+    return matches[0]
+
+
+def test_torch_bound_is_satisfied_by_the_cpu_wheel_on_disk() -> None:
+    # An open lower bound that 2.13.0 satisfies: pip keeps the installed CPU build.
+    assert _requirement("torch", PROJECT["dependencies"]).specifier.contains("2.13.0")
+
+
+def test_onnx_is_pinned_below_ir_11() -> None:
+    spec = _requirement("onnx", PROJECT["dependencies"]).specifier
+    assert spec.contains("1.17.0")
+    assert not spec.contains("1.18.0")
+
+
+@pytest.mark.parametrize(
+    ("extra", "package"),
+    [("cpu", "onnxruntime-training-cpu"), ("cuda", "onnxruntime-training")],
+    ids=["cpu", "cuda"],
+)
+def test_onnxruntime_training_extras_pin_1_19_2(extra: str, package: str) -> None:
+    requirement = _requirement(package, PROJECT["optional-dependencies"][extra])
+    assert str(requirement.specifier) == "==1.19.2"
+
+
+def test_requires_python_matches_the_training_wheels() -> None:
+    spec = Requirement(f"x{PROJECT['requires-python']}").specifier
+    assert spec.contains("3.11")
+    assert spec.contains("3.12")
+    assert not spec.contains("3.13")
+
+
+def test_py_typed_marker_ships() -> None:
+    assert (ROOT / "ort_lightning" / "py.typed").is_file()
+
+
+def test_import_without_onnxruntime_names_both_install_commands() -> None:
+    code = "import sys; sys.modules['onnxruntime'] = None; import ort_lightning"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr
+    assert 'pip install "ort-lightning[cpu]"' in result.stderr
+    assert 'pip install "ort-lightning[cuda]"' in result.stderr
+
+
+def test_public_names() -> None:
+    import ort_lightning
+
+    assert {"export_artifacts", "TrainingArtifacts", "ORTLightningModule", "ORTOptimizer"} <= set(
+        ort_lightning.__all__
+    )
