@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import ConfigurationError
