@@ -286,3 +286,14 @@ def assemble(
     optimizer = Optimizer(os.fspath(optimizer_model), module)
     return TrainingSession(state, module, optimizer, device=f"{kind}:{index}" if kind == "cuda" else "cpu")
 
+
+
+def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
+    """Read a CheckpointState file: ``(name, shape, requires_grad)`` per parameter, and its properties."""
+    state = CheckpointState.load_checkpoint(os.fspath(path))._state
+    parameters = []
+    for name in state.parameter_names():
+        parameter = state.get_parameter(name)
+        parameters.append((name, tuple(parameter.data.shape()), bool(parameter.requires_grad)))
+    properties = {name: state.get_property(name) for name in state.property_names()}
+    return parameters, properties

@@ -1,0 +1,93 @@
+"""The demo's model and data: a small classifier for scikit-learn's bundled handwritten digits.
+
+Nothing downloads: the 1,797 8x8 digit images ship inside scikit-learn.
+
+Example::
+
+    >>> data = DigitsDataModule(batch_size=32)
+    >>> data.setup("fit")
+    >>> x, y = next(iter(data.train_dataloader()))
+    >>> tuple(x.shape), x.dtype, y.dtype
+    ((32, 64), torch.float32, torch.int64)
+    >>> digits_mlp()(x).shape
+    torch.Size([32, 10])
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["DigitsDataModule", "digits_mlp"]
+
+#: Inputs per image (8x8 pixels, flattened) and classes.
+FEATURES = 64
+CLASSES = 10
+
+
+def digits_mlp(hidden: int = 64, seed: int = 0) -> torch.nn.Module:
+    """Return a fresh 64 -> `hidden` -> 10 MLP for the digits, seeded for repeatable runs."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, CLASSES)
+        )
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            'The digits demo needs scikit-learn; install it with pip install "ort-lightning[cli]".'
+        ) from error
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    return x, torch.tensor(digits.target, dtype=torch.int64)
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """scikit-learn's digits as ``(pixels float32 [B, 64] in [0, 1], label int64 [B])`` batches.
+
+    Args:
+        batch_size: samples per training batch.
+        val_fraction: share of the 1,797 images held out for validation (and test/predict).
+        seed: seed of the split and of the training shuffle.
+    """
+
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"Expected `val_fraction` in (0, 1), but got {val_fraction!r}.")
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.seed = seed
+
+    def setup(self, stage: str) -> None:
+        """Split the images once, the same way for every stage."""
+        x, y = _load_digits()
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.seed))
+        held_out = int(len(y) * self.val_fraction)
+        self.train_set = TensorDataset(x[order[held_out:]], y[order[held_out:]])
+        self.val_set = TensorDataset(x[order[:held_out]], y[order[:held_out]])
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches."""
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out batches."""
+        return DataLoader(self.val_set, batch_size=256)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out batches again."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out batches again (labels are ignored by predict)."""
+        return self.val_dataloader()
