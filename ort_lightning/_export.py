@@ -79,7 +79,8 @@ def torch_to_onnx(
     """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
 
     The model is copied first: tracing in training mode would otherwise update the caller's
-    BatchNorm running statistics.
+    BatchNorm running statistics. The trace still updates the copy's, so the initializers are
+    reset to the model's state as it was before the trace.
 
     Raises:
         ExportError: when torch cannot export the model.
@@ -87,6 +88,7 @@ def torch_to_onnx(
     # NOTE: the TorchScript exporter, not dynamo: dynamo folds BatchNorm into Conv (its
     # parameters vanish) and emits Dropout without the mask the gradient builder needs.
     model = copy.deepcopy(model).train()
+    state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
     count = _count_outputs(copy.deepcopy(model), example_inputs)
     output_names = default_output_names(count, model_returns_loss=model_returns_loss)
     # A loss output is a scalar: it has no batch dimension to make dynamic.
@@ -114,7 +116,25 @@ def torch_to_onnx(
             f"torch.onnx.export failed for {type(model).__name__}: {error}. Check that `example_inputs` "
             "is what the model's forward takes, or export the model to ONNX yourself and pass the file."
         ) from error
-    return onnx.load_from_string(buffer.getvalue())
+    proto = onnx.load_from_string(buffer.getvalue())
+    _restore_initializers(proto, state)
+    return proto
+
+
+def _restore_initializers(proto: onnx.ModelProto, state: dict[str, torch.Tensor]) -> None:
+    """Overwrite initializers named like `state` entries with those values.
+
+    NOTE: the TorchScript exporter runs the forward once in training mode and records the
+    state after it, so each BatchNorm's running statistics arrive already updated by the
+    example batch (running_mean = 0.1 * batch mean, running_var = 0.9 + ...).
+    """
+    for index, initializer in enumerate(proto.graph.initializer):
+        tensor = state.get(initializer.name)
+        if tensor is None or tuple(tensor.shape) != tuple(initializer.dims):
+            continue
+        restored = onnx.numpy_helper.from_array(tensor.numpy(), initializer.name)
+        if restored.data_type == initializer.data_type:
+            proto.graph.initializer[index].CopyFrom(restored)
 
 
 def buffer_inputs_of(proto: onnx.ModelProto) -> set[str]:
