@@ -296,6 +296,15 @@ def _source_proto(
     return proto, parameters, buffers
 
 
+def _describe(model: ModelSource) -> str:
+    """Name a model source in messages: a class name, a file path, or the ONNX graph's name."""
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__
+    if isinstance(model, onnx.ModelProto):
+        return f"ONNX model (graph {model.graph.name!r})"
+    return os.fspath(model)
+
+
 def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list[str], list[str]]:
     unknown = sorted(set(frozen) - parameters)
     if unknown:
@@ -359,7 +368,7 @@ def export_artifacts(
     loss_kind = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
     proto, parameters, buffers = _source_proto(model, example_inputs, input_names, loss is None)
-    _export.check_opset(proto, type(model).__name__ if isinstance(model, torch.nn.Module) else str(model)[:80])
+    _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     trainable, frozen_names = _split_parameters(parameters, frozen)
 
