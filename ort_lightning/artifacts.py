@@ -284,7 +284,13 @@ def _source_proto(
     elif isinstance(model, (str, os.PathLike)):
         if not Path(model).is_file():
             raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
-        proto = onnx.load(os.fspath(model))
+        try:
+            proto = onnx.load(os.fspath(model))
+        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+            raise ExportError(
+                f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
+                "or onnx.save."
+            ) from error
     else:
         raise ExportError(
             "Expected `model` to be a torch.nn.Module, an onnx.ModelProto or the path of an ONNX file, "
