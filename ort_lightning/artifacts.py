@@ -185,12 +185,7 @@ class TrainingArtifacts:
             ArtifactError: for a missing folder or file, a missing or foreign manifest, or a graph
                 whose ONNX IR version ORT 1.19.2 cannot read.
         """
-        folder = Path(directory)
-        if not folder.is_dir():
-            raise ArtifactError(
-                f"Artifacts folder {folder} does not exist; create it with "
-                "export_artifacts(model, example_inputs, output_dir)."
-            )
+        folder = _check_folder(Path(directory))
         manifest_path = folder / MANIFEST_NAME
         if not manifest_path.is_file():
             raise ArtifactError(
@@ -209,6 +204,19 @@ class TrainingArtifacts:
         for name in ("training_model", "eval_model", "optimizer_model"):
             _check_ir_version(getattr(artifacts, name))
         return artifacts
+
+
+def _check_folder(folder: Path) -> Path:
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise ArtifactError(
+            f"{folder} is not a folder; pass the folder that export_artifacts() wrote (here perhaps "
+            f"{folder.parent}), not one of its files."
+        )
+    raise ArtifactError(
+        f"Artifacts folder {folder} does not exist; create it with export_artifacts(model, example_inputs, output_dir)."
+    )
 
 
 def _check_ir_version(path: Path) -> None:
