@@ -101,7 +101,9 @@ def torch_to_onnx(
             torch.onnx.export(
                 model,
                 example_inputs,
-                buffer,
+                # NOTE: torch types `f` as a path, but the TorchScript exporter writes to any
+                # binary file object; a buffer spares a temporary file.
+                buffer,  # type: ignore[arg-type]
                 dynamo=False,
                 training=torch.onnx.TrainingMode.TRAINING,
                 do_constant_folding=False,
@@ -140,7 +142,7 @@ def _restore_initializers(proto: onnx.ModelProto, state: dict[str, torch.Tensor]
 def buffer_inputs_of(proto: onnx.ModelProto) -> set[str]:
     """Return initializers used as BatchNormalization running statistics (never trained)."""
     initializers = {tensor.name for tensor in proto.graph.initializer}
-    names = set()
+    names: set[str] = set()
     for node in proto.graph.node:
         if node.op_type == "BatchNormalization":
             names.update(name for name in node.input[3:5] if name in initializers)
@@ -157,8 +159,8 @@ def check_opset(proto: onnx.ModelProto, source: str) -> None:
         if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
             raise ExportError(
                 f"{source} uses ai.onnx opset {opset.version}, but ONNX Runtime 1.19.2 reads opset <= "
-                f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it with "
-                "onnx.version_converter."
+                f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it "
+                "with onnx.version_converter."
             )
 
 

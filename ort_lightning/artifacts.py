@@ -70,7 +70,8 @@ class TensorSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype a batch tensor for this input must have."""
-        return getattr(torch, "bool" if self.dtype == "bool" else self.dtype)  # type: ignore[no-any-return]
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     @classmethod
     def from_value_info(cls, info: onnx.ValueInfoProto) -> TensorSpec:
@@ -126,8 +127,8 @@ class Manifest:
             )
         if data.get("format_version") != _FORMAT_VERSION:
             raise ArtifactError(
-                f"{source} has manifest format_version {data.get('format_version')!r}, this ort-lightning reads "
-                f"{_FORMAT_VERSION}; re-export the artifacts with this version."
+                f"{source} has manifest format_version {data.get('format_version')!r}, this ort-lightning "
+                f"reads {_FORMAT_VERSION}; re-export the artifacts with this version."
             )
         try:
             return cls(
@@ -137,12 +138,14 @@ class Manifest:
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(
-                f"{source} lacks or mangles the field {error}; re-export the artifacts with export_artifacts()."
+                f"{source} lacks or mangles the field {error}; re-export the artifacts with "
+                "export_artifacts()."
             ) from error
 
 
 _SCALAR_FIELDS = (
-    "loss", "loss_output", "outputs", "optimizer", "optimizer_options", "trainable", "frozen", "buffers", "versions",
+    "loss", "loss_output", "outputs", "optimizer", "optimizer_options", "trainable", "frozen", "buffers",
+    "versions",
 )
 
 
@@ -215,7 +218,8 @@ def _check_folder(folder: Path) -> Path:
             f"{folder.parent}), not one of its files."
         )
     raise ArtifactError(
-        f"Artifacts folder {folder} does not exist; create it with export_artifacts(model, example_inputs, output_dir)."
+        f"Artifacts folder {folder} does not exist; create it with "
+        "export_artifacts(model, example_inputs, output_dir)."
     )
 
 
@@ -223,7 +227,9 @@ def _check_ir_version(path: Path) -> None:
     try:
         ir_version = onnx.load(path, load_external_data=False).ir_version
     except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-        raise ArtifactError(f"{path} is not a readable ONNX model ({error}); re-export the artifacts.") from error
+        raise ArtifactError(
+            f"{path} is not a readable ONNX model ({error}); re-export the artifacts."
+        ) from error
     if ir_version > _export.MAX_IR_VERSION:
         raise ArtifactError(
             f"{path} has ONNX IR version {ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
@@ -242,8 +248,11 @@ def _normalize_optimizer(optimizer: str, options: dict[str, Any] | None) -> dict
     if unknown:
         raise ExportError(
             f"Unknown optimizer_options {unknown} for {optimizer!r}; it accepts {sorted(defaults) or 'none'}"
-            + (" (ORT's SGD has no momentum or weight decay; use optimizer='adamw' for those)." if not defaults
-               else ".")
+            + (
+                " (ORT's SGD has no momentum or weight decay; use optimizer='adamw' for those)."
+                if not defaults
+                else "."
+            )
         )
     merged = {**defaults, **(options or {})}
     if "betas" in merged:
@@ -258,8 +267,8 @@ def _check_loss(loss: object) -> str:
         return "custom"
     if loss not in _LOSSES:
         raise ExportError(
-            f"Expected `loss` to be one of {list(_LOSSES)}, an onnxblock.Block, or None (the model returns its "
-            f"loss), but got {loss!r}."
+            f"Expected `loss` to be one of {list(_LOSSES)}, an onnxblock.Block, or None (the model returns "
+            f"its loss), but got {loss!r}."
         )
     return str(loss)
 
@@ -268,8 +277,8 @@ def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not inputs or not all(isinstance(tensor, torch.Tensor) for tensor in inputs):
         raise ExportError(
-            "Expected `example_inputs` to be a tensor or a tuple of tensors, as the model's forward takes them, "
-            f"but got {type(example_inputs).__name__}."
+            "Expected `example_inputs` to be a tensor or a tuple of tensors, as the model's forward takes "
+            f"them, but got {type(example_inputs).__name__}."
         )
     return inputs
 
@@ -335,7 +344,9 @@ def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list
     return trainable, sorted(frozen)
 
 
-def _graph_io(path: Path, state: set[str], model_inputs: Sequence[str]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def _graph_io(
+    path: Path, state: set[str], model_inputs: Sequence[str]
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Split the user inputs of the training graph into model inputs and labels."""
     proto = onnx.load(path, load_external_data=False)
     user = [
@@ -429,4 +440,6 @@ def export_artifacts(
 def _versions() -> dict[str, str]:
     from ort_lightning import __version__
 
-    return {"ort_lightning": __version__, "onnx": onnx.__version__, "torch": torch.__version__, **_ort.versions()}
+    return {
+        "ort_lightning": __version__, "onnx": onnx.__version__, "torch": torch.__version__, **_ort.versions()
+    }
