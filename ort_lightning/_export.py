@@ -27,6 +27,7 @@ __all__ = [
     "MAX_IR_VERSION",
     "MAX_OPSET",
     "OPSET",
+    "add_log_prob_outputs",
     "buffer_inputs_of",
     "check_opset",
     "default_input_names",
@@ -162,6 +163,27 @@ def check_opset(proto: onnx.ModelProto, source: str) -> None:
                 f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it "
                 "with onnx.version_converter."
             )
+
+
+def add_log_prob_outputs(proto: onnx.ModelProto) -> int:
+    """Give every SoftmaxCrossEntropyLoss its optional ``log_prob`` output; return how many changed.
+
+    ORT's gradient of SoftmaxCrossEntropyLoss reads that second output, and the exporter emits
+    the node without it (``F.cross_entropy`` inside a model's forward), so building the gradient
+    graph fails. ORT's own CrossEntropyLoss block writes both outputs, as done here.
+    """
+    taken = {name for node in proto.graph.node for name in node.output}
+    changed = 0
+    for index, node in enumerate(proto.graph.node):
+        is_loss = node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
+        if is_loss and len(node.output) == 1:
+            name = f"{node.name or 'SoftmaxCrossEntropyLoss'}_{index}_log_prob"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.output.append(name)
+            changed += 1
+    return changed
 
 
 def lower_ir_version(proto: onnx.ModelProto) -> bool:

@@ -395,6 +395,7 @@ def export_artifacts(
     proto, parameters, buffers = _source_proto(model, example_inputs, input_names, loss is None)
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
+    _export.add_log_prob_outputs(proto)
     trainable, frozen_names = _split_parameters(parameters, frozen)
 
     model_outputs = [output.name for output in proto.graph.output]

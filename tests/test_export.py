@@ -107,14 +107,18 @@ class BNOnly(torch.nn.Module):
 
 
 class ReturnsLoss(torch.nn.Module):
-    """forward(x, target) -> the MSE loss itself, for loss=None."""
+    """forward(x, target) -> its own loss (and the logits too if asked), for loss=None."""
 
-    def __init__(self) -> None:
+    def __init__(self, loss: str, *, with_logits: bool) -> None:
         super().__init__()
         self.fc = torch.nn.Linear(4, 3)
+        self.loss = F.cross_entropy if loss == "cross_entropy" else F.mse_loss
+        self.with_logits = with_logits
 
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.fc(x), target)
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> Any:
+        logits = self.fc(x)
+        loss = self.loss(logits, target)
+        return (loss, logits) if self.with_logits else loss
 
 
 class SumMSE(onnxblock.Block):
@@ -274,28 +278,45 @@ def test_loss_manifest(loss_export: tuple[str, TrainingArtifacts]) -> None:
     assert manifest.outputs == ("logits",)
 
 
-def test_model_returning_its_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_logits", [False, True], ids=["loss", "loss-and-logits"])
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"], ids=str)
+def test_model_returning_its_loss(tmp_path: Path, loss: str, with_logits: bool) -> None:
     torch.manual_seed(5)
-    model = ReturnsLoss()
-    artifacts = export_artifacts(
-        copy.deepcopy(model), (torch.zeros(2, 4), torch.zeros(2, 3)), tmp_path, loss=None
-    )
+    model = ReturnsLoss(loss, with_logits=with_logits)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 4, generator=generator)
+    if loss == "cross_entropy":
+        target = torch.randint(0, 3, (6,), generator=generator)
+    else:
+        target = torch.randn(6, 3, generator=generator)
+    artifacts = export_artifacts(copy.deepcopy(model), (x[:2], target[:2]), tmp_path, loss=None)
     manifest = artifacts.manifest
     assert manifest.loss == "model"
-    assert [s.name for s in manifest.inputs] == ["input_0", "input_1"]
+    assert [(s.name, s.dtype) for s in manifest.inputs] == [
+        ("input_0", "float32"),
+        ("input_1", str(target.dtype)[6:]),
+    ]
     assert manifest.labels == ()
-    assert manifest.outputs == ()
+    assert manifest.outputs == (("output_1",) if with_logits else ())
     assert manifest.loss_output == "loss"
-    x, target = torch.randn(6, 4), torch.randn(6, 3)
     ort = ORT(artifacts)
-    with torch.no_grad():
-        expected = model(x, target).item()
-    assert float(ort.eval(x, target)[0]) == pytest.approx(expected, abs=1e-5)
-    # The model's own loss trains: AdamW lowers it on a fixed batch.
+    for graph in (True, False):
+        ort.module.train(graph)
+        assert ort.module.output_names() == ["loss", *manifest.outputs]
+    # The model's own loss trains like torch.optim.AdamW trains the model.
     ort.optimizer.set_learning_rate(0.05)
-    losses = [ort.step(x, target) for _ in range(20)]
-    assert losses[0] == pytest.approx(expected, abs=1e-5)
-    assert losses[-1] < 0.5 * losses[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(5):
+        optimizer.zero_grad()
+        outputs = model(x, target)
+        expected = outputs[0] if with_logits else outputs
+        expected.backward()
+        optimizer.step()
+        assert ort.step(x, target) == pytest.approx(expected.item(), abs=1e-5)
+    for name, parameter in model.named_parameters():
+        np.testing.assert_allclose(
+            ort.parameters()[name], parameter.detach().numpy(), atol=1e-5, err_msg=name
+        )
 
 
 # --- optimizers -----------------------------------------------------------------------------
