@@ -137,7 +137,7 @@ def _stamp_ir(graph: str, ir_version: int) -> Callable[[Path], None]:
             r"has no ort_lightning\.json, so it was not written by export_artifacts\(\)",
         ),
         (
-            _write_manifest('{"name": "some other tool"}'),
+            _write_manifest('{"name": "another program"}'),
             r"is not an ort-lightning manifest \(expected \"format\"",
         ),
         (_write_manifest("[1, 2, 3]"), r"is not an ort-lightning manifest"),
