@@ -27,6 +27,7 @@ __all__ = [
     "MAX_IR_VERSION",
     "MAX_OPSET",
     "OPSET",
+    "add_log_prob_outputs",
     "buffer_inputs_of",
     "check_opset",
     "default_input_names",
@@ -79,7 +80,8 @@ def torch_to_onnx(
     """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
 
     The model is copied first: tracing in training mode would otherwise update the caller's
-    BatchNorm running statistics.
+    BatchNorm running statistics. The trace still updates the copy's, so the initializers are
+    reset to the model's state as it was before the trace.
 
     Raises:
         ExportError: when torch cannot export the model.
@@ -87,6 +89,7 @@ def torch_to_onnx(
     # NOTE: the TorchScript exporter, not dynamo: dynamo folds BatchNorm into Conv (its
     # parameters vanish) and emits Dropout without the mask the gradient builder needs.
     model = copy.deepcopy(model).train()
+    state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
     count = _count_outputs(copy.deepcopy(model), example_inputs)
     output_names = default_output_names(count, model_returns_loss=model_returns_loss)
     # A loss output is a scalar: it has no batch dimension to make dynamic.
@@ -99,7 +102,9 @@ def torch_to_onnx(
             torch.onnx.export(
                 model,
                 example_inputs,
-                buffer,
+                # NOTE: torch types `f` as a path, but the TorchScript exporter writes to any
+                # binary file object; a buffer spares a temporary file.
+                buffer,  # type: ignore[arg-type]
                 dynamo=False,
                 training=torch.onnx.TrainingMode.TRAINING,
                 do_constant_folding=False,
@@ -114,13 +119,31 @@ def torch_to_onnx(
             f"torch.onnx.export failed for {type(model).__name__}: {error}. Check that `example_inputs` "
             "is what the model's forward takes, or export the model to ONNX yourself and pass the file."
         ) from error
-    return onnx.load_from_string(buffer.getvalue())
+    proto = onnx.load_from_string(buffer.getvalue())
+    _restore_initializers(proto, state)
+    return proto
+
+
+def _restore_initializers(proto: onnx.ModelProto, state: dict[str, torch.Tensor]) -> None:
+    """Overwrite initializers named like `state` entries with those values.
+
+    NOTE: the TorchScript exporter runs the forward once in training mode and records the
+    state after it, so each BatchNorm's running statistics arrive already updated by the
+    example batch (running_mean = 0.1 * batch mean, running_var = 0.9 + ...).
+    """
+    for index, initializer in enumerate(proto.graph.initializer):
+        tensor = state.get(initializer.name)
+        if tensor is None or tuple(tensor.shape) != tuple(initializer.dims):
+            continue
+        restored = onnx.numpy_helper.from_array(tensor.numpy(), initializer.name)
+        if restored.data_type == initializer.data_type:
+            proto.graph.initializer[index].CopyFrom(restored)
 
 
 def buffer_inputs_of(proto: onnx.ModelProto) -> set[str]:
     """Return initializers used as BatchNormalization running statistics (never trained)."""
     initializers = {tensor.name for tensor in proto.graph.initializer}
-    names = set()
+    names: set[str] = set()
     for node in proto.graph.node:
         if node.op_type == "BatchNormalization":
             names.update(name for name in node.input[3:5] if name in initializers)
@@ -137,9 +160,30 @@ def check_opset(proto: onnx.ModelProto, source: str) -> None:
         if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
             raise ExportError(
                 f"{source} uses ai.onnx opset {opset.version}, but ONNX Runtime 1.19.2 reads opset <= "
-                f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it with "
-                "onnx.version_converter."
+                f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it "
+                "with onnx.version_converter."
             )
+
+
+def add_log_prob_outputs(proto: onnx.ModelProto) -> int:
+    """Give every SoftmaxCrossEntropyLoss its optional ``log_prob`` output; return how many changed.
+
+    ORT's gradient of SoftmaxCrossEntropyLoss reads that second output, and the exporter emits
+    the node without it (``F.cross_entropy`` inside a model's forward), so building the gradient
+    graph fails. ORT's own CrossEntropyLoss block writes both outputs, as done here.
+    """
+    taken = {name for node in proto.graph.node for name in node.output}
+    changed = 0
+    for index, node in enumerate(proto.graph.node):
+        is_loss = node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
+        if is_loss and len(node.output) == 1:
+            name = f"{node.name or 'SoftmaxCrossEntropyLoss'}_{index}_log_prob"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.output.append(name)
+            changed += 1
+    return changed
 
 
 def lower_ir_version(proto: onnx.ModelProto) -> bool:

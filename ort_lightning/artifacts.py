@@ -70,7 +70,8 @@ class TensorSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype a batch tensor for this input must have."""
-        return getattr(torch, "bool" if self.dtype == "bool" else self.dtype)  # type: ignore[no-any-return]
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     @classmethod
     def from_value_info(cls, info: onnx.ValueInfoProto) -> TensorSpec:
@@ -126,8 +127,8 @@ class Manifest:
             )
         if data.get("format_version") != _FORMAT_VERSION:
             raise ArtifactError(
-                f"{source} has manifest format_version {data.get('format_version')!r}, this ort-lightning reads "
-                f"{_FORMAT_VERSION}; re-export the artifacts with this version."
+                f"{source} has manifest format_version {data.get('format_version')!r}, this ort-lightning "
+                f"reads {_FORMAT_VERSION}; re-export the artifacts with this version."
             )
         try:
             return cls(
@@ -137,12 +138,14 @@ class Manifest:
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(
-                f"{source} lacks or mangles the field {error}; re-export the artifacts with export_artifacts()."
+                f"{source} lacks or mangles the field {error}; re-export the artifacts with "
+                "export_artifacts()."
             ) from error
 
 
 _SCALAR_FIELDS = (
-    "loss", "loss_output", "outputs", "optimizer", "optimizer_options", "trainable", "frozen", "buffers", "versions",
+    "loss", "loss_output", "outputs", "optimizer", "optimizer_options", "trainable", "frozen", "buffers",
+    "versions",
 )
 
 
@@ -185,12 +188,7 @@ class TrainingArtifacts:
             ArtifactError: for a missing folder or file, a missing or foreign manifest, or a graph
                 whose ONNX IR version ORT 1.19.2 cannot read.
         """
-        folder = Path(directory)
-        if not folder.is_dir():
-            raise ArtifactError(
-                f"Artifacts folder {folder} does not exist; create it with "
-                "export_artifacts(model, example_inputs, output_dir)."
-            )
+        folder = _check_folder(Path(directory))
         manifest_path = folder / MANIFEST_NAME
         if not manifest_path.is_file():
             raise ArtifactError(
@@ -211,11 +209,27 @@ class TrainingArtifacts:
         return artifacts
 
 
+def _check_folder(folder: Path) -> Path:
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise ArtifactError(
+            f"{folder} is not a folder; pass the folder that export_artifacts() wrote (here perhaps "
+            f"{folder.parent}), not one of its files."
+        )
+    raise ArtifactError(
+        f"Artifacts folder {folder} does not exist; create it with "
+        "export_artifacts(model, example_inputs, output_dir)."
+    )
+
+
 def _check_ir_version(path: Path) -> None:
     try:
         ir_version = onnx.load(path, load_external_data=False).ir_version
     except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-        raise ArtifactError(f"{path} is not a readable ONNX model ({error}); re-export the artifacts.") from error
+        raise ArtifactError(
+            f"{path} is not a readable ONNX model ({error}); re-export the artifacts."
+        ) from error
     if ir_version > _export.MAX_IR_VERSION:
         raise ArtifactError(
             f"{path} has ONNX IR version {ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
@@ -234,8 +248,11 @@ def _normalize_optimizer(optimizer: str, options: dict[str, Any] | None) -> dict
     if unknown:
         raise ExportError(
             f"Unknown optimizer_options {unknown} for {optimizer!r}; it accepts {sorted(defaults) or 'none'}"
-            + (" (ORT's SGD has no momentum or weight decay; use optimizer='adamw' for those)." if not defaults
-               else ".")
+            + (
+                " (ORT's SGD has no momentum or weight decay; use optimizer='adamw' for those)."
+                if not defaults
+                else "."
+            )
         )
     merged = {**defaults, **(options or {})}
     if "betas" in merged:
@@ -250,8 +267,8 @@ def _check_loss(loss: object) -> str:
         return "custom"
     if loss not in _LOSSES:
         raise ExportError(
-            f"Expected `loss` to be one of {list(_LOSSES)}, an onnxblock.Block, or None (the model returns its "
-            f"loss), but got {loss!r}."
+            f"Expected `loss` to be one of {list(_LOSSES)}, an onnxblock.Block, or None (the model returns "
+            f"its loss), but got {loss!r}."
         )
     return str(loss)
 
@@ -260,8 +277,8 @@ def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not inputs or not all(isinstance(tensor, torch.Tensor) for tensor in inputs):
         raise ExportError(
-            "Expected `example_inputs` to be a tensor or a tuple of tensors, as the model's forward takes them, "
-            f"but got {type(example_inputs).__name__}."
+            "Expected `example_inputs` to be a tensor or a tuple of tensors, as the model's forward takes "
+            f"them, but got {type(example_inputs).__name__}."
         )
     return inputs
 
@@ -284,7 +301,13 @@ def _source_proto(
     elif isinstance(model, (str, os.PathLike)):
         if not Path(model).is_file():
             raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
-        proto = onnx.load(os.fspath(model))
+        try:
+            proto = onnx.load(os.fspath(model))
+        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+            raise ExportError(
+                f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
+                "or onnx.save."
+            ) from error
     else:
         raise ExportError(
             "Expected `model` to be a torch.nn.Module, an onnx.ModelProto or the path of an ONNX file, "
@@ -294,6 +317,15 @@ def _source_proto(
     floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
     parameters = {t.name for t in proto.graph.initializer if t.data_type in floating} - buffers
     return proto, parameters, buffers
+
+
+def _describe(model: ModelSource) -> str:
+    """Name a model source in messages: a class name, a file path, or the ONNX graph's name."""
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__
+    if isinstance(model, onnx.ModelProto):
+        return f"ONNX model (graph {model.graph.name!r})"
+    return os.fspath(model)
 
 
 def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -312,7 +344,9 @@ def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list
     return trainable, sorted(frozen)
 
 
-def _graph_io(path: Path, state: set[str], model_inputs: Sequence[str]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def _graph_io(
+    path: Path, state: set[str], model_inputs: Sequence[str]
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Split the user inputs of the training graph into model inputs and labels."""
     proto = onnx.load(path, load_external_data=False)
     user = [
@@ -359,8 +393,9 @@ def export_artifacts(
     loss_kind = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
     proto, parameters, buffers = _source_proto(model, example_inputs, input_names, loss is None)
-    _export.check_opset(proto, type(model).__name__ if isinstance(model, torch.nn.Module) else str(model)[:80])
+    _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
+    _export.add_log_prob_outputs(proto)
     trainable, frozen_names = _split_parameters(parameters, frozen)
 
     model_outputs = [output.name for output in proto.graph.output]
@@ -406,4 +441,6 @@ def export_artifacts(
 def _versions() -> dict[str, str]:
     from ort_lightning import __version__
 
-    return {"ort_lightning": __version__, "onnx": onnx.__version__, "torch": torch.__version__, **_ort.versions()}
+    return {
+        "ort_lightning": __version__, "onnx": onnx.__version__, "torch": torch.__version__, **_ort.versions()
+    }
