@@ -344,6 +344,13 @@ def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list
     return trainable, sorted(frozen)
 
 
+def _frozen_in_torch(model: ModelSource, parameters: set[str], frozen: Sequence[str]) -> list[str]:
+    """Parameters the torch model itself freezes (``requires_grad=False``), not already named."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [n for n, p in model.named_parameters() if not p.requires_grad and n in parameters and n not in frozen]
+
+
 def _graph_io(
     path: Path, state: set[str], model_inputs: Sequence[str]
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -380,7 +387,8 @@ def export_artifacts(
             when the model's first output is already the loss.
         optimizer: ``"adamw"`` (torch.optim.AdamW's defaults) or ``"sgd"`` (plain ``w -= lr * g``).
         optimizer_options: for AdamW ``betas``, ``eps``, ``weight_decay``.
-        frozen: names of parameters (``named_parameters()`` names) that must not train.
+        frozen: names of parameters (``named_parameters()`` names) that must not train; torch
+            parameters with ``requires_grad=False`` are frozen too, as they are in torch.
         input_names: names of the model inputs (default ``input`` or ``input_0``, ``input_1`` ...).
 
     Returns:
@@ -396,7 +404,7 @@ def export_artifacts(
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
-    trainable, frozen_names = _split_parameters(parameters, frozen)
+    trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
     model_outputs = [output.name for output in proto.graph.output]
     model_inputs = [info.name for info in proto.graph.input]

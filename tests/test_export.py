@@ -651,3 +651,15 @@ def test_export_leaves_the_torch_model_untouched(tmp_path: Path, mode: str) -> N
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, msg=name)
     assert all(parameter.requires_grad for parameter in model.parameters())
+
+
+def test_torch_parameters_without_grad_are_frozen_like_in_torch(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    model[0].weight.requires_grad_(False)
+    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "art", frozen=["0.bias"])
+    assert artifacts.manifest.frozen == ("0.bias", "0.weight")
+    assert artifacts.manifest.trainable == ("2.bias", "2.weight")
+    state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
+    assert not state.parameters["0.weight"].requires_grad
+    assert state.parameters["2.weight"].requires_grad
