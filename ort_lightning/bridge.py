@@ -39,8 +39,13 @@ def torch_device(device: str) -> torch.device:
 
 
 def to_torch(value: Any) -> torch.Tensor:
-    """View an OrtValue as a torch tensor (same memory)."""
-    return torch.from_dlpack(value.to_dlpack())
+    """View an OrtValue as a torch tensor (same memory); bool tensors stay bool."""
+    tensor = torch.from_dlpack(value.to_dlpack())
+    # NOTE: ORT 1.19.2 exports bool tensors as 8-bit unsigned DLPack tensors; the element type
+    # is only checked for uint8 results, so float outputs pay nothing for it.
+    if tensor.dtype is torch.uint8 and value.data_type() == "tensor(bool)":
+        return tensor.view(torch.bool)
+    return tensor
 
 
 class BatchBinder:
@@ -79,6 +84,10 @@ class BatchBinder:
                 tensor = tensor.contiguous()
             if tensor.requires_grad:
                 tensor = tensor.detach()
+            if is_bool:
+                # NOTE: ORT 1.19.2's DLPack import refuses torch's bool code (kDLBool, "Unsupported
+                # code 6"); it takes the same bytes as uint8 with its is_bool flag set.
+                tensor = tensor.view(torch.uint8)
             vector.push_back(_from_dlpack(tensor.__dlpack__(), is_bool))
         return vector
 
