@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -64,6 +65,11 @@ _LOSSES = {
     "l1": onnxblock.loss.L1Loss,
 }
 LOSS_LABEL_NAMES = {"cross_entropy": "labels", "mse": "target", "bce_with_logits": "target", "l1": "target"}
+
+_CUDA_INSTALL = 'pip uninstall -y onnxruntime-training-cpu && pip install "ort-lightning[cuda]"'
+
+#: "cpu", "cuda" or "cuda:N" with ASCII digits; a bare ":" or an index on "cpu" is a typo.
+_DEVICE = re.compile(r"(?P<kind>cpu)|(?P<cuda>cuda)(?::(?P<index>[0-9]+))?", re.ASCII)
 
 #: Optimizer graph node -> the optimizer kind used in the manifest.
 _OPTIMIZER_NODES = {"AdamWOptimizer": "adamw", "SGDOptimizerV2": "sgd"}
@@ -187,16 +193,16 @@ def parse_device(device: str) -> tuple[str, int]:
         >>> parse_device("cpu")
         ('cpu', 0)
     """
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
         raise DeviceError(
             f"Expected a device 'cpu', 'cuda' or 'cuda:N', but got {device!r}; pass one of those spellings."
         )
+    kind, index = match.group("kind") or match.group("cuda"), match.group("index")
     if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         raise DeviceError(
-            f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build offers "
-            f"{onnxruntime.get_available_providers()}; run `pip uninstall -y onnxruntime-training-cpu && "
-            'pip install "ort-lightning[cuda]"`, or train on "cpu".'
+            f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build "
+            f"offers {onnxruntime.get_available_providers()}; run `{_CUDA_INSTALL}`, or train on \"cpu\"."
         )
     return kind, int(index or 0)
 

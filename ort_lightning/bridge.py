@@ -10,7 +10,8 @@ Example::
 
     >>> import torch
     >>> from ort_lightning.artifacts import TensorSpec
-    >>> binder = BatchBinder((TensorSpec("input", "float32", ("batch", 3)),), torch.device("cpu"), graph="training")
+    >>> spec = TensorSpec("input", "float32", ("batch", 3))
+    >>> binder = BatchBinder((spec,), torch.device("cpu"), graph="training")
     >>> x = torch.ones(2, 3)
     >>> to_torch(binder((x,))[0]).data_ptr() == x.data_ptr()
     True
@@ -106,8 +107,8 @@ class BatchBinder:
             tensors = (batch,)
         else:
             raise BatchError(
-                f"The {self.graph} graph expects a tuple/list of tensors {self.names} or a dict keyed by those "
-                f"names, but the batch is a {type(batch).__name__}; return tensors from your Dataset."
+                f"The {self.graph} graph expects a tuple/list of tensors {self.names} or a dict keyed by "
+                f"those names, but the batch is a {type(batch).__name__}; return tensors from your Dataset."
             )
         if len(tensors) != len(self.names):
             raise BatchError(
