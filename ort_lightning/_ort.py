@@ -18,7 +18,9 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ort_lightning.errors import DeviceError, ExportError
+import onnx
+
+from ort_lightning.errors import ArtifactError, DeviceError, ExportError
 
 _INSTALL_HINT = (
     "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
@@ -212,10 +214,12 @@ class TrainingSession:
 
     The module and the optimizer share `state`, so an optimizer update is visible to the next
     step at once. Hot-path methods are bound C functions; nothing is looked up per step.
+    `optimizer_kind` (``"adamw"`` or ``"sgd"``) is what the optimizer graph itself runs.
     """
 
-    def __init__(self, state: Any, module: Any, optimizer: Any, device: str) -> None:
+    def __init__(self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str) -> None:
         self.device = device
+        self.optimizer_kind = optimizer_kind
         self._state = state
         self._module = module
         self._optimizer = optimizer
@@ -277,18 +281,37 @@ def assemble(
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
 
+    The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
+    names what ORT will actually run.
+
     Raises:
         DeviceError: for a device this build cannot use.
+        ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
     """
     kind, index = parse_device(device)
+    target = f"{kind}:{index}" if kind == "cuda" else "cpu"
+    optimizer_kind = _optimizer_kind_in(optimizer_model)
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     module = Module(
         os.fspath(training_model),
         state,
         os.fspath(eval_model),
-        device=f"{kind}:{index}" if kind == "cuda" else "cpu",
+        device=target,
         session_options=session_options(),
     )
     optimizer = Optimizer(os.fspath(optimizer_model), module)
-    return TrainingSession(state, module, optimizer, device=f"{kind}:{index}" if kind == "cuda" else "cpu")
+    return TrainingSession(state, module, optimizer, device=target, optimizer_kind=optimizer_kind)
+
+
+def _optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
+    graph = onnx.load(os.fspath(optimizer_model), load_external_data=False).graph
+    nodes = [node.op_type for node in graph.node]
+    kind = optimizer_kind_of(nodes)
+    if kind is None:
+        raise ArtifactError(
+            f"Optimizer graph {os.fspath(optimizer_model)} has nodes {sorted(set(nodes))} but no "
+            f"{' or '.join(_OPTIMIZER_NODES)} node; re-export the artifacts with "
+            "export_artifacts(..., optimizer='adamw' or 'sgd')."
+        )
+    return kind
 
