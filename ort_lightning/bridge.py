@@ -63,22 +63,26 @@ class BatchBinder:
         self.names = [spec.name for spec in self.specs]
         self.device = device
         self.graph = graph
-        self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
+        self._plan = tuple(
+            (spec.name, spec.torch_dtype, spec.dtype == "bool", _enforced_shape(spec)) for spec in self.specs
+        )
 
     def __call__(self, batch: Any) -> Any:
         """Return an OrtValueVector holding `batch` in graph-input order.
 
         Raises:
-            BatchError: for a batch with the wrong number of tensors, missing names, or a dtype
-                other than the graph's.
+            BatchError: for a batch with the wrong number of tensors, missing names, a dtype other
+                than the graph's, or a rank or fixed dimension that ONNX Runtime would refuse.
         """
         tensors = self._ordered(batch)
         vector = OrtValueVector()
         vector.reserve(len(tensors))
         device = self.device
-        for tensor, (name, dtype, is_bool) in zip(tensors, self._plan):
+        for tensor, (name, dtype, is_bool, shape) in zip(tensors, self._plan):
             if tensor.dtype != dtype:
                 raise self._dtype_error(name, dtype, tensor)
+            if shape is not None and not _fits(tensor.shape, shape):
+                raise self._shape_error(name, tensor)
             if tensor.device != device:
                 tensor = tensor.to(device)
             if not tensor.is_contiguous():
@@ -131,6 +135,30 @@ class BatchBinder:
             f"{str(tensor.dtype).replace('torch.', '')}; convert it in your Dataset or collate_fn "
             f"(tensor.to(torch.{target}))."
         )
+
+
+    def _shape_error(self, name: str, tensor: torch.Tensor) -> BatchError:
+        spec = self.specs[self.names.index(name)]
+        dims = [str(dim) if dim else "?" for dim in spec.shape]
+        expected = f"{dims[0]}," if len(dims) == 1 else ", ".join(dims)
+        return BatchError(
+            f"Input {name!r} of the {self.graph} graph expects shape ({expected}), but the batch gives "
+            f"{tuple(tensor.shape)}; reshape it in your Dataset or collate_fn (named dimensions are free, "
+            "numbers must match)."
+        )
+
+
+def _enforced_shape(spec: TensorSpec) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """The rank and the fixed ``(axis, size)`` pairs ORT checks; None when the graph gives no shape."""
+    if not spec.shape:
+        return None
+    fixed = tuple((axis, dim) for axis, dim in enumerate(spec.shape) if isinstance(dim, int) and dim > 0)
+    return len(spec.shape), fixed
+
+
+def _fits(shape: torch.Size, enforced: tuple[int, tuple[tuple[int, int], ...]]) -> bool:
+    rank, fixed = enforced
+    return len(shape) == rank and all(shape[axis] == size for axis, size in fixed)
 
 
 @dataclass(frozen=True)

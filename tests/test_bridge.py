@@ -215,6 +215,41 @@ def test_dtype_mismatch_names_input_and_dtypes(
         _binder(mlp_adamw.artifacts)(change(x, y))
 
 
+@pytest.mark.parametrize(
+    ("x_shape", "y_shape", "name", "expected", "given"),
+    [
+        ((4, 5), (4,), "input", r"\(batch, 4\)", r"\(4, 5\)"),
+        ((4,), (4,), "input", r"\(batch, 4\)", r"\(4,\)"),
+        ((4, 4), (4, 1), "labels", r"\(batch,\)", r"\(4, 1\)"),
+    ],
+    ids=["wrong-width", "missing-batch-dim", "labels-as-column"],
+)
+def test_wrong_shape_names_input_and_shapes(
+    mlp_adamw: Exported,
+    x_shape: tuple[int, ...],
+    y_shape: tuple[int, ...],
+    name: str,
+    expected: str,
+    given: str,
+) -> None:
+    batch = (torch.zeros(x_shape), torch.zeros(y_shape, dtype=torch.int64))
+    message = (
+        rf"Input '{name}' of the training graph expects shape {expected}, but the batch gives {given}; "
+        "reshape it in your Dataset or collate_fn"
+    )
+    with pytest.raises(BatchError, match=message):
+        _binder(mlp_adamw.artifacts)(batch)
+
+
+def test_batch_size_is_free(mlp_adamw: Exported) -> None:
+    session = _session(mlp_adamw.artifacts)
+    for size in (1, 5, 33):
+        x, y = blobs(size, seed=size)
+        loss = to_torch(session.eval_step(_binder(mlp_adamw.artifacts, "eval")((x, y)))[0])
+        expected = F.cross_entropy(mlp_adamw.reference()(x), y).detach()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("count", [1, 3], ids=["one-tensor", "three-tensors"])
 def test_wrong_number_of_tensors_names_the_inputs(mlp_adamw: Exported, count: int) -> None:
     x, y = blobs(4, seed=5)
