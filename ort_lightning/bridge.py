@@ -63,6 +63,7 @@ class BatchBinder:
         self.names = [spec.name for spec in self.specs]
         self.device = device
         self.graph = graph
+        self._cuda = device.type == "cuda"
         self._plan = tuple(
             (spec.name, spec.torch_dtype, spec.dtype == "bool", _enforced_shape(spec)) for spec in self.specs
         )
@@ -94,6 +95,11 @@ class BatchBinder:
                 # code 6"); it takes the same bytes as uint8 with its is_bool flag set.
                 tensor = tensor.view(torch.uint8)
             vector.push_back(_from_dlpack(tensor.__dlpack__(), is_bool))
+        if self._cuda:
+            # NOTE: DLPack hands ORT the memory without a stream handshake; copies and kernels
+            # that produced the batch on torch's stream (Lightning moves batches with
+            # non_blocking=True) must finish before ORT reads them on its own stream.
+            torch.cuda.current_stream(device).synchronize()
         return vector
 
     def _ordered(self, batch: Any) -> Sequence[torch.Tensor]:

@@ -147,6 +147,14 @@ def test_cuda_session_moves_cpu_batches_to_the_gpu(mlp_adamw: Exported) -> None:
         assert view.grad is not None
         torch.testing.assert_close(view.grad.cpu(), grads[view.name].grad, rtol=1e-4, atol=1e-5)
 
+    # A batch that torch is still producing on the GPU (pinned, non_blocking copy, then a kernel)
+    # is complete by the time ORT reads it.
+    doubled = x.pin_memory().to("cuda:0", non_blocking=True) * 2
+    loss = to_torch(session.eval_step(_binder(mlp_adamw.artifacts, session.device)((doubled, y.cuda())))[0])
+    with torch.no_grad():
+        expected = F.cross_entropy(mlp_adamw.reference()(x * 2), y)
+    torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-6)
+
 
 def test_outputs_of_a_step_survive_the_next_step(mlp_sgd: Exported) -> None:
     session = _assemble(mlp_sgd.artifacts)
