@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ort_lightning.errors import DeviceError, ExportError
+import onnx
+
+from ort_lightning.errors import ArtifactError, DeviceError, ExportError
 
 _INSTALL_HINT = (
     "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
@@ -64,6 +67,11 @@ _LOSSES = {
     "l1": onnxblock.loss.L1Loss,
 }
 LOSS_LABEL_NAMES = {"cross_entropy": "labels", "mse": "target", "bce_with_logits": "target", "l1": "target"}
+
+_CUDA_INSTALL = 'pip uninstall -y onnxruntime-training-cpu && pip install "ort-lightning[cuda]"'
+
+#: "cpu", "cuda" or "cuda:N" with ASCII digits; a bare ":" or an index on "cpu" is a typo.
+_DEVICE = re.compile(r"(?P<kind>cpu)|(?P<cuda>cuda)(?::(?P<index>[0-9]+))?", re.ASCII)
 
 #: Optimizer graph node -> the optimizer kind used in the manifest.
 _OPTIMIZER_NODES = {"AdamWOptimizer": "adamw", "SGDOptimizerV2": "sgd"}
@@ -187,16 +195,16 @@ def parse_device(device: str) -> tuple[str, int]:
         >>> parse_device("cpu")
         ('cpu', 0)
     """
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
         raise DeviceError(
             f"Expected a device 'cpu', 'cuda' or 'cuda:N', but got {device!r}; pass one of those spellings."
         )
+    kind, index = match.group("kind") or match.group("cuda"), match.group("index")
     if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         raise DeviceError(
-            f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build offers "
-            f"{onnxruntime.get_available_providers()}; run `pip uninstall -y onnxruntime-training-cpu && "
-            'pip install "ort-lightning[cuda]"`, or train on "cpu".'
+            f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build "
+            f"offers {onnxruntime.get_available_providers()}; run `{_CUDA_INSTALL}`, or train on \"cpu\"."
         )
     return kind, int(index or 0)
 
@@ -206,10 +214,12 @@ class TrainingSession:
 
     The module and the optimizer share `state`, so an optimizer update is visible to the next
     step at once. Hot-path methods are bound C functions; nothing is looked up per step.
+    `optimizer_kind` (``"adamw"`` or ``"sgd"``) is what the optimizer graph itself runs.
     """
 
-    def __init__(self, state: Any, module: Any, optimizer: Any, device: str) -> None:
+    def __init__(self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str) -> None:
         self.device = device
+        self.optimizer_kind = optimizer_kind
         self._state = state
         self._module = module
         self._optimizer = optimizer
@@ -271,20 +281,39 @@ def assemble(
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
 
+    The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
+    names what ORT will actually run.
+
     Raises:
         DeviceError: for a device this build cannot use.
+        ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
     """
     kind, index = parse_device(device)
+    target = f"{kind}:{index}" if kind == "cuda" else "cpu"
+    optimizer_kind = _optimizer_kind_in(optimizer_model)
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     module = Module(
         os.fspath(training_model),
         state,
         os.fspath(eval_model),
-        device=f"{kind}:{index}" if kind == "cuda" else "cpu",
+        device=target,
         session_options=session_options(),
     )
     optimizer = Optimizer(os.fspath(optimizer_model), module)
-    return TrainingSession(state, module, optimizer, device=f"{kind}:{index}" if kind == "cuda" else "cpu")
+    return TrainingSession(state, module, optimizer, device=target, optimizer_kind=optimizer_kind)
+
+
+def _optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
+    graph = onnx.load(os.fspath(optimizer_model), load_external_data=False).graph
+    nodes = [node.op_type for node in graph.node]
+    kind = optimizer_kind_of(nodes)
+    if kind is None:
+        raise ArtifactError(
+            f"Optimizer graph {os.fspath(optimizer_model)} has nodes {sorted(set(nodes))} but no "
+            f"{' or '.join(_OPTIMIZER_NODES)} node; re-export the artifacts with "
+            "export_artifacts(..., optimizer='adamw' or 'sgd')."
+        )
+    return kind
 
 
 

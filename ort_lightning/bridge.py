@@ -10,7 +10,8 @@ Example::
 
     >>> import torch
     >>> from ort_lightning.artifacts import TensorSpec
-    >>> binder = BatchBinder((TensorSpec("input", "float32", ("batch", 3)),), torch.device("cpu"), graph="training")
+    >>> spec = TensorSpec("input", "float32", ("batch", 3))
+    >>> binder = BatchBinder((spec,), torch.device("cpu"), graph="training")
     >>> x = torch.ones(2, 3)
     >>> to_torch(binder((x,))[0]).data_ptr() == x.data_ptr()
     True
@@ -39,8 +40,13 @@ def torch_device(device: str) -> torch.device:
 
 
 def to_torch(value: Any) -> torch.Tensor:
-    """View an OrtValue as a torch tensor (same memory)."""
-    return torch.from_dlpack(value.to_dlpack())
+    """View an OrtValue as a torch tensor (same memory); bool tensors stay bool."""
+    tensor = torch.from_dlpack(value.to_dlpack())
+    # NOTE: ORT 1.19.2 exports bool tensors as 8-bit unsigned DLPack tensors; the element type
+    # is only checked for uint8 results, so float outputs pay nothing for it.
+    if tensor.dtype is torch.uint8 and value.data_type() == "tensor(bool)":
+        return tensor.view(torch.bool)
+    return tensor
 
 
 class BatchBinder:
@@ -57,29 +63,43 @@ class BatchBinder:
         self.names = [spec.name for spec in self.specs]
         self.device = device
         self.graph = graph
-        self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
+        self._cuda = device.type == "cuda"
+        self._plan = tuple(
+            (spec.name, spec.torch_dtype, spec.dtype == "bool", _enforced_shape(spec)) for spec in self.specs
+        )
 
     def __call__(self, batch: Any) -> Any:
         """Return an OrtValueVector holding `batch` in graph-input order.
 
         Raises:
-            BatchError: for a batch with the wrong number of tensors, missing names, or a dtype
-                other than the graph's.
+            BatchError: for a batch with the wrong number of tensors, missing names, a dtype other
+                than the graph's, or a rank or fixed dimension that ONNX Runtime would refuse.
         """
         tensors = self._ordered(batch)
         vector = OrtValueVector()
         vector.reserve(len(tensors))
         device = self.device
-        for tensor, (name, dtype, is_bool) in zip(tensors, self._plan):
+        for tensor, (name, dtype, is_bool, shape) in zip(tensors, self._plan):
             if tensor.dtype != dtype:
                 raise self._dtype_error(name, dtype, tensor)
+            if shape is not None and not _fits(tensor.shape, shape):
+                raise self._shape_error(name, tensor)
             if tensor.device != device:
                 tensor = tensor.to(device)
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
             if tensor.requires_grad:
                 tensor = tensor.detach()
+            if is_bool:
+                # NOTE: ORT 1.19.2's DLPack import refuses torch's bool code (kDLBool, "Unsupported
+                # code 6"); it takes the same bytes as uint8 with its is_bool flag set.
+                tensor = tensor.view(torch.uint8)
             vector.push_back(_from_dlpack(tensor.__dlpack__(), is_bool))
+        if self._cuda:
+            # NOTE: DLPack hands ORT the memory without a stream handshake; copies and kernels
+            # that produced the batch on torch's stream (Lightning moves batches with
+            # non_blocking=True) must finish before ORT reads them on its own stream.
+            torch.cuda.current_stream(device).synchronize()
         return vector
 
     def _ordered(self, batch: Any) -> Sequence[torch.Tensor]:
@@ -97,8 +117,8 @@ class BatchBinder:
             tensors = (batch,)
         else:
             raise BatchError(
-                f"The {self.graph} graph expects a tuple/list of tensors {self.names} or a dict keyed by those "
-                f"names, but the batch is a {type(batch).__name__}; return tensors from your Dataset."
+                f"The {self.graph} graph expects a tuple/list of tensors {self.names} or a dict keyed by "
+                f"those names, but the batch is a {type(batch).__name__}; return tensors from your Dataset."
             )
         if len(tensors) != len(self.names):
             raise BatchError(
@@ -121,6 +141,30 @@ class BatchBinder:
             f"{str(tensor.dtype).replace('torch.', '')}; convert it in your Dataset or collate_fn "
             f"(tensor.to(torch.{target}))."
         )
+
+
+    def _shape_error(self, name: str, tensor: torch.Tensor) -> BatchError:
+        spec = self.specs[self.names.index(name)]
+        dims = [str(dim) if dim else "?" for dim in spec.shape]
+        expected = f"{dims[0]}," if len(dims) == 1 else ", ".join(dims)
+        return BatchError(
+            f"Input {name!r} of the {self.graph} graph expects shape ({expected}), but the batch gives "
+            f"{tuple(tensor.shape)}; reshape it in your Dataset or collate_fn (named dimensions are free, "
+            "numbers must match)."
+        )
+
+
+def _enforced_shape(spec: TensorSpec) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """The rank and the fixed ``(axis, size)`` pairs ORT checks; None when the graph gives no shape."""
+    if not spec.shape:
+        return None
+    fixed = tuple((axis, dim) for axis, dim in enumerate(spec.shape) if isinstance(dim, int) and dim > 0)
+    return len(spec.shape), fixed
+
+
+def _fits(shape: torch.Size, enforced: tuple[int, tuple[tuple[int, int], ...]]) -> bool:
+    rank, fixed = enforced
+    return len(shape) == rank and all(shape[axis] == size for axis, size in fixed)
 
 
 @dataclass(frozen=True)
