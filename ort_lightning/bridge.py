@@ -79,7 +79,7 @@ class BatchBinder:
         vector = OrtValueVector()
         vector.reserve(len(tensors))
         device = self.device
-        for tensor, (name, dtype, is_bool, shape) in zip(tensors, self._plan):
+        for tensor, (name, dtype, is_bool, shape) in zip(tensors, self._plan, strict=True):
             if tensor.dtype != dtype:
                 raise self._dtype_error(name, dtype, tensor)
             if shape is not None and not _fits(tensor.shape, shape):
@@ -126,7 +126,7 @@ class BatchBinder:
                 f"{len(tensors)} tensors; return ({', '.join(self.names)}) from your Dataset or pass a dict "
                 "keyed by input name."
             )
-        for name, tensor in zip(self.names, tensors):
+        for name, tensor in zip(self.names, tensors, strict=True):
             if not isinstance(tensor, torch.Tensor):
                 raise BatchError(
                     f"Input {name!r} of the {self.graph} graph must be a torch.Tensor, but got "

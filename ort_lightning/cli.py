@@ -157,7 +157,7 @@ def _factory(spec: str) -> Callable[[], Any]:
     factory = getattr(importlib.import_module(module_name), attribute, None)
     if not callable(factory):
         raise ValueError(f"{module_name} has no callable {attribute!r}; name a function that builds the model.")
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def _example_inputs(shapes: list[str], dtypes: list[str]) -> tuple[Any, ...]:

@@ -168,7 +168,7 @@ def test_transposed_images_give_the_values_of_contiguous(bn_dropout_cnn: Exporte
     session = _session(bn_dropout_cnn.artifacts)
     strided = [to_torch(v).clone() for v in session.eval_step(binder((images, labels)))]
     dense = [to_torch(v) for v in session.eval_step(binder((images.contiguous(), labels)))]
-    for got, expected in zip(strided, dense):
+    for got, expected in zip(strided, dense, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

@@ -189,7 +189,7 @@ def _run_steps(
         session.optimizer_step()
         after = [view.data for view in views]
         # The lr reported is the lr applied: SGD moved every parameter by -lr * grad.
-        for (data, grad), new in zip(before, after):
+        for (data, grad), new in zip(before, after, strict=True):
             torch.testing.assert_close(new, data - lr * grad, rtol=1e-5, atol=1e-7)
         session.lazy_reset_grad()
         scheduler_step()
