@@ -1,0 +1,166 @@
+"""``python -m benchmarks``: Lightning + ORT against its alternatives, interleaved in one run.
+
+For each model the four runners (Lightning + ORT, a hand-written ORT loop, Lightning + torch, a
+hand-written torch loop) take turns, a block of steps each, round after round, so that machine
+noise falls on all of them alike; medians and ratios come from the same run. Then the bridge
+(DLPack vs numpy per batch size), the machine's matmul peak and each runner's peak memory.
+
+Usage::
+
+    python -m benchmarks                      # the full run recorded in BENCHMARKS.md
+    python -m benchmarks --quick              # seconds; what the tests run
+    python -m benchmarks --markdown out.md    # also write the tables as Markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from benchmarks import _probes
+from benchmarks._models import CASES, Case
+from benchmarks._runners import RUNNERS, export
+
+#: Seconds between two runners' blocks.
+PAUSE_S = 0.2
+
+ORDER = ["lightning-ort", "ort-loop", "lightning-torch", "torch-loop"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps of the small MLP only (seconds)")
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=None, help="models to run")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per model")
+    parser.add_argument("--steps", type=int, default=None, help="steps per runner per round")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this Markdown file")
+    parser.add_argument("--memory-child", nargs=3, metavar=("CASE", "RUNNER", "STEPS"), help=argparse.SUPPRESS)
+    return parser
+
+
+def measure_case(case: Case, rounds: int, steps: int, folder: Path) -> dict[str, list[float]]:
+    """Per-step intervals of each runner, interleaved over `rounds` rounds of `steps` steps."""
+    artifacts = export(case, folder)
+    runners = {key: RUNNERS[key](case, artifacts) for key in ORDER}
+    for runner in runners.values():
+        runner.run(2)  # warm-up: first-call allocations, thread pools, Lightning's first fit
+    times: dict[str, list[float]] = {key: [] for key in ORDER}
+    for round_index in range(rounds):
+        # NOTE: the order rotates every round so that no runner always follows the same one.
+        shift = round_index % len(ORDER)
+        for key in ORDER[shift:] + ORDER[:shift]:
+            # NOTE: ORT's and torch's thread pools spin for a while after their last kernel; a
+            # pause between blocks keeps one runner's spinning threads off the next one's cores.
+            time.sleep(PAUSE_S)
+            times[key].extend(runners[key].run(steps))
+    return times
+
+
+def _case_rows(case: Case, times: dict[str, list[float]], peak: float, memory: dict[str, float] | None) -> list[str]:
+    flops = case.train_flops()
+    rows = []
+    for key in ORDER:
+        seconds = statistics.median(times[key])
+        gflops = flops / seconds / 1e9
+        rss = f"{memory[key]:.0f}" if memory else "-"
+        rows.append(
+            f"| {case.name} | {RUNNERS[key].label} | {seconds * 1e3:.3f} | {case.batch_size / seconds:,.0f} | "
+            f"{gflops:.1f} | {gflops / peak:.0%} | {rss} |"
+        )
+    return rows
+
+
+def _ratio_row(case: Case, times: dict[str, list[float]]) -> str:
+    ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    return (
+        f"| {case.name} | {ms['lightning-ort'] / ms['ort-loop']:.3f}x | "
+        f"{ms['lightning-torch'] / ms['torch-loop']:.3f}x | "
+        f"{ms['lightning-torch'] / ms['lightning-ort']:.2f}x | {ms['lightning-ort'] - ms['ort-loop']:.3f} | "
+        f"{ms['lightning-torch'] - ms['torch-loop']:.3f} |"
+    )
+
+
+def run(args: argparse.Namespace) -> str:
+    """Measure everything the options ask for; return the report as Markdown."""
+    quick = args.quick
+    names = args.cases or (["mlp-small"] if quick else list(CASES))
+    rounds = args.rounds or (2 if quick else 7)
+    steps = args.steps or (5 if quick else 60)
+    peak = _probes.matmul_peak_gflops(256 if quick else 1024, 3 if quick else 20)
+    lines = [
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}; "
+        f"{datetime.date.today().isoformat()}; matmul peak {peak:.1f} GFLOP/s.",
+        f"Command: python -m benchmarks{' --quick' if quick else ''}; {rounds} interleaved rounds x {steps} steps "
+        "per runner; medians of per-step times (data loading included).",
+        "",
+        "| model | runner | ms/step | samples/s | GFLOP/s | of peak | peak RSS MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ratios = [
+        "| model | L+ORT / ORT loop | L+torch / torch loop | throughput L+ORT / L+torch | "
+        "ms added by adapter+Lightning | ms added by Lightning |",
+        "|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-bench-") as folder:
+        for name in names:
+            case = CASES[name]
+            times = measure_case(case, rounds, steps, Path(folder))
+            memory = None if quick else {key: _probes.peak_rss_mb(name, key, 200) for key in ORDER}
+            lines += _case_rows(case, times, peak, memory)
+            ratios.append(_ratio_row(case, times))
+            print(f"measured {name}", file=sys.stderr, flush=True)
+        linear = export(Case("linear", lambda: torch.nn.Linear(784, 10), (784,), 64), Path(folder))
+        sizes = [64, 4096] if quick else [16, 64, 256, 1024, 4096]
+        measured = _probes.bridge_microseconds(linear, sizes, repeats=20 if quick else 300)
+    bridge = [
+        "| batch (linear 784->10) | DLPack binder µs | train step via DLPack µs | train step via numpy µs "
+        "| numpy / DLPack |",
+        "|---|---|---|---|---|",
+    ]
+    bridge += [f"| {b} | {w:.1f} | {d:.1f} | {n:.1f} | {n / d:.2f}x |" for b, w, d, n in measured]
+    return "\n".join([*lines, "", *ratios, "", *bridge]) + "\n"
+
+
+def memory_child(case_name: str, runner_key: str, steps: int) -> None:
+    """Build one runner in this fresh process, train `steps` steps, print the peak RSS in MB."""
+    case = CASES[case_name]
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-mem-") as folder:
+        runner = RUNNERS[runner_key](case, export(case, Path(folder)))
+        runner.run(steps)
+    print(f"{_probes.own_peak_rss_mb():.1f}")
+
+
+def _quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _quiet()
+    if args.memory_child:
+        case, runner, steps = args.memory_child
+        memory_child(case, runner, int(steps))
+        return 0
+    report = run(args)
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

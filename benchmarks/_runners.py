@@ -1,0 +1,156 @@
+"""The four ways to train one model that the benchmark compares, each timed the same way.
+
+A runner's ``run(steps)`` trains on a DataLoader of ``steps + 1`` batches and returns the
+``steps`` intervals between consecutive batch ends, in seconds: data loading, the step and,
+for the Lightning runners, Lightning's loop and ``self.log`` are all inside an interval.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from onnxruntime.capi._pybind_state import OrtValue, OrtValueVector
+from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+from benchmarks._models import Case
+from ort_lightning import ORTLightningModule, TrainingArtifacts
+
+LR = 1e-3
+#: The ORT module's linear schedule decays to 0 at total_steps; far away, so the lr stays put.
+TOTAL_STEPS = 10**9
+
+
+class _BatchEndClock(pl.Callback):
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+def _intervals(stamps: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False)]
+
+
+class TorchLightning(pl.LightningModule):
+    """What a user writes in plain Lightning: the torch model, cross-entropy, AdamW, logging."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def _fit(module: pl.LightningModule, loader: Any) -> list[float]:
+    clock = _BatchEndClock()
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[clock],
+    )
+    trainer.fit(module, loader)
+    return _intervals(clock.stamps)
+
+
+class LightningORT:
+    """ORTLightningModule under a Trainer: the product."""
+
+    label = "Lightning + ORT"
+
+    def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
+        self.case = case
+        self.module = ORTLightningModule(artifacts, lr=LR, total_steps=TOTAL_STEPS)
+
+    def run(self, steps: int) -> list[float]:
+        return _fit(self.module, self.case.loader(steps + 1))
+
+
+class LightningTorch:
+    """The same model in plain torch under the same Trainer: what a user would pick instead."""
+
+    label = "Lightning + torch"
+
+    def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
+        self.case = case
+        self.module = TorchLightning(case.model())
+
+    def run(self, steps: int) -> list[float]:
+        return _fit(self.module, self.case.loader(steps + 1))
+
+
+class ORTLoop:
+    """A hand-written ONNX Runtime loop over the same DataLoader, on ORT's fastest path.
+
+    Batches are wrapped by DLPack (no copy), the loss stays in ORT, nothing is logged: the
+    floor that the adapter's overhead is measured against.
+    """
+
+    label = "ORT loop"
+
+    def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
+        self.case = case
+        self.state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
+        self.module = Module(str(artifacts.training_model), self.state, str(artifacts.eval_model), device="cpu")
+        self.optimizer = Optimizer(str(artifacts.optimizer_model), self.module)
+        self.optimizer.set_learning_rate(LR)
+        self.module.train()
+
+    def run(self, steps: int) -> list[float]:
+        train = self.module._model.train_step_with_ort_values
+        update = self.optimizer._optimizer.optimizer_step
+        reset = self.module._model.lazy_reset_grad
+        wrap = OrtValue.from_dlpack
+        stamps = []
+        for x, y in self.case.loader(steps + 1):
+            inputs = OrtValueVector()
+            inputs.push_back(wrap(x.__dlpack__(), False))
+            inputs.push_back(wrap(y.__dlpack__(), False))
+            fetches = OrtValueVector()
+            train(inputs, fetches)
+            update()
+            reset()
+            stamps.append(time.perf_counter())
+        return _intervals(stamps)
+
+
+class TorchLoop:
+    """A hand-written torch loop: forward, cross-entropy, backward, AdamW step, zero_grad."""
+
+    label = "torch loop"
+
+    def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
+        self.case = case
+        self.model = case.model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    def run(self, steps: int) -> list[float]:
+        stamps = []
+        for x, y in self.case.loader(steps + 1):
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            stamps.append(time.perf_counter())
+        return _intervals(stamps)
+
+
+RUNNERS = {"lightning-ort": LightningORT, "ort-loop": ORTLoop, "lightning-torch": LightningTorch,
+           "torch-loop": TorchLoop}
+
+
+def export(case: Case, directory: Path) -> TrainingArtifacts:
+    """Export `case`'s model (seed 0, the torch runners' initial weights too) with AdamW."""
+    from ort_lightning import export_artifacts
+
+    return export_artifacts(case.model(), case.example(), directory / case.name)
