@@ -23,3 +23,12 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     assert re.search(r"\| mlp-small \| [\d.]+x \| [\d.]+x \| [\d.]+x \|", text)
     assert len(re.findall(r"^\| (64|4096) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", text, re.MULTILINE)) == 2
     assert text in result.stdout
+
+
+def test_soak_script_reports_rss_growth() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--steps", "300"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"steps: 300 .* growth after warm-up: [+-][\d.]+%", result.stdout)
