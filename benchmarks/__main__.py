@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import logging
 import os
 import platform
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> str:
         f"Command: python -m benchmarks{' --quick' if quick else ''}; {rounds} interleaved rounds x {steps} steps "
         "per runner; medians of per-step times (data loading included).",
         "",
-        "| model | runner | ms/step | samples/s | GFLOP/s | of peak | peak RSS MB |",
+        "| model | runner | ms/step | samples/s | GFLOP/s | of peak | peak RSS added MB |",
         "|---|---|---|---|---|---|---|",
     ]
     ratios = [
@@ -134,12 +135,21 @@ def run(args: argparse.Namespace) -> str:
 
 
 def memory_child(case_name: str, runner_key: str, steps: int) -> None:
-    """Build one runner in this fresh process, train `steps` steps, print the peak RSS in MB."""
+    """Build one runner in this fresh process, train `steps` steps, print its peak RSS in MB.
+
+    Printed is the peak over the run minus the resident memory just before the runner is built:
+    what the runner itself takes (weights, optimizer state, sessions, activations), without the
+    imports and the export that every runner shares.
+    """
     case = CASES[case_name]
     with tempfile.TemporaryDirectory(prefix="ort-lightning-mem-") as folder:
-        runner = RUNNERS[runner_key](case, export(case, Path(folder)))
+        artifacts = export(case, Path(folder))
+        gc.collect()
+        _probes.reset_peak_rss()
+        before = _probes.own_peak_rss_mb()
+        runner = RUNNERS[runner_key](case, artifacts)
         runner.run(steps)
-    print(f"{_probes.own_peak_rss_mb():.1f}")
+        print(f"{_probes.own_peak_rss_mb() - before:.1f}")
 
 
 def _quiet() -> None:

@@ -74,6 +74,16 @@ def peak_rss_mb(case: str, runner: str, steps: int) -> float:
     return float(result.stdout.strip().splitlines()[-1])
 
 
+def reset_peak_rss() -> None:
+    """Restart this process's peak-RSS count (Linux: VmHWM), so that setup before it does not count."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
 def own_peak_rss_mb() -> float:
-    """This process's peak resident memory in MB (Linux reports ru_maxrss in KiB)."""
+    """This process's peak resident memory in MB since start or the last `reset_peak_rss`."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
