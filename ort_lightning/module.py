@@ -150,6 +150,8 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
 
     def configure_model(self) -> None:
         """Rebuild the ORT components on the trainer's root device when it is not theirs."""
+        if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
+            return
         device = _device_string(self.trainer.strategy.root_device)
         if device != self._session.device:
             self._session = self._assemble(device)
