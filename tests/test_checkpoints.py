@@ -297,3 +297,19 @@ def test_unknown_inference_output_is_refused(mlp_adamw: Exported, tmp_path: Path
     module = ORTLightningModule(mlp_adamw.artifacts)
     with pytest.raises(ConfigurationError, match=r"outputs of the eval graph .*'logits'.*but got \['probs'\]"):
         module.export_inference_model(tmp_path / "model.onnx", outputs=["probs"])
+
+
+# ----------------------------------------------------------------------------- console script
+def test_inspect_shows_progress_and_refuses_damage(mlp_adamw: Exported, tmp_path: Path, capsys) -> None:
+    from ort_lightning.cli import main
+
+    module = ORTLightningModule(mlp_adamw.artifacts, **SCHEDULE)
+    _trainer(tmp_path, max_epochs=1, callbacks=[ORTCheckpoint(tmp_path)]).fit(module, _loader())
+    assert main(["inspect", str(tmp_path / "last.ortckpt")]) == 0
+    shown = capsys.readouterr().out
+    for line in ("epoch:      0", "global_step: 8", f"ort_lightning_version: {ort_lightning.__version__}"):
+        assert line in shown
+    assert "lr:         0.0333" in shown
+    _damage("truncated", tmp_path / "last.ortckpt")
+    assert main(["inspect", str(tmp_path / "last.ortckpt")]) == 2
+    assert "CheckpointError: Checkpoint" in capsys.readouterr().err
