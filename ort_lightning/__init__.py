@@ -4,7 +4,7 @@ Example::
 
     >>> import ort_lightning
     >>> sorted(ort_lightning.__all__)[:3]
-    ['ORTLightningModule', 'ORTOptimizer', 'TrainingArtifacts']
+    ['ORTCheckpoint', 'ORTLightningModule', 'ORTOptimizer']
 """
 
 from __future__ import annotations
@@ -12,7 +12,15 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ort_lightning.artifacts import TrainingArtifacts, export_artifacts
+from ort_lightning.callbacks import ORTCheckpoint
 from ort_lightning.module import ORTLightningModule
 from ort_lightning.optim import ORTOptimizer
 
-__all__ = ["ORTLightningModule", "ORTOptimizer", "TrainingArtifacts", "__version__", "export_artifacts"]
+__all__ = [
+    "ORTCheckpoint",
+    "ORTLightningModule",
+    "ORTOptimizer",
+    "TrainingArtifacts",
+    "__version__",
+    "export_artifacts",
+]

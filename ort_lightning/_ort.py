@@ -326,3 +326,24 @@ def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tu
         parameters.append((name, tuple(parameter.data.shape()), bool(parameter.requires_grad)))
     properties = {name: state.get_property(name) for name in state.property_names()}
     return parameters, properties
+
+
+#: What ONNX Runtime raises for a checkpoint file it cannot parse.
+CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, _C.Fail, _C.InvalidArgument, _C.NoSuchFile)
+
+
+def save_checkpoint(session: TrainingSession, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:
+    """Write the session's CheckpointState (and optionally the optimizer's step and moments) to `path`."""
+    _C.save_checkpoint(session._state._state, os.fspath(path), include_optimizer_state)
+
+
+def set_properties(session: TrainingSession, properties: dict[str, int | float | str]) -> None:
+    """Store int, float or str properties in the session's CheckpointState (saved with it)."""
+    state = session._state._state
+    for name, value in properties.items():
+        state.add_property(name, value)
+
+
+def export_for_inferencing(session: TrainingSession, path: os.PathLike[str] | str, outputs: Sequence[str]) -> None:
+    """Write the eval graph with the current parameters as an inference model producing `outputs`."""
+    session._module._model.export_model_for_inferencing(os.fspath(path), list(outputs))

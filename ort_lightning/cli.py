@@ -206,7 +206,9 @@ def _describe_artifacts(directory: Path) -> None:
 
 def _describe_checkpoint(path: Path, *, header: bool = True) -> None:
     from ort_lightning import _ort
+    from ort_lightning._atomic import verify_digest
 
+    verify_digest(path)  # a sidecar written by ORTCheckpoint guards against silent corruption
     try:
         parameters, properties = _ort.checkpoint_summary(path)
     except Exception as error:  # ORT raises its own types for a file it cannot parse

@@ -5,7 +5,15 @@ Every message says what was wrong, what was expected and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["ArtifactError", "BatchError", "ConfigurationError", "DeviceError", "ExportError", "ORTLightningError"]
+__all__ = [
+    "ArtifactError",
+    "BatchError",
+    "CheckpointError",
+    "ConfigurationError",
+    "DeviceError",
+    "ExportError",
+    "ORTLightningError",
+]
 
 
 class ORTLightningError(Exception):
@@ -30,3 +38,7 @@ class DeviceError(ORTLightningError, RuntimeError):
 
 class ConfigurationError(ORTLightningError, ValueError):
     """A Trainer or module option that ort-lightning cannot honour."""
+
+
+class CheckpointError(ORTLightningError, ValueError):
+    """A checkpoint is missing, corrupted, truncated, or does not match the artifacts."""

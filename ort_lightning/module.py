@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from ort_lightning import _ort
+from ort_lightning._checkpointing import CheckpointingMixin
 from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, ParameterView, parameter_views, to_torch, torch_device
 from ort_lightning.errors import BatchError, ConfigurationError
@@ -35,7 +36,7 @@ def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
-class ORTLightningModule(pl.LightningModule):
+class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
     """Train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
     The ORT components (CheckpointState, Module, Optimizer) are built at once on the CPU, and
@@ -51,10 +52,14 @@ class ORTLightningModule(pl.LightningModule):
             ``trainer.estimated_stepping_batches``.
         device: where to build the ORT components before a trainer says otherwise
             (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
+        checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
+            start from instead of the artifacts' initial one: weights, and the optimizer state
+            when the file has it.
 
     Raises:
         ConfigurationError: for a non-positive lr or an inconsistent schedule.
         ArtifactError: for an artifacts folder that does not validate.
+        CheckpointError: for a `checkpoint` that is damaged or does not match the artifacts.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class ORTLightningModule(pl.LightningModule):
         warmup_steps: int | float = 0,
         total_steps: int | None = None,
         device: str = "cpu",
+        checkpoint: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         _check_schedule(lr, warmup_steps, total_steps)
@@ -76,18 +82,19 @@ class ORTLightningModule(pl.LightningModule):
             {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": warmup_steps,
              "total_steps": total_steps}
         )
-        self._session: _ort.TrainingSession = self._assemble(device)
+        self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
 
     # ----------------------------------------------------------------------------- assembly
-    def _assemble(self, device: str) -> _ort.TrainingSession:
+    def _assemble(self, device: str, checkpoint: str | os.PathLike[str] | None = None) -> _ort.TrainingSession:
         artifacts = self.artifacts
-        session = _ort.assemble(
-            training_model=artifacts.training_model,
-            eval_model=artifacts.eval_model,
-            optimizer_model=artifacts.optimizer_model,
-            checkpoint=artifacts.checkpoint,
-            device=device,
-        )
+        with self._checkpoint_source(checkpoint) as source:
+            session = _ort.assemble(
+                training_model=artifacts.training_model,
+                eval_model=artifacts.eval_model,
+                optimizer_model=artifacts.optimizer_model,
+                checkpoint=source,
+                device=device,
+            )
         target = torch_device(session.device)
         specs = artifacts.manifest.graph_inputs
         self._train_inputs = BatchBinder(specs, target, graph="training")
@@ -143,6 +150,8 @@ class ORTLightningModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Rebuild the ORT components on the trainer's root device when it is not theirs."""
+        if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
+            return
         device = _device_string(self.trainer.strategy.root_device)
         if device != self._session.device:
             self._session = self._assemble(device)
