@@ -91,22 +91,25 @@ def _demo(args: argparse.Namespace) -> None:
     import torch
     from lightning.pytorch.loggers import CSVLogger
 
-    from ort_lightning import ORTLightningModule, export_artifacts
+    from ort_lightning import ORTCheckpoint, ORTLightningModule, export_artifacts
     from ort_lightning.demo import FEATURES, DigitsDataModule, digits_mlp
 
     out: Path = args.out
     artifacts = export_artifacts(digits_mlp(), torch.zeros(2, FEATURES), out / "artifacts")
     data = DigitsDataModule(batch_size=64)
     module = ORTLightningModule(artifacts, lr=args.lr, warmup_steps=0.1)
+    checkpoints = ORTCheckpoint(out / "checkpoints", inference_model=out / "digits.onnx")
     trainer = pl.Trainer(
         max_epochs=args.epochs, logger=CSVLogger(out, name="logs"), enable_checkpointing=False,
-        default_root_dir=out, enable_model_summary=False,
+        default_root_dir=out, enable_model_summary=False, callbacks=[checkpoints],
     )
     trainer.fit(module, datamodule=data)
     accuracy = _accuracy(module, data.val_dataloader())
     print(f"validation accuracy: {accuracy:.2%}  (val_loss {trainer.callback_metrics['val_loss'].item():.4f})")
-    print(f"artifacts:  {artifacts.directory}")
-    print(f"logs:       {trainer.logger.log_dir if trainer.logger else out}")
+    print(f"artifacts:        {artifacts.directory}")
+    print(f"ORT checkpoint:   {checkpoints.last_path}")
+    print(f"inference model:  {out / 'digits.onnx'}")
+    print(f"logs:             {trainer.logger.log_dir if trainer.logger else out}")
 
 
 def _accuracy(module: Any, loader: Any) -> float:

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
+from onnxruntime.training.api import CheckpointState
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("ort-lightning")
@@ -45,7 +48,11 @@ def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
     accuracy = float(re.search(r"validation accuracy: ([\d.]+)%", result.stdout).group(1))  # type: ignore[union-attr]
     assert accuracy > 95.0
     assert (tmp_path / "demo" / "artifacts" / "training_model.onnx").is_file()
-    assert "artifacts:" in result.stdout
+    checkpoint = Path(re.search(r"ORT checkpoint: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert CheckpointState.load_checkpoint(str(checkpoint)).properties["epoch"] == 9
+    model = Path(re.search(r"inference model: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
+    session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    assert session.run(None, {session.get_inputs()[0].name: np.zeros((3, 64), np.float32)})[0].shape == (3, 10)
 
 
 def test_export_from_factory_then_inspect(digits_artifacts: Path) -> None:
