@@ -29,7 +29,7 @@ from ort_lightning._ort import OrtValue, OrtValueVector, TrainingSession
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.errors import BatchError
 
-__all__ = ["BatchBinder", "ParameterView", "parameter_views", "to_torch", "torch_device"]
+__all__ = ["BatchBinder", "ParameterView", "label_placeholder", "parameter_views", "to_torch", "torch_device"]
 
 _from_dlpack = OrtValue.from_dlpack
 
@@ -220,3 +220,19 @@ def parameter_views(session: TrainingSession) -> list[ParameterView]:
         ParameterView(name, to_torch(data), None if grad is None else to_torch(grad), trainable)
         for name, data, grad, trainable in session.parameters()
     ]
+
+
+def label_placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for label `spec` when the eval graph runs on model inputs alone.
+
+    Raises:
+        BatchError: when a label dimension past the batch is symbolic (its size cannot be guessed).
+    """
+    symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
+    if symbolic:
+        raise BatchError(
+            f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
+            "through validation_step, or export with fixed label dimensions."
+        )
+    shape = (batch, *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)

@@ -24,16 +24,17 @@ import torch
 from ort_lightning import _ort
 from ort_lightning._binding import GradientViews, bind_views, check_conversion
 from ort_lightning._metrics import stage_metrics
-from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, parameter_views, to_torch, torch_device
-from ort_lightning.errors import BatchError, ConfigurationError
-from ort_lightning.optim import (
-    LinearLRSchedule,
-    ORTOptimizer,
+from ort_lightning._schedules import (
     SchedulerFactory,
     check_lr_scheduler,
-    torch_schedule,
+    check_schedule,
+    describe,
+    lr_scheduler_config,
 )
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
+from ort_lightning.errors import BatchError, ConfigurationError
+from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
 
 __all__ = ["ORTLightningModule"]
 
@@ -84,7 +85,7 @@ class ORTLightningModule(pl.LightningModule):
         device: str = "cpu",
     ) -> None:
         super().__init__()
-        _check_schedule(lr, warmup_steps, total_steps)
+        check_schedule(lr, warmup_steps, total_steps)
         check_lr_scheduler(lr_scheduler)
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
         self.lr = float(lr)
@@ -93,7 +94,7 @@ class ORTLightningModule(pl.LightningModule):
         self.lr_scheduler = lr_scheduler
         self.save_hyperparameters(
             {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": warmup_steps,
-             "total_steps": total_steps, "lr_scheduler": _describe(lr_scheduler)}
+             "total_steps": total_steps, "lr_scheduler": describe(lr_scheduler)}
         )
         self._metrics = self._stage_metrics(metrics)
         self._session: _ort.TrainingSession = self._assemble(device)
@@ -192,17 +193,10 @@ class ORTLightningModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step."""
         optimizer = ORTOptimizer(self._session, (p for p, _ in self._gradients.pairs), lr=self.lr)
-        if self.lr_scheduler == "constant":
-            return optimizer
-        scheduler: Any
-        if callable(self.lr_scheduler):
-            scheduler = torch_schedule(optimizer, self.lr_scheduler)
-        else:
-            total = self._total_steps()
-            warmup = self.warmup_steps
-            warmup_steps = round(warmup * total) if isinstance(warmup, float) and warmup < 1 else int(warmup)
-            scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup_steps, total_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = lr_scheduler_config(
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=self._total_steps
+        )
+        return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
         """Step ORT's schedule (Lightning only steps torch schedulers by itself)."""
@@ -224,8 +218,8 @@ class ORTLightningModule(pl.LightningModule):
         ORT's buffers (re-bound there in case something set ``.grad`` to None).
         """
         if optimizer_closure is not None:
-            optimizer_closure = _after_ort_backward(
-                optimizer_closure, self._gradients, 1.0 / self.trainer.accumulate_grad_batches
+            optimizer_closure = self._gradients.after_closure(
+                optimizer_closure, scale=1.0 / self.trainer.accumulate_grad_batches
             )
         optimizer.step(closure=optimizer_closure)
 
@@ -299,49 +293,6 @@ class ORTLightningModule(pl.LightningModule):
         cached = self._placeholders.get(batch)
         if cached is None:
             device = torch_device(self._session.device)
-            cached = [_placeholder(spec, batch, device) for spec in self.artifacts.manifest.labels]
+            cached = [label_placeholder(spec, batch, device) for spec in self.artifacts.manifest.labels]
             self._placeholders[batch] = cached
         return cached
-
-
-def _placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
-    symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
-    if symbolic:
-        raise BatchError(
-            f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
-            "through validation_step, or export with fixed label dimensions."
-        )
-    shape = (batch, *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
-    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
-
-
-def _after_ort_backward(closure: Callable[[], Any], gradients: GradientViews, scale: float) -> Callable[[], Any]:
-    def closure_then_fix_gradients() -> Any:
-        result = closure()
-        if scale != 1.0:
-            gradients.scale(scale)
-        gradients.rebind()
-        return result
-
-    return closure_then_fix_gradients
-
-
-def _describe(lr_scheduler: str | SchedulerFactory) -> str:
-    if isinstance(lr_scheduler, str):
-        return lr_scheduler
-    return getattr(lr_scheduler, "__qualname__", type(lr_scheduler).__name__)
-
-
-def _check_schedule(lr: float, warmup_steps: int | float, total_steps: int | None) -> None:
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ConfigurationError(f"Expected argument `lr` to be a positive float, but got {lr!r}.")
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-        raise ConfigurationError(
-            f"Expected argument `total_steps` to be a positive int or None, but got {total_steps!r}."
-        )
-    if isinstance(warmup_steps, float) and not warmup_steps.is_integer() and not 0 < warmup_steps < 1:
-        raise ConfigurationError(
-            f"Expected `warmup_steps` as a count (int >= 0) or a fraction in (0, 1), but got {warmup_steps!r}."
-        )
-    if warmup_steps < 0:
-        raise ConfigurationError(f"Expected `warmup_steps` >= 0, but got {warmup_steps!r}.")

@@ -23,14 +23,7 @@ import torch
 from ort_lightning._ort import TrainingSession
 from ort_lightning.errors import ConfigurationError
 
-__all__ = [
-    "LinearLRSchedule",
-    "ORTOptimizer",
-    "SchedulerFactory",
-    "check_lr_scheduler",
-    "linear_lr_factor",
-    "torch_schedule",
-]
+__all__ = ["LinearLRSchedule", "ORTOptimizer", "linear_lr_factor"]
 
 
 class ORTOptimizer(torch.optim.Optimizer):
@@ -149,39 +142,3 @@ class LinearLRSchedule:
         )
         self._sync()
 
-
-#: What ``ORTLightningModule(lr_scheduler=...)`` takes besides the names.
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-
-_SCHEDULE_NAMES = ("linear", "constant")
-
-
-def check_lr_scheduler(lr_scheduler: object) -> None:
-    """Refuse an `lr_scheduler` option that is neither a known name nor a callable.
-
-    Raises:
-        ConfigurationError: naming what is accepted.
-    """
-    if lr_scheduler in _SCHEDULE_NAMES or (callable(lr_scheduler) and not isinstance(lr_scheduler, str)):
-        return
-    raise ConfigurationError(
-        f"Expected argument `lr_scheduler` to be 'linear', 'constant' or a callable optimizer -> "
-        f"torch.optim.lr_scheduler.LRScheduler, but got {lr_scheduler!r}; for instance "
-        "lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
-    )
-
-
-def torch_schedule(optimizer: ORTOptimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
-    """Build a torch scheduler over `optimizer` with `factory`; its lr reaches ORT before every update.
-
-    Raises:
-        ConfigurationError: when `factory` returns something other than an ``LRScheduler`` of `optimizer`.
-    """
-    scheduler = factory(optimizer)
-    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) or scheduler.optimizer is not optimizer:
-        raise ConfigurationError(
-            f"Expected `lr_scheduler` to return a torch.optim.lr_scheduler.LRScheduler built on the optimizer "
-            f"it is given, but it returned {type(scheduler).__name__}; write e.g. "
-            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)."
-        )
-    return scheduler
