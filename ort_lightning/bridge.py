@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from ort_lightning._ort import OrtValue, OrtValueVector, TrainingSession
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.errors import BatchError
 
-__all__ = ["BatchBinder", "ParameterView", "parameter_views", "to_torch", "torch_device"]
+__all__ = ["BatchBinder", "ParameterView", "label_placeholder", "parameter_views", "to_torch", "torch_device"]
 
 _from_dlpack = OrtValue.from_dlpack
 
@@ -64,26 +64,47 @@ class BatchBinder:
         self.device = device
         self.graph = graph
         self._cuda = device.type == "cuda"
-        self._plan = tuple(
-            (spec.name, spec.torch_dtype, spec.dtype == "bool", _enforced_shape(spec)) for spec in self.specs
-        )
+        self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
+        self._shapes = tuple(_enforced_shape(spec) for spec in self.specs)
 
     def __call__(self, batch: Any) -> Any:
         """Return an OrtValueVector holding `batch` in graph-input order.
 
+        Shapes are not checked here (ORT checks them); `run` turns ORT's refusal into a
+        `BatchError` naming the input.
+
         Raises:
-            BatchError: for a batch with the wrong number of tensors, missing names, a dtype other
-                than the graph's, or a rank or fixed dimension that ONNX Runtime would refuse.
+            BatchError: for a batch with the wrong number of tensors, missing names, or a dtype other
+                than the graph's.
         """
-        tensors = self._ordered(batch)
+        return self.bind(self.ordered(batch))
+
+    def run(self, step: Callable[[Any], Any], tensors: Sequence[torch.Tensor]) -> Any:
+        """Bind `tensors` (from `ordered`) and run `step` on them; return its fetches.
+
+        Raises:
+            BatchError: for a dtype other than the graph's, or when ORT refuses a rank or a fixed
+                dimension (diagnosed only then, so that a good batch pays nothing for it).
+        """
+        vector = self.bind(tensors)
+        try:
+            return step(vector)
+        except RuntimeError as error:
+            self.check_shapes(tensors, cause=error)
+            raise
+
+    def bind(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Wrap `tensors` (in graph-input order) as OrtValues without copies.
+
+        Raises:
+            BatchError: for a dtype other than the graph's.
+        """
         vector = OrtValueVector()
         vector.reserve(len(tensors))
         device = self.device
-        for tensor, (name, dtype, is_bool, shape) in zip(tensors, self._plan, strict=True):
+        for tensor, (name, dtype, is_bool) in zip(tensors, self._plan, strict=True):
             if tensor.dtype != dtype:
                 raise self._dtype_error(name, dtype, tensor)
-            if shape is not None and not _fits(tensor.shape, shape):
-                raise self._shape_error(name, tensor)
             if tensor.device != device:
                 tensor = tensor.to(device)
             if not tensor.is_contiguous():
@@ -102,7 +123,22 @@ class BatchBinder:
             torch.cuda.current_stream(device).synchronize()
         return vector
 
-    def _ordered(self, batch: Any) -> Sequence[torch.Tensor]:
+    def check_shapes(self, tensors: Sequence[torch.Tensor], *, cause: BaseException | None = None) -> None:
+        """Raise a `BatchError` for the first tensor whose rank or fixed dimensions the graph refuses.
+
+        Raises:
+            BatchError: naming the input, the expected shape and the given one.
+        """
+        for tensor, spec, shape in zip(tensors, self.specs, self._shapes, strict=True):
+            if shape is not None and not _fits(tensor.shape, shape):
+                raise self._shape_error(spec, tensor) from cause
+
+    def ordered(self, batch: Any) -> Sequence[torch.Tensor]:
+        """Return the tensors of `batch` in graph-input order.
+
+        Raises:
+            BatchError: for a batch with the wrong number of tensors, missing names or non-tensors.
+        """
         if isinstance(batch, (tuple, list)):
             tensors: Sequence[Any] = batch
         elif isinstance(batch, Mapping):
@@ -142,13 +178,11 @@ class BatchBinder:
             f"(tensor.to(torch.{target}))."
         )
 
-
-    def _shape_error(self, name: str, tensor: torch.Tensor) -> BatchError:
-        spec = self.specs[self.names.index(name)]
+    def _shape_error(self, spec: TensorSpec, tensor: torch.Tensor) -> BatchError:
         dims = [str(dim) if dim else "?" for dim in spec.shape]
         expected = f"{dims[0]}," if len(dims) == 1 else ", ".join(dims)
         return BatchError(
-            f"Input {name!r} of the {self.graph} graph expects shape ({expected}), but the batch gives "
+            f"Input {spec.name!r} of the {self.graph} graph expects shape ({expected}), but the batch gives "
             f"{tuple(tensor.shape)}; reshape it in your Dataset or collate_fn (named dimensions are free, "
             "numbers must match)."
         )
@@ -186,3 +220,19 @@ def parameter_views(session: TrainingSession) -> list[ParameterView]:
         ParameterView(name, to_torch(data), None if grad is None else to_torch(grad), trainable)
         for name, data, grad, trainable in session.parameters()
     ]
+
+
+def label_placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for label `spec` when the eval graph runs on model inputs alone.
+
+    Raises:
+        BatchError: when a label dimension past the batch is symbolic (its size cannot be guessed).
+    """
+    symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
+    if symbolic:
+        raise BatchError(
+            f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
+            "through validation_step, or export with fixed label dimensions."
+        )
+    shape = (batch, *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)

@@ -15,15 +15,25 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from ort_lightning import _ort
+from ort_lightning._binding import GradientViews, bind_views, check_conversion
 from ort_lightning._checkpointing import CheckpointingMixin
-from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, ParameterView, parameter_views, to_torch, torch_device
+from ort_lightning._metrics import stage_metrics
+from ort_lightning._schedules import (
+    SchedulerFactory,
+    check_lr_scheduler,
+    check_schedule,
+    describe,
+    lr_scheduler_config,
+)
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
 from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
 
@@ -50,6 +60,12 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
             fraction of `total_steps` when a float in (0, 1).
         total_steps: optimizer steps until the lr decays linearly to 0; None means
             ``trainer.estimated_stepping_batches``.
+        lr_scheduler: ``"linear"`` (ORT's linear warmup/decay, the default), ``"constant"``, or a
+            factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` (cosine, step, one-cycle),
+            stepped per optimizer step; the lr it sets reaches ORT before every update.
+        metrics: a torchmetrics Metric, MetricCollection or dict name -> Metric, updated with the
+            graph's first extra output (the logits) and the first label, cloned per stage and logged
+            as ``train_<name>``, ``val_<name>``, ``test_<name>`` (name: the dict key or the class name).
         device: where to build the ORT components before a trainer says otherwise
             (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
         checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
@@ -69,19 +85,24 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         lr: float = 1e-3,
         warmup_steps: int | float = 0,
         total_steps: int | None = None,
+        lr_scheduler: str | SchedulerFactory = "linear",
+        metrics: Any = None,
         device: str = "cpu",
         checkpoint: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
-        _check_schedule(lr, warmup_steps, total_steps)
+        check_schedule(lr, warmup_steps, total_steps)
+        check_lr_scheduler(lr_scheduler)
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
         self.lr = float(lr)
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
+        self.lr_scheduler = lr_scheduler
         self.save_hyperparameters(
             {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": warmup_steps,
-             "total_steps": total_steps}
+             "total_steps": total_steps, "lr_scheduler": describe(lr_scheduler)}
         )
+        self._metrics = self._stage_metrics(metrics)
         self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
 
     # ----------------------------------------------------------------------------- assembly
@@ -100,43 +121,28 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         self._train_inputs = BatchBinder(specs, target, graph="training")
         self._eval_inputs = BatchBinder(specs, target, graph="eval")
         self._placeholders: dict[int, list[torch.Tensor]] = {}
-        self._bind_views(parameter_views(session))
+        views = parameter_views(session)
+        self._gradients: GradientViews = bind_views(self, views, self.artifacts.manifest.buffers)
+        self._ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
+        self._train_step = session.train_step
+        self._eval_step = session.eval_step
         return session
 
-    def _bind_views(self, views: list[ParameterView]) -> None:
-        grads = []
-        for view in views:
-            owner, leaf = self._owner_of(view.name)
-            if view.name in self.artifacts.manifest.buffers:
-                owner.register_buffer(leaf, view.data)
-                continue
-            parameter = owner._parameters.get(leaf)
-            if parameter is None:
-                parameter = torch.nn.Parameter(view.data, requires_grad=view.trainable)
-                owner.register_parameter(leaf, parameter)
-            else:
-                parameter.data = view.data
-            if view.grad is not None:
-                parameter.grad = view.grad
-                grads.append(view.grad)
-        self._grads = grads
-
-    def _owner_of(self, name: str) -> tuple[torch.nn.Module, str]:
-        """Return the (created on demand) submodule holding `name` and the leaf name."""
-        *path, leaf = name.split(".")
-        owner: torch.nn.Module = self
-        for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                if hasattr(owner, part):
-                    raise ConfigurationError(
-                        f"Parameter {name!r} clashes with the attribute {part!r} of {type(owner).__name__}; "
-                        "rename that submodule of the torch model and export it again."
-                    )
-                child = torch.nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        return owner, leaf
+    def _stage_metrics(self, metrics: Any) -> dict[str, Any]:
+        if metrics is None:
+            return {}
+        manifest = self.artifacts.manifest
+        if not manifest.outputs or not manifest.labels:
+            raise ConfigurationError(
+                f"`metrics` need a model output and a label, but the artifacts have outputs {list(manifest.outputs)} "
+                f"and labels {[s.name for s in manifest.labels]}; export with a loss that takes labels "
+                "(e.g. loss='cross_entropy'), or drop `metrics`."
+            )
+        self._label_index = len(manifest.inputs)
+        stages = stage_metrics(metrics)
+        for stage, collection in stages.items():
+            self.add_module(f"{stage}_metrics", collection)
+        return stages
 
     # ----------------------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
@@ -167,17 +173,22 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
-        fetches = self._session.train_step(self._train_inputs(batch))
+        binder = self._train_inputs
+        tensors = binder.ordered(batch)
+        fetches = binder.run(self._train_step, tensors)
         loss = to_torch(fetches[0])
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
+        if self._metrics:
+            self._update_metrics("train", fetches, tensors)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Run the eval graph and log ``val_loss``."""
-        fetches = self._session.eval_step(self._eval_inputs(batch))
-        loss = to_torch(fetches[0])
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
+        """Run the eval graph and log ``val_loss`` (and the ``val_`` metrics)."""
+        return self._evaluate("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Run the eval graph and log ``test_loss`` (and the ``test_`` metrics)."""
+        return self._evaluate("test", batch)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
@@ -189,15 +200,12 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         return self(*batch[:count])
 
     def configure_optimizers(self) -> Any:
-        """Return the ORT optimizer and ORT's linear warmup/decay schedule, stepped per optimizer step."""
-        optimizer = ORTOptimizer(
-            self._session, (p for p in self.parameters() if p.requires_grad), lr=self.lr
+        """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step."""
+        optimizer = ORTOptimizer(self._session, (p for p, _ in self._gradients.pairs), lr=self.lr)
+        scheduler = lr_scheduler_config(
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=self._total_steps
         )
-        total = self._total_steps()
-        warmup = self.warmup_steps
-        warmup_steps = round(warmup * total) if isinstance(warmup, float) and warmup < 1 else int(warmup)
-        scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup_steps, total_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
         """Step ORT's schedule (Lightning only steps torch schedulers by itself)."""
@@ -215,14 +223,65 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         """Step the optimizer; under ``accumulate_grad_batches=N`` average ORT's summed gradients first.
 
         ORT sums gradients over micro-batches, Lightning expects their mean; the scaling runs
-        inside the closure, so gradient clipping sees the averaged gradients.
+        inside the closure, so gradient clipping sees the averaged gradients, on the views of
+        ORT's buffers (re-bound there in case something set ``.grad`` to None).
         """
-        accumulate = self.trainer.accumulate_grad_batches
-        if accumulate > 1 and optimizer_closure is not None:
-            optimizer_closure = _averaging(optimizer_closure, self._grads, 1.0 / accumulate)
+        if optimizer_closure is not None:
+            optimizer_closure = self._gradients.after_closure(
+                optimizer_closure, scale=1.0 / self.trainer.accumulate_grad_batches
+            )
         optimizer.step(closure=optimizer_closure)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Schedule ORT's gradient reset and keep ``.grad`` the views of ORT's gradient buffers.
+
+        ``torch.nn.Module.zero_grad`` would set ``.grad`` to None, cutting the views: gradient
+        clipping would then see no gradients and silently do nothing.
+        """
+        self._session.lazy_reset_grad()
+        self._gradients.rebind()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTLightningModule:
+        """Apply `fn` to the torch-side submodules (metrics) only; ORT's parameters stay in ORT's memory.
+
+        The ORT components follow the trainer's device in `configure_model`; a dtype conversion
+        is refused, since it would copy the parameters away from what ORT trains.
+
+        Raises:
+            ConfigurationError: for a conversion to a dtype other than float32.
+        """
+        session = self.__dict__.get("_session")
+        if session is None:
+            return super()._apply(fn, recurse)
+        device = torch_device(session.device)
+        try:
+            check_conversion(fn, device)
+            for name, child in self._modules.items():
+                if name not in self._ort_children and child is not None:
+                    child._apply(fn, recurse)
+        finally:
+            # NOTE: Lightning's .to()/.half() record the new device and dtype before calling
+            # _apply; the module still lives where ORT runs it, in float32.
+            self._device = device
+            self._dtype = torch.float32
+        return self
+
     # ----------------------------------------------------------------------------- helpers
+    def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
+        binder = self._eval_inputs
+        tensors = binder.ordered(batch)
+        fetches = binder.run(self._eval_step, tensors)
+        loss = to_torch(fetches[0])
+        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
+        if self._metrics:
+            self._update_metrics(stage, fetches, tensors)
+        return loss
+
+    def _update_metrics(self, stage: str, fetches: Any, tensors: Any) -> None:
+        collection = self._metrics[stage]
+        collection.update(to_torch(fetches[1]), tensors[self._label_index])
+        self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
+
     def _total_steps(self) -> int:
         if self.total_steps is not None:
             return int(self.total_steps)
@@ -243,42 +302,6 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         cached = self._placeholders.get(batch)
         if cached is None:
             device = torch_device(self._session.device)
-            cached = [_placeholder(spec, batch, device) for spec in self.artifacts.manifest.labels]
+            cached = [label_placeholder(spec, batch, device) for spec in self.artifacts.manifest.labels]
             self._placeholders[batch] = cached
         return cached
-
-
-def _placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
-    symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
-    if symbolic:
-        raise BatchError(
-            f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
-            "through validation_step, or export with fixed label dimensions."
-        )
-    shape = (batch, *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
-    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
-
-
-def _averaging(closure: Any, grads: list[torch.Tensor], scale: float) -> Any:
-    def averaged() -> Any:
-        result = closure()
-        if grads:
-            torch._foreach_mul_(grads, scale)
-        return result
-
-    return averaged
-
-
-def _check_schedule(lr: float, warmup_steps: int | float, total_steps: int | None) -> None:
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ConfigurationError(f"Expected argument `lr` to be a positive float, but got {lr!r}.")
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-        raise ConfigurationError(
-            f"Expected argument `total_steps` to be a positive int or None, but got {total_steps!r}."
-        )
-    if isinstance(warmup_steps, float) and not warmup_steps.is_integer() and not 0 < warmup_steps < 1:
-        raise ConfigurationError(
-            f"Expected `warmup_steps` as a count (int >= 0) or a fraction in (0, 1), but got {warmup_steps!r}."
-        )
-    if warmup_steps < 0:
-        raise ConfigurationError(f"Expected `warmup_steps` >= 0, but got {warmup_steps!r}.")

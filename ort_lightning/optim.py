@@ -48,14 +48,19 @@ class ORTOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``."""
+        """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``.
+
+        A closure that returns None (``training_step`` skipped the batch) skips the update; the
+        gradients are reset all the same, so that they do not leak into the next step.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         session = self.session
-        session.set_lr(self.param_groups[0]["lr"])
-        session.optimizer_step()
+        if closure is None or loss is not None:
+            session.set_lr(self.param_groups[0]["lr"])
+            session.optimizer_step()
         # NOTE: the reset goes right after the update. Lightning's zero_grad runs inside the
         # closure after training_step, which for ORT (gradients appear in training_step, not in
         # backward) would discard the first micro-batch under gradient accumulation.
@@ -136,3 +141,4 @@ class LinearLRSchedule:
             warmup_steps=self.warmup_steps, total_steps=self.total_steps, lr=self.base_lr
         )
         self._sync()
+

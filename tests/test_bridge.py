@@ -237,8 +237,9 @@ def test_wrong_shape_names_input_and_shapes(
         rf"Input '{name}' of the training graph expects shape {expected}, but the batch gives {given}; "
         "reshape it in your Dataset or collate_fn"
     )
+    binder = _binder(mlp_adamw.artifacts)
     with pytest.raises(BatchError, match=message):
-        _binder(mlp_adamw.artifacts)(batch)
+        binder.run(_session(mlp_adamw.artifacts).train_step, binder.ordered(batch))
 
 
 def test_batch_size_is_free(mlp_adamw: Exported) -> None:

@@ -1,0 +1,131 @@
+"""Torch parameters that stay views of ONNX Runtime's memory.
+
+`bind_views` registers the ORT parameters (and buffers) on a module under the torch model's
+own names; each trainable parameter's ``.grad`` is a view of ORT's gradient buffer. Lightning
+and torch both reach for ``.grad = None`` and ``module._apply`` at times: `GradientViews`
+re-binds the gradient views cheaply, and `check_conversion` refuses a dtype conversion that
+would copy the parameters away from the memory ORT trains.
+
+Example::
+
+    >>> import torch
+    >>> check_conversion(lambda t: t.to("cpu"), torch.device("cpu"))
+    >>> check_conversion(lambda t: t.half(), torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    ort_lightning.errors.ConfigurationError: ONNX Runtime trains this module in float32, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+
+from ort_lightning.bridge import ParameterView
+from ort_lightning.errors import ConfigurationError
+
+__all__ = ["GradientViews", "bind_views", "check_conversion", "owner_of"]
+
+
+class GradientViews:
+    """The pairs (parameter, view of ORT's gradient buffer) of the trainable parameters.
+
+    Args:
+        pairs: each trainable parameter with the gradient view it must keep as ``.grad``.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        self.pairs = tuple(pairs)
+        self.grads = [grad for _, grad in self.pairs]
+
+    def rebind(self) -> None:
+        """Give every parameter its gradient view back where something replaced or cleared it."""
+        for parameter, grad in self.pairs:
+            if parameter.grad is not grad:
+                parameter.grad = grad
+
+    def after_closure(self, closure: Callable[[], Any], *, scale: float) -> Callable[[], Any]:
+        """Wrap an optimizer closure: after it (ORT's forward and backward), scale and re-bind the gradients.
+
+        Args:
+            closure: Lightning's closure, running ``training_step``.
+            scale: gradient factor, ``1/N`` under ``accumulate_grad_batches=N`` (ORT sums, torch averages).
+        """
+
+        def closure_then_fix_gradients() -> Any:
+            result = closure()
+            if scale != 1.0:
+                self.scale(scale)
+            self.rebind()
+            return result
+
+        return closure_then_fix_gradients
+
+    def scale(self, factor: float) -> None:
+        """Multiply ORT's gradient buffers in place."""
+        if self.grads:
+            torch._foreach_mul_(self.grads, factor)
+
+
+def owner_of(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """Return the (created on demand) submodule of `root` holding `name`, and the leaf name.
+
+    Raises:
+        ConfigurationError: when a path component clashes with an attribute of `root`.
+    """
+    *path, leaf = name.split(".")
+    owner = root
+    for part in path:
+        child = owner._modules.get(part)
+        if child is None:
+            if hasattr(owner, part):
+                raise ConfigurationError(
+                    f"Parameter {name!r} clashes with the attribute {part!r} of {type(owner).__name__}; "
+                    "rename that submodule of the torch model and export it again."
+                )
+            child = torch.nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    return owner, leaf
+
+
+def bind_views(root: torch.nn.Module, views: Sequence[ParameterView], buffers: Collection[str]) -> GradientViews:
+    """Register `views` on `root` (buffers for names in `buffers`), re-pointing existing ones.
+
+    Returns:
+        The gradient views of the trainable parameters.
+    """
+    pairs = []
+    for view in views:
+        owner, leaf = owner_of(root, view.name)
+        if view.name in buffers:
+            owner.register_buffer(leaf, view.data)
+            continue
+        parameter = owner._parameters.get(leaf)
+        if parameter is None:
+            parameter = torch.nn.Parameter(view.data, requires_grad=view.trainable)
+            owner.register_parameter(leaf, parameter)
+        else:
+            parameter.data = view.data
+        if view.grad is not None:
+            parameter.grad = view.grad
+            pairs.append((parameter, view.grad))
+    return GradientViews(pairs)
+
+
+def check_conversion(fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    """Refuse a tensor conversion `fn` (from ``module._apply``) that changes the dtype.
+
+    Raises:
+        ConfigurationError: when `fn` turns a float32 tensor into another dtype.
+    """
+    converted = fn(torch.empty(0, device=device))
+    if converted.dtype != torch.float32:
+        raise ConfigurationError(
+            "ONNX Runtime trains this module in float32, and a conversion to "
+            f"{str(converted.dtype).replace('torch.', '')} would copy the parameters away from the memory ORT "
+            "updates; keep the module in float32 (no .half()/.double()/.to(dtype)) and export artifacts "
+            "from a model of the dtype you want instead."
+        )

@@ -1,0 +1,198 @@
+"""Parity with plain torch: the same model, weights, batches and optimizer give the same parameters.
+
+The reference is a hand-written torch loop (torch.optim.AdamW / SGD, `loss / N` for
+accumulation, torch's own clipping and schedulers); the ORT side is a real Trainer.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Iterator
+from itertools import cycle
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from ort_lightning import ORTLightningModule
+from tests.conftest import Exported, blobs
+
+STEPS = 50
+ADAMW_LR = 0.01
+SGD_LR = 0.1
+
+
+def _loader() -> DataLoader:
+    x, y = blobs(512, seed=0)
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+
+
+def _trainer(**options: object) -> L.Trainer:
+    defaults: dict[str, object] = dict(
+        max_steps=STEPS,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+
+
+def _batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    return cycle(list(loader))
+
+
+def _torch_train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    accumulate: int = 1,
+    clip: Callable[[list[torch.nn.Parameter]], object] | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    steps: int = STEPS,
+) -> list[float]:
+    """Train `model` the plain torch way; return the lr each update used."""
+    lrs: list[float] = []
+    batches = _batches(_loader())
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = next(batches)
+            (F.cross_entropy(model(x), y) / accumulate).backward()
+        if clip is not None:
+            clip(list(model.parameters()))
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return lrs
+
+
+def _assert_same_parameters(module: ORTLightningModule, reference: torch.nn.Module, atol: float = 1e-5) -> None:
+    ours = {name: p.detach() for name, p in module.named_parameters()}
+    theirs = {name: p.detach() for name, p in reference.named_parameters()}
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _fit(exported: Exported, lr: float, **options: object) -> ORTLightningModule:
+    schedule = options.pop("lr_scheduler", "constant")
+    module = ORTLightningModule(exported.artifacts, lr=lr, lr_scheduler=schedule)  # type: ignore[arg-type]
+    _trainer(**options).fit(module, _loader())
+    return module
+
+
+def _reference_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
+    return torch.optim.SGD(model.parameters(), lr=SGD_LR)
+
+
+OPTIMIZERS = [("mlp_adamw", "adamw", ADAMW_LR), ("mlp_sgd", "sgd", SGD_LR)]
+
+
+@pytest.mark.parametrize(("fixture", "kind", "lr"), OPTIMIZERS, ids=["adamw", "sgd"])
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
+def test_parameters_match_torch(
+    request: pytest.FixtureRequest, fixture: str, kind: str, lr: float, accumulate: int
+) -> None:
+    exported: Exported = request.getfixturevalue(fixture)
+    module = _fit(exported, lr, accumulate_grad_batches=accumulate)
+    reference = exported.reference()
+    _torch_train(reference, _reference_optimizer(kind, reference), accumulate=accumulate)
+    _assert_same_parameters(module, reference)
+
+
+CLIPPING = [
+    ("norm", 0.1, lambda params: torch.nn.utils.clip_grad_norm_(params, 0.1)),
+    ("value", 0.01, lambda params: torch.nn.utils.clip_grad_value_(params, 0.01)),
+]
+
+
+@pytest.mark.parametrize(("fixture", "kind", "lr"), OPTIMIZERS, ids=["adamw", "sgd"])
+@pytest.mark.parametrize(("algorithm", "value", "clip"), CLIPPING, ids=["norm", "value"])
+def test_gradient_clipping_matches_torch(
+    request: pytest.FixtureRequest, fixture: str, kind: str, lr: float, algorithm: str, value: float, clip
+) -> None:
+    exported: Exported = request.getfixturevalue(fixture)
+    module = _fit(
+        exported, lr, gradient_clip_val=value, gradient_clip_algorithm=algorithm, accumulate_grad_batches=2
+    )
+    reference = exported.reference()
+    _torch_train(reference, _reference_optimizer(kind, reference), accumulate=2, clip=clip)
+    _assert_same_parameters(module, reference)
+    # The clipping is active: without it torch ends elsewhere.
+    unclipped = exported.reference()
+    _torch_train(unclipped, _reference_optimizer(kind, unclipped), accumulate=2)
+    pairs = zip(unclipped.parameters(), reference.parameters(), strict=True)
+    assert max((a - b).abs().max().item() for a, b in pairs) > 1e-3
+
+
+def _linear(step: int, warmup: int, total: int) -> float:
+    """Closed form of the linear warmup/decay multiplier, written here independently of the package."""
+    if step < warmup:
+        return step / warmup
+    return max(0.0, (total - step) / (total - warmup))
+
+
+def _cosine(step: int, total: int) -> float:
+    return (1 + math.cos(math.pi * step / total)) / 2
+
+
+def _logged_lrs(logger: CSVLogger) -> list[float]:
+    with open(Path(logger.log_dir) / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("lr-ORTOptimizer")]
+    return [float(row["lr-ORTOptimizer"]) for row in sorted(rows, key=lambda row: int(row["step"]))]
+
+
+def _fit_logged(exported: Exported, tmp_path: Path, **options: object) -> tuple[ORTLightningModule, list[float]]:
+    module = ORTLightningModule(exported.artifacts, lr=ADAMW_LR, **options)  # type: ignore[arg-type]
+    logger = CSVLogger(tmp_path, name="lr")
+    trainer = _trainer(logger=logger, callbacks=[LearningRateMonitor(logging_interval="step")], log_every_n_steps=1)
+    trainer.fit(module, _loader())
+    return module, _logged_lrs(logger)
+
+
+def test_linear_schedule_logs_closed_form_lrs_and_matches_torch(mlp_adamw: Exported, tmp_path: Path) -> None:
+    warmup = 5
+    module, logged = _fit_logged(mlp_adamw, tmp_path, warmup_steps=warmup)
+    expected = [ADAMW_LR * _linear(step, warmup, STEPS) for step in range(STEPS)]
+    assert logged == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    reference = mlp_adamw.reference()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, warmup, STEPS))
+    used = _torch_train(reference, optimizer, scheduler=scheduler)
+    assert used == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    _assert_same_parameters(module, reference)
+
+
+def test_warmup_fraction_counts_in_total_steps(mlp_adamw: Exported, tmp_path: Path) -> None:
+    _, logged = _fit_logged(mlp_adamw, tmp_path, warmup_steps=0.2, total_steps=40)
+    expected = [ADAMW_LR * _linear(step, 8, 40) for step in range(STEPS)]
+    assert logged == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def test_cosine_factory_matches_torch(mlp_adamw: Exported, tmp_path: Path) -> None:
+    def factory(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+
+    module, logged = _fit_logged(mlp_adamw, tmp_path, lr_scheduler=factory)
+    expected = [ADAMW_LR * _cosine(step, STEPS) for step in range(STEPS)]
+    assert logged == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    reference = mlp_adamw.reference()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
+    _torch_train(reference, optimizer, scheduler=factory(optimizer))
+    _assert_same_parameters(module, reference)
+
+
+def test_constant_schedule_logs_the_lr(mlp_adamw: Exported, tmp_path: Path) -> None:
+    _, logged = _fit_logged(mlp_adamw, tmp_path, lr_scheduler="constant")
+    assert logged == pytest.approx([ADAMW_LR] * STEPS)
