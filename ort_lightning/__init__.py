@@ -4,7 +4,7 @@ Example::
 
     >>> import ort_lightning
     >>> sorted(ort_lightning.__all__)[:3]
-    ['ORTLightningModule', 'ORTOptimizer', 'TrainingArtifacts']
+    ['ORTDDPStrategy', 'ORTLightningModule', 'ORTOptimizer']
 """
 
 from __future__ import annotations
@@ -14,5 +14,13 @@ __version__ = "0.1.0"
 from ort_lightning.artifacts import TrainingArtifacts, export_artifacts
 from ort_lightning.module import ORTLightningModule
 from ort_lightning.optim import ORTOptimizer
+from ort_lightning.strategies import ORTDDPStrategy
 
-__all__ = ["ORTLightningModule", "ORTOptimizer", "TrainingArtifacts", "__version__", "export_artifacts"]
+__all__ = [
+    "ORTDDPStrategy",
+    "ORTLightningModule",
+    "ORTOptimizer",
+    "TrainingArtifacts",
+    "__version__",
+    "export_artifacts",
+]

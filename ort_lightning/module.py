@@ -25,10 +25,14 @@ from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, ParameterView, parameter_views, to_torch, torch_device
 from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
+from ort_lightning.strategies import check_strategy
 
 __all__ = ["ORTLightningModule"]
 
 _SUPPORTED_PRECISION = "32-true"
+
+#: Attributes holding ORT objects or views of them, rebuilt after unpickling (spawn, deepcopy).
+_UNPICKLED = ("_session", "_train_inputs", "_eval_inputs", "_placeholders", "_grads")
 
 
 def _device_string(device: torch.device) -> str:
@@ -131,9 +135,28 @@ class ORTLightningModule(pl.LightningModule):
             owner = child
         return owner, leaf
 
+    # ----------------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
+        state = super().__getstate__()
+        for key in _UNPICKLED:
+            state.pop(key, None)
+        state["_ort_device"] = self._session.device
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
+        device = state.pop("_ort_device")
+        super().__setstate__(state)
+        values = [t.detach().clone() for t in (*self.parameters(), *self.buffers())]
+        self._session = self._assemble(device)
+        with torch.no_grad():
+            torch._foreach_copy_([*self.parameters(), *self.buffers()], values)
+
     # ----------------------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
-        """Refuse a Trainer precision other than ``"32-true"`` before any step runs."""
+        """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
+        check_strategy(self.trainer.strategy)
         precision = str(self.trainer.precision)
         if precision != _SUPPORTED_PRECISION:
             raise ConfigurationError(
@@ -167,7 +190,7 @@ class ORTLightningModule(pl.LightningModule):
         """Run the eval graph and log ``val_loss``."""
         fetches = self._session.eval_step(self._eval_inputs(batch))
         loss = to_torch(fetches[0])
-        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
         return loss
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
@@ -196,6 +219,13 @@ class ORTLightningModule(pl.LightningModule):
             scheduler.step()
         else:
             super().lr_scheduler_step(scheduler, metric)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Keep the ``.grad`` views of ORT's gradient buffers (ORT resets them after each update).
+
+        ``nn.Module.zero_grad`` would set them to None, cutting them from ORT's buffers; the
+        trainer calls it before training.
+        """
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Do nothing: ORT computed the gradients in ``training_step``."""
