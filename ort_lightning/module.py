@@ -148,10 +148,25 @@ class ORTLightningModule(pl.LightningModule):
         """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
         device = state.pop("_ort_device")
         super().__setstate__(state)
-        values = [t.detach().clone() for t in (*self.parameters(), *self.buffers())]
+        values = self._values()
         self._session = self._assemble(device)
-        with torch.no_grad():
-            torch._foreach_copy_([*self.parameters(), *self.buffers()], values)
+        self._load_values(values)
+
+    def _values(self) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in (*self.parameters(), *self.buffers())]
+
+    @torch.no_grad()
+    def _load_values(self, values: list[torch.Tensor]) -> None:
+        for tensor, value in zip((*self.parameters(), *self.buffers()), values, strict=True):
+            tensor.copy_(value)
+
+    def _views_attached(self) -> bool:
+        """Tell whether every parameter and buffer still shares memory with ORT's state."""
+        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        return all(
+            view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
+            for view in parameter_views(self._session)
+        )
 
     # ----------------------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
@@ -165,10 +180,20 @@ class ORTLightningModule(pl.LightningModule):
             )
 
     def configure_model(self) -> None:
-        """Rebuild the ORT components on the trainer's root device when it is not theirs."""
+        """Rebuild the ORT components on the trainer's root device when it is not theirs.
+
+        The module's current values are kept. Views that were replaced by copies (Lightning's
+        spawn launcher clones every parameter's ``.data`` on CPU) are attached to ORT's state again.
+        """
         device = _device_string(self.trainer.strategy.root_device)
+        if device == self._session.device and self._views_attached():
+            return
+        values = self._values()
         if device != self._session.device:
             self._session = self._assemble(device)
+        else:
+            self._bind_views(parameter_views(self._session))
+        self._load_values(values)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Run the eval graph on model inputs; return its model outputs as torch tensors.

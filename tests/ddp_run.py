@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
+from ort_lightning.bridge import parameter_views
 
 
 def dataset(kind: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +49,14 @@ class RankSlices(L.LightningDataModule):
 
 
 class DumpState(L.Callback):
-    """At the end of fit, every rank writes its parameters, buffers and gradient-sync count."""
+    """At the end of fit, every rank writes ORT's parameters and buffers and its gradient-sync count."""
 
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        state = {name: tensor.detach().clone() for name, tensor in pl_module.state_dict().items()}
+        # NOTE: ORT's own state, not the module's tensors: it is what the next step trains.
+        state = {view.name: view.data.clone() for view in parameter_views(pl_module._session)}
         syncs = getattr(trainer.strategy, "gradient_syncs", None)
         torch.save({"state": state, "syncs": syncs, "world": trainer.world_size},
                    self.out / f"rank{trainer.global_rank}.pt")
