@@ -68,7 +68,8 @@ def _worker(rank: int, world: int, port: int, artifacts: str, steps: int, batch:
         print(f"parameters: {count:,} in {len(grads)} tensors, {len(coalesced.buckets)} bucket(s); "
               f"world {world}, batch {batch} per rank, {steps} steps")
         print(f"train step (ORT forward+backward+AdamW): {train_ms:8.2f} ms")
-        print(f"coalesced all-reduce round:              {reduce_ms:8.2f} ms  ({reduce_ms / train_ms:.2f} x train step)")
+        print(f"coalesced all-reduce round:              {reduce_ms:8.2f} ms  "
+              f"({reduce_ms / train_ms:.2f} x train step)")
         print(f"one all-reduce per tensor:               {per_tensor_ms:8.2f} ms  "
               f"({per_tensor_ms / train_ms:.2f} x train step)")
     dist.destroy_process_group()

@@ -47,7 +47,7 @@ class ORTOptimizer(torch.optim.Optimizer):
         session.set_lr(float(lr))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``."""
         loss = None
         if closure is not None:
