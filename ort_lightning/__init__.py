@@ -4,7 +4,7 @@ Example::
 
     >>> import ort_lightning
     >>> sorted(ort_lightning.__all__)[:3]
-    ['ORTCheckpoint', 'ORTLightningModule', 'ORTOptimizer']
+    ['ORTCheckpoint', 'ORTDDPStrategy', 'ORTLightningModule']
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from ort_lightning.artifacts import TrainingArtifacts, export_artifacts
 from ort_lightning.callbacks import ORTCheckpoint
 from ort_lightning.module import ORTLightningModule
 from ort_lightning.optim import ORTOptimizer
+from ort_lightning.strategies import ORTDDPStrategy
 
 __all__ = [
     "ORTCheckpoint",
+    "ORTDDPStrategy",
     "ORTLightningModule",
     "ORTOptimizer",
     "TrainingArtifacts",

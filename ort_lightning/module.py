@@ -36,10 +36,14 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
 from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
+from ort_lightning.strategies import check_strategy
 
 __all__ = ["ORTLightningModule"]
 
 _SUPPORTED_PRECISION = "32-true"
+
+#: Attributes holding ORT objects or views of them, rebuilt after unpickling (spawn, deepcopy).
+_UNPICKLED = ("_session", "_train_inputs", "_eval_inputs", "_placeholders", "_gradients", "_train_step", "_eval_step")
 
 
 def _device_string(device: torch.device) -> str:
@@ -144,9 +148,43 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
             self.add_module(f"{stage}_metrics", collection)
         return stages
 
+    # ----------------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
+        state = super().__getstate__()
+        for key in _UNPICKLED:
+            state.pop(key, None)
+        state["_ort_device"] = self._session.device
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
+        device = state.pop("_ort_device")
+        super().__setstate__(state)
+        values = self._values()
+        self._session = self._assemble(device)
+        self._load_values(values)
+
+    def _values(self) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in (*self.parameters(), *self.buffers())]
+
+    @torch.no_grad()
+    def _load_values(self, values: list[torch.Tensor]) -> None:
+        for tensor, value in zip((*self.parameters(), *self.buffers()), values, strict=True):
+            tensor.copy_(value)
+
+    def _views_attached(self) -> bool:
+        """Tell whether every parameter and buffer still shares memory with ORT's state."""
+        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        return all(
+            view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
+            for view in parameter_views(self._session)
+        )
+
     # ----------------------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
-        """Refuse a Trainer precision other than ``"32-true"`` before any step runs."""
+        """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
+        check_strategy(self.trainer.strategy)
         precision = str(self.trainer.precision)
         if precision != _SUPPORTED_PRECISION:
             raise ConfigurationError(
@@ -155,12 +193,22 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
             )
 
     def configure_model(self) -> None:
-        """Rebuild the ORT components on the trainer's root device when it is not theirs."""
+        """Rebuild the ORT components on the trainer's root device when it is not theirs.
+
+        The module's current values are kept. Views that were replaced by copies (Lightning's
+        spawn launcher clones every parameter's ``.data`` on CPU) are attached to ORT's state again.
+        """
         if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
             return
         device = _device_string(self.trainer.strategy.root_device)
+        if device == self._session.device and self._views_attached():
+            return
+        values = self._values()
         if device != self._session.device:
             self._session = self._assemble(device)
+        else:
+            self._gradients = bind_views(self, parameter_views(self._session), self.artifacts.manifest.buffers)
+        self._load_values(values)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Run the eval graph on model inputs; return its model outputs as torch tensors.
@@ -272,7 +320,8 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         tensors = binder.ordered(batch)
         fetches = binder.run(self._eval_step, tensors)
         loss = to_torch(fetches[0])
-        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
+        size = tensors[0].shape[0]
+        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
         if self._metrics:
             self._update_metrics(stage, fetches, tensors)
         return loss

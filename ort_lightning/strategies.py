@@ -1,0 +1,163 @@
+"""`ORTDDPStrategy`: distributed data parallel training of ORT artifacts on torch.distributed.
+
+Lightning's `DDPStrategy` wraps the module in `DistributedDataParallel`, whose autograd hooks
+never fire for gradients that ONNX Runtime computes. This subclass keeps everything else of
+Lightning's DDP (launchers, process group, distributed sampler, ``sync_dist``, rank-0
+checkpoints) and replaces the wrapper with two collectives on the torch views of ORT's state:
+
+- at setup, parameters and buffers are broadcast from rank 0, so every rank starts equal;
+- once per optimizer step, after the last micro-batch and before gradient clipping, the
+  gradients are averaged across ranks in place, coalesced into a few large buffers. Floating
+  point buffers (BatchNorm running statistics) are averaged in the same round, so that the
+  ranks stay identical.
+
+Importing ``ort_lightning`` registers ``"ort_ddp"`` (processes started as subprocesses of the
+script, or by torchrun / SLURM) and ``"ort_ddp_spawn"`` in Lightning's ``StrategyRegistry``.
+
+Example::
+
+    >>> import lightning as L
+    >>> trainer = L.Trainer(strategy="ort_ddp", accelerator="cpu", devices=1, logger=False)
+    >>> type(trainer.strategy).__name__
+    'ORTDDPStrategy'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, Strategy, StrategyRegistry
+from typing_extensions import override
+
+from ort_lightning._buckets import DEFAULT_BUCKET_BYTES, CoalescedTensors
+from ort_lightning.errors import ConfigurationError
+
+__all__ = ["ORTDDPStrategy", "check_strategy"]
+
+_SPAWN_METHODS = ("spawn", "fork", "forkserver")
+
+
+class ORTDDPStrategy(DDPStrategy):
+    """Lightning's DDP for `ORTLightningModule`: no DistributedDataParallel wrapper, ORT gradients averaged.
+
+    Use it by name, ``Trainer(strategy="ort_ddp", devices=N, num_nodes=M)`` (or
+    ``"ort_ddp_spawn"``), or as an instance for options. Gloo is the backend on CPU, NCCL on CUDA.
+
+    Args:
+        bucket_cap_mb: size of the flat buffers that carry the gradients, as torch DDP's option.
+        **kwargs: what `DDPStrategy` takes (``start_method``, ``process_group_backend``,
+            ``timeout``, ...), except the DistributedDataParallel options, which do not apply.
+
+    Attributes:
+        gradient_syncs: gradient all-reduce rounds run so far, one per optimizer step.
+    """
+
+    strategy_name = "ort_ddp"
+
+    def __init__(self, *, bucket_cap_mb: float = DEFAULT_BUCKET_BYTES / 2**20, **kwargs: Any) -> None:
+        if not bucket_cap_mb > 0:
+            raise ConfigurationError(f"Expected argument `bucket_cap_mb` to be positive, but got {bucket_cap_mb!r}.")
+        super().__init__(**kwargs)
+        self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        self.gradient_syncs = 0
+        self._gradients: CoalescedTensors | None = None
+        self._gradient_key: tuple[int, ...] = ()
+
+    @override
+    def configure_ddp(self) -> None:
+        """Keep the module unwrapped: its gradients come from ORT, not from autograd."""
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Set up as Lightning's DDP does, then give every rank rank 0's parameters and buffers."""
+        super().setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        states = [*(p.data for p in module.parameters()), *module.buffers()]
+        CoalescedTensors(states, bucket_bytes=self.bucket_bytes).broadcast(src=0)
+        self._gradients = None
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Average the ORT gradients across ranks right after the closure, then step as Lightning does.
+
+        The closure ran ORT's forward and backward for the last micro-batch; the averaging sits
+        inside it, so gradient clipping and ``on_before_optimizer_step`` see the averaged gradients.
+        """
+        module = model if isinstance(model, torch.nn.Module) else self.lightning_module
+        assert module is not None
+
+        def synchronized() -> Any:
+            result = closure()
+            self._synchronize(module)
+            return result
+
+        return super().optimizer_step(optimizer, synchronized, model, **kwargs)
+
+    def _synchronize(self, module: torch.nn.Module) -> None:
+        tensors = _gradients_and_buffers(module)
+        key = tuple(t.data_ptr() for t in tensors)
+        if self._gradients is None or key != self._gradient_key:
+            # NOTE: built lazily and rebuilt when ORT's buffers move (a rebuilt session).
+            self._gradients = CoalescedTensors(tensors, bucket_bytes=self.bucket_bytes)
+            self._gradient_key = key
+        self._gradients.all_reduce_mean()
+        self.gradient_syncs += 1
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"ort_ddp"`` (popen) and ``"ort_ddp_spawn"`` (spawn)."""
+        for name, start_method in (("ort_ddp", "popen"), ("ort_ddp_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"DDP for ORT artifacts with `start_method` {start_method!r}",
+                    start_method=start_method,
+                )
+
+
+def _gradients_and_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    gradients = []
+    for name, parameter in module.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if parameter.grad is None:
+            raise ConfigurationError(
+                f"Parameter {name!r} has no gradient view: its `.grad` was set to None, which cuts it from "
+                "ONNX Runtime's gradient buffer; do not call zero_grad(set_to_none=True) on ORT parameters."
+            )
+        gradients.append(parameter.grad)
+    return [*gradients, *(b for b in module.buffers() if b.is_floating_point())]
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Refuse a parallel strategy other than `ORTDDPStrategy`, before any step runs.
+
+    Raises:
+        ConfigurationError: for DDP, FSDP, DeepSpeed and other parallel strategies, whose
+            wrappers never see ONNX Runtime's gradients.
+    """
+    if not isinstance(strategy, ParallelStrategy) or isinstance(strategy, ORTDDPStrategy):
+        return
+    spawn = getattr(strategy, "_start_method", "popen") in _SPAWN_METHODS
+    name = "ort_ddp_spawn" if spawn else "ort_ddp"
+    raise ConfigurationError(
+        f"ORTLightningModule cannot train under {type(strategy).__name__}: its wrapper hooks torch's autograd, "
+        "which never sees the gradients ONNX Runtime computes, so the ranks would silently drift apart; "
+        f'use Trainer(strategy="{name}") instead.'
+    )
+
+
+ORTDDPStrategy.register_strategies(StrategyRegistry)

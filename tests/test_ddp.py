@@ -1,0 +1,171 @@
+"""ORTDDPStrategy on real gloo process groups: 2 ranks of batch B against 1 process of batch 2B."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from ort_lightning import ORTDDPStrategy, ORTLightningModule
+from ort_lightning._buckets import plan_buckets
+from ort_lightning.errors import ConfigurationError
+from tests import ddp_run
+from tests.conftest import Exported
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, BATCH = 20, 8
+
+
+def _launch(*command: str) -> None:
+    result = subprocess.run(list(command), cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _run_ddp(artifacts: Exported, out: Path, **options: int) -> None:
+    arguments = [f"--{name}={value}" for name, value in options.items()]
+    _launch(sys.executable, "-m", "tests.ddp_run", str(artifacts.artifacts.directory), str(out), *arguments)
+
+
+def _assert_equal_states(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor], atol: float) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group() -> Any:
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(mlp_adamw: Exported, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """20 AdamW steps on 2 gloo ranks of batch 8, started by Lightning's subprocess launcher."""
+    out = tmp_path_factory.mktemp("ddp")
+    _run_ddp(mlp_adamw, out, devices=2, batch=BATCH, steps=STEPS)
+    return out
+
+
+def test_two_ranks_match_one_process_with_the_double_batch(mlp_adamw: Exported, two_ranks: Path, tmp_path) -> None:
+    reference = ddp_run.train(mlp_adamw.artifacts.directory, tmp_path, devices=1, batch=2 * BATCH, steps=STEPS)
+    expected = {name: tensor.detach() for name, tensor in reference.state_dict().items()}
+    ranks = ddp_run.load(two_ranks, 0)
+    _assert_equal_states(ranks["state"], expected, atol=1e-5)
+    assert ranks["world"] == 2
+    # the training moved the parameters well beyond the tolerance
+    initial = ORTLightningModule(mlp_adamw.artifacts).state_dict()
+    assert max((initial[n] - expected[n]).abs().max().item() for n in expected) > 1e-2
+
+
+def test_both_ranks_hold_identical_parameters(two_ranks: Path) -> None:
+    first, second = ddp_run.load(two_ranks, 0), ddp_run.load(two_ranks, 1)
+    _assert_equal_states(first["state"], second["state"], atol=0)
+    assert first["syncs"] == second["syncs"] == STEPS
+
+
+def test_checkpoint_written_under_ddp_resumes_in_one_process(mlp_adamw: Exported, two_ranks: Path, tmp_path) -> None:
+    checkpoint = two_ranks / "last.ckpt"
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    module.load_state_dict(torch.load(checkpoint, weights_only=False)["state_dict"])
+    _assert_equal_states(
+        {n: t.detach() for n, t in module.state_dict().items()}, ddp_run.load(two_ranks, 0)["state"], atol=0
+    )
+    x, y = ddp_run.dataset("mlp", 64)
+    trainer = L.Trainer(max_steps=STEPS + 2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=ddp_run.RankSlices(x, y, BATCH), ckpt_path=checkpoint)
+    assert trainer.global_step == STEPS + 2
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def test_accumulation_under_torchrun_syncs_once_per_optimizer_step(mlp_adamw: Exported, tmp_path) -> None:
+    steps, batch = 6, 4
+    torchrun = Path(sys.executable).with_name("torchrun")
+    _launch(str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "tests.ddp_run",
+            str(mlp_adamw.artifacts.directory), str(tmp_path / "ddp"), "--devices=2", f"--batch={batch}",
+            f"--steps={steps}", "--accumulate=2")
+    reference = ddp_run.train(mlp_adamw.artifacts.directory, tmp_path / "one", batch=2 * batch, steps=steps,
+                              accumulate=2)
+    ranks = [ddp_run.load(tmp_path / "ddp", rank) for rank in (0, 1)]
+    expected = {name: tensor.detach() for name, tensor in reference.state_dict().items()}
+    _assert_equal_states(ranks[0]["state"], expected, atol=1e-5)
+    _assert_equal_states(ranks[0]["state"], ranks[1]["state"], atol=0)
+    assert [rank["syncs"] for rank in ranks] == [steps, steps]
+
+
+def test_spawn_keeps_batchnorm_buffers_identical_and_returns_rank_zero(bn_dropout_cnn: Exported, tmp_path) -> None:
+    artifacts = bn_dropout_cnn.artifacts
+    module = ddp_run.train(artifacts.directory, tmp_path, kind="cnn", strategy="ort_ddp_spawn", devices=2,
+                           batch=BATCH, steps=3)
+    first, second = ddp_run.load(tmp_path, 0), ddp_run.load(tmp_path, 1)
+    _assert_equal_states(first["state"], second["state"], atol=0)
+    assert first["syncs"] == 3
+    initial = ORTLightningModule(artifacts).state_dict()
+    for name in artifacts.manifest.buffers:
+        assert not torch.equal(first["state"][name], initial[name]), name
+    # the spawn launcher hands rank 0's weights back to the module of the main process
+    _assert_equal_states({n: t.detach() for n, t in module.state_dict().items()}, first["state"], atol=0)
+
+
+def _fit(module: ORTLightningModule, strategy: Any, **options: Any) -> L.Trainer:
+    x, y = ddp_run.dataset("mlp", 64)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, **options)
+    trainer.fit(module, datamodule=ddp_run.RankSlices(x, y, BATCH))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("strategy", "suggestion"), [("ddp", "ort_ddp"), ("ddp_spawn", "ort_ddp_spawn")], ids=["ddp", "ddp_spawn"]
+)
+def test_lightning_ddp_is_refused_before_any_step(mlp_adamw: Exported, strategy: str, suggestion: str) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    before = {n: t.detach().clone() for n, t in module.state_dict().items()}
+    # NOTE: under spawn the error is raised in the child process and re-raised by torch.multiprocessing.
+    error = ConfigurationError if strategy == "ddp" else Exception
+    with pytest.raises(error, match=rf"cannot train under DDPStrategy.*use Trainer\(strategy=\"{suggestion}\"\)"):
+        _fit(module, strategy)
+    _assert_equal_states({n: t.detach() for n, t in module.state_dict().items()}, before, atol=0)
+
+
+class _CutGradients(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        pl_module.get_parameter("fc1.weight").grad = None
+
+
+def test_a_cut_gradient_view_is_refused(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    with pytest.raises(ConfigurationError, match=r"'fc1.weight' has no gradient view.*set_to_none=True"):
+        _fit(module, "ort_ddp", callbacks=[_CutGradients()])
+
+
+def test_single_rank_ort_ddp_trains_like_one_process(mlp_adamw: Exported) -> None:
+    trainer = _fit(ORTLightningModule(mlp_adamw.artifacts), ORTDDPStrategy(bucket_cap_mb=0.001))
+    assert isinstance(trainer.strategy, ORTDDPStrategy)
+    assert trainer.strategy.gradient_syncs == 2
+
+
+def test_bucket_size_must_be_positive() -> None:
+    with pytest.raises(ConfigurationError, match=r"`bucket_cap_mb` to be positive, but got 0"):
+        ORTDDPStrategy(bucket_cap_mb=0)
+
+
+def test_buckets_group_by_dtype_and_close_at_the_cap() -> None:
+    tensors = [torch.ones(4), torch.ones(2, dtype=torch.int64), torch.ones(3), torch.ones(5), torch.ones(1)]
+    buckets = plan_buckets(tensors, bucket_bytes=16)
+    assert [(b.flat.dtype, b.flat.numel()) for b in buckets] == [
+        (torch.float32, 4), (torch.float32, 8), (torch.float32, 1), (torch.int64, 2)
+    ]
+    for bucket in buckets:
+        bucket.pack()
+        bucket.flat.mul_(2)
+        bucket.unpack()
+    assert all(torch.equal(t, torch.full_like(t, 2)) for t in tensors)
