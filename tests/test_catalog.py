@@ -167,3 +167,27 @@ def test_model_checkpoint_file_holds_only_tensors_and_plain_types(mlp_adamw: Exp
     assert checkpoint["ort_state"].dtype is torch.uint8
     assert checkpoint["hyper_parameters"]["on_nonfinite"] == "skip"
     assert checkpoint["hyper_parameters"]["custom_op_library"] is None
+
+
+# ----------------------------------------------------------------------------- learning rate and schedule
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lr": 0.0}, r"`lr` to be a positive float, but got 0\.0; pass the peak learning rate"),
+        ({"lr": -1e-3}, r"`lr` to be a positive float, but got -0\.001"),
+        ({"total_steps": 0}, r"`total_steps` to be a positive int or None, but got 0; pass None"),
+        ({"warmup_steps": 1.5}, r"`warmup_steps` as a count .* or a fraction in \(0, 1\), but got 1\.5; pass e\.g\."),
+        ({"warmup_steps": -1}, r"`warmup_steps` >= 0, but got -1; pass 0 for no warmup"),
+    ],
+    ids=["zero-lr", "negative-lr", "zero-total", "fractional-warmup-above-1", "negative-warmup"],
+)
+def test_bad_lr_or_schedule_is_refused(mlp_adamw: Exported, options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        ORTLightningModule(mlp_adamw.artifacts, **options)  # type: ignore[arg-type]
+
+
+def test_warmup_longer_than_the_run_is_refused_before_training(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, warmup_steps=20, total_steps=10)
+    message = r"0 <= warmup_steps <= total_steps .* but got warmup_steps=20, total_steps=10; lower warmup_steps"
+    with pytest.raises(ConfigurationError, match=message):
+        _trainer().fit(module, _loader())
