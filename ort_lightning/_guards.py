@@ -66,8 +66,8 @@ class NonFiniteGuard:
         self.skipped = 0
         self._pending: str | None = None
 
-    def observe(self, loss: torch.Tensor, where: Callable[[], str]) -> None:
-        """Check one micro-batch's loss; `where` describes the step, and is called only on failure.
+    def observe(self, loss: torch.Tensor, trainer: Any, batch_idx: int) -> None:
+        """Check one micro-batch's loss; the `trainer`'s progress names the step in messages.
 
         Raises:
             NonFiniteLossError: for a NaN/inf loss under the ``"raise"`` policy.
@@ -79,11 +79,11 @@ class NonFiniteGuard:
             return
         if self.policy == "raise":
             raise NonFiniteLossError(
-                f"The training loss is {value} {where()}; ORT's optimizer update has not run, so the parameters "
-                f"are still finite. To go on: {_ADVICE}."
+                f"The training loss is {value} {_where(trainer, batch_idx)}; ORT's optimizer update has not run, so "
+                f"the parameters are still finite. To go on: {_ADVICE}."
             )
         if self._pending is None:
-            self._pending = f"the loss was {value} {where()}"
+            self._pending = f"the loss was {value} {_where(trainer, batch_idx)}"
 
     def wrap(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """Wrap an optimizer closure so that it returns None (the optimizer skips) after a non-finite loss."""
@@ -104,6 +104,10 @@ class NonFiniteGuard:
             return None
 
         return closure_or_skip
+
+
+def _where(trainer: Any, batch_idx: int) -> str:
+    return f"at global_step={trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
 
 
 class LabelRange:

@@ -135,3 +135,20 @@ def check_schedule(lr: float, warmup_steps: int | float, total_steps: int | None
         raise ConfigurationError(
             f"Expected `warmup_steps` >= 0, but got {warmup_steps!r}; pass 0 for no warmup."
         )
+
+
+def total_steps_of(trainer: Any, total_steps: int | None) -> int:
+    """`total_steps` if given, else the Trainer's estimate of the optimizer steps of the run.
+
+    Raises:
+        ConfigurationError: when neither exists (an infinite dataloader without ``max_steps``).
+    """
+    if total_steps is not None:
+        return int(total_steps)
+    estimated = trainer.estimated_stepping_batches
+    if estimated == float("inf"):
+        raise ConfigurationError(
+            "The Trainer cannot estimate the number of optimizer steps (infinite dataloader and no "
+            "max_steps); pass ORTLightningModule(total_steps=...) or set Trainer(max_steps=...)."
+        )
+    return int(estimated)

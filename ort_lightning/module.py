@@ -32,6 +32,7 @@ from ort_lightning._schedules import (
     check_schedule,
     describe,
     lr_scheduler_config,
+    total_steps_of,
 )
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
@@ -197,7 +198,7 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
             self._labels(tensors, graph="training")
         fetches = binder.run(self._train_step, tensors)
         loss = to_torch(fetches[0])
-        self._nonfinite.observe(loss, lambda: self._step_name(batch_idx))
+        self._nonfinite.observe(loss, self.trainer, batch_idx)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
         if self._metrics:
             self._update_metrics("train", fetches, tensors)
@@ -223,8 +224,11 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
     def configure_optimizers(self) -> Any:
         """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step."""
         optimizer = ORTOptimizer(self._session, (p for p, _ in self._gradients.pairs), lr=self.lr)
+        def total_steps() -> int:
+            return total_steps_of(self.trainer, self.total_steps)
+
         scheduler = lr_scheduler_config(
-            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=self._total_steps
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps
         )
         return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
 
@@ -305,21 +309,6 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         collection = self._metrics[stage]
         collection.update(to_torch(fetches[1]), tensors[self._label_index])
         self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
-
-    def _step_name(self, batch_idx: int) -> str:
-        trainer = self.trainer
-        return f"at global_step={trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
-
-    def _total_steps(self) -> int:
-        if self.total_steps is not None:
-            return int(self.total_steps)
-        estimated = self.trainer.estimated_stepping_batches
-        if estimated == float("inf"):
-            raise ConfigurationError(
-                "The Trainer cannot estimate the number of optimizer steps (infinite dataloader and no "
-                "max_steps); pass ORTLightningModule(total_steps=...) or set Trainer(max_steps=...)."
-            )
-        return int(estimated)
 
     def _label_placeholders(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         if not inputs:
