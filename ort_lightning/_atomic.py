@@ -31,6 +31,7 @@ __all__ = [
     "DIGEST_SUFFIX",
     "TEMP_SUFFIX",
     "atomic_write",
+    "check_writable",
     "digest_path",
     "remove_stale_temps",
     "remove_with_digest",
@@ -195,3 +196,20 @@ def remove_stale_temps(folder: Path) -> list[Path]:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
     return stale
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` if needed and prove that a file can be written there, before any training step.
+
+    Raises:
+        CheckpointError: naming the folder, why it cannot be written, and what to do.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-", suffix=TEMP_SUFFIX):
+            pass
+    except OSError as error:
+        raise CheckpointError(
+            f"Cannot write checkpoints to {folder} ({error.strerror or error}); it must be a folder you can write "
+            "to: pass another `dirpath`, or fix that path's permissions, before training starts."
+        ) from error

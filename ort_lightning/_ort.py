@@ -20,7 +20,7 @@ from typing import Any
 
 import onnx
 
-from ort_lightning.errors import ArtifactError, DeviceError, ExportError
+from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError, ExportError
 
 _INSTALL_HINT = (
     "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
@@ -82,11 +82,34 @@ def versions() -> dict[str, str]:
     return {"onnxruntime": onnxruntime.__version__}
 
 
-def session_options() -> Any:
-    """Return `SessionOptions` that log errors only."""
+def session_options(custom_op_library: os.PathLike[str] | str | None = None) -> Any:
+    """Return `SessionOptions` that log errors only, with `custom_op_library` registered when given.
+
+    Nothing is loaded unless the caller names a library: never implicitly from an artifacts folder.
+
+    Raises:
+        ConfigurationError: for a library file that is missing or that ORT cannot load.
+    """
     options = _C.SessionOptions()
     options.log_severity_level = _SEVERITY_ERROR
+    if custom_op_library is not None:
+        _register_custom_ops(options, os.fspath(custom_op_library))
     return options
+
+
+def _register_custom_ops(options: Any, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigurationError(
+            f"custom_op_library {path!r} does not exist or is not a file; pass the path of the shared library "
+            "(.so/.dll/.dylib) that implements the graph's custom operators, or None."
+        )
+    try:
+        options.register_custom_ops_library(path)
+    except (RuntimeError, _C.Fail) as error:
+        raise ConfigurationError(
+            f"ONNX Runtime cannot load custom_op_library {path!r} ({' '.join(str(error).split())[:200]}); pass a "
+            "shared library built against onnxruntime 1.19.2 for this platform, or None."
+        ) from error
 
 
 @contextlib.contextmanager
@@ -278,6 +301,7 @@ def assemble(
     optimizer_model: os.PathLike[str] | str,
     checkpoint: os.PathLike[str] | str,
     device: str = "cpu",
+    custom_op_library: os.PathLike[str] | str | None = None,
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
 
@@ -287,8 +311,10 @@ def assemble(
     Raises:
         DeviceError: for a device this build cannot use.
         ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
+        ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded.
     """
     kind, index = parse_device(device)
+    options = session_options(custom_op_library)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
     optimizer_kind = _optimizer_kind_in(optimizer_model)
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
@@ -297,7 +323,7 @@ def assemble(
         state,
         os.fspath(eval_model),
         device=target,
-        session_options=session_options(),
+        session_options=options,
     )
     optimizer = Optimizer(os.fspath(optimizer_model), module)
     return TrainingSession(state, module, optimizer, device=target, optimizer_kind=optimizer_kind)

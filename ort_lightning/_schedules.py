@@ -118,14 +118,37 @@ def check_schedule(lr: float, warmup_steps: int | float, total_steps: int | None
         ConfigurationError: naming the argument and what it accepts.
     """
     if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ConfigurationError(f"Expected argument `lr` to be a positive float, but got {lr!r}.")
+        raise ConfigurationError(
+            f"Expected argument `lr` to be a positive float, but got {lr!r}; pass the peak learning rate, e.g. lr=1e-3."
+        )
     if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
         raise ConfigurationError(
-            f"Expected argument `total_steps` to be a positive int or None, but got {total_steps!r}."
+            f"Expected argument `total_steps` to be a positive int or None, but got {total_steps!r}; pass None to "
+            "use the Trainer's estimated number of optimizer steps."
         )
     if isinstance(warmup_steps, float) and not warmup_steps.is_integer() and not 0 < warmup_steps < 1:
         raise ConfigurationError(
-            f"Expected `warmup_steps` as a count (int >= 0) or a fraction in (0, 1), but got {warmup_steps!r}."
+            f"Expected `warmup_steps` as a count (int >= 0) or a fraction in (0, 1), but got {warmup_steps!r}; "
+            "pass e.g. warmup_steps=100 or warmup_steps=0.1 (10% of total_steps)."
         )
     if warmup_steps < 0:
-        raise ConfigurationError(f"Expected `warmup_steps` >= 0, but got {warmup_steps!r}.")
+        raise ConfigurationError(
+            f"Expected `warmup_steps` >= 0, but got {warmup_steps!r}; pass 0 for no warmup."
+        )
+
+
+def total_steps_of(trainer: Any, total_steps: int | None) -> int:
+    """`total_steps` if given, else the Trainer's estimate of the optimizer steps of the run.
+
+    Raises:
+        ConfigurationError: when neither exists (an infinite dataloader without ``max_steps``).
+    """
+    if total_steps is not None:
+        return int(total_steps)
+    estimated = trainer.estimated_stepping_batches
+    if estimated == float("inf"):
+        raise ConfigurationError(
+            "The Trainer cannot estimate the number of optimizer steps (infinite dataloader and no "
+            "max_steps); pass ORTLightningModule(total_steps=...) or set Trainer(max_steps=...)."
+        )
+    return int(estimated)

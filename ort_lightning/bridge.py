@@ -97,7 +97,7 @@ class BatchBinder:
         """Wrap `tensors` (in graph-input order) as OrtValues without copies.
 
         Raises:
-            BatchError: for a dtype other than the graph's.
+            BatchError: for a dtype other than the graph's, or an empty tensor.
         """
         vector = OrtValueVector()
         vector.reserve(len(tensors))
@@ -105,6 +105,9 @@ class BatchBinder:
         for tensor, (name, dtype, is_bool) in zip(tensors, self._plan, strict=True):
             if tensor.dtype != dtype:
                 raise self._dtype_error(name, dtype, tensor)
+            if not tensor.numel():
+                # NOTE: ORT 1.19.2 kills the process (SIGFPE) on an empty batch; refuse it first.
+                raise self._empty_error(name, tensor)
             if tensor.device != device:
                 tensor = tensor.to(device)
             if not tensor.is_contiguous():
@@ -176,6 +179,13 @@ class BatchBinder:
             f"Input {name!r} of the {self.graph} graph expects dtype {target}, but the batch gives "
             f"{str(tensor.dtype).replace('torch.', '')}; convert it in your Dataset or collate_fn "
             f"(tensor.to(torch.{target}))."
+        )
+
+    def _empty_error(self, name: str, tensor: torch.Tensor) -> BatchError:
+        return BatchError(
+            f"Input {name!r} of the {self.graph} graph is empty (shape {tuple(tensor.shape)}, 0 elements), but the "
+            "graph needs at least one sample; use DataLoader(drop_last=True) if the last batch comes out empty, or "
+            "filter empty samples out of your Dataset."
         )
 
     def _shape_error(self, spec: TensorSpec, tensor: torch.Tensor) -> BatchError:

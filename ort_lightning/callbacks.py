@@ -24,7 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from ort_lightning._atomic import remove_stale_temps, remove_with_digest
+from ort_lightning._atomic import check_writable, remove_stale_temps, remove_with_digest
 from ort_lightning._checkpointing import CheckpointingMixin
 from ort_lightning.errors import CheckpointError, ConfigurationError
 
@@ -114,13 +114,19 @@ class ORTCheckpoint(Callback):
 
     # ----------------------------------------------------------------------------- hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a module that cannot write ORT checkpoints; clear temp files of an interrupted write."""
+        """Refuse a module or a folder that cannot take ORT checkpoints; clear temp files of an interrupted write.
+
+        Raises:
+            ConfigurationError: for a module other than `ORTLightningModule`.
+            CheckpointError: for a `dirpath` that cannot be created or written (found before any step).
+        """
         if not isinstance(pl_module, CheckpointingMixin):
             raise ConfigurationError(
                 f"ORTCheckpoint saves ONNX Runtime state, but the module is a {type(pl_module).__name__}; use it "
                 "with ORTLightningModule, or use lightning's ModelCheckpoint for torch modules."
             )
         if trainer.is_global_zero:
+            check_writable(self.dirpath)
             remove_stale_temps(self.dirpath)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -12,6 +12,7 @@ __all__ = [
     "ConfigurationError",
     "DeviceError",
     "ExportError",
+    "NonFiniteLossError",
     "ORTLightningError",
 ]
 
@@ -42,3 +43,7 @@ class ConfigurationError(ORTLightningError, ValueError):
 
 class CheckpointError(ORTLightningError, ValueError):
     """A checkpoint is missing, corrupted, truncated, or does not match the artifacts."""
+
+
+class NonFiniteLossError(ORTLightningError, FloatingPointError):
+    """A training loss was NaN or infinite, and the module's ``on_nonfinite`` policy is ``"raise"``."""

@@ -24,6 +24,7 @@ import torch
 from ort_lightning import _ort
 from ort_lightning._binding import GradientViews, bind_views, check_conversion
 from ort_lightning._checkpointing import CheckpointingMixin
+from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_range_of
 from ort_lightning._metrics import stage_metrics
 from ort_lightning._schedules import (
     SchedulerFactory,
@@ -31,6 +32,7 @@ from ort_lightning._schedules import (
     check_schedule,
     describe,
     lr_scheduler_config,
+    total_steps_of,
 )
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
@@ -75,10 +77,18 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
             start from instead of the artifacts' initial one: weights, and the optimizer state
             when the file has it.
+        on_nonfinite: what a NaN/inf training loss does: ``"raise"`` (`NonFiniteLossError`, before the
+            update touches the parameters) or ``"skip"`` (drop that optimizer step, every micro-batch
+            of it, reset the gradients and warn).
+        check_labels: refuse cross-entropy labels outside ``[0, classes)`` (one ``aminmax`` per batch;
+            ORT would train on them with a wrong loss).
+        custom_op_library: a shared library of custom operators to register with ONNX Runtime; nothing
+            is ever loaded from the artifacts folder unless named here.
 
     Raises:
-        ConfigurationError: for a non-positive lr or an inconsistent schedule.
-        ArtifactError: for an artifacts folder that does not validate.
+        ConfigurationError: for a non-positive lr, an inconsistent schedule, an unknown `on_nonfinite`,
+            or a `custom_op_library` that is missing or cannot be loaded.
+        ArtifactError: for an artifacts folder that does not validate, or a manifest of another model.
         CheckpointError: for a `checkpoint` that is damaged or does not match the artifacts.
     """
 
@@ -93,10 +103,15 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         metrics: Any = None,
         device: str = "cpu",
         checkpoint: str | os.PathLike[str] | None = None,
+        on_nonfinite: str = "raise",
+        check_labels: bool = True,
+        custom_op_library: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         check_schedule(lr, warmup_steps, total_steps)
         check_lr_scheduler(lr_scheduler)
+        self._nonfinite = NonFiniteGuard(on_nonfinite)
+        self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
         self.lr = float(lr)
         self.warmup_steps = warmup_steps
@@ -104,10 +119,13 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         self.lr_scheduler = lr_scheduler
         self.save_hyperparameters(
             {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": warmup_steps,
-             "total_steps": total_steps, "lr_scheduler": describe(lr_scheduler)}
+             "total_steps": total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
+             "check_labels": check_labels, "custom_op_library": self.custom_op_library}
         )
         self._metrics = self._stage_metrics(metrics)
         self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
+        check_graph_inputs(self.artifacts, self._session.input_names(training=True))
+        self._labels = label_range_of(self.artifacts) if check_labels else None
 
     # ----------------------------------------------------------------------------- assembly
     def _assemble(self, device: str, checkpoint: str | os.PathLike[str] | None = None) -> _ort.TrainingSession:
@@ -119,6 +137,7 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
                 optimizer_model=artifacts.optimizer_model,
                 checkpoint=source,
                 device=device,
+                custom_op_library=self.custom_op_library,
             )
         target = torch_device(session.device)
         specs = artifacts.manifest.graph_inputs
@@ -223,8 +242,11 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
         binder = self._train_inputs
         tensors = binder.ordered(batch)
+        if self._labels is not None:
+            self._labels(tensors, graph="training")
         fetches = binder.run(self._train_step, tensors)
         loss = to_torch(fetches[0])
+        self._nonfinite.observe(loss, self.trainer, batch_idx)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
         if self._metrics:
             self._update_metrics("train", fetches, tensors)
@@ -250,8 +272,11 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
     def configure_optimizers(self) -> Any:
         """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step."""
         optimizer = ORTOptimizer(self._session, (p for p, _ in self._gradients.pairs), lr=self.lr)
+        def total_steps() -> int:
+            return total_steps_of(self.trainer, self.total_steps)
+
         scheduler = lr_scheduler_config(
-            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=self._total_steps
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps
         )
         return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
 
@@ -270,13 +295,14 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
     ) -> None:
         """Step the optimizer; under ``accumulate_grad_batches=N`` average ORT's summed gradients first.
 
-        ORT sums gradients over micro-batches, Lightning expects their mean; the scaling runs
+        After a NaN/inf loss under ``on_nonfinite="skip"`` the closure returns None and the optimizer
+        skips the update. ORT sums gradients over micro-batches, Lightning expects their mean; the scaling runs
         inside the closure, so gradient clipping sees the averaged gradients, on the views of
         ORT's buffers (re-bound there in case something set ``.grad`` to None).
         """
         if optimizer_closure is not None:
-            optimizer_closure = self._gradients.after_closure(
-                optimizer_closure, scale=1.0 / self.trainer.accumulate_grad_batches
+            optimizer_closure = self._nonfinite.wrap(
+                self._gradients.after_closure(optimizer_closure, scale=1.0 / self.trainer.accumulate_grad_batches)
             )
         optimizer.step(closure=optimizer_closure)
 
@@ -318,6 +344,8 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
     def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
         binder = self._eval_inputs
         tensors = binder.ordered(batch)
+        if self._labels is not None:
+            self._labels(tensors, graph="eval")
         fetches = binder.run(self._eval_step, tensors)
         loss = to_torch(fetches[0])
         size = tensors[0].shape[0]
@@ -330,17 +358,6 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         collection = self._metrics[stage]
         collection.update(to_torch(fetches[1]), tensors[self._label_index])
         self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
-
-    def _total_steps(self) -> int:
-        if self.total_steps is not None:
-            return int(self.total_steps)
-        estimated = self.trainer.estimated_stepping_batches
-        if estimated == float("inf"):
-            raise ConfigurationError(
-                "The Trainer cannot estimate the number of optimizer steps (infinite dataloader and no "
-                "max_steps); pass ORTLightningModule(total_steps=...) or set Trainer(max_steps=...)."
-            )
-        return int(estimated)
 
     def _label_placeholders(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         if not inputs:

@@ -2,8 +2,9 @@
 
 Every batch either round-trips exactly (same values, same dtype, and the same memory when the
 tensor was already contiguous on the artifacts' device) or raises a `BatchError`; nothing
-else may happen. (Batches on another device are covered where a GPU exists; empty tensors
-are refused as empty batches, a case of their own.)
+else may happen. Through a real training session, a wrong rank or fixed dimension is refused
+by ORT and reported as a `BatchError`; empty tensors are refused as empty batches before ORT
+sees them. (Batches on another device are covered where a GPU exists.)
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from ort_lightning import ORTLightningModule
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import BatchError
+from tests.conftest import Exported
 
 DTYPES = ["float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool"]
 
@@ -80,3 +83,41 @@ def test_a_wrong_number_of_tensors_raises_batch_error(batch: list[torch.Tensor],
         return
     with pytest.raises(BatchError, match=rf"expects {inputs} inputs .* the batch has {len(batch)} tensors"):
         binder(batch)
+
+
+# ----------------------------------------------------------------------------- through a real training session
+@pytest.fixture(scope="module")
+def mlp_module(mlp_adamw: Exported) -> ORTLightningModule:
+    return ORTLightningModule(mlp_adamw.artifacts)
+
+
+shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(input_shape=shapes, label_shape=shapes)
+def test_a_rank_or_fixed_dimension_mismatch_raises_batch_error(
+    mlp_module: ORTLightningModule, input_shape: list[int], label_shape: list[int]
+) -> None:
+    # The training graph takes input (batch, 4) float32 and labels (batch,) int64.
+    batch = input_shape[0] if input_shape else 1
+    fits_input = len(input_shape) == 2 and input_shape[1] == 4
+    fits_labels = len(label_shape) == 1
+    labels = torch.zeros(batch if fits_labels else label_shape, dtype=torch.int64) if label_shape else torch.tensor(0)
+    tensors = [torch.rand(tuple(input_shape)), labels]
+    binder = mlp_module._train_inputs
+    if fits_input and fits_labels:
+        loss = to_torch(binder.run(mlp_module._train_step, tensors)[0])
+        assert torch.isfinite(loss)
+        return
+    wrong = "input" if not fits_input else "labels"
+    with pytest.raises(BatchError, match=rf"Input '{wrong}' of the training graph expects shape .*but the batch gives"):
+        binder.run(mlp_module._train_step, tensors)
+
+
+@SETTINGS
+@given(tensors("float32"), st.integers(0, 3))
+def test_an_empty_tensor_raises_the_empty_batch_error(tensor: torch.Tensor, axis: int) -> None:
+    empty = tensor.reshape(1, *tensor.shape)[:0] if axis >= tensor.dim() else tensor.narrow(axis, 0, 0)
+    with pytest.raises(BatchError, match=r"Input 'input' of the training graph is empty .*0 elements.*drop_last=True"):
+        _binder(empty, "float32")((empty,))

@@ -1,0 +1,186 @@
+"""Guards of `ORTLightningModule` against inputs that ONNX Runtime would train on silently.
+
+ORT 1.19.2 computes a cross-entropy loss with labels outside ``[0, C)`` without complaint
+(the loss is simply wrong), and a NaN or infinite loss turns every parameter into NaN at the
+next optimizer update. These guards cost one cheap reduction per step on the happy path:
+
+- `LabelRange`: one ``torch.aminmax`` over the label tensor, for cross-entropy artifacts only.
+- `NonFiniteGuard`: one ``math.isfinite`` on the 0-d loss; ``"raise"`` stops before the update,
+  ``"skip"`` drops the whole optimizer step (every micro-batch of it) and warns.
+- `check_graph_inputs`: once at assembly, the manifest's inputs against the graph's own.
+
+Example::
+
+    >>> import torch
+    >>> guard = LabelRange("labels", index=1, classes=3)
+    >>> guard((torch.zeros(2, 4), torch.tensor([0, 2])), graph="training")
+    >>> guard((torch.zeros(2, 4), torch.tensor([0, 3])), graph="training")
+    Traceback (most recent call last):
+    ...
+    ort_lightning.errors.BatchError: Labels 'labels' of the training graph must be class indices in [0, 3), ...
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import torch
+
+from ort_lightning.artifacts import MANIFEST_NAME, TensorSpec
+from ort_lightning.errors import ArtifactError, BatchError, ConfigurationError, NonFiniteLossError
+
+if TYPE_CHECKING:
+    from ort_lightning.artifacts import TrainingArtifacts
+
+__all__ = ["POLICIES", "LabelRange", "NonFiniteGuard", "check_graph_inputs", "label_range_of"]
+
+#: What `ORTLightningModule(on_nonfinite=...)` accepts.
+POLICIES = ("raise", "skip")
+
+_ADVICE = "lower the lr, check the data for NaN/inf values, or pass ORTLightningModule(on_nonfinite='skip')"
+
+
+class NonFiniteGuard:
+    """Watch each training loss; refuse or drop the optimizer step that a NaN/inf loss would poison.
+
+    Args:
+        policy: ``"raise"`` raises `NonFiniteLossError` from ``training_step``, before ORT's update;
+            ``"skip"`` lets the step's micro-batches finish, then drops the optimizer update (the
+            gradients are reset) and warns.
+
+    Raises:
+        ConfigurationError: for another policy.
+    """
+
+    def __init__(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ConfigurationError(
+                f"Expected argument `on_nonfinite` to be one of {list(POLICIES)}, but got {policy!r}; "
+                "'raise' stops training at a NaN/inf loss, 'skip' drops that optimizer step and warns."
+            )
+        self.policy = policy
+        self.skipped = 0
+        self._pending: str | None = None
+
+    def observe(self, loss: torch.Tensor, trainer: Any, batch_idx: int) -> None:
+        """Check one micro-batch's loss; the `trainer`'s progress names the step in messages.
+
+        Raises:
+            NonFiniteLossError: for a NaN/inf loss under the ``"raise"`` policy.
+        """
+        # NOTE: the loss is a 0-d view of ORT's output; .item() reads one number (ORT's run has
+        # already finished, so this adds no wait on a GPU either).
+        value = loss.item()
+        if math.isfinite(value):
+            return
+        if self.policy == "raise":
+            raise NonFiniteLossError(
+                f"The training loss is {value} {_where(trainer, batch_idx)}; ORT's optimizer update has not run, so "
+                f"the parameters are still finite. To go on: {_ADVICE}."
+            )
+        if self._pending is None:
+            self._pending = f"the loss was {value} {_where(trainer, batch_idx)}"
+
+    def wrap(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Wrap an optimizer closure so that it returns None (the optimizer skips) after a non-finite loss."""
+
+        def closure_or_skip() -> Any:
+            result = closure()
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return result
+            self.skipped += 1
+            warnings.warn(
+                f"Skipped an optimizer step: {pending}. The parameters and the optimizer state are unchanged and "
+                f"the gradients were reset ({self.skipped} step(s) skipped so far); if this repeats, lower the lr "
+                "or check the data for NaN/inf values.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+
+        return closure_or_skip
+
+
+def _where(trainer: Any, batch_idx: int) -> str:
+    return f"at global_step={trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
+
+
+class LabelRange:
+    """Refuse cross-entropy labels outside ``[0, classes)`` (ORT trains on them with a wrong loss).
+
+    Args:
+        name: the label input's name.
+        index: its position among the graph's inputs.
+        classes: the number of classes (the class axis of the logits).
+    """
+
+    def __init__(self, name: str, *, index: int, classes: int) -> None:
+        self.name = name
+        self.index = index
+        self.classes = classes
+
+    def __call__(self, tensors: Sequence[torch.Tensor], *, graph: str) -> None:
+        """Check the labels among `tensors` (in graph-input order).
+
+        Raises:
+            BatchError: naming the labels, the range found and the range expected.
+        """
+        labels = tensors[self.index]
+        if labels.numel() == 0 or labels.is_floating_point():
+            return  # the binder refuses empty batches and other dtypes with messages of their own
+        low, high = (int(value) for value in torch.aminmax(labels))
+        if low < 0 or high >= self.classes:
+            raise BatchError(
+                f"Labels {self.name!r} of the {graph} graph must be class indices in [0, {self.classes}), but the "
+                f"batch has values in [{low}, {high}] (ORT would train on them silently with a wrong loss); fix the "
+                f"labels in your Dataset, re-export the model with as many classes as the labels need, or pass "
+                "ORTLightningModule(check_labels=False) to skip this check."
+            )
+
+
+def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
+    """The label check for cross-entropy artifacts whose logits have a fixed class axis; None otherwise."""
+    manifest = artifacts.manifest
+    if manifest.loss != "cross_entropy" or not manifest.labels or not manifest.outputs:
+        return None
+    graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
+    logits = {output.name: output for output in graph.output}.get(manifest.outputs[0])
+    if logits is None:
+        return None
+    dims = logits.type.tensor_type.shape.dim
+    classes = dims[1].dim_value if len(dims) >= 2 else 0
+    if classes <= 0:
+        return None
+    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes)
+
+
+def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str]) -> None:
+    """Refuse a manifest whose inputs are not the training graph's (a manifest of another model).
+
+    Args:
+        artifacts: the artifacts whose manifest is checked.
+        user_inputs: the training graph's user inputs in order, as ONNX Runtime reports them.
+
+    Raises:
+        ArtifactError: naming what the manifest says and what the graph takes.
+    """
+    graph = onnx.load(artifacts.training_model, load_external_data=False).graph
+    found = {info.name: TensorSpec.from_value_info(info) for info in graph.input}
+    actual = [found[name] for name in user_inputs if name in found]
+    described = list(artifacts.manifest.graph_inputs)
+    if [(s.name, s.dtype, tuple(s.shape)) for s in described] == [(s.name, s.dtype, tuple(s.shape)) for s in actual]:
+        return
+    raise ArtifactError(
+        f"{artifacts.directory / MANIFEST_NAME} describes the inputs {_describe(described)}, but "
+        f"{artifacts.training_model.name} takes {_describe(actual)}; the manifest belongs to another model. "
+        "Re-export the artifacts with export_artifacts() instead of copying files between folders."
+    )
+
+
+def _describe(specs: Sequence[TensorSpec]) -> str:
+    return "[" + ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}" for s in specs) + "]"

@@ -1,0 +1,114 @@
+"""NaN/inf losses on a real Trainer: ``on_nonfinite="raise"`` stops before the update, ``"skip"`` drops it."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ort_lightning import ORTLightningModule
+from ort_lightning.errors import ConfigurationError, NonFiniteLossError
+from tests.conftest import Exported, blobs
+
+BATCH = 8
+
+
+def _loader(poisoned: int, value: float) -> DataLoader:
+    """64 blob samples in 8 batches, one value of batch `poisoned` replaced by `value` (inf or NaN)."""
+    x, y = blobs(8 * BATCH, seed=3)
+    x[poisoned * BATCH, 0] = value
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+
+
+def _trainer(**options: object) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **options,  # type: ignore[arg-type]
+    )
+
+
+def _weights(module: ORTLightningModule) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+class Snapshots(pl.Callback):
+    """Parameters before each training batch and after each one, by batch index."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.before[batch_idx] = _weights(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.after[batch_idx] = _weights(pl_module)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[name], b[name]) for name in a)
+
+
+def _finite(weights: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(w).all()) for w in weights.values())
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_raise_names_the_step_before_the_update(mlp_adamw: Exported, value: float) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.05)
+    snapshots = Snapshots()
+    trainer = _trainer(callbacks=[snapshots])
+    message = r"training loss is (nan|inf) at global_step=3 \(epoch 0, batch 3\).*on_nonfinite='skip'"
+    with pytest.raises(NonFiniteLossError, match=message):
+        trainer.fit(module, _loader(3, value))
+    assert _equal(_weights(module), snapshots.before[3]), "the update of the bad batch must not have run"
+    assert _finite(_weights(module))
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_skip_drops_the_update_warns_and_training_goes_on(mlp_adamw: Exported, value: float) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.05, on_nonfinite="skip")
+    snapshots = Snapshots()
+    trainer = _trainer(callbacks=[snapshots])
+    with pytest.warns(RuntimeWarning, match=r"Skipped an optimizer step: the loss was (nan|inf) at global_step=3 "):
+        trainer.fit(module, _loader(3, value))
+    assert _equal(snapshots.after[3], snapshots.before[3]), "a skipped step must leave the parameters as they were"
+    assert not _equal(snapshots.after[4], snapshots.after[3]), "training must go on after the skip"
+    assert _finite(_weights(module))
+    assert module._nonfinite.skipped == 1
+    assert trainer.global_step == 8
+
+
+@pytest.mark.parametrize("poisoned", [2, 3], ids=["first-micro-batch", "second-micro-batch"])
+def test_skip_drops_the_whole_accumulated_step(mlp_adamw: Exported, poisoned: int) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.05, on_nonfinite="skip")
+    snapshots = Snapshots()
+    trainer = _trainer(callbacks=[snapshots], accumulate_grad_batches=2)
+    with pytest.warns(RuntimeWarning, match=r"Skipped an optimizer step: the loss was (nan|inf) at global_step=1 "):
+        trainer.fit(module, _loader(poisoned, math.inf))
+    # batches 2 and 3 make optimizer step 1: neither micro-batch may reach the parameters
+    assert _equal(snapshots.after[3], snapshots.before[2])
+    assert not _equal(snapshots.after[1], snapshots.before[0])
+    assert not _equal(snapshots.after[5], snapshots.after[3]), "the next accumulated step must update again"
+    assert _finite(_weights(module))
+
+
+def test_a_skipped_step_equals_training_without_that_batch(mlp_sgd: Exported) -> None:
+    # SGD has no moments: skipping batch 3 equals training on the other batches alone.
+    skipped = ORTLightningModule(mlp_sgd.artifacts, lr=0.05, on_nonfinite="skip", lr_scheduler="constant")
+    with pytest.warns(RuntimeWarning, match="Skipped an optimizer step"):
+        _trainer().fit(skipped, _loader(3, math.nan))
+    x, y = blobs(8 * BATCH, seed=3)
+    keep = torch.cat([torch.arange(0, 3 * BATCH), torch.arange(4 * BATCH, 8 * BATCH)])
+    clean = ORTLightningModule(mlp_sgd.artifacts, lr=0.05, lr_scheduler="constant")
+    _trainer().fit(clean, DataLoader(TensorDataset(x[keep], y[keep]), batch_size=BATCH))
+    for name, weight in _weights(clean).items():
+        torch.testing.assert_close(_weights(skipped)[name], weight, rtol=0, atol=0)
+
+
+def test_unknown_policy_is_refused(mlp_adamw: Exported) -> None:
+    with pytest.raises(ConfigurationError, match=r"`on_nonfinite` to be one of \['raise', 'skip'\], but got 'ignore'"):
+        ORTLightningModule(mlp_adamw.artifacts, on_nonfinite="ignore")
