@@ -156,6 +156,8 @@ def _quiet() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*no `val_dataloader`.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 def main(argv: list[str] | None = None) -> int:
