@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,11 @@ _INSTALL_HINT = (
     "Install exactly one, and never beside plain `onnxruntime`: all three provide the same package."
 )
 
+# NOTE: importing onnxruntime runs logging.basicConfig(level=INFO) (its quantization package
+# does), which would print every library's INFO records, Lightning's included, twice; the
+# root logger is given back as the user had it.
+_root_logger = logging.getLogger()
+_root_handlers, _root_level = list(_root_logger.handlers), _root_logger.level
 try:
     import onnxruntime
     from onnxruntime.capi import _pybind_state as _C
@@ -38,6 +44,9 @@ try:
     from onnxruntime.training.onnxblock import _training_graph_utils
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(_INSTALL_HINT) from error
+finally:
+    _root_logger.handlers[:] = _root_handlers
+    _root_logger.setLevel(_root_level)
 
 __all__ = [
     "LOSS_LABEL_NAMES",
