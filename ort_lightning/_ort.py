@@ -91,16 +91,20 @@ def versions() -> dict[str, str]:
     return {"onnxruntime": onnxruntime.__version__}
 
 
-def session_options(custom_op_library: os.PathLike[str] | str | None = None) -> Any:
+def session_options(custom_op_library: os.PathLike[str] | str | None = None, *, spinning: bool = True) -> Any:
     """Return `SessionOptions` that log errors only, with `custom_op_library` registered when given.
 
     Nothing is loaded unless the caller names a library: never implicitly from an artifacts folder.
+    ``spinning=False`` makes ORT's idle intra-op threads sleep instead of spinning, which pays when
+    several processes share the cores (DDP ranks on one CPU).
 
     Raises:
         ConfigurationError: for a library file that is missing or that ORT cannot load.
     """
     options = _C.SessionOptions()
     options.log_severity_level = _SEVERITY_ERROR
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if custom_op_library is not None:
         _register_custom_ops(options, os.fspath(custom_op_library))
     return options
@@ -249,9 +253,12 @@ class TrainingSession:
     `optimizer_kind` (``"adamw"`` or ``"sgd"``) is what the optimizer graph itself runs.
     """
 
-    def __init__(self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str) -> None:
+    def __init__(
+        self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str, spinning: bool = True
+    ) -> None:
         self.device = device
         self.optimizer_kind = optimizer_kind
+        self.spinning = spinning
         self._state = state
         self._module = module
         self._optimizer = optimizer
@@ -311,8 +318,11 @@ def assemble(
     checkpoint: os.PathLike[str] | str,
     device: str = "cpu",
     custom_op_library: os.PathLike[str] | str | None = None,
+    spinning: bool = True,
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
+
+    `spinning` is ORT's intra-op thread spinning (see `session_options`).
 
     The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
     names what ORT will actually run.
@@ -323,7 +333,7 @@ def assemble(
         ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded.
     """
     kind, index = parse_device(device)
-    options = session_options(custom_op_library)
+    options = session_options(custom_op_library, spinning=spinning)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
     optimizer_kind = _optimizer_kind_in(optimizer_model)
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
@@ -335,7 +345,7 @@ def assemble(
         session_options=options,
     )
     optimizer = Optimizer(os.fspath(optimizer_model), module)
-    return TrainingSession(state, module, optimizer, device=target, optimizer_kind=optimizer_kind)
+    return TrainingSession(state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning)
 
 
 def _optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:

@@ -38,7 +38,7 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
 from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
-from ort_lightning.strategies import check_strategy
+from ort_lightning.strategies import check_strategy, thread_spinning
 
 __all__ = ["ORTLightningModule"]
 
@@ -128,7 +128,9 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         self._labels = label_range_of(self.artifacts) if check_labels else None
 
     # ----------------------------------------------------------------------------- assembly
-    def _assemble(self, device: str, checkpoint: str | os.PathLike[str] | None = None) -> _ort.TrainingSession:
+    def _assemble(
+        self, device: str, checkpoint: str | os.PathLike[str] | None = None, *, spinning: bool = True
+    ) -> _ort.TrainingSession:
         artifacts = self.artifacts
         with self._checkpoint_source(checkpoint) as source:
             session = _ort.assemble(
@@ -138,6 +140,7 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
                 checkpoint=source,
                 device=device,
                 custom_op_library=self.custom_op_library,
+                spinning=spinning,
             )
         target = torch_device(session.device)
         specs = artifacts.manifest.graph_inputs
@@ -214,17 +217,21 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
     def configure_model(self) -> None:
         """Rebuild the ORT components on the trainer's root device when it is not theirs.
 
-        The module's current values are kept. Views that were replaced by copies (Lightning's
-        spawn launcher clones every parameter's ``.data`` on CPU) are attached to ORT's state again.
+        Also rebuilt when the strategy wants ORT's threads not to spin (DDP ranks sharing a
+        CPU). The module's current values are kept. Views that were replaced by copies
+        (Lightning's spawn launcher clones every parameter's ``.data`` on CPU) are attached to
+        ORT's state again.
         """
         if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
             return
         device = _device_string(self.trainer.strategy.root_device)
-        if device == self._session.device and self._views_attached():
+        spinning = thread_spinning(self.trainer.strategy)
+        rebuild = device != self._session.device or spinning != self._session.spinning
+        if not rebuild and self._views_attached():
             return
         values = self._values()
-        if device != self._session.device:
-            self._session = self._assemble(device)
+        if rebuild:
+            self._session = self._assemble(device, spinning=spinning)
         else:
             self._gradients = bind_views(self, parameter_views(self._session), self.artifacts.manifest.buffers)
         self._load_values(values)

@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from ort_lightning import ORTDDPStrategy, ORTLightningModule
 from ort_lightning._buckets import plan_buckets
+from ort_lightning.bridge import parameter_views
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.strategies import thread_spinning
 from tests import ddp_run
 from tests.conftest import Exported
 
@@ -174,3 +176,25 @@ def test_buckets_group_by_dtype_and_close_at_the_cap() -> None:
         bucket.flat.mul_(2)
         bucket.unpack()
     assert all(torch.equal(t, torch.full_like(t, 2)) for t in tensors)
+
+
+def test_ort_threads_stop_spinning_when_ranks_share_the_cpu() -> None:
+    two_ranks = L.Trainer(strategy="ort_ddp", accelerator="cpu", devices=2, logger=False)
+    one_rank = L.Trainer(strategy="ort_ddp", accelerator="cpu", devices=1, logger=False)
+    forced = L.Trainer(strategy=ORTDDPStrategy(allow_spinning=True), accelerator="cpu", devices=2, logger=False)
+    assert thread_spinning(two_ranks.strategy) is False
+    assert thread_spinning(one_rank.strategy) is True
+    assert thread_spinning(forced.strategy) is True
+
+
+def test_a_session_rebuilt_without_spinning_keeps_training_from_where_it_was(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    assert module._session.spinning is True
+    before = module.get_parameter("fc1.weight").detach().clone()
+    trainer = _fit(module, ORTDDPStrategy(allow_spinning=False))
+    assert module._session.spinning is False
+    weight = module.get_parameter("fc1.weight")
+    assert not torch.equal(weight.detach(), before), "the rebuilt session trained"
+    views = {view.name: view for view in parameter_views(module._session)}
+    assert weight.data_ptr() == views["fc1.weight"].data.data_ptr(), "the parameter is a view of the new session"
+    assert trainer.strategy.gradient_syncs == 2
