@@ -26,6 +26,7 @@ from ort_lightning._binding import GradientViews, bind_views, check_conversion
 from ort_lightning._checkpointing import CheckpointingMixin
 from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_range_of
 from ort_lightning._metrics import stage_metrics
+from ort_lightning._portable import PortableMixin
 from ort_lightning._schedules import (
     SchedulerFactory,
     check_lr_scheduler,
@@ -44,15 +45,11 @@ __all__ = ["ORTLightningModule"]
 
 _SUPPORTED_PRECISION = "32-true"
 
-#: Attributes holding ORT objects or views of them, rebuilt after unpickling (spawn, deepcopy).
-_UNPICKLED = ("_session", "_train_inputs", "_eval_inputs", "_placeholders", "_gradients", "_train_step", "_eval_step")
-
-
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
-class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
+class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
     """Train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
     The ORT components (CheckpointState, Module, Optimizer) are built at once on the CPU, and
@@ -169,39 +166,6 @@ class ORTLightningModule(CheckpointingMixin, pl.LightningModule):
         for stage, collection in stages.items():
             self.add_module(f"{stage}_metrics", collection)
         return stages
-
-    # ----------------------------------------------------------------------------- pickling
-    def __getstate__(self) -> dict[str, Any]:
-        """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
-        state = super().__getstate__()
-        for key in _UNPICKLED:
-            state.pop(key, None)
-        state["_ort_device"] = self._session.device
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
-        device = state.pop("_ort_device")
-        super().__setstate__(state)
-        values = self._values()
-        self._session = self._assemble(device)
-        self._load_values(values)
-
-    def _values(self) -> list[torch.Tensor]:
-        return [t.detach().clone() for t in (*self.parameters(), *self.buffers())]
-
-    @torch.no_grad()
-    def _load_values(self, values: list[torch.Tensor]) -> None:
-        for tensor, value in zip((*self.parameters(), *self.buffers()), values, strict=True):
-            tensor.copy_(value)
-
-    def _views_attached(self) -> bool:
-        """Tell whether every parameter and buffer still shares memory with ORT's state."""
-        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        return all(
-            view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
-            for view in parameter_views(self._session)
-        )
 
     # ----------------------------------------------------------------------------- Lightning hooks
     def setup(self, stage: str) -> None:
