@@ -18,10 +18,9 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -29,13 +28,11 @@ import onnx
 import torch
 
 from ort_lightning import _export, _ort
+from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning.errors import ArtifactError, ExportError
 
 __all__ = ["MANIFEST_NAME", "Manifest", "TensorSpec", "TrainingArtifacts", "export_artifacts"]
 
-MANIFEST_NAME = "ort_lightning.json"
-_FORMAT = "ort-lightning/artifacts"
-_FORMAT_VERSION = 1
 _FILES = {
     "training_model": "training_model.onnx",
     "eval_model": "eval_model.onnx",
@@ -51,106 +48,6 @@ _OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 ModelSource = Union[torch.nn.Module, onnx.ModelProto, str, "os.PathLike[str]"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, element type and shape of a graph input; symbolic dimensions are strings.
-
-    Example::
-
-        >>> TensorSpec("input", "float32", ("batch", 4)).torch_dtype
-        torch.float32
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The torch dtype a batch tensor for this input must have."""
-        dtype: torch.dtype = getattr(torch, self.dtype)
-        return dtype
-
-    @classmethod
-    def from_value_info(cls, info: onnx.ValueInfoProto) -> TensorSpec:
-        """Read a graph input of an ONNX model."""
-        tensor_type = info.type.tensor_type
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name
-        shape = tuple(dim.dim_param or dim.dim_value for dim in tensor_type.shape.dim)
-        return cls(info.name, dtype, shape)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What `ort_lightning.json` records about a set of artifacts."""
-
-    inputs: tuple[TensorSpec, ...]
-    labels: tuple[TensorSpec, ...]
-    loss: str
-    loss_output: str
-    outputs: tuple[str, ...]
-    optimizer: str
-    optimizer_options: dict[str, Any]
-    trainable: tuple[str, ...]
-    frozen: tuple[str, ...]
-    buffers: tuple[str, ...]
-    versions: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def graph_inputs(self) -> tuple[TensorSpec, ...]:
-        """Inputs of the training and eval graphs in order: model inputs, then labels."""
-        return self.inputs + self.labels
-
-    def to_json(self) -> str:
-        """Serialize with the format marker that `from_json` checks."""
-        return json.dumps({"format": _FORMAT, "format_version": _FORMAT_VERSION, **asdict(self)}, indent=2)
-
-    @classmethod
-    def from_json(cls, text: str, source: Path) -> Manifest:
-        """Parse a manifest, refusing files that another tool or version wrote.
-
-        Raises:
-            ArtifactError: naming `source` and what to do.
-        """
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ArtifactError(
-                f"{source} is not valid JSON ({error}); re-export the artifacts with export_artifacts()."
-            ) from error
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ArtifactError(
-                f"{source} is not an ort-lightning manifest (expected \"format\": \"{_FORMAT}\"); "
-                "point to a folder written by export_artifacts(), or re-export the model there."
-            )
-        if data.get("format_version") != _FORMAT_VERSION:
-            raise ArtifactError(
-                f"{source} has manifest format_version {data.get('format_version')!r}, this ort-lightning "
-                f"reads {_FORMAT_VERSION}; re-export the artifacts with this version."
-            )
-        try:
-            return cls(
-                inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["inputs"]),
-                labels=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["labels"]),
-                **{key: _freeze(data[key]) for key in _SCALAR_FIELDS},
-            )
-        except (KeyError, TypeError) as error:
-            raise ArtifactError(
-                f"{source} lacks or mangles the field {error}; re-export the artifacts with "
-                "export_artifacts()."
-            ) from error
-
-
-_SCALAR_FIELDS = (
-    "loss", "loss_output", "outputs", "optimizer", "optimizer_options", "trainable", "frozen", "buffers",
-    "versions",
-)
-
-
-def _freeze(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 @dataclass(frozen=True)
