@@ -50,6 +50,10 @@ def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "artifacts" / "training_model.onnx").is_file()
     checkpoint = Path(re.search(r"ORT checkpoint: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert CheckpointState.load_checkpoint(str(checkpoint)).properties["epoch"] == 9
+    shown = run("inspect", checkpoint, cwd=tmp_path).stdout
+    assert re.search(r"^epoch: +9$", shown, re.MULTILINE)
+    assert re.search(r"^global_step: +\d+$", shown, re.MULTILINE)
+    assert re.search(r"^lr: +[\d.e-]+$", shown, re.MULTILINE), shown
     model = Path(re.search(r"inference model: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
     session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     assert session.run(None, {session.get_inputs()[0].name: np.zeros((3, 64), np.float32)})[0].shape == (3, 10)
