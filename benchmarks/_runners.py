@@ -20,8 +20,6 @@ from benchmarks._models import Case
 from ort_lightning import ORTLightningModule, TrainingArtifacts
 
 LR = 1e-3
-#: The ORT module's linear schedule decays to 0 at total_steps; far away, so the lr stays put.
-TOTAL_STEPS = 10**9
 
 
 class _BatchEndClock(pl.Callback):
@@ -64,13 +62,16 @@ def _fit(module: pl.LightningModule, loader: Any) -> list[float]:
 
 
 class LightningORT:
-    """ORTLightningModule under a Trainer: the product."""
+    """ORTLightningModule under a Trainer: the product.
+
+    A constant lr, as the torch runners' plain AdamW has: no scheduler on either side.
+    """
 
     label = "Lightning + ORT"
 
     def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
         self.case = case
-        self.module = ORTLightningModule(artifacts, lr=LR, total_steps=TOTAL_STEPS)
+        self.module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
 
     def run(self, steps: int) -> list[float]:
         return _fit(self.module, self.case.loader(steps + 1))
