@@ -85,12 +85,13 @@ class CheckpointingMixin:
     artifacts: TrainingArtifacts
     _session: _ort.TrainingSession
     _start_progress: dict[str, int]
+    _state_restored: bool
 
     if TYPE_CHECKING:
         trainer: Any
 
         def _assemble(
-            self, device: str, checkpoint: str | os.PathLike[str] | None = None
+            self, device: str, checkpoint: str | os.PathLike[str] | None = None, *, spinning: bool = True
         ) -> _ort.TrainingSession: ...
 
     # ----------------------------------------------------------------------------- assembly source
@@ -113,6 +114,18 @@ class CheckpointingMixin:
                 yield snapshot
         else:
             yield self.artifacts.checkpoint
+
+    def _restart_optimizer(self) -> None:
+        """Rebuild the ORT components from the current weights with a fresh optimizer state.
+
+        What torch Lightning gets on every ``fit``: ``configure_optimizers`` makes a new optimizer
+        (step 0, no moments), so a second ``fit`` warms up and decays again instead of staying at
+        the end of the first one's schedule (ORT computes the lr from the optimizer's own step).
+        """
+        with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
+            snapshot = Path(folder) / "state"
+            _ort.save_checkpoint(self._session, snapshot, include_optimizer_state=False)
+            self._session = self._assemble(self._session.device, snapshot, spinning=self._session.spinning)
 
     def _check_matches_artifacts(self, path: Path) -> None:
         found, properties = _read_checkpoint(path)
@@ -214,6 +227,7 @@ class CheckpointingMixin:
         with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
             path = Path(folder) / "state"
             path.write_bytes(state.cpu().numpy().tobytes())
-            self._session = self._assemble(self._session.device, path)
+            self._session = self._assemble(self._session.device, path, spinning=self._session.spinning)
+        self._state_restored = True
         progress = checkpoint.get(_PROGRESS_KEY, {})
         self._start_progress = {key: int(progress.get(key, 0)) for key in ("global_step", "epoch")}

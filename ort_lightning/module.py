@@ -120,6 +120,8 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
              "check_labels": check_labels, "custom_op_library": self.custom_op_library}
         )
         self._metrics = self._stage_metrics(metrics)
+        self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
+        self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
         self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
         check_graph_inputs(self.artifacts, self._session.input_names(training=True))
         self._labels = label_range_of(self.artifacts) if check_labels else None
@@ -241,8 +243,17 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         return self(*batch[:count])
 
     def configure_optimizers(self) -> Any:
-        """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step."""
+        """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step.
+
+        As in torch Lightning, every ``fit`` starts a fresh optimizer (step 0, no moments), except
+        when the state was just restored (``checkpoint=`` before the first fit, or ``ckpt_path=``),
+        so that a resume continues exactly.
+        """
+        if self._optimizers_configured and not self._state_restored:
+            self._restart_optimizer()
+        self._optimizers_configured, self._state_restored = True, False
         optimizer = ORTOptimizer(self._session, (p for p, _ in self._gradients.pairs), lr=self.lr)
+
         def total_steps() -> int:
             return total_steps_of(self.trainer, self.total_steps)
 

@@ -174,6 +174,20 @@ def test_linear_schedule_logs_closed_form_lrs_and_matches_torch(mlp_adamw: Expor
     _assert_same_parameters(module, reference)
 
 
+def test_a_second_fit_starts_a_fresh_optimizer_and_schedule_as_torch_does(mlp_adamw: Exported) -> None:
+    # torch Lightning's configure_optimizers makes a new AdamW and scheduler on every fit; ORT's
+    # schedule would otherwise stay at its end (lr 0) and the second fit would not train.
+    warmup, steps = 3, 10
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=ADAMW_LR, warmup_steps=warmup)
+    reference = mlp_adamw.reference()
+    for _ in range(2):
+        _trainer(max_steps=steps).fit(module, _loader())
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, warmup, steps))
+        _torch_train(reference, optimizer, scheduler=scheduler, steps=steps)
+    _assert_same_parameters(module, reference)
+
+
 def test_warmup_fraction_counts_in_total_steps(mlp_adamw: Exported, tmp_path: Path) -> None:
     _, logged = _fit_logged(mlp_adamw, tmp_path, warmup_steps=0.2, total_steps=40)
     expected = [ADAMW_LR * _linear(step, 8, 40) for step in range(STEPS)]
