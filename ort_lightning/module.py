@@ -45,6 +45,9 @@ __all__ = ["ORTLightningModule"]
 
 _SUPPORTED_PRECISION = "32-true"
 
+#: What the closure gives the optimizer when the last micro-batch was skipped but earlier ones count.
+_WINDOW_LOSS = torch.zeros(())
+
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
@@ -120,6 +123,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
              "check_labels": check_labels, "custom_op_library": self.custom_op_library}
         )
         self._metrics = self._stage_metrics(metrics)
+        self._window_has_loss = False  # a micro-batch of the current accumulation window returned a loss
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
         self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
@@ -270,7 +274,11 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             super().lr_scheduler_step(scheduler, metric)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """Do nothing: ORT computed the gradients in ``training_step``."""
+        """Note that this micro-batch's gradients count: ORT computed them in ``training_step``.
+
+        Lightning calls it only for a ``training_step`` that returned a loss.
+        """
+        self._window_has_loss = True
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any | None = None
@@ -284,9 +292,25 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         """
         if optimizer_closure is not None:
             optimizer_closure = self._nonfinite.wrap(
-                self._gradients.after_closure(optimizer_closure, scale=1.0 / self.trainer.accumulate_grad_batches)
+                self._gradients.after_closure(
+                    self._window_closure(optimizer_closure), scale=1.0 / self.trainer.accumulate_grad_batches
+                )
             )
         optimizer.step(closure=optimizer_closure)
+        self._window_has_loss = False
+
+    def _window_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Step when any micro-batch of the window returned a loss, as a torch optimizer does.
+
+        A ``training_step`` that returns None makes the closure return None, which skips the ORT
+        update; under accumulation, earlier micro-batches' gradients still count, so the step runs.
+        """
+
+        def closure_of_the_window() -> Any:
+            result = closure()
+            return _WINDOW_LOSS if result is None and self._window_has_loss else result
+
+        return closure_of_the_window
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Schedule ORT's gradient reset and keep ``.grad`` the views of ORT's gradient buffers.

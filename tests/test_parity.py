@@ -136,6 +136,33 @@ def test_gradient_clipping_matches_torch(
     assert max((a - b).abs().max().item() for a, b in pairs) > 1e-3
 
 
+class _SkipsEveryThirdBatch(ORTLightningModule):
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor | None:  # type: ignore[override]
+        return None if batch_idx % 3 == 2 else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("fixture", "kind", "lr"), OPTIMIZERS, ids=["adamw", "sgd"])
+def test_skipped_micro_batches_count_as_torch_counts_them(
+    request: pytest.FixtureRequest, fixture: str, kind: str, lr: float
+) -> None:
+    # Windows of 2 micro-batches: a skip first, a skip last (earlier gradients still step), none.
+    exported: Exported = request.getfixturevalue(fixture)
+    module = _SkipsEveryThirdBatch(exported.artifacts, lr=lr, lr_scheduler="constant")
+    steps = 12
+    _trainer(max_steps=steps, accumulate_grad_batches=2).fit(module, _loader())
+    reference = exported.reference()
+    optimizer = _reference_optimizer(kind, reference)
+    batches, per_epoch = _batches(_loader()), len(_loader())
+    for window in range(steps):
+        for micro in range(2):
+            x, y = next(batches)
+            if (2 * window + micro) % per_epoch % 3 != 2:  # Lightning's batch_idx restarts each epoch
+                (F.cross_entropy(reference(x), y) / 2).backward()
+        optimizer.step()  # a parameter whose .grad is None is left alone, as Lightning's torch path does
+        optimizer.zero_grad(set_to_none=True)
+    _assert_same_parameters(module, reference)
+
+
 def _linear(step: int, warmup: int, total: int) -> float:
     """Closed form of the linear warmup/decay multiplier, written here independently of the package."""
     if step < warmup:
