@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ort_lightning.errors import CheckpointError
@@ -80,17 +80,24 @@ def _temp_path(path: Path) -> Path:
     return Path(name)
 
 
-def _replace(path: Path, write: Callable[[Path], object]) -> None:
-    """Write through `write(temp)`, flush, rename over `path`, flush the folder."""
+@contextlib.contextmanager
+def _staged(path: Path) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; remove it if the block fails before renaming it."""
     temp = _temp_path(path)
     try:
-        write(temp)
-        _fsync_file(temp)
-        os.replace(temp, path)
+        yield temp
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
         raise
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """Write through `write(temp)`, flush, rename over `path`, flush the folder."""
+    with _staged(path) as temp:
+        write(temp)
+        _fsync_file(temp)
+        os.replace(temp, path)
     _fsync_dir(path.parent)
 
 
@@ -128,9 +135,8 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object], 
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = _temp_path(target)
     old: str | None = None
-    try:
+    with _staged(target) as temp:
         write(temp)
         _fsync_file(temp)
         new = sha256_of(temp)
@@ -139,10 +145,6 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object], 
             # NOTE: both digests are accepted while the rename is in flight (see module docstring).
             _write_digests(target, [new] if old in (None, new) else [new, old])
         os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-        raise
     _fsync_dir(target.parent)
     if digest and old not in (None, new):
         _write_digests(target, [new])

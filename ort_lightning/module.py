@@ -217,12 +217,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
-        binder = self._train_inputs
-        tensors = binder.ordered(batch)
-        if self._labels is not None:
-            self._labels(tensors, graph="training")
-        fetches = binder.run(self._train_step, tensors)
-        loss = to_torch(fetches[0])
+        tensors, fetches, loss = self._run_graph(self._train_inputs, self._train_step, batch, graph="training")
         self._nonfinite.observe(loss, self.trainer, batch_idx)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
         if self._metrics:
@@ -347,13 +342,18 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         return self
 
     # ----------------------------------------------------------------------------- helpers
-    def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
-        binder = self._eval_inputs
+    def _run_graph(
+        self, binder: BatchBinder, step: Callable[[Any], Any], batch: Any, *, graph: str
+    ) -> tuple[Any, Any, torch.Tensor]:
+        """Bind `batch`, check its labels, run one graph step; return the tensors, fetches and loss."""
         tensors = binder.ordered(batch)
         if self._labels is not None:
-            self._labels(tensors, graph="eval")
-        fetches = binder.run(self._eval_step, tensors)
-        loss = to_torch(fetches[0])
+            self._labels(tensors, graph=graph)
+        fetches = binder.run(step, tensors)
+        return tensors, fetches, to_torch(fetches[0])
+
+    def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
+        tensors, fetches, loss = self._run_graph(self._eval_inputs, self._eval_step, batch, graph="eval")
         size = tensors[0].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
         if self._metrics:
