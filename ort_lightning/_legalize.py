@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import onnx
 
 from ort_lightning import _rewrites
-from ort_lightning._rewrites import Graph
+from ort_lightning import _rewrites_spatial as _spatial
+from ort_lightning._rewriting import Graph, where
 from ort_lightning.errors import ExportError
 
 __all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "raise_explained"]
@@ -43,22 +44,40 @@ class Rule:
     reason: str
 
 
+_NO_GRADIENT = "no gradient builder in ORT 1.19.2"
+
 #: ONNX op (ai.onnx domain) -> its rewrite. The one place that says what legalization does.
 RULES: dict[str, Rule] = {
     "LayerNormalization": Rule(
         _rewrites.layer_norm_outputs,
         "ORT's gradient reads the optional Mean and InvStdDev outputs, which the torch exporter leaves out",
     ),
-    "HardSigmoid": Rule(_rewrites.hard_sigmoid, "no gradient builder in ORT 1.19.2; Clip(alpha*x + beta, 0, 1) has"),
-    "HardSwish": Rule(_rewrites.hard_swish, "no gradient builder in ORT 1.19.2; x * Clip(x/6 + 1/2, 0, 1) has one"),
+    "HardSigmoid": Rule(_rewrites.hard_sigmoid, f"{_NO_GRADIENT}; becomes Clip(alpha*x + beta, 0, 1)"),
+    "HardSwish": Rule(_rewrites.hard_swish, f"{_NO_GRADIENT}; becomes x * Clip(x/6 + 1/2, 0, 1)"),
+    "Elu": Rule(_rewrites.elu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)) - 1)"),
+    "Selu": Rule(_rewrites.selu, f"{_NO_GRADIENT}; becomes gamma * the Elu rewrite"),
+    "Celu": Rule(_rewrites.celu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)/alpha) - 1)"),
+    "Softplus": Rule(_rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes relu(x) + log(1+exp(-|x|))"),
+    "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU, nn.RReLU); becomes relu(x) + slope*min(x, 0)"),
+    "Sign": Rule(_rewrites.sign, f"{_NO_GRADIENT} (nn.LPPool); becomes (x > 0) - (x < 0), gradient-free as Sign's"),
+    "ReduceMax": Rule(_rewrites.reduce_max, f"{_NO_GRADIENT} (torch.max/amax over a dim); becomes TopK(k=1)"),
+    "ReduceMin": Rule(_rewrites.reduce_min, f"{_NO_GRADIENT} (torch.min/amin over a dim); becomes TopK(k=1, smallest)"),
+    "ReduceL2": Rule(_rewrites.reduce_l2, "ORT's gradient graph of it is invalid (torch.norm); becomes sqrt(sum(x*x))"),
     "InstanceNormalization": Rule(
         _rewrites.instance_norm,
-        "no gradient builder in ORT 1.19.2 (nn.GroupNorm and nn.InstanceNorm export to it); ReduceMean form has",
+        f"{_NO_GRADIENT} (nn.GroupNorm, nn.InstanceNorm*d export to it); becomes ReduceMean arithmetic",
     ),
     "AveragePool": Rule(
-        _rewrites.average_pool,
-        "ORT's gradient takes the static graph shape: a dynamic batch dies with SIGFPE; a depthwise Conv does not",
+        _spatial.average_pool,
+        "its gradient reads the static graph shape: a dynamic batch dies with SIGFPE; becomes a ones-kernel Conv",
     ),
+    "Resize": Rule(_spatial.resize, "no CPU ResizeGrad kernel (nn.Upsample, F.interpolate); becomes a MatMul per axis"),
+    "Slice": Rule(_spatial.reversed_slice, "SliceGrad fails on negative steps (torch.flip); becomes Gather"),
+    "DepthToSpace": Rule(_spatial.depth_to_space, f"{_NO_GRADIENT} (nn.PixelShuffle); becomes Reshape/Transpose"),
+    "CumSum": Rule(_spatial.cumsum, f"{_NO_GRADIENT}; becomes a MatMul with a triangular ones matrix"),
+    "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),
+    "Loop": Rule(_rewrites.control_flow, "as If"),
+    "Scan": Rule(_rewrites.control_flow, "as If"),
 }
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -115,17 +134,10 @@ def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
     node = nodes[0]
     more = f" and {len(nodes) - 1} more node(s) of that op" if len(nodes) > 1 else ""
     return (
-        f"ORT 1.19.2 has no gradient for the ONNX op {op!r} (domain {node.domain or 'ai.onnx'!r}) at node "
-        f"{node.name!r} (torch module {_module_of(node.name)!r}){more}, and ort-lightning has no rewrite for "
+        f"ORT 1.19.2 has no gradient for {where(node)}{more}, and ort-lightning has no rewrite for "
         f"it (see docs/ops.md); replace that layer with one the ops table lists as trainable, freeze "
         f"everything before it and feed its output as an input, or train that part in torch."
     )
-
-
-def _module_of(node_name: str) -> str:
-    """``"/encoder/layers.0/norm1/LayerNormalization" -> "encoder.layers.0.norm1"``."""
-    parts = [part for part in node_name.split("/") if part]
-    return ".".join(parts[:-1]) or "<top level>"
 
 
 def raise_explained(proto: onnx.ModelProto, error: ExportError) -> None:

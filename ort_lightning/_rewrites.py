@@ -1,85 +1,24 @@
-"""The rewrites behind `_legalize.RULES`: each turns one node into exact equivalents ORT can differentiate.
+"""Pointwise and reduction rewrites behind `_legalize.RULES`: exact equivalents in ops ORT can differentiate.
 
-Every function takes the `Graph` (names, opset, shapes) and one node, and returns the nodes that
-replace it, or None when this node needs no change. New nodes are named under the old node's
-name, so that an error about them still names the torch module they came from.
+Every function takes the `Graph` and one node, emits the nodes that replace it (``graph.emit``)
+and returns them, or returns None when this node needs no change. New nodes are named under the
+old node's name, so that an error about them still names the torch module they came from.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
+from ort_lightning._rewriting import Graph, attr, where
 from ort_lightning.errors import ExportError
 
-__all__ = ["Graph", "average_pool", "hard_sigmoid", "hard_swish", "instance_norm", "layer_norm_outputs"]
+__all__ = [
+    "celu", "control_flow", "elu", "hard_sigmoid", "hard_swish", "instance_norm", "layer_norm_outputs", "prelu",
+    "reduce_l2", "reduce_max", "reduce_min", "selu", "sign", "softplus",
+]
 
-
-class Graph:
-    """What the rewrites need to know about the graph: unique names, its opset, static shapes."""
-
-    def __init__(self, proto: onnx.ModelProto) -> None:
-        self.proto = proto
-        self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
-        self._taken = {name for node in proto.graph.node for name in (*node.input, *node.output)}
-        self._taken |= {t.name for t in proto.graph.initializer} | {n.name for n in proto.graph.node}
-        self._shapes: dict[str, list[int | str | None]] | None = None
-
-    def name(self, base: str) -> str:
-        """A value or node name not yet used in the graph, derived from `base`."""
-        name, suffix = base, 0
-        while name in self._taken:
-            suffix += 1
-            name = f"{base}_{suffix}"
-        self._taken.add(name)
-        return name
-
-    def shape(self, value: str) -> list[int | str | None] | None:
-        """Dimensions of `value` (ints, symbolic names, None if unknown), from ONNX shape inference."""
-        if self._shapes is None:
-            self._shapes = _infer_shapes(self.proto)
-        return self._shapes.get(value)
-
-    def node(
-        self, op: str, inputs: list[str], like: onnx.NodeProto, output: str | None = None, **attrs: Any
-    ) -> onnx.NodeProto:
-        """A new node named under `like` (so its scope survives), with a fresh output unless given."""
-        out = output or self.name(f"{like.name or like.op_type}/{op}_out")
-        return helper.make_node(op, inputs, [out], name=self.name(f"{like.name or like.op_type}/{op}"), **attrs)
-
-    def constant(self, array: np.ndarray, like: onnx.NodeProto) -> onnx.NodeProto:
-        """A Constant node (not an initializer: it must never become a parameter)."""
-        out = self.name(f"{like.name or like.op_type}/const")
-        return helper.make_node(
-            "Constant", [], [out], name=self.name(f"{like.name or like.op_type}/Constant"),
-            value=numpy_helper.from_array(array, out),
-        )
-
-
-def _infer_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # onnx raises several types for a graph it cannot infer; shapes stay unknown
-        inferred = proto
-    shapes: dict[str, list[int | str | None]] = {}
-    graph = inferred.graph
-    for info in [*graph.input, *graph.value_info, *graph.output]:
-        if not info.type.tensor_type.HasField("shape"):
-            continue
-        dims = info.type.tensor_type.shape.dim
-        shapes[info.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
-    return shapes
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
+_F32 = np.float32
 
 
 def layer_norm_outputs(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
@@ -95,131 +34,192 @@ def layer_norm_outputs(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProt
     return [node]
 
 
-def _clip01(graph: Graph, node: onnx.NodeProto, x: str, alpha: float, beta: float, output: str) -> list[onnx.NodeProto]:
+def _clip01(graph: Graph, node: onnx.NodeProto, x: str, alpha: float, beta: float, output: str | None = None) -> str:
     """``Clip(alpha * x + beta, 0, 1)``: HardSigmoid in ops with gradients."""
-    f32 = np.float32
-    a, b = graph.constant(np.array(alpha, f32), node), graph.constant(np.array(beta, f32), node)
-    lo, hi = graph.constant(np.array(0.0, f32), node), graph.constant(np.array(1.0, f32), node)
-    scaled = graph.node("Mul", [x, a.output[0]], node)
-    shifted = graph.node("Add", [scaled.output[0], b.output[0]], node)
-    clipped = graph.node("Clip", [shifted.output[0], lo.output[0], hi.output[0]], node, output=output)
-    return [a, b, lo, hi, scaled, shifted, clipped]
+    shifted = graph.emit("Add", [graph.emit("Mul", [x, graph.const(np.array(alpha, _F32), node)], node),
+                                 graph.const(np.array(beta, _F32), node)], node)
+    low, high = graph.const(np.array(0.0, _F32), node), graph.const(np.array(1.0, _F32), node)
+    return graph.emit("Clip", [shifted, low, high], node, output=output)
 
 
 def hard_sigmoid(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """``HardSigmoid(x) = Clip(alpha * x + beta, 0, 1)``."""
-    alpha, beta = float(_attr(node, "alpha", 0.2)), float(_attr(node, "beta", 0.5))
-    return _clip01(graph, node, node.input[0], alpha, beta, node.output[0])
+    _clip01(graph, node, node.input[0], float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5)), node.output[0])
+    return graph.take()
 
 
 def hard_swish(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """``HardSwish(x) = x * Clip(x / 6 + 1/2, 0, 1)``."""
-    gate = graph.name(f"{node.name or 'HardSwish'}/gate")
-    nodes = _clip01(graph, node, node.input[0], 1.0 / 6.0, 0.5, gate)
-    return [*nodes, graph.node("Mul", [node.input[0], gate], node, output=node.output[0])]
+    gate = _clip01(graph, node, node.input[0], 1.0 / 6.0, 0.5)
+    graph.emit("Mul", [node.input[0], gate], node, output=node.output[0])
+    return graph.take()
 
 
-def _reduce_mean(graph: Graph, node: onnx.NodeProto, x: str) -> list[onnx.NodeProto]:
-    """ReduceMean over axis 2, keeping it, in the spelling of the graph's opset (axes moved to an input in 18)."""
+def _relu_parts(graph: Graph, node: onnx.NodeProto, x: str) -> tuple[str, str]:
+    """``(relu(x), -relu(-x))``, i.e. ``(max(x, 0), min(x, 0))`` in ops with gradients."""
+    negative = graph.emit("Neg", [graph.emit("Relu", [graph.emit("Neg", [x], node)], node)], node)
+    return graph.emit("Relu", [x], node), negative
+
+
+def _exp_minus_one(graph: Graph, node: onnx.NodeProto, x: str, alpha: float) -> str:
+    """``alpha * (exp(x / alpha) - 1)``."""
+    scaled = graph.emit("Mul", [x, graph.const(np.array(1.0 / alpha, _F32), node)], node) if alpha != 1.0 else x
+    shifted = graph.emit("Sub", [graph.emit("Exp", [scaled], node), graph.const(np.array(1.0, _F32), node)], node)
+    return graph.emit("Mul", [shifted, graph.const(np.array(alpha, _F32), node)], node)
+
+
+def _elu(graph: Graph, node: onnx.NodeProto, alpha: float, scale: float, *, inner: float = 1.0) -> list[onnx.NodeProto]:
+    # NOTE: exp(min(x, 0)) rather than Where(x > 0, x, exp(x) - 1): the unused branch of a Where
+    # overflows for large x and its zero gradient times inf is NaN.
+    positive, negative = _relu_parts(graph, node, node.input[0])
+    tail = _exp_minus_one(graph, node, negative, inner)
+    if inner == 1.0 and alpha != 1.0:
+        tail = graph.emit("Mul", [tail, graph.const(np.array(alpha, _F32), node)], node)
+    total = graph.emit("Add", [positive, tail], node, output=None if scale != 1.0 else node.output[0])
+    if scale != 1.0:
+        graph.emit("Mul", [total, graph.const(np.array(scale, _F32), node)], node, output=node.output[0])
+    return graph.take()
+
+
+def elu(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``Elu(x) = max(x, 0) + alpha * (exp(min(x, 0)) - 1)``."""
+    return _elu(graph, node, float(attr(node, "alpha", 1.0)), 1.0)
+
+
+def selu(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``Selu(x) = gamma * Elu_alpha(x)``."""
+    alpha = float(attr(node, "alpha", 1.67326319217681884765625))
+    gamma = float(attr(node, "gamma", 1.05070102214813232421875))
+    return _elu(graph, node, alpha, gamma)
+
+
+def celu(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``Celu(x) = max(x, 0) + alpha * (exp(min(x, 0) / alpha) - 1)``."""
+    return _elu(graph, node, 1.0, 1.0, inner=float(attr(node, "alpha", 1.0)))
+
+
+def softplus(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``Softplus(x) = max(x, 0) + log(1 + exp(-|x|))``, the form that never overflows."""
+    positive, negative = _relu_parts(graph, node, node.input[0])
+    minus_abs = graph.emit("Sub", [negative, positive], node)
+    one = graph.const(np.array(1.0, _F32), node)
+    log = graph.emit("Log", [graph.emit("Add", [graph.emit("Exp", [minus_abs], node), one], node)], node)
+    graph.emit("Add", [positive, log], node, output=node.output[0])
+    return graph.take()
+
+
+def prelu(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``PRelu(x, slope) = max(x, 0) + slope * min(x, 0)`` (slope broadcast as PRelu does)."""
+    positive, negative = _relu_parts(graph, node, node.input[0])
+    graph.emit("Add", [positive, graph.emit("Mul", [negative, node.input[1]], node)], node, output=node.output[0])
+    return graph.take()
+
+
+def sign(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``Sign(x) = (x > 0) - (x < 0)``: comparisons carry no gradient, as Sign's is zero."""
+    zero = graph.const(np.array(0, dtype=_F32), node)
+    above = graph.emit("Cast", [graph.emit("Greater", [node.input[0], zero], node)], node, to=onnx.TensorProto.FLOAT)
+    below = graph.emit("Cast", [graph.emit("Less", [node.input[0], zero], node)], node, to=onnx.TensorProto.FLOAT)
+    graph.emit("Sub", [above, below], node, output=node.output[0])
+    return graph.take()
+
+
+def _reduce(graph: Graph, node: onnx.NodeProto, op: str, x: str) -> str:
+    """`op` (ReduceMax, ReduceSum) over the axes of `node`, keepdims as `node`, in the graph opset's spelling."""
+    keepdims = int(attr(node, "keepdims", 1))
+    axes = attr(node, "axes", None)
+    axes_input = node.input[1] if len(node.input) > 1 else ""
+    # NOTE: axes became an input in opset 13 for ReduceSum and in opset 18 for the other reductions.
+    if graph.opset >= (13 if op == "ReduceSum" else 18):
+        if axes is not None:
+            axes_input = graph.const(np.array(axes, np.int64), node)
+        return graph.emit(op, [x, axes_input] if axes_input else [x], node, keepdims=keepdims)
+    if axes is None and axes_input:
+        value = graph.value(axes_input)
+        axes = None if value is None else [int(a) for a in value.reshape(-1)]
+    return graph.emit(op, [x], node, keepdims=keepdims, **({} if axes is None else {"axes": axes}))
+
+
+def _top_one(graph: Graph, node: onnx.NodeProto, *, largest: int) -> list[onnx.NodeProto] | None:
+    """ReduceMax/ReduceMin over one axis (or all) as TopK(k=1), whose gradient ORT has."""
+    axes = attr(node, "axes", None)
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        value = graph.value(node.input[1])
+        axes = None if value is None else [int(a) for a in value.reshape(-1)]
+    keepdims, shape, x = int(attr(node, "keepdims", 1)), graph.shape(node.input[0]), node.input[0]
+    if shape is None or (axes is not None and len(axes) != 1):
+        return None
+    one = graph.const(np.array([1], np.int64), node)
+    if axes is None:  # every axis: the top of the flattened tensor, then the reduced shape
+        flat = graph.emit("Reshape", [x, graph.const(np.array([-1], np.int64), node)], node)
+        top = graph.node("TopK", [flat, one], node, axis=0, largest=largest)
+        top.output.append(graph.name(f"{node.name}/indices"))
+        graph.emitted.append(top)
+        reduced = np.ones(len(shape), np.int64) if keepdims else np.zeros(0, np.int64)
+        graph.emit("Reshape", [top.output[0], graph.const(reduced, node)], node, output=node.output[0])
+        return graph.take()
+    axis = int(axes[0]) % len(shape)
+    top = graph.node("TopK", [x, one], node, output=node.output[0] if keepdims else None, axis=axis, largest=largest)
+    top.output.append(graph.name(f"{node.name}/indices"))
+    graph.emitted.append(top)
+    if not keepdims:
+        graph.emit("Squeeze", [top.output[0], graph.const(np.array([axis], np.int64), node)], node,
+                   output=node.output[0])
+    return graph.take()
+
+
+def reduce_max(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """``ReduceMax(x)`` over one axis or all axes as ``TopK(x, 1)``."""
+    return _top_one(graph, node, largest=1)
+
+
+def reduce_min(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """``ReduceMin(x)`` over one axis or all axes as ``TopK(x, 1, largest=0)``."""
+    return _top_one(graph, node, largest=0)
+
+
+def control_flow(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Refuse If/Loop/Scan with a floating-point output: ORT 1.19.2's gradient builder aborts the process on them.
+
+    Raises:
+        ExportError: naming the node and the torch module.
+    """
+    if not any(graph.is_float(output) for output in node.output):
+        return None
+    raise ExportError(
+        f"{where(node)} is control flow on the gradient path, and ORT 1.19.2's gradient builder aborts the "
+        "process on it (it cannot be rewritten, as its branches depend on the data); write that layer without "
+        "data-dependent Python control flow (e.g. nn.LocalResponseNorm on 4-d input exports an If), or freeze it "
+        "and everything before it."
+    )
+
+
+def reduce_l2(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """``ReduceL2(x) = sqrt(ReduceSum(x * x))`` (ORT 1.19.2's ReduceL2 gradient graph is invalid)."""
+    squares = graph.emit("Mul", [node.input[0], node.input[0]], node)
+    graph.emit("Sqrt", [_reduce(graph, node, "ReduceSum", squares)], node, output=node.output[0])
+    return graph.take()
+
+
+def _reduce_mean_axis2(graph: Graph, node: onnx.NodeProto, x: str) -> str:
+    """ReduceMean over axis 2, keeping it, in the spelling of the graph's opset (axes became an input in 18)."""
     if graph.opset >= 18:
-        axes = graph.constant(np.array([2], np.int64), node)
-        return [axes, graph.node("ReduceMean", [x, axes.output[0]], node, keepdims=1)]
-    return [graph.node("ReduceMean", [x], node, axes=[2], keepdims=1)]
+        return graph.emit("ReduceMean", [x, graph.const(np.array([2], np.int64), node)], node, keepdims=1)
+    return graph.emit("ReduceMean", [x], node, axes=[2], keepdims=1)
 
 
 def instance_norm(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """InstanceNormalization as ``(x - mean) / sqrt(var + eps) * scale + bias`` over a (N, C, -1) view."""
     x, scale, bias = node.input[0], node.input[1], node.input[2]
-    eps = float(_attr(node, "epsilon", 1e-5))
-    shape = graph.node("Shape", [x], node)
-    flat_shape = graph.constant(np.array([0, 0, -1], np.int64), node)
-    column = graph.constant(np.array([-1, 1], np.int64), node)
-    epsilon = graph.constant(np.array(eps, np.float32), node)
-    flat = graph.node("Reshape", [x, flat_shape.output[0]], node)
-    mean = _reduce_mean(graph, node, flat.output[0])
-    centered = graph.node("Sub", [flat.output[0], mean[-1].output[0]], node)
-    squared = graph.node("Mul", [centered.output[0], centered.output[0]], node)
-    variance = _reduce_mean(graph, node, squared.output[0])
-    shifted = graph.node("Add", [variance[-1].output[0], epsilon.output[0]], node)
-    std = graph.node("Sqrt", [shifted.output[0]], node)
-    normed = graph.node("Div", [centered.output[0], std.output[0]], node)
-    scale_col = graph.node("Reshape", [scale, column.output[0]], node)
-    bias_col = graph.node("Reshape", [bias, column.output[0]], node)
-    scaled = graph.node("Mul", [normed.output[0], scale_col.output[0]], node)
-    moved = graph.node("Add", [scaled.output[0], bias_col.output[0]], node)
-    result = graph.node("Reshape", [moved.output[0], shape.output[0]], node, output=node.output[0])
-    return [
-        shape, flat_shape, column, epsilon, flat, *mean, centered, squared, *variance, shifted, std, normed,
-        scale_col, bias_col, scaled, moved, result,
-    ]
-
-
-def _pool_geometry(
-    size: int, kernel: int, stride: int, begin: int, end: int, *, ceil_mode: bool, include_pad: bool
-) -> tuple[np.ndarray, int]:
-    """Per output position along one axis: the divisor torch uses; and the extra end padding ceil_mode needs."""
-    span = size + begin + end - kernel
-    out = (math.ceil(span / stride) if ceil_mode else span // stride) + 1
-    if ceil_mode and (out - 1) * stride >= size + begin:
-        # NOTE: torch (and ONNX) drop a last window that would start in the end padding.
-        out -= 1
-    divisors = np.empty(out, np.float64)
-    for o in range(out):
-        start = o * stride - begin
-        stop = min(start + kernel, size + end)
-        counted = stop - start if include_pad else min(stop, size) - max(start, 0)
-        divisors[o] = counted
-    extra = max(0, (out - 1) * stride + kernel - (size + begin + end))
-    return divisors, extra
-
-
-def average_pool(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """AveragePool over a dynamic batch as a depthwise Conv with a ones kernel, times 1/divisor per position.
-
-    The divisor map is computed here from the static channel and spatial sizes, so that
-    ``count_include_pad`` and ``ceil_mode`` give exactly what torch gives. A static batch keeps
-    the native op (its gradient works there).
-
-    Raises:
-        ExportError: for a dynamic batch with unknown channel or spatial sizes, or dilations/auto_pad.
-    """
-    shape = graph.shape(node.input[0])
-    if shape is not None and isinstance(shape[0], int) and shape[0] > 0:
-        return None
-    kernel = [int(k) for k in _attr(node, "kernel_shape", [])]
-    rank = len(kernel)
-    static = shape is not None and all(isinstance(d, int) and d > 0 for d in shape[1:]) and len(shape) == rank + 2
-    dilations = [int(d) for d in _attr(node, "dilations", [1] * rank)]
-    auto_pad = _attr(node, "auto_pad", b"NOTSET")
-    if not static or any(d != 1 for d in dilations) or auto_pad not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
-        raise ExportError(
-            f"AveragePool node {node.name!r} runs over a dynamic batch, which kills ORT 1.19.2's gradient "
-            f"(SIGFPE), and it cannot be rewritten (input shape {shape}, dilations {dilations}, auto_pad "
-            f"{auto_pad!r}; the rewrite needs static channel and spatial sizes); export with a fixed batch "
-            "size, or give the model fixed spatial sizes."
-        )
-    dims = [d for d in (shape or [])[1:] if isinstance(d, int)]
-    return _pool_as_conv(graph, node, dims, kernel)
-
-
-def _pool_as_conv(graph: Graph, node: onnx.NodeProto, dims: list[int], kernel: list[int]) -> list[onnx.NodeProto]:
-    channels, spatial, rank = dims[0], dims[1:], len(kernel)
-    strides = [int(s) for s in _attr(node, "strides", [1] * rank)]
-    pads = [int(p) for p in _attr(node, "pads", [0] * (2 * rank))]
-    ceil_mode, include_pad = bool(_attr(node, "ceil_mode", 0)), bool(_attr(node, "count_include_pad", 0))
-    divisor = np.ones((), np.float64)
-    conv_pads = list(pads)
-    for axis in range(rank):
-        divisors, extra = _pool_geometry(
-            spatial[axis], kernel[axis], strides[axis], pads[axis], pads[axis + rank],
-            ceil_mode=ceil_mode, include_pad=include_pad,
-        )
-        divisor = np.multiply.outer(divisor, divisors)
-        conv_pads[axis + rank] += extra
-    weight = graph.constant(np.ones((channels, 1, *kernel), np.float32), node)
-    scale = graph.constant((1.0 / divisor).astype(np.float32)[None, None], node)
-    conv = graph.node(
-        "Conv", [node.input[0], weight.output[0]], node, group=channels, kernel_shape=kernel, strides=strides,
-        pads=conv_pads,
-    )
-    return [weight, scale, conv, graph.node("Mul", [conv.output[0], scale.output[0]], node, output=node.output[0])]
+    shape = graph.emit("Shape", [x], node)
+    flat = graph.emit("Reshape", [x, graph.const(np.array([0, 0, -1], np.int64), node)], node)
+    centered = graph.emit("Sub", [flat, _reduce_mean_axis2(graph, node, flat)], node)
+    variance = _reduce_mean_axis2(graph, node, graph.emit("Mul", [centered, centered], node))
+    epsilon = graph.const(np.array(float(attr(node, "epsilon", 1e-5)), _F32), node)
+    std = graph.emit("Sqrt", [graph.emit("Add", [variance, epsilon], node)], node)
+    normed = graph.emit("Div", [centered, std], node)
+    column = graph.const(np.array([-1, 1], np.int64), node)
+    scaled = graph.emit("Mul", [normed, graph.emit("Reshape", [scale, column], node)], node)
+    moved = graph.emit("Add", [scaled, graph.emit("Reshape", [bias, column], node)], node)
+    graph.emit("Reshape", [moved, shape], node, output=node.output[0])
+    return graph.take()
