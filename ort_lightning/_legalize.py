@@ -8,6 +8,7 @@ otherwise untouched, so parameters keep their torch names. The rewrites themselv
 Example::
 
     >>> import onnx
+import torch
     >>> from onnx import helper
     >>> node = helper.make_node("HardSwish", ["x"], ["y"], name="/act/HardSwish")
     >>> graph = helper.make_graph(
@@ -27,13 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx
+import torch
 
 from ort_lightning import _rewrites
+from ort_lightning import _rewrites_layers as _layers
 from ort_lightning import _rewrites_spatial as _spatial
 from ort_lightning._rewriting import Graph, where
 from ort_lightning.errors import ExportError
 
-__all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "raise_explained"]
+__all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "padding_rows_of", "raise_explained"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,11 @@ RULES: dict[str, Rule] = {
     "Slice": Rule(_spatial.reversed_slice, "SliceGrad fails on negative steps (torch.flip); becomes Gather"),
     "DepthToSpace": Rule(_spatial.depth_to_space, f"{_NO_GRADIENT} (nn.PixelShuffle); becomes Reshape/Transpose"),
     "CumSum": Rule(_spatial.cumsum, f"{_NO_GRADIENT}; becomes a MatMul with a triangular ones matrix"),
+    "Pad": Rule(_layers.pad, "the Pad gradient takes constant mode only (reflect, replicate); becomes Gathers"),
+    "ConvTranspose": Rule(_layers.conv_transpose, "no CPU ConvTransposeGrad kernel; becomes zero insertion + Conv"),
+    "LSTM": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two LSTMs"),
+    "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
+    "Gather": Rule(_layers.embedding_padding, "nn.Embedding(padding_idx) exports as a Gather training the padding row"),
     "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),
     "Loop": Rule(_rewrites.control_flow, "as If"),
     "Scan": Rule(_rewrites.control_flow, "as If"),
@@ -83,13 +91,15 @@ RULES: dict[str, Rule] = {
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-def legalize(proto: onnx.ModelProto) -> list[str]:
+def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None) -> list[str]:
     """Rewrite, in place, every node of `proto` that `RULES` covers; return the rewritten nodes' names.
+
+    `padding_rows` maps embedding weights to their ``padding_idx`` (see `padding_rows_of`).
 
     Raises:
         ExportError: when a covered node cannot be rewritten (the message names the node).
     """
-    graph = Graph(proto)
+    graph = Graph(proto, padding_rows=padding_rows)
     rewritten: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(proto.graph.node):
@@ -104,6 +114,24 @@ def legalize(proto: onnx.ModelProto) -> list[str]:
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
     return rewritten
+
+
+def padding_rows_of(model: object) -> dict[str, int]:
+    """``{"<embedding>.weight": padding_idx}`` for every nn.Embedding of a torch model with a padding_idx.
+
+    Example::
+
+        >>> import torch
+        >>> padding_rows_of(torch.nn.Sequential(torch.nn.Embedding(5, 2, padding_idx=0)))
+        {'0.weight': 0}
+    """
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {
+        f"{name}.weight" if name else "weight": int(module.padding_idx)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None
+    }
 
 
 _NO_BUILDER = re.compile(r"gradient builder has not been registered: ?(?P<op>[A-Za-z0-9_]+)")

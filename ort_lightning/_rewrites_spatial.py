@@ -17,7 +17,7 @@ from onnx.reference import ReferenceEvaluator
 from ort_lightning._rewriting import Graph, attr
 from ort_lightning.errors import ExportError
 
-__all__ = ["average_pool", "cumsum", "depth_to_space", "resize", "reversed_slice"]
+__all__ = ["along_axis", "average_pool", "cumsum", "depth_to_space", "resize", "reversed_slice"]
 
 _I64 = np.int64
 _END = np.iinfo(np.int64).max
@@ -211,11 +211,11 @@ def resize(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         scale = float(scales_value[axis]) if scales_value is not None and scales_value.size else None
         matrix = _resize_matrix(node, int(source[axis]), int(target[axis]), scale)  # type: ignore[arg-type]
         output = node.output[0] if count == len(axes) - 1 else None
-        current = _along_axis(graph, node, current, matrix, axis, rank, output)
+        current = along_axis(graph, node, current, matrix, axis, rank, output)
     return graph.take()
 
 
-def _along_axis(graph: Graph, node: onnx.NodeProto, x: str, matrix: np.ndarray, axis: int, rank: int,
+def along_axis(graph: Graph, node: onnx.NodeProto, x: str, matrix: np.ndarray, axis: int, rank: int,
                 output: str | None) -> str:
     """Apply `matrix` (out x in) along `axis` of `x`: right-multiply the last axis, left-multiply the others."""
     if axis == rank - 1:

@@ -319,7 +319,7 @@ def export_artifacts(
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
-    _legalize.legalize(proto)
+    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
     model_outputs = [output.name for output in proto.graph.output]
