@@ -134,7 +134,14 @@ def padding_rows_of(model: object) -> dict[str, int]:
     }
 
 
-_NO_BUILDER = re.compile(r"gradient builder has not been registered: ?(?P<op>[A-Za-z0-9_]+)")
+#: What ORT says when it cannot differentiate an op, and what that means for the user.
+_NO_GRADIENT_MESSAGES = (
+    (re.compile(r"gradient builder has not been registered: ?(?P<op>[A-Za-z0-9_]+)"), "ORT 1.19.2 has no gradient for"),
+    (
+        re.compile(r"(?P<domain>[A-Za-z0-9_.]+):(?P<op>[A-Za-z0-9_]+)\(-?\d+\) is not a registered function/op"),
+        "ORT 1.19.2 neither knows nor can differentiate",
+    ),
+)
 
 
 def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
@@ -152,20 +159,17 @@ def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
         ... # doctest: +ELLIPSIS
         ORT 1.19.2 has no gradient for the ONNX op 'Foo' (domain 'custom') at node '/block/act/Foo' ...
     """
-    match = _NO_BUILDER.search(message)
-    if match is None:
-        return None
-    op = match.group("op")
-    nodes = [node for node in proto.graph.node if node.op_type == op]
-    if not nodes:
-        return None
-    node = nodes[0]
-    more = f" and {len(nodes) - 1} more node(s) of that op" if len(nodes) > 1 else ""
-    return (
-        f"ORT 1.19.2 has no gradient for {where(node)}{more}, and ort-lightning has no rewrite for "
-        f"it (see docs/ops.md); replace that layer with one the ops table lists as trainable, freeze "
-        f"everything before it and feed its output as an input, or train that part in torch."
-    )
+    for pattern, lead in _NO_GRADIENT_MESSAGES:
+        match = pattern.search(message)
+        nodes = [node for node in proto.graph.node if match is not None and node.op_type == match.group("op")]
+        if nodes:
+            more = f" and {len(nodes) - 1} more node(s) of that op" if len(nodes) > 1 else ""
+            return (
+                f"{lead} {where(nodes[0])}{more}, and ort-lightning has no rewrite for it (see docs/ops.md); "
+                "replace that layer with one docs/ops.md lists as trainable, freeze everything before it and "
+                "feed its output as an input, or train that part in torch."
+            )
+    return None
 
 
 def raise_explained(proto: onnx.ModelProto, error: ExportError) -> None:

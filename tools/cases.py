@@ -90,22 +90,44 @@ def _spatial(dims: int, size: int = 6) -> tuple[int, ...]:
 
 
 def _activation(name: str, layer: Callable[[], nn.Module], *, deterministic: bool = True) -> Case:
-    return Case(f"act-{name}", "activation", lambda: nn.Sequential(nn.Linear(6, 8), layer()), _randn(6),
-                deterministic=deterministic)
+    return Case(
+        f"act-{name}",
+        "activation",
+        lambda: nn.Sequential(nn.Linear(6, 8), layer()),
+        _randn(6),
+        deterministic=deterministic,
+    )
 
 
 _ACTIVATIONS = [
-    _activation("elu", nn.ELU), _activation("hardshrink", nn.Hardshrink), _activation("hardsigmoid", nn.Hardsigmoid),
-    _activation("hardtanh", nn.Hardtanh), _activation("hardswish", nn.Hardswish), _activation("leakyrelu", nn.LeakyReLU),
-    _activation("logsigmoid", nn.LogSigmoid), _activation("prelu", nn.PReLU), _activation("relu", nn.ReLU),
-    _activation("relu6", nn.ReLU6), _activation("rrelu", nn.RReLU, deterministic=False),
-    _activation("selu", nn.SELU), _activation("celu", nn.CELU), _activation("gelu", nn.GELU),
-    _activation("gelu-tanh", lambda: nn.GELU(approximate="tanh")), _activation("sigmoid", nn.Sigmoid),
-    _activation("silu", nn.SiLU), _activation("mish", nn.Mish), _activation("softplus", nn.Softplus),
-    _activation("softshrink", nn.Softshrink), _activation("softsign", nn.Softsign), _activation("tanh", nn.Tanh),
-    _activation("tanhshrink", nn.Tanhshrink), _activation("threshold", lambda: nn.Threshold(0.1, 20.0)),
-    _activation("glu", nn.GLU), _activation("softmin", lambda: nn.Softmin(dim=1)),
-    _activation("softmax", lambda: nn.Softmax(dim=1)), _activation("logsoftmax", lambda: nn.LogSoftmax(dim=1)),
+    _activation("elu", nn.ELU),
+    _activation("hardshrink", nn.Hardshrink),
+    _activation("hardsigmoid", nn.Hardsigmoid),
+    _activation("hardtanh", nn.Hardtanh),
+    _activation("hardswish", nn.Hardswish),
+    _activation("leakyrelu", nn.LeakyReLU),
+    _activation("logsigmoid", nn.LogSigmoid),
+    _activation("prelu", nn.PReLU),
+    _activation("relu", nn.ReLU),
+    _activation("relu6", nn.ReLU6),
+    _activation("rrelu", nn.RReLU, deterministic=False),
+    _activation("selu", nn.SELU),
+    _activation("celu", nn.CELU),
+    _activation("gelu", nn.GELU),
+    _activation("gelu-tanh", lambda: nn.GELU(approximate="tanh")),
+    _activation("sigmoid", nn.Sigmoid),
+    _activation("silu", nn.SiLU),
+    _activation("mish", nn.Mish),
+    _activation("softplus", nn.Softplus),
+    _activation("softshrink", nn.Softshrink),
+    _activation("softsign", nn.Softsign),
+    _activation("tanh", nn.Tanh),
+    _activation("tanhshrink", nn.Tanhshrink),
+    _activation("threshold", lambda: nn.Threshold(0.1, 20.0)),
+    _activation("glu", nn.GLU),
+    _activation("softmin", lambda: nn.Softmin(dim=1)),
+    _activation("softmax", lambda: nn.Softmax(dim=1)),
+    _activation("logsoftmax", lambda: nn.LogSoftmax(dim=1)),
     Case("act-softmax2d", "activation", lambda: Pre(nn.Softmax2d(), 2), _randn(*_spatial(2))),
 ]
 
@@ -114,14 +136,16 @@ _NORMS = [
     Case("norm-batchnorm2d", "norm", lambda: Pre(nn.BatchNorm2d(3), 2), _randn(*_spatial(2))),
     Case("norm-batchnorm3d", "norm", lambda: Pre(nn.BatchNorm3d(3), 3), _randn(*_spatial(3, 4))),
     Case("norm-groupnorm", "norm", lambda: Pre(nn.GroupNorm(1, 3), 2), _randn(*_spatial(2))),
-    Case("norm-groupnorm-1d", "norm",
-         lambda: nn.Sequential(nn.Conv1d(3, 6, 1), nn.GroupNorm(3, 6)), _randn(*_spatial(1))),
+    Case(
+        "norm-groupnorm-1d", "norm", lambda: nn.Sequential(nn.Conv1d(3, 6, 1), nn.GroupNorm(3, 6)), _randn(*_spatial(1))
+    ),
     Case("norm-instancenorm1d", "norm", lambda: Pre(nn.InstanceNorm1d(3, affine=True), 1), _randn(*_spatial(1))),
     Case("norm-instancenorm2d", "norm", lambda: Pre(nn.InstanceNorm2d(3), 2), _randn(*_spatial(2))),
     Case("norm-instancenorm3d", "norm", lambda: Pre(nn.InstanceNorm3d(3, affine=True), 3), _randn(*_spatial(3, 4))),
     Case("norm-layernorm", "norm", lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8)), _randn(6)),
-    Case("norm-layernorm-no-bias", "norm",
-         lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, bias=False)), _randn(6)),
+    Case(
+        "norm-layernorm-no-bias", "norm", lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, bias=False)), _randn(6)
+    ),
     Case("norm-layernorm-2d", "norm", lambda: Pre(nn.LayerNorm([6, 6]), 2), _randn(*_spatial(2))),
     Case("norm-localresponse", "norm", lambda: Pre(nn.LocalResponseNorm(2), 2), _randn(*_spatial(2))),
     Case("norm-rmsnorm", "norm", lambda: nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8)), _randn(6)),
@@ -133,17 +157,22 @@ def _pool(name: str, dims: int, layer: Callable[[], nn.Module], size: int = 6) -
 
 
 _POOLS = [
-    _pool("maxpool1d", 1, lambda: nn.MaxPool1d(2)), _pool("maxpool2d", 2, lambda: nn.MaxPool2d(3, 2, padding=1)),
-    _pool("maxpool3d", 3, lambda: nn.MaxPool3d(2), 4), _pool("avgpool1d", 1, lambda: nn.AvgPool1d(2)),
+    _pool("maxpool1d", 1, lambda: nn.MaxPool1d(2)),
+    _pool("maxpool2d", 2, lambda: nn.MaxPool2d(3, 2, padding=1)),
+    _pool("maxpool3d", 3, lambda: nn.MaxPool3d(2), 4),
+    _pool("avgpool1d", 1, lambda: nn.AvgPool1d(2)),
     _pool("avgpool2d", 2, lambda: nn.AvgPool2d(2)),
     _pool("avgpool2d-pad-ceil", 2, lambda: nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False)),
     _pool("avgpool3d", 3, lambda: nn.AvgPool3d(2), 4),
-    _pool("lppool1d", 1, lambda: nn.LPPool1d(2, 2)), _pool("lppool2d", 2, lambda: nn.LPPool2d(2, 2)),
+    _pool("lppool1d", 1, lambda: nn.LPPool1d(2, 2)),
+    _pool("lppool2d", 2, lambda: nn.LPPool2d(2, 2)),
     _pool("lppool3d", 3, lambda: nn.LPPool3d(2, 2), 4),
-    _pool("adaptiveavg1d", 1, lambda: nn.AdaptiveAvgPool1d(3)), _pool("adaptiveavg2d", 2, lambda: nn.AdaptiveAvgPool2d(2)),
+    _pool("adaptiveavg1d", 1, lambda: nn.AdaptiveAvgPool1d(3)),
+    _pool("adaptiveavg2d", 2, lambda: nn.AdaptiveAvgPool2d(2)),
     _pool("adaptiveavg2d-global", 2, lambda: nn.AdaptiveAvgPool2d(1)),
     _pool("adaptiveavg3d", 3, lambda: nn.AdaptiveAvgPool3d(2), 4),
-    _pool("adaptivemax1d", 1, lambda: nn.AdaptiveMaxPool1d(3)), _pool("adaptivemax2d", 2, lambda: nn.AdaptiveMaxPool2d(2)),
+    _pool("adaptivemax1d", 1, lambda: nn.AdaptiveMaxPool1d(3)),
+    _pool("adaptivemax2d", 2, lambda: nn.AdaptiveMaxPool2d(2)),
     _pool("adaptivemax3d", 3, lambda: nn.AdaptiveMaxPool3d(2), 4),
     _pool("fractionalmax2d", 2, lambda: nn.FractionalMaxPool2d(2, output_size=3)),
 ]
@@ -154,7 +183,8 @@ def _conv(name: str, dims: int, layer: Callable[[], nn.Module], channels: int = 
 
 
 _CONVS = [
-    _conv("conv1d", 1, lambda: nn.Conv1d(4, 5, 3)), _conv("conv2d", 2, lambda: nn.Conv2d(4, 5, 3, padding=1)),
+    _conv("conv1d", 1, lambda: nn.Conv1d(4, 5, 3)),
+    _conv("conv2d", 2, lambda: nn.Conv2d(4, 5, 3, padding=1)),
     _conv("conv3d", 3, lambda: nn.Conv3d(4, 2, 3)),
     _conv("conv2d-grouped", 2, lambda: nn.Conv2d(4, 6, 3, groups=2)),
     _conv("conv2d-depthwise", 2, lambda: nn.Conv2d(4, 4, 3, groups=4)),
@@ -171,16 +201,32 @@ _CONVS = [
 
 _RECURRENT = [
     Case("rnn-tanh", "recurrent", lambda: First(nn.RNN(4, 5, batch_first=True)), _randn(3, 4)),
-    Case("rnn-relu-2layer", "recurrent",
-         lambda: First(nn.RNN(4, 5, num_layers=2, nonlinearity="relu", batch_first=True)), _randn(3, 4)),
+    Case(
+        "rnn-relu-2layer",
+        "recurrent",
+        lambda: First(nn.RNN(4, 5, num_layers=2, nonlinearity="relu", batch_first=True)),
+        _randn(3, 4),
+    ),
     Case("lstm", "recurrent", lambda: First(nn.LSTM(4, 5, batch_first=True)), _randn(3, 4)),
-    Case("lstm-bidirectional", "recurrent",
-         lambda: First(nn.LSTM(4, 5, batch_first=True, bidirectional=True)), _randn(3, 4)),
-    Case("lstm-2layer-proj", "recurrent",
-         lambda: First(nn.LSTM(4, 5, num_layers=2, proj_size=3, batch_first=True)), _randn(3, 4)),
+    Case(
+        "lstm-bidirectional",
+        "recurrent",
+        lambda: First(nn.LSTM(4, 5, batch_first=True, bidirectional=True)),
+        _randn(3, 4),
+    ),
+    Case(
+        "lstm-2layer-proj",
+        "recurrent",
+        lambda: First(nn.LSTM(4, 5, num_layers=2, proj_size=3, batch_first=True)),
+        _randn(3, 4),
+    ),
     Case("gru", "recurrent", lambda: First(nn.GRU(4, 5, batch_first=True)), _randn(3, 4)),
-    Case("gru-bidirectional", "recurrent",
-         lambda: First(nn.GRU(4, 5, batch_first=True, bidirectional=True)), _randn(3, 4)),
+    Case(
+        "gru-bidirectional",
+        "recurrent",
+        lambda: First(nn.GRU(4, 5, batch_first=True, bidirectional=True)),
+        _randn(3, 4),
+    ),
     Case("rnncell", "recurrent", lambda: nn.RNNCell(4, 5), _randn(4)),
     Case("lstmcell", "recurrent", lambda: First(nn.LSTMCell(4, 5)), _randn(4)),
     Case("grucell", "recurrent", lambda: nn.GRUCell(4, 5), _randn(4)),
@@ -239,8 +285,7 @@ _ATTENTION = [
     Case("sdpa-float-mask", "attention", lambda: SDPA(), _with_float_mask),
     Case("sdpa-bool-mask", "attention", lambda: SDPA(), _with_bool_mask),
     Case("transformer-encoder-layer", "attention", lambda: _EncoderLayer(), _with_padding),
-    Case("transformer-decoder-layer", "attention",
-         lambda: First(_SelfDecoder()), _randn(4, 8)),
+    Case("transformer-decoder-layer", "attention", lambda: First(_SelfDecoder()), _randn(4, 8)),
 ]
 
 
@@ -285,8 +330,7 @@ _SPARSE = [
 
 
 def _vision(name: str, layer: Callable[[], nn.Module], channels: int = 3, dims: int = 2, size: int = 4) -> Case:
-    return Case(f"vision-{name}", "vision", lambda: Pre(layer(), dims, channels),
-                _randn(channels, *([size] * dims)))
+    return Case(f"vision-{name}", "vision", lambda: Pre(layer(), dims, channels), _randn(channels, *([size] * dims)))
 
 
 _VISION = [
@@ -313,21 +357,27 @@ def _pad(name: str, dims: int, layer: Callable[[], nn.Module]) -> Case:
 
 
 _PADDING = [
-    _pad(f"{kind}{dims}d", dims, lambda kind=kind, dims=dims: getattr(nn, f"{kind}Pad{dims}d")(*(
-        (1, 0.5) if kind == "Constant" else (1,))))
+    _pad(
+        f"{kind}{dims}d",
+        dims,
+        lambda kind=kind, dims=dims: getattr(nn, f"{kind}Pad{dims}d")(*((1, 0.5) if kind == "Constant" else (1,))),
+    )
     for kind in ("Reflection", "Replication", "Zero", "Constant", "Circular")
     for dims in (1, 2, 3)
 ]
 
 
 def _dropout(name: str, dims: int, layer: Callable[[], nn.Module]) -> Case:
-    return Case(f"dropout-{name}", "dropout", lambda: Pre(layer(), dims), _randn(*_spatial(dims, 4)),
-                deterministic=False)
+    return Case(
+        f"dropout-{name}", "dropout", lambda: Pre(layer(), dims), _randn(*_spatial(dims, 4)), deterministic=False
+    )
 
 
 _DROPOUT = [
-    _dropout("dropout", 1, lambda: nn.Dropout(0.5)), _dropout("dropout1d", 1, lambda: nn.Dropout1d(0.5)),
-    _dropout("dropout2d", 2, lambda: nn.Dropout2d(0.5)), _dropout("dropout3d", 3, lambda: nn.Dropout3d(0.5)),
+    _dropout("dropout", 1, lambda: nn.Dropout(0.5)),
+    _dropout("dropout1d", 1, lambda: nn.Dropout1d(0.5)),
+    _dropout("dropout2d", 2, lambda: nn.Dropout2d(0.5)),
+    _dropout("dropout3d", 3, lambda: nn.Dropout3d(0.5)),
     _dropout("alphadropout", 1, lambda: nn.AlphaDropout(0.5)),
     _dropout("featurealphadropout", 2, lambda: nn.FeatureAlphaDropout(0.5)),
 ]
@@ -365,6 +415,15 @@ _OPS = [
 
 #: Every audited case, in the order docs/ops.md lists them.
 CASES: list[Case] = [
-    *_ACTIVATIONS, *_NORMS, *_POOLS, *_CONVS, *_RECURRENT, *_ATTENTION, *_SPARSE, *_VISION, *_PADDING, *_DROPOUT,
+    *_ACTIVATIONS,
+    *_NORMS,
+    *_POOLS,
+    *_CONVS,
+    *_RECURRENT,
+    *_ATTENTION,
+    *_SPARSE,
+    *_VISION,
+    *_PADDING,
+    *_DROPOUT,
     *_OPS,
 ]

@@ -121,7 +121,7 @@ def render(rows: list[Row], *, tolerance: float = 1e-5) -> str:
         f"trained one step at batch {TRAIN_BATCH} through real ORT artifacts (MSE loss against a fixed random",
         "target), then compared with torch autograd on the same weights and batch. *matches torch* is the",
         "largest gradient difference relative to the largest gradient of that parameter (floored at 1e-3 of",
-        f"the model's largest gradient, so parameters whose true gradient is ~0 do not divide by ~0); `yes`",
+        "the model's largest gradient, so parameters whose true gradient is ~0 do not divide by ~0); `yes`",
         f"means at most {tolerance:g}. Layers that draw random numbers in training (the Dropout variants,",
         "RReLU, FractionalMaxPool) are checked for a finite training step only: their values cannot be",
         "compared with torch's random stream.",
