@@ -26,6 +26,7 @@ class StepResult:
     grad_diff: float  # max |g_ort - g_torch| over all parameters
     grad_rel: float  # grad_diff relative to the largest |g_torch| of that parameter
     worst: str  # the parameter with the largest relative difference
+    finite: bool  # ORT's loss and every gradient are finite
 
 
 def _torch_step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> tuple[
@@ -96,4 +97,5 @@ def compare_step(
         grad_diff=grad_diff,
         grad_rel=grad_rel,
         worst=worst,
+        finite=bool(torch.isfinite(ort_loss).all()) and all(bool(torch.isfinite(g).all()) for g in ort_grads.values()),
     )
