@@ -83,6 +83,8 @@ RULES: dict[str, Rule] = {
     "LSTM": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two LSTMs"),
     "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
     "Gather": Rule(_layers.embedding_padding, "nn.Embedding(padding_idx) exports as a Gather training the padding row"),
+    "RNN": Rule(_layers.vanilla_rnn, f"{_NO_GRADIENT} (nn.RNN); unrolled over its fixed length: MatMul, Tanh/Relu"),
+    "Einsum": Rule(_layers.einsum, f"{_NO_GRADIENT}; becomes aligned operands, Mul and ReduceSum"),
     "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),
     "Loop": Rule(_rewrites.control_flow, "as If"),
     "Scan": Rule(_rewrites.control_flow, "as If"),

@@ -14,7 +14,7 @@ from ort_lightning._rewrites_spatial import along_axis
 from ort_lightning._rewriting import Graph, attr, where
 from ort_lightning.errors import ExportError
 
-__all__ = ["bidirectional_rnn", "conv_transpose", "embedding_padding", "pad"]
+__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "embedding_padding", "pad", "vanilla_rnn"]
 
 _I64 = np.int64
 _NUMPY_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
@@ -176,4 +176,102 @@ def embedding_padding(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto
     keep = graph.emit("Sub", [graph.const(np.array(1.0, np.float32), node), is_pad], node)
     padding = graph.emit("Mul", [is_pad, graph.const(weight[row].astype(np.float32), node)], node)
     graph.emit("Add", [graph.emit("Mul", [gathered, keep], node), padding], node, output=node.output[0])
+    return graph.take()
+
+
+def einsum(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Einsum as Transpose/Unsqueeze of each operand onto all the equation's letters, Mul, ReduceSum.
+
+    Exact, and any number of operands; the product spans every letter at once, so its memory is the
+    product of all index sizes (fine for the small contractions einsum is mostly used for). An
+    equation with ``...`` or a letter repeated within one operand (a diagonal) is left to ORT.
+    """
+    equation = _text(attr(node, "equation", "")).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return None
+    operands, output = equation.split("->")
+    terms = operands.split(",")
+    if len(terms) != len(node.input) or any(len(set(term)) != len(term) for term in [*terms, output]):
+        return None
+    letters = list(output) + sorted({letter for term in terms for letter in term} - set(output))
+    aligned = []
+    for term, name in zip(terms, node.input, strict=True):
+        order = sorted(range(len(term)), key=lambda i: letters.index(term[i]))
+        moved = graph.emit("Transpose", [name], node, perm=order) if order != sorted(order) else name
+        missing = [axis for axis, letter in enumerate(letters) if letter not in term]
+        aligned.append(graph.emit("Unsqueeze", [moved, graph.const(np.array(missing, _I64), node)], node)
+                       if missing else moved)
+    product = aligned[0]
+    for other in aligned[1:]:
+        product = graph.emit("Mul", [product, other], node)
+    contracted = list(range(len(output), len(letters)))
+    if contracted:
+        axes = graph.const(np.array(contracted, _I64), node)
+        graph.emit("ReduceSum", [product, axes], node, output=node.output[0], keepdims=0)
+    else:
+        graph.emit("Identity", [product], node, output=node.output[0])
+    return graph.take()
+
+
+def _rnn_direction(graph: Graph, node: onnx.NodeProto, inputs: list[str], direction: int, length: int,
+                   activation: str) -> tuple[list[str], str]:
+    """Unroll one direction of a vanilla RNN: ``h_t = act(x_t W^T + h_{t-1} R^T + Wb + Rb)``; (h per t, last h)."""
+    x, w, r, b, h0 = inputs[0], inputs[1], inputs[2], inputs[3], inputs[5]
+    first = graph.const(np.array([0], _I64), node)
+
+    def part(name: str) -> str:  # direction `direction` of a (D, ...) tensor, without its leading axis
+        return graph.emit("Squeeze", [_one_direction(graph, node, name, direction), first], node)
+
+    projected = graph.emit("MatMul", [x, graph.emit("Transpose", [part(w)], node, perm=[1, 0])], node)
+    if b:
+        hidden = int((graph.shape(b) or [0, 0])[1] or 0) // 2
+        bounds = [graph.const(np.array([v], _I64), node) for v in (0, hidden, 2 * hidden)]
+        bias = part(b)
+        both = graph.emit("Add", [graph.emit("Slice", [bias, bounds[0], bounds[1]], node),
+                                  graph.emit("Slice", [bias, bounds[1], bounds[2]], node)], node)
+        projected = graph.emit("Add", [projected, both], node)
+    recurrent = graph.emit("Transpose", [part(r)], node, perm=[1, 0])
+    state = part(h0) if h0 else ""
+    states = []
+    for step in range(length):
+        t = step if direction == 0 else length - 1 - step
+        total = graph.emit("Gather", [projected, graph.const(np.array(t, _I64), node)], node, axis=0)
+        if state:
+            total = graph.emit("Add", [total, graph.emit("MatMul", [state, recurrent], node)], node)
+        state = graph.emit(activation, [total], node)
+        states.append(state)
+    return states if direction == 0 else states[::-1], state
+
+
+def vanilla_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """nn.RNN (ONNX RNN, no gradient in ORT 1.19.2) unrolled over its fixed length into MatMul/Add/Tanh|Relu.
+
+    Raises:
+        ExportError: for a sequence length not fixed at export, sequence_lens, clip or another activation.
+    """
+    inputs = [*node.input, *[""] * (6 - len(node.input))]
+    shape = graph.shape(inputs[0])
+    length = shape[0] if shape else None
+    activations = [_text(a) for a in attr(node, "activations", [b"Tanh"])]
+    directions = 2 if _text(attr(node, "direction", "forward")) == "bidirectional" else 1
+    reverse_only = _text(attr(node, "direction", "forward")) == "reverse"
+    if not isinstance(length, int) or inputs[4] or attr(node, "clip", None) is not None or reverse_only or int(
+        attr(node, "layout", 0)
+    ) or any(a not in ("Tanh", "Relu") for a in activations):
+        raise ExportError(
+            f"ORT 1.19.2 has no gradient for {where(node)}, and it cannot be unrolled (input shape {shape}, "
+            f"activations {activations}; unrolling needs a sequence length fixed at export, no packed sequences "
+            "and tanh/relu); export with a fixed sequence length, or use nn.GRU/nn.LSTM, which ORT trains."
+        )
+    zero = graph.const(np.array([0], _I64), node)
+    ys, lasts = [], []
+    for direction in range(directions):
+        states, last = _rnn_direction(graph, node, inputs, direction, length, activations[direction % len(activations)])
+        stacked = graph.emit("Concat", [graph.emit("Unsqueeze", [s, zero], node) for s in states], node, axis=0)
+        ys.append(graph.emit("Unsqueeze", [stacked, graph.const(np.array([1], _I64), node)], node))
+        lasts.append(graph.emit("Unsqueeze", [last, zero], node))
+    if node.output[0]:
+        graph.emit("Concat", ys, node, output=node.output[0], axis=1)
+    if len(node.output) > 1 and node.output[1]:
+        graph.emit("Concat", lasts, node, output=node.output[1], axis=0)
     return graph.take()
