@@ -60,7 +60,9 @@ RULES: dict[str, Rule] = {
     "Elu": Rule(_rewrites.elu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)) - 1)"),
     "Selu": Rule(_rewrites.selu, f"{_NO_GRADIENT}; becomes gamma * the Elu rewrite"),
     "Celu": Rule(_rewrites.celu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)/alpha) - 1)"),
-    "Softplus": Rule(_rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes relu(x) + log(1+exp(-|x|))"),
+    "Softplus": Rule(
+        _rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes x > 20 ? x : log(1 + exp(x)), as torch"
+    ),
     "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU, nn.RReLU); becomes relu(x) + slope*min(x, 0)"),
     "Sign": Rule(_rewrites.sign, f"{_NO_GRADIENT} (nn.LPPool); becomes (x > 0) - (x < 0), gradient-free as Sign's"),
     "ReduceMax": Rule(_rewrites.reduce_max, f"{_NO_GRADIENT} (torch.max/amax over a dim); becomes TopK(k=1)"),
@@ -115,7 +117,23 @@ def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = No
     if rewritten:
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
+        _record_shapes(proto)
     return rewritten
+
+
+def _record_shapes(proto: onnx.ModelProto) -> None:
+    """Write the shapes ONNX inference finds into the graph's value_info.
+
+    NOTE: ORT's own inference cannot see through a Reshape to a computed shape (GroupNorm's
+    ``Reshape(y, Shape(x))``); a later MaxPool's gradient then reads an unknown shape as 0 and the
+    step fails. Shapes propagated through the shape computations (``data_prop``) prevent that.
+    """
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # onnx raises several types for a graph it cannot infer; ORT then infers alone
+        return
+    known = {info.name for info in proto.graph.value_info}
+    proto.graph.value_info.extend(info for info in inferred.graph.value_info if info.name not in known)
 
 
 def padding_rows_of(model: object) -> dict[str, int]:

@@ -81,6 +81,9 @@ REWRITES = [
     ("sign-lppool", ["Sign"], lambda: nn.Sequential(nn.Conv1d(3, 3, 1), nn.LPPool1d(2, 2)), _randn(3, 6)),
     ("group-norm", ["InstanceNormalization"], lambda: nn.Sequential(nn.Conv1d(3, 6, 1), nn.GroupNorm(3, 6)),
      _randn(3, 7)),
+    # ORT cannot infer GroupNorm's output shape (a Reshape to a computed shape); MaxPool's gradient needs it.
+    ("group-norm-then-maxpool", ["InstanceNormalization"],
+     lambda: nn.Sequential(nn.Conv2d(2, 8, 1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2)), _randn(2, 4, 4)),
     ("instance-norm", ["InstanceNormalization"],
      lambda: nn.Sequential(nn.Linear(5, 5), nn.InstanceNorm1d(4, affine=True)), _randn(4, 5)),
     ("avgpool", ["AveragePool"], lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.AvgPool2d(2)), _randn(2, 6, 6)),
