@@ -113,10 +113,12 @@ def reversed_slice(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] |
 
     ORT 1.19.2's SliceGrad fails on negative steps (``narrowing_error`` at the first step).
     """
-    values = [graph.value(name) for name in node.input[1:5]]
-    starts, ends, axes, steps = (values + [None] * 4)[:4]
+    steps = graph.value(node.input[4]) if len(node.input) > 4 else None
+    if steps is None or not (steps < 0).any():
+        return None
+    starts, ends, axes = (graph.value(name) if name else None for name in [*node.input[1:4], ""][:3])
     shape = graph.shape(node.input[0])
-    if starts is None or ends is None or steps is None or not (steps < 0).any() or shape is None:
+    if starts is None or ends is None or shape is None:
         return None
     axes = np.arange(len(starts)) if axes is None else axes
     rank = len(shape)

@@ -37,6 +37,7 @@ class Graph:
         for node in proto.graph.node:
             if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
                 self._constants[node.output[0]] = node.attribute[0].t
+        self._producers: dict[str, onnx.NodeProto] | None = None
         #: Nodes emitted by the rewrite in progress; `take` hands them over.
         self.emitted: list[onnx.NodeProto] = []
 
@@ -69,7 +70,9 @@ class Graph:
 
     def _fold(self, name: str, limit: int = 64) -> np.ndarray | None:
         """Evaluate the constant subgraph that computes `name` (the exporter writes pads that way)."""
-        producers = {output: node for node in self.proto.graph.node for output in node.output}
+        if self._producers is None:
+            self._producers = {output: node for node in self.proto.graph.node for output in node.output}
+        producers = self._producers
         needed: list[onnx.NodeProto] = []
         stack, seen = [name], set()
         while stack:

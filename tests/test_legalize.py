@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +226,50 @@ def test_static_batch_keeps_the_native_avgpool() -> None:
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert legalize(proto) == []
     assert [n.op_type for n in proto.graph.node] == ["AveragePool"]
+
+
+def _single_node_model(node: onnx.NodeProto, inputs: list[onnx.ValueInfoProto],
+                       initializers: Sequence[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output if name]
+    graph = helper.make_graph([node], "g", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _float(name: str, shape: list[int | str]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _ones(name: str, *shape: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.ones(shape, np.float32), name)
+
+
+def test_reflect_pad_of_unknown_pads_is_refused() -> None:
+    node = helper.make_node("Pad", ["x", "pads"], ["y"], name="/pad/Pad", mode="reflect")
+    pads = helper.make_tensor_value_info("pads", TensorProto.INT64, [4])
+    with pytest.raises(ExportError, match=r"'Pad' .* at node '/pad/Pad' \(torch module 'pad'\) pads in 'reflect' "
+                       r"mode.*give the layer fixed sizes"):
+        legalize(_single_node_model(node, [_float("x", ["n", 5]), pads]))
+
+
+def test_conv_transpose_with_output_shape_is_refused() -> None:
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="/up/ConvTranspose", output_shape=[9])
+    with pytest.raises(ExportError, match=r"no CPU gradient kernel for the ONNX op 'ConvTranspose' .* cannot be "
+                       r"rewritten as a Conv.*use Upsample \+ Conv instead"):
+        legalize(_single_node_model(node, [_float("x", ["n", 2, 4])], [_ones("w", 2, 3, 3)]))
+
+
+def test_bidirectional_lstm_with_sequence_lengths_is_refused() -> None:
+    node = helper.make_node("LSTM", ["x", "w", "r", "", "lengths"], ["y"], name="/rnn/LSTM", hidden_size=2,
+                            direction="bidirectional")
+    lengths = helper.make_tensor_value_info("lengths", TensorProto.INT32, ["n"])
+    with pytest.raises(ExportError, match=r"forward direction only, and this bidirectional one cannot be split.*"
+                       r"without packed sequences"):
+        legalize(_single_node_model(node, [_float("x", [3, "n", 4]), lengths],
+                                    [_ones("w", 2, 8, 4), _ones("r", 2, 8, 2)]))
+
+
+def test_rnn_of_unknown_length_is_refused() -> None:
+    node = helper.make_node("RNN", ["x", "w", "r"], ["y"], name="/rnn/RNN", hidden_size=2)
+    with pytest.raises(ExportError, match=r"no gradient for the ONNX op 'RNN' .* cannot be unrolled.*export with a "
+                       r"fixed sequence length, or use nn.GRU/nn.LSTM"):
+        legalize(_single_node_model(node, [_float("x", ["t", "n", 4])], [_ones("w", 1, 2, 4), _ones("r", 1, 2, 2)]))

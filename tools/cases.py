@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tools._case_models import SDPA, Attention, Bag, DecoderLayer, EncoderLayer, First, Fn, Interpolate, Pre
+
 __all__ = ["CASES", "REFUSED", "Case"]
 
 Inputs = Callable[[int], tuple[torch.Tensor, ...]]
@@ -45,42 +47,6 @@ def _tokens(length: int, vocab: int = 10) -> Inputs:
         return (torch.randint(0, vocab, (batch, length), generator=generator),)
 
     return make
-
-
-class Fn(nn.Module):
-    """``fn(linear(x))``: a parameterized input to a functional op (or a parameter-free layer)."""
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], features: int = 6, out: int = 8) -> None:
-        super().__init__()
-        self.linear = nn.Linear(features, out)
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(self.linear(x))
-
-
-class Pre(nn.Module):
-    """``layer(conv1x1(x))`` for 1-, 2- or 3-d inputs: gives parameter-free layers a parameter to train."""
-
-    def __init__(self, layer: nn.Module, dims: int, channels: int = 3, *, bias: bool = True) -> None:
-        super().__init__()
-        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
-        self.conv = conv(channels, channels, 1, bias=bias)
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(self.conv(x))
-
-
-class First(nn.Module):
-    """The first output of a layer that returns a tuple (RNNs, MultiheadAttention)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)[0]
 
 
 def _spatial(dims: int, size: int = 6) -> tuple[int, ...]:
@@ -241,31 +207,6 @@ _RECURRENT = [
 ]
 
 
-class Attention(nn.Module):
-    """MultiheadAttention (self-attention) with an optional key padding mask input."""
-
-    def __init__(self, *, batch_first: bool = True) -> None:
-        super().__init__()
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
-
-    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
-        return self.attention(x, x, x, key_padding_mask=padding, need_weights=False)[0]
-
-
-class SDPA(nn.Module):
-    """``F.scaled_dot_product_attention`` over projected q, k, v, with a mask input or ``is_causal``."""
-
-    def __init__(self, *, causal: bool = False) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(8, 24)
-        self.causal = causal
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
-        return out.transpose(1, 2).flatten(2)
-
-
 def _with_padding(batch: int) -> tuple[torch.Tensor, ...]:
     (x,) = _randn(4, 8)(batch)
     padding = torch.zeros(batch, 4, dtype=torch.bool)
@@ -292,40 +233,9 @@ _ATTENTION = [
     Case("sdpa-causal", "attention", lambda: SDPA(causal=True), _randn(4, 8)),
     Case("sdpa-float-mask", "attention", lambda: SDPA(), _with_float_mask),
     Case("sdpa-bool-mask", "attention", lambda: SDPA(), _with_bool_mask),
-    Case("transformer-encoder-layer", "attention", lambda: _EncoderLayer(), _with_padding),
-    Case("transformer-decoder-layer", "attention", lambda: First(_SelfDecoder()), _randn(4, 8)),
+    Case("transformer-encoder-layer", "attention", lambda: EncoderLayer(), _with_padding),
+    Case("transformer-decoder-layer", "attention", lambda: First(DecoderLayer()), _randn(4, 8)),
 ]
-
-
-class _EncoderLayer(nn.Module):
-    # NOTE: called with its mask by keyword, as models do; a bare layer(x) trips torch's exporter
-    # (its `is_causal` argument is traced as a tensor).
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-
-    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, src_key_padding_mask=padding)
-
-
-class _SelfDecoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.layer(x, x),)
-
-
-class Bag(nn.Module):
-    """EmbeddingBag over fixed-length bags (a 2-d index input)."""
-
-    def __init__(self, mode: str) -> None:
-        super().__init__()
-        self.bag = nn.EmbeddingBag(10, 4, mode=mode)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.bag(tokens)
 
 
 _SPARSE = [
@@ -348,16 +258,11 @@ _VISION = [
     _vision("upsample-bicubic", lambda: nn.Upsample(scale_factor=2, mode="bicubic")),
     _vision("upsample-linear-1d", lambda: nn.Upsample(scale_factor=2, mode="linear"), dims=1),
     _vision("upsample-trilinear", lambda: nn.Upsample(scale_factor=2, mode="trilinear"), dims=3),
-    _vision("interpolate-size", lambda: _Interpolate()),
+    _vision("interpolate-size", lambda: Interpolate()),
     _vision("pixelshuffle", lambda: nn.PixelShuffle(2), channels=4),
     _vision("pixelunshuffle", lambda: nn.PixelUnshuffle(2)),
     _vision("channelshuffle", lambda: nn.ChannelShuffle(2), channels=4),
 ]
-
-
-class _Interpolate(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.interpolate(x, size=(6, 5), mode="nearest")
 
 
 def _pad(name: str, dims: int, layer: Callable[[], nn.Module]) -> Case:
