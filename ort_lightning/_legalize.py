@@ -3,12 +3,12 @@
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
 returns the nodes that replace one node (or None when that node needs no change); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
-`_rewrites`.
+`_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing) and
+`_rewrites_layers` (padding, transposed convolution, RNNs, embeddings, einsum).
 
 Example::
 
     >>> import onnx
-import torch
     >>> from onnx import helper
     >>> node = helper.make_node("HardSwish", ["x"], ["y"], name="/act/HardSwish")
     >>> graph = helper.make_graph(

@@ -309,9 +309,13 @@ def export_artifacts(
     Returns:
         The validated `TrainingArtifacts`.
 
+    Before ORT builds the training graphs, every node it cannot differentiate is rewritten into
+    an exact equivalent it can (``_legalize.RULES``; docs/ops.md lists what trains).
+
     Raises:
-        ExportError: for an unknown loss, optimizer, option or frozen name, or a model that
-            cannot be exported.
+        ExportError: for an unknown loss, optimizer, option or frozen name, a model that cannot be
+            exported, or a layer ORT cannot differentiate and no rewrite covers (the message names
+            the ONNX op, the node and the torch module).
     """
     loss_kind = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
