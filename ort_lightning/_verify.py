@@ -230,8 +230,8 @@ def _crash_message(folder: Path, signal_number: int, at: str, batches: Sequence[
     pools = sorted({node.op_type for node in graph.node if node.op_type.startswith("AveragePool")})
     hint = (
         f" The graph has {'/'.join(pools)} nodes: ONNX Runtime 1.19.2's AveragePool gradient takes its shape from "
-        "the graph's static shape and divides by zero under a dynamic batch; use nn.AdaptiveAvgPool2d or a mean "
-        "over the pooled dimensions instead of nn.AvgPool2d."
+        "the graph's static shape and divides by zero under a dynamic batch; where the pool covers the whole "
+        "feature map, use nn.AdaptiveAvgPool2d(1) or x.mean((2, 3)) (GlobalAveragePool, which trains)."
         if pools
         else ""
     )

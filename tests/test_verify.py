@@ -1,0 +1,203 @@
+"""Export-time verification: one ORT training step in a child process against torch autograd."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from ort_lightning import TrainingArtifacts, _verify, export_artifacts
+from ort_lightning._verify_compare import ATOL, RTOL
+from ort_lightning.cli import main as cli_main
+from ort_lightning.errors import ArtifactError, ExportError
+from tests.conftest import MLP, Exported
+
+
+class AvgPoolNet(torch.nn.Module):
+    """Conv -> AvgPool2d -> Linear: ORT 1.19.2's AveragePool gradient dies with SIGFPE under a dynamic batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3, padding=1)
+        self.pool = torch.nn.AvgPool2d(2)
+        self.fc = torch.nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.conv(x)).flatten(1))
+
+
+class _TripleGradient(torch.autograd.Function):
+    """Identity whose torch backward triples the gradient; its ONNX export is a plain Identity."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 3 * grad
+
+    @staticmethod
+    def symbolic(graph: torch.Graph, x: torch.Value) -> torch.Value:
+        return graph.op("Identity", x)
+
+
+class TripledMLP(MLP):
+    """An MLP whose torch gradients of fc1 are three times what its ONNX graph computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(_TripleGradient.apply(self.fc1(x))))
+
+
+class FixedBatchView(torch.nn.Module):
+    """A forward that hard-codes the example's batch size (``x.view(2, -1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(2, -1))
+
+
+def _onnx_file(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(
+            model, (example,), buffer, dynamo=False, input_names=["input"], output_names=["logits"],  # type: ignore[arg-type]
+            dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+        )
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def _inspect(capsys: pytest.CaptureFixture[str], folder: Path) -> str:
+    assert cli_main(["inspect", str(folder)]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_good_model_passes_and_the_report_is_in_the_manifest_and_inspect(
+    mlp_adamw: Exported, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = TrainingArtifacts.load(mlp_adamw.artifacts.directory).manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+    assert [check["batch_size"] for check in report["batches"]] == [2, 3]
+    for check in report["batches"]:
+        assert check["status"] == "passed"
+        assert check["worst_parameter"] in mlp_adamw.artifacts.manifest.trainable
+        assert check["loss_diff"] <= ATOL + RTOL * check["loss"]
+        assert check["grad_rel_diff"] < RTOL
+    out = _inspect(capsys, mlp_adamw.artifacts.directory)
+    assert "verified:   passed" in out
+    assert "batch 3: passed" in out
+
+
+def test_dropout_and_batchnorm_verify_deterministically(bn_dropout_cnn: Exported) -> None:
+    # Dropout(0.5) would make ORT and torch differ at random; both sides run it at ratio 0.
+    report = bn_dropout_cnn.artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+    assert all(check["loss_diff"] < 1e-5 for check in report["batches"])
+
+
+def test_frozen_parameters_are_not_compared(tmp_path: Path) -> None:
+    artifacts = export_artifacts(MLP(), torch.randn(3, 4), tmp_path / "frozen", frozen=["fc1.weight"], loss="mse")
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+    assert {check["worst_parameter"] for check in report["batches"]} <= {"fc1.bias", "fc2.weight", "fc2.bias"}
+
+
+def test_average_pool_crash_becomes_an_export_error(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"killed the verification process with SIGFPE at batch size 4.*AveragePool"):
+        export_artifacts(AvgPoolNet(), torch.zeros(4, 1, 8, 8), tmp_path / "avgpool")
+    with pytest.raises(ArtifactError, match="has no ort_lightning.json"):
+        TrainingArtifacts.load(tmp_path / "avgpool")
+
+
+def test_verify_false_skips_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The crashing model exports without error: no training step ran.
+    started = time.perf_counter()
+    artifacts = export_artifacts(AvgPoolNet(), torch.zeros(4, 1, 8, 8), tmp_path / "unchecked", verify=False)
+    elapsed = time.perf_counter() - started
+    assert artifacts.manifest.verification == {"status": "skipped"}
+    assert "verified:   skipped" in _inspect(capsys, artifacts.directory)
+    print(f"export without verification: {elapsed:.2f} s")
+
+
+def test_a_torch_model_whose_graph_computes_other_gradients_names_the_worst_parameter(tmp_path: Path) -> None:
+    expected = r"disagrees with torch autograd.*gradient of 'fc1\.(weight|bias)' differs by"
+    with pytest.raises(ExportError, match=expected):
+        export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "tripled")
+
+
+def _scale_gradient(path: Path, parameter: str, factor: float) -> None:
+    """Multiply one gradient of a training graph by `factor` before it is accumulated."""
+    proto = onnx.load(path)
+    grad = f"{parameter}_grad"
+    index = next(i for i, node in enumerate(proto.graph.node) if grad in node.input)
+    scaled = f"{grad}_tampered"
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(torch.tensor(factor).numpy(), "tamper_factor"))
+    proto.graph.node.insert(index, onnx.helper.make_node("Mul", [grad, "tamper_factor"], [scaled]))
+    accumulator = proto.graph.node[index + 1]
+    accumulator.input[list(accumulator.input).index(grad)] = scaled
+    onnx.save(proto, path)
+
+
+def test_a_tampered_training_graph_gives_export_error_naming_the_parameter(tmp_path: Path) -> None:
+    model = MLP()
+    pristine = copy.deepcopy(model)
+    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "tampered", verify=False)
+    _scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
+    with pytest.raises(ExportError, match=r"gradient of 'fc2\.bias' differs by .*relative 0\.5 "):
+        _verify.verify_export(
+            artifacts.manifest, artifacts.directory, model=pristine, example_inputs=torch.zeros(2, 4),
+            loss="cross_entropy",
+        )
+
+
+def test_onnx_file_source_is_checked_without_a_torch_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _onnx_file(MLP(), torch.zeros(2, 4), tmp_path / "mlp.onnx")
+    artifacts = export_artifacts(path, None, tmp_path / "from_onnx")
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "no torch reference"
+    assert [check["status"] for check in report["batches"]] == ["no torch reference"] * 2
+    assert all(math.isfinite(check["loss"]) for check in report["batches"])
+    assert "verified:   no torch reference" in _inspect(capsys, artifacts.directory)
+
+
+def test_onnx_runtime_error_at_another_batch_size_becomes_an_export_error(tmp_path: Path) -> None:
+    path = _onnx_file(FixedBatchView(), torch.zeros(2, 2, 2), tmp_path / "fixed_view.onnx")
+    with pytest.raises(ExportError, match=r"ONNX Runtime failed one training step .* at batch size 3: "):
+        export_artifacts(path, None, tmp_path / "fixed_view")
+
+
+def test_a_torch_model_that_fails_at_another_batch_size_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"The torch model itself fails one training step at batch size 3"):
+        export_artifacts(FixedBatchView(), torch.zeros(2, 2, 2), tmp_path / "fixed_view_torch")
+
+
+def test_manifest_without_a_report_still_loads(
+    mlp_sgd: Exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = Path(shutil.copytree(mlp_sgd.artifacts.directory, tmp_path / "old"))
+    manifest = folder / "ort_lightning.json"
+    data = json.loads(manifest.read_text())
+    del data["verification"]
+    manifest.write_text(json.dumps(data))
+    assert TrainingArtifacts.load(folder).manifest.verification is None
+    assert "verified:   not recorded" in _inspect(capsys, folder)
