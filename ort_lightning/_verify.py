@@ -194,7 +194,7 @@ def _run_child(job: Path, folder: Path, batches: Sequence[int]) -> None:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as error:
         raise ExportError(
-            f"Verifying the new artifacts in {folder} took longer than {TIMEOUT_S:.0f} s (one training step at "
+            f"Verifying the new artifacts in {folder} took longer than {TIMEOUT_S:g} s (one training step at "
             f"batch sizes {list(batches)}); pass export_artifacts(..., verify=False) to skip the check for a model "
             "this large, and check one training step yourself."
         ) from error

@@ -6,6 +6,7 @@ import copy
 import io
 import json
 import math
+import re
 import shutil
 import time
 import warnings
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from ort_lightning import TrainingArtifacts, _verify, export_artifacts
-from ort_lightning._verify_compare import ATOL, RTOL
+from ort_lightning._verify_compare import ATOL, RTOL, compare, mismatch_message
+from ort_lightning._verify_reference import Reference
 from ort_lightning.cli import main as cli_main
 from ort_lightning.errors import ArtifactError, ExportError
 from tests.conftest import MLP, Exported
@@ -201,3 +203,38 @@ def test_manifest_without_a_report_still_loads(
     manifest.write_text(json.dumps(data))
     assert TrainingArtifacts.load(folder).manifest.verification is None
     assert "verified:   not recorded" in _inspect(capsys, folder)
+
+
+class DividesByZero(MLP):
+    """Logits divided by zero: the loss is NaN in torch and in ORT alike."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / 0.0
+
+
+def test_a_non_finite_step_becomes_an_export_error(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"gave a non-finite value in the loss \(nan\)"):
+        export_artifacts(DividesByZero(), torch.zeros(2, 4), tmp_path / "nan")
+
+
+def test_a_trainable_parameter_without_an_ort_gradient_is_named(tmp_path: Path) -> None:
+    reference = Reference(1.0, {"w": torch.ones(2), "b": torch.ones(1)})
+    check = compare(2, reference, 1.0, {"w": torch.ones(2).numpy()}, ["w", "b"])
+    assert (check.status, check.worst_parameter) == ("missing gradient", "b")
+    message = mismatch_message(check, [2, 3], tmp_path)
+    assert re.search(r"gave no gradient for the trainable parameter 'b'.*frozen=\['b'\]", message)
+
+
+def test_a_verification_past_its_time_limit_becomes_an_export_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_verify, "TIMEOUT_S", 0.05)
+    with pytest.raises(ExportError, match=r"took longer than 0.05 s .*verify=False"):
+        export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "slow")
+
+
+def test_a_child_that_cannot_start_becomes_an_export_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The interpreter that runs the child lacks the package's dependencies.
+    monkeypatch.setattr(_verify, "_BOOTSTRAP", "raise SystemExit('No module named onnxruntime')")
+    with pytest.raises(ExportError, match=r"exited with status 1 \(No module named onnxruntime\).*import onnxruntime"):
+        export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "no_ort")
