@@ -127,6 +127,6 @@ def mismatch_message(check: BatchCheck, batches: Sequence[int], folder: Path) ->
         f"{check.worst_parameter!r} differs by {check.grad_abs_diff:.3g} (relative {check.grad_rel_diff:.3g} of its "
         f"largest value; allowed {ATOL:g} + {RTOL:g} x that value), the loss by {check.loss_diff:.3g}. The training "
         "graph does not compute what the torch model computes: look for a custom autograd.Function, an operation "
-        "the ONNX exporter translates differently, or randomness outside nn.Dropout (F.dropout, torch.rand), "
+        "the ONNX exporter translates differently, or randomness other than dropout (torch.rand, torch.bernoulli), "
         f"{skip}."
     )

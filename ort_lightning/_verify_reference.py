@@ -7,8 +7,8 @@ graph's input specs. Labels follow the training graph: integer labels are class 
 output, drawn in ``[0, 1)`` (valid for every built-in loss, BCE included).
 
 The reference runs a copy of the model in training mode (BatchNorm on batch statistics, as in
-the training graph) with every ``nn.Dropout`` off; the graph's Dropout ratios are set to 0 on
-the ORT side, so both sides compute the same deterministic step.
+the training graph) with dropout off (``nn.Dropout`` and ``F.dropout`` alike); the graph's
+Dropout ratios are set to 0 on the ORT side, so both sides compute the same deterministic step.
 
 Example::
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ort_lightning._manifest import TensorSpec
 
@@ -38,6 +39,10 @@ _TORCH_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "bce_with_logits": F.binary_cross_entropy_with_logits,
     "l1": F.l1_loss,
 }
+#: Functions a torch forward drops out with; the graph's Dropout nodes run at ratio 0 instead.
+_DROPOUTS = frozenset(
+    {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
+)
 #: Size given to a symbolic dimension other than the batch (ONNX sources only).
 _OTHER_DIM = 3
 
@@ -124,11 +129,20 @@ def _first_output(outputs: Any) -> torch.Tensor:
     return outputs[0]
 
 
+class _WithoutDropout(TorchFunctionMode):
+    """Dropout functions return their input: ``nn.Dropout`` modules and ``F.dropout`` calls alike."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        return func(*args, **kwargs)
+
+
 def _training_copy(model: torch.nn.Module, trainable: Sequence[str]) -> torch.nn.Module:
     copied = copy.deepcopy(model).train()
-    for module in copied.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
     wanted = set(trainable)
     for name, parameter in copied.named_parameters():
         parameter.requires_grad_(name in wanted)
@@ -155,7 +169,8 @@ def torch_reference(
     `loss_fn` None means the model's first output is the loss (``export_artifacts(loss=None)``).
     """
     copied = _training_copy(model, trainable)
-    output = model_output(copied, inputs)
+    with _WithoutDropout():
+        output = model_output(copied, inputs)
     if loss_fn is None:
         labels: list[torch.Tensor] = []
         loss = output

@@ -113,6 +113,21 @@ def test_dropout_and_batchnorm_verify_deterministically(bn_dropout_cnn: Exported
     assert all(check["loss_diff"] < 1e-5 for check in report["batches"])
 
 
+class FunctionalDropoutMLP(MLP):
+    """Dropout called as a function, not held as an nn.Dropout module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.dropout(torch.relu(self.fc1(x)), 0.5, self.training)
+        return self.fc2(hidden)
+
+
+def test_functional_dropout_is_off_on_both_sides(tmp_path: Path) -> None:
+    artifacts = export_artifacts(FunctionalDropoutMLP(), torch.randn(4, 4), tmp_path / "functional_dropout")
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+
+
 def test_frozen_parameters_are_not_compared(tmp_path: Path) -> None:
     artifacts = export_artifacts(MLP(), torch.randn(3, 4), tmp_path / "frozen", frozen=["fc1.weight"], loss="mse")
     report = artifacts.manifest.verification
