@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from ort_lightning._manifest import MANIFEST_NAME, Manifest
 from ort_lightning._verify_child import EXIT_ORT_ERROR
 from ort_lightning._verify_compare import ATOL, RTOL, BatchCheck, compare, mismatch_message
-from ort_lightning._verify_reference import Reference, batch_inputs, labels_for, reference_loss, torch_reference
+from ort_lightning._verify_reference import Call, Reference, batch_inputs, labels_for, reference_loss, torch_reference
 from ort_lightning.errors import ExportError
 
 __all__ = ["describe", "verify_export"]
@@ -55,9 +55,19 @@ _BOOTSTRAP = (
 
 
 def verify_export(
-    manifest: Manifest, folder: Path, *, model: Any, example_inputs: Any, loss: object, enabled: bool = True
+    manifest: Manifest,
+    folder: Path,
+    *,
+    model: Any,
+    example_inputs: Any,
+    loss: object,
+    output: str | None = None,
+    enabled: bool = True,
 ) -> Manifest:
     """Verify the artifacts in `folder` and return `manifest` with its ``verification`` report.
+
+    `model`, `example_inputs`, `loss` and `output` are what ``export_artifacts`` was given; a torch
+    model is the reference, an ONNX source has none.
 
     Raises:
         ExportError: when the step crashes, ONNX Runtime fails, or the loss or a gradient differs
@@ -66,7 +76,7 @@ def verify_export(
     if not enabled:
         return dataclasses.replace(manifest, verification={"status": "skipped"})
     try:
-        report = _check(manifest, folder, model=model, example_inputs=example_inputs, loss=loss)
+        report = _check(manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output)
     except ExportError:
         # NOTE: a manifest left by an earlier export would make these unverified graphs loadable.
         (folder / MANIFEST_NAME).unlink(missing_ok=True)
@@ -74,18 +84,23 @@ def verify_export(
     return dataclasses.replace(manifest, verification=report)
 
 
-def _check(manifest: Manifest, folder: Path, *, model: Any, example_inputs: Any, loss: object) -> dict[str, Any]:
+def _check(
+    manifest: Manifest, folder: Path, *, model: Any, example_inputs: Any, loss: object, output: str | None
+) -> dict[str, Any]:
     started = time.perf_counter()
     torch_model = model if isinstance(model, torch.nn.Module) else None
     loss_fn = reference_loss(loss)
     referenced = torch_model is not None and (loss is None or loss_fn is not None)
-    examples = _examples(example_inputs) if torch_model is not None else None
+    examples, keywords = _examples(example_inputs) if torch_model is not None else (None, None)
+    call = Call(keywords, output)
     batches = _batch_sizes(manifest, examples)
     with tempfile.TemporaryDirectory(prefix="ort-lightning-verify-") as tmp:
         job = Path(tmp)
         reference_model = torch_model if referenced else None
         references = {
-            batch: _prepare(job, folder, manifest, batch, model=reference_model, examples=examples, loss_fn=loss_fn)
+            batch: _prepare(
+                job, folder, manifest, batch, model=reference_model, examples=examples, call=call, loss_fn=loss_fn
+            )
             for batch in batches
         }
         _write_job(job, folder, manifest, batches)
@@ -111,15 +126,20 @@ def _prepare(
     *,
     model: torch.nn.Module | None,
     examples: Sequence[torch.Tensor] | None,
+    call: Call,
     loss_fn: Any,
 ) -> Reference | None:
     """Write the inputs and labels of one batch size to the job; return torch's reference (None: none)."""
     inputs = batch_inputs(manifest.inputs, examples, batch, seed=batch)
+    graph_inputs = inputs
+    if call.keywords:
+        by_name = dict(zip(call.keywords, inputs, strict=True))
+        graph_inputs = [by_name[spec.name] for spec in manifest.inputs]
     reference: Reference | None = None
     if model is not None:
         try:
             reference, labels = torch_reference(
-                model, inputs, manifest.labels, loss_fn, trainable=manifest.trainable, seed=batch
+                model, inputs, manifest.labels, loss_fn, call=call, trainable=manifest.trainable, seed=batch
             )
         except Exception as error:  # the user's forward or loss may raise anything
             raise ExportError(
@@ -130,15 +150,18 @@ def _prepare(
             ) from error
     else:
         labels = labels_for(manifest.labels, _output_shape(folder, manifest, batch), batch, seed=batch)
-    arrays: dict[str, Any] = {f"i{index}": tensor.numpy() for index, tensor in enumerate([*inputs, *labels])}
+    arrays: dict[str, Any] = {f"i{index}": t.numpy() for index, t in enumerate([*graph_inputs, *labels])}
     np.savez(job / f"inputs_{batch}.npz", **arrays)
     return reference
 
 
-def _examples(example_inputs: Any) -> list[torch.Tensor]:
+def _examples(example_inputs: Any) -> tuple[list[torch.Tensor], tuple[str, ...] | None]:
+    """The example tensors, and their keywords when the forward takes keyword tensors (a dict)."""
     if isinstance(example_inputs, torch.Tensor):
-        return [example_inputs]
-    return [tensor for tensor in example_inputs if isinstance(tensor, torch.Tensor)]
+        return [example_inputs], None
+    if isinstance(example_inputs, Mapping):
+        return list(example_inputs.values()), tuple(example_inputs)
+    return list(example_inputs), None
 
 
 def _batch_sizes(manifest: Manifest, examples: Sequence[torch.Tensor] | None) -> list[int]:

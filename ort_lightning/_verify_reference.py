@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from ort_lightning._manifest import TensorSpec
 
-__all__ = ["Reference", "batch_inputs", "labels_for", "reference_loss", "torch_reference"]
+__all__ = ["Call", "Reference", "batch_inputs", "labels_for", "reference_loss", "torch_reference"]
 
 #: Loss name -> the torch function the onnxblock loss of the same name computes (mean reduction).
 _TORCH_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
@@ -38,6 +38,9 @@ _TORCH_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "mse": F.mse_loss,
     "bce_with_logits": F.binary_cross_entropy_with_logits,
     "l1": F.l1_loss,
+    "nll": F.nll_loss,
+    "smooth_l1": F.smooth_l1_loss,
+    "huber": F.huber_loss,
 }
 #: Functions a torch forward drops out with; the graph's Dropout nodes run at ratio 0 instead.
 _DROPOUTS = frozenset(
@@ -121,11 +124,25 @@ def labels_for(
     return labels
 
 
-def _first_output(outputs: Any) -> torch.Tensor:
+@dataclass(frozen=True)
+class Call:
+    """How the torch model is called and which of its outputs the loss reads.
+
+    ``keywords``: the forward takes keyword tensors in this order (dict example inputs).
+    ``output``: the key of a mapping output (a Hugging Face ``ModelOutput``) the loss reads; by
+    default ``"loss"`` when the model returns its loss, else ``"logits"``, else the first value.
+    """
+
+    keywords: tuple[str, ...] | None = None
+    output: str | None = None
+
+
+def _select(outputs: Any, call: Call, *, returns_loss: bool) -> torch.Tensor:
     if isinstance(outputs, torch.Tensor):
         return outputs
     if isinstance(outputs, Mapping):
-        return next(iter(outputs.values()))
+        key = call.output or ("loss" if returns_loss else "logits")
+        return outputs[key] if key in outputs else next(iter(outputs.values()))
     return outputs[0]
 
 
@@ -150,9 +167,12 @@ def _training_copy(model: torch.nn.Module, trainable: Sequence[str]) -> torch.nn
     return copied
 
 
-def model_output(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The model's first output (the loss when the model returns it) for `inputs`, with autograd on."""
-    return _first_output(model(*inputs))
+def model_output(
+    model: torch.nn.Module, inputs: Sequence[torch.Tensor], call: Call, *, returns_loss: bool
+) -> torch.Tensor:
+    """The output the loss reads (the loss itself when `returns_loss`) for `inputs`, with autograd on."""
+    outputs = model(**dict(zip(call.keywords, inputs, strict=True))) if call.keywords else model(*inputs)
+    return _select(outputs, call, returns_loss=returns_loss)
 
 
 def torch_reference(
@@ -161,6 +181,7 @@ def torch_reference(
     label_specs: Sequence[TensorSpec],
     loss_fn: LossFn | None,
     *,
+    call: Call,
     trainable: Sequence[str],
     seed: int,
 ) -> tuple[Reference, list[torch.Tensor]]:
@@ -170,7 +191,7 @@ def torch_reference(
     """
     copied = _training_copy(model, trainable)
     with _WithoutDropout():
-        output = model_output(copied, inputs)
+        output = model_output(copied, inputs, call, returns_loss=loss_fn is None)
     if loss_fn is None:
         labels: list[torch.Tensor] = []
         loss = output
