@@ -12,6 +12,8 @@ Example::
 
     >>> describe({"status": "skipped"})
     ['verified:   skipped (export_artifacts(verify=False))']
+    >>> describe({"status": "passed", "batches": [{"batch_size": 2, "status": "passed", "loss": 1.0}]})
+    ['verified:   passed', '            batch 2: passed, loss 1']
 """
 
 from __future__ import annotations
@@ -277,7 +279,9 @@ def describe(report: dict[str, Any] | None) -> list[str]:
         return ["verified:   not recorded (exported before verification existed)"]
     if report.get("status") == "skipped":
         return ["verified:   skipped (export_artifacts(verify=False))"]
-    lines = [f"verified:   {report['status']} (rtol {report['rtol']:g}, atol {report['atol']:g})"]
+    lines = [f"verified:   {report.get('status', 'unknown')}"]
+    if "rtol" in report and "atol" in report:
+        lines[0] += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
     for check in report.get("batches", []):
-        lines.append(f"            {BatchCheck(**check).summary()}")
+        lines.append(f"            {BatchCheck.from_report(check).summary()}")
     return lines

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,8 @@ class BatchCheck:
     worst_parameter: str | None = None
     grad_abs_diff: float | None = None
     grad_rel_diff: float | None = None
+    #: ``grad_abs_diff / (ATOL + RTOL * max|torch gradient|)`` of the worst parameter: above 1 fails.
+    tolerance_used: float | None = None
 
     def summary(self) -> str:
         """One line: batch size, status and the differences."""
@@ -67,7 +70,16 @@ class BatchCheck:
                 f", worst gradient {self.worst_parameter}: abs diff {self.grad_abs_diff:.2g}, "
                 f"rel diff {self.grad_rel_diff:.2g}"
             )
+            if self.tolerance_used is not None:
+                text += f" ({self.tolerance_used:.0%} of its tolerance)"
         return text
+
+
+    @classmethod
+    def from_report(cls, entry: dict[str, Any]) -> BatchCheck:
+        """Read one entry of a manifest's report, ignoring fields this version does not know."""
+        known = {field.name for field in fields(cls)}
+        return cls(**{key: value for key, value in entry.items() if key in known})
 
 
 def _within(diff: float, scale: float) -> float:
@@ -105,7 +117,7 @@ def compare(
     passed = worst_share <= 1.0 and _within(loss_diff, abs(reference.loss)) <= 1.0
     relative = worst_abs / worst_scale if worst_scale > 0 else (0.0 if worst_abs == 0 else math.inf)
     return BatchCheck(
-        batch, "passed" if passed else "mismatch", loss, loss_diff, worst, worst_abs, relative
+        batch, "passed" if passed else "mismatch", loss, loss_diff, worst, worst_abs, relative, worst_share
     )
 
 

@@ -100,6 +100,7 @@ def test_a_good_model_passes_and_the_report_is_in_the_manifest_and_inspect(
         assert check["worst_parameter"] in mlp_adamw.artifacts.manifest.trainable
         assert check["loss_diff"] <= ATOL + RTOL * check["loss"]
         assert check["grad_rel_diff"] < RTOL
+        assert 0 <= check["tolerance_used"] <= 1
     out = _inspect(capsys, mlp_adamw.artifacts.directory)
     assert "verified:   passed" in out
     assert "batch 3: passed" in out
