@@ -27,8 +27,9 @@ from typing import Any, Union
 import onnx
 import torch
 
-from ort_lightning import _export, _ort, _verify
+from ort_lightning import _export, _ort
 from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
+from ort_lightning._verify import verify_export
 from ort_lightning.errors import ArtifactError, ExportError
 
 __all__ = ["MANIFEST_NAME", "Manifest", "TensorSpec", "TrainingArtifacts", "export_artifacts"]
@@ -363,7 +364,7 @@ def export_artifacts(
         buffers=tuple(sorted(buffers)),
         versions=_versions(),
     )
-    manifest = _verify.verify_export(
+    manifest = verify_export(
         manifest, folder, model=model, example_inputs=example_inputs, loss=loss, enabled=verify
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
