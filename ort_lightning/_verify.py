@@ -13,7 +13,7 @@ Example::
     >>> describe({"status": "skipped"})
     ['verified:   skipped (export_artifacts(verify=False))']
     >>> describe({"status": "passed", "batches": [{"batch_size": 2, "status": "passed", "loss": 1.0}]})
-    ['verified:   passed', '            batch 2: passed, loss 1']
+    ['verified:   passed', 'batch 2:    passed, loss 1']
 """
 
 from __future__ import annotations
@@ -273,15 +273,19 @@ def _result(job: Path, batch: int) -> tuple[float, dict[str, np.ndarray]]:
         return float(arrays["loss"]), {name: arrays[f"g{index}"] for index, name in enumerate(names)}
 
 
-def describe(report: dict[str, Any] | None) -> list[str]:
-    """Lines for ``ort-lightning inspect``: the verification status and, per batch size, the differences."""
+def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """``(key, value)`` rows for ``ort-lightning inspect``: the status, then one row per batch size."""
     if report is None:
-        return ["verified:   not recorded (exported before verification existed)"]
+        return [("verified", "not recorded (exported before verification existed)")]
     if report.get("status") == "skipped":
-        return ["verified:   skipped (export_artifacts(verify=False))"]
-    lines = [f"verified:   {report.get('status', 'unknown')}"]
+        return [("verified", "skipped (export_artifacts(verify=False))")]
+    status = str(report.get("status", "unknown"))
     if "rtol" in report and "atol" in report:
-        lines[0] += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
-    for check in report.get("batches", []):
-        lines.append(f"            {BatchCheck.from_report(check).summary()}")
-    return lines
+        status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
+    checks = [BatchCheck.from_report(entry) for entry in report.get("batches", [])]
+    return [("verified", status), *((f"batch {check.batch_size}", check.summary()) for check in checks)]
+
+
+def describe(report: dict[str, Any] | None) -> list[str]:
+    """`report_rows` as the lines ``ort-lightning inspect`` prints."""
+    return [f"{key + ':':<11} {value}" for key, value in report_rows(report)]

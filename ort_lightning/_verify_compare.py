@@ -61,8 +61,8 @@ class BatchCheck:
     tolerance_used: float | None = None
 
     def summary(self) -> str:
-        """One line: batch size, status and the differences."""
-        text = f"batch {self.batch_size}: {self.status}, loss {self.loss:.6g}"
+        """One line: status and the differences (the batch size is the caller's label)."""
+        text = f"{self.status}, loss {self.loss:.6g}"
         if self.loss_diff is not None:
             text += f" (diff {self.loss_diff:.2g})"
         if self.worst_parameter is not None and self.grad_abs_diff is not None:
@@ -73,7 +73,6 @@ class BatchCheck:
             if self.tolerance_used is not None:
                 text += f" ({self.tolerance_used:.0%} of its tolerance)"
         return text
-
 
     @classmethod
     def from_report(cls, entry: dict[str, Any]) -> BatchCheck:
