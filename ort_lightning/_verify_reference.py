@@ -190,18 +190,22 @@ def torch_reference(
     `loss_fn` None means the model's first output is the loss (``export_artifacts(loss=None)``).
     """
     copied = _training_copy(model, trainable)
+    # NOTE: the reference runs where the model lives (a CUDA model stays there); inputs, labels and
+    # gradients travel on the CPU, where the verification child runs ORT.
+    device = next((parameter.device for parameter in copied.parameters()), torch.device("cpu"))
     with _WithoutDropout():
-        output = model_output(copied, inputs, call, returns_loss=loss_fn is None)
+        output = model_output(copied, [t.to(device) for t in inputs], call, returns_loss=loss_fn is None)
     if loss_fn is None:
         labels: list[torch.Tensor] = []
         loss = output
     else:
         labels = labels_for(label_specs, tuple(output.shape), inputs[0].shape[0], seed=seed)
-        loss = loss_fn(output, *labels)
+        loss = loss_fn(output, *(label.to(device) for label in labels))
     loss.backward()
     parameters = dict(copied.named_parameters())
     gradients = {}
     for name in trainable:
         grad = parameters[name].grad
-        gradients[name] = torch.zeros_like(parameters[name]) if grad is None else grad.detach().clone()
+        gradients[name] = torch.zeros_like(parameters[name]) if grad is None else grad.detach()
+        gradients[name] = gradients[name].cpu().clone()
     return Reference(float(loss.detach()), gradients), labels
