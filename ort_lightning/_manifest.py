@@ -74,6 +74,8 @@ class Manifest:
     frozen: tuple[str, ...]
     buffers: tuple[str, ...]
     versions: dict[str, str] = field(default_factory=dict)
+    #: Export-time verification report (`ort_lightning._verify`); None in manifests written before it.
+    verification: dict[str, Any] | None = None
 
     @property
     def graph_inputs(self) -> tuple[TensorSpec, ...]:
@@ -112,6 +114,7 @@ class Manifest:
                 inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["inputs"]),
                 labels=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["labels"]),
                 **{key: _freeze(data[key]) for key in _SCALAR_FIELDS},
+                verification=data.get("verification"),
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(

@@ -193,6 +193,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def _describe_artifacts(directory: Path) -> None:
     from ort_lightning import TrainingArtifacts
+    from ort_lightning._verify import describe as describe_verification
 
     artifacts = TrainingArtifacts.load(directory)
     manifest = artifacts.manifest
@@ -204,6 +205,7 @@ def _describe_artifacts(directory: Path) -> None:
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     print(f"optimizer:  {manifest.optimizer} {options}".rstrip())
     _describe_checkpoint(artifacts.checkpoint, header=False)
+    print("\n".join(describe_verification(manifest.verification)))
     print("versions:   " + ", ".join(f"{name} {version}" for name, version in manifest.versions.items()))
 
 

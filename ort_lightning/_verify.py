@@ -1,0 +1,291 @@
+"""Export-time verification: one training step of new artifacts in a child process vs torch autograd.
+
+`export_artifacts` calls `verify_export` last. For the example's batch size and one other, the
+parent computes torch autograd's loss and gradients (`_verify_reference`), writes the same
+inputs and labels to a job folder, and runs `_verify_child` in a fresh interpreter, where ONNX
+Runtime runs one ``train_step`` of a copy of the training graph with its Dropout ratios at 0.
+A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non-finite value or
+a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
+report goes into the manifest (``verification``) and ``ort-lightning inspect`` shows it.
+
+Example::
+
+    >>> describe({"status": "skipped"})
+    ['verified:   skipped (export_artifacts(verify=False))']
+    >>> describe({"status": "passed", "batches": [{"batch_size": 2, "status": "passed", "loss": 1.0}]})
+    ['verified:   passed', 'batch 2:    passed, loss 1']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from ort_lightning._manifest import MANIFEST_NAME, Manifest
+from ort_lightning._verify_child import EXIT_ORT_ERROR
+from ort_lightning._verify_compare import ATOL, RTOL, BatchCheck, compare, mismatch_message
+from ort_lightning._verify_reference import Call, Reference, batch_inputs, labels_for, reference_loss, torch_reference
+from ort_lightning.errors import ExportError
+
+__all__ = ["describe", "verify_export"]
+
+#: Seconds one verification child may take before the export gives up on it.
+TIMEOUT_S = 600.0
+_TRAINING_MODEL = "training_model.onnx"
+_ZERO_RATIO = "ort_lightning_verify_zero_dropout_ratio"
+#: Where the ratio sits among a node's inputs, per Dropout op of the training graph.
+_RATIO_INPUT = {"Dropout": 1, "DropoutGrad": 2}
+
+# NOTE: `python -m ort_lightning._verify_child` would import the package's __init__, hence
+# Lightning: 4.8 s per child instead of 1.8 s here. The child needs only `_ort` and `errors`, so
+# it gets an empty package object whose __path__ is this very folder (the same code as the parent's).
+_BOOTSTRAP = (
+    "import sys, types; package = types.ModuleType('ort_lightning'); package.__path__ = [sys.argv[1]]; "
+    "sys.modules['ort_lightning'] = package; from ort_lightning._verify_child import main; sys.exit(main(sys.argv[2]))"
+)
+
+
+def verify_export(
+    manifest: Manifest,
+    folder: Path,
+    *,
+    model: Any,
+    example_inputs: Any,
+    loss: object,
+    output: str | None = None,
+    enabled: bool = True,
+) -> Manifest:
+    """Verify the artifacts in `folder` and return `manifest` with its ``verification`` report.
+
+    `model`, `example_inputs`, `loss` and `output` are what ``export_artifacts`` was given; a torch
+    model is the reference, an ONNX source has none.
+
+    Raises:
+        ExportError: when the step crashes, ONNX Runtime fails, or the loss or a gradient differs
+            from torch autograd beyond tolerance (naming the worst parameter and the difference).
+    """
+    if not enabled:
+        return dataclasses.replace(manifest, verification={"status": "skipped"})
+    try:
+        report = _check(manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output)
+    except ExportError:
+        # NOTE: a manifest left by an earlier export would make these unverified graphs loadable.
+        (folder / MANIFEST_NAME).unlink(missing_ok=True)
+        raise
+    return dataclasses.replace(manifest, verification=report)
+
+
+def _check(
+    manifest: Manifest, folder: Path, *, model: Any, example_inputs: Any, loss: object, output: str | None
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    torch_model = model if isinstance(model, torch.nn.Module) else None
+    loss_fn = reference_loss(loss)
+    referenced = torch_model is not None and (loss is None or loss_fn is not None)
+    examples, keywords = _examples(example_inputs) if torch_model is not None else (None, None)
+    call = Call(keywords, output)
+    batches = _batch_sizes(manifest, examples)
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-verify-") as tmp:
+        job = Path(tmp)
+        reference_model = torch_model if referenced else None
+        references = {
+            batch: _prepare(
+                job, folder, manifest, batch, model=reference_model, examples=examples, call=call, loss_fn=loss_fn
+            )
+            for batch in batches
+        }
+        _write_job(job, folder, manifest, batches)
+        _run_child(job, folder, batches)
+        checks = [compare(batch, references[batch], *_result(job, batch), manifest.trainable) for batch in batches]
+    failed = [check for check in checks if check.status not in ("passed", "no torch reference")]
+    if failed:
+        raise ExportError(mismatch_message(failed[0], batches, folder))
+    return {
+        "status": "passed" if referenced else "no torch reference",
+        "rtol": RTOL,
+        "atol": ATOL,
+        "seconds": round(time.perf_counter() - started, 2),
+        "batches": [dataclasses.asdict(check) for check in checks],
+    }
+
+
+def _prepare(
+    job: Path,
+    folder: Path,
+    manifest: Manifest,
+    batch: int,
+    *,
+    model: torch.nn.Module | None,
+    examples: Sequence[torch.Tensor] | None,
+    call: Call,
+    loss_fn: Any,
+) -> Reference | None:
+    """Write the inputs and labels of one batch size to the job; return torch's reference (None: none)."""
+    inputs = batch_inputs(manifest.inputs, examples, batch, seed=batch)
+    graph_inputs = inputs
+    if call.keywords:
+        by_name = dict(zip(call.keywords, inputs, strict=True))
+        graph_inputs = [by_name[spec.name] for spec in manifest.inputs]
+    reference: Reference | None = None
+    if model is not None:
+        try:
+            reference, labels = torch_reference(
+                model, inputs, manifest.labels, loss_fn, call=call, trainable=manifest.trainable, seed=batch
+            )
+        except Exception as error:  # the user's forward or loss may raise anything
+            raise ExportError(
+                f"The torch model itself fails one training step at batch size {batch} (inputs shaped "
+                f"{[tuple(tensor.shape) for tensor in inputs]}): {type(error).__name__}: {error}. Training "
+                "batches may have any size; make the forward independent of the example's batch size (no "
+                "hard-coded x.view(2, -1)), or pass export_artifacts(..., verify=False) to skip the check."
+            ) from error
+    else:
+        labels = labels_for(manifest.labels, _output_shape(folder, manifest, batch), batch, seed=batch)
+    arrays: dict[str, Any] = {f"i{index}": t.numpy() for index, t in enumerate([*graph_inputs, *labels])}
+    np.savez(job / f"inputs_{batch}.npz", **arrays)
+    return reference
+
+
+def _examples(example_inputs: Any) -> tuple[list[torch.Tensor], tuple[str, ...] | None]:
+    """The example tensors, and their keywords when the forward takes keyword tensors (a dict)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return [example_inputs], None
+    if isinstance(example_inputs, Mapping):
+        return list(example_inputs.values()), tuple(example_inputs)
+    return list(example_inputs), None
+
+
+def _batch_sizes(manifest: Manifest, examples: Sequence[torch.Tensor] | None) -> list[int]:
+    """The example's batch size and one more; only one when the graph fixes the batch dimension."""
+    first = manifest.inputs[0].shape[0] if manifest.inputs and manifest.inputs[0].shape else "batch"
+    if isinstance(first, int) and first > 0:
+        return [first]
+    example = int(examples[0].shape[0]) if examples and examples[0].dim() > 0 else 2
+    return [example, example + 1]
+
+
+def _output_shape(folder: Path, manifest: Manifest, batch: int) -> tuple[int, ...]:
+    """Shape of the model output the loss reads, from the training graph (ONNX sources)."""
+    graph = onnx.load(folder / _TRAINING_MODEL, load_external_data=False).graph
+    wanted = manifest.outputs[0] if manifest.outputs else None
+    for output in graph.output:
+        if output.name == wanted:
+            dims = output.type.tensor_type.shape.dim
+            return tuple(d.dim_value if d.dim_value > 0 else (batch if i == 0 else 3) for i, d in enumerate(dims))
+    return (batch,)
+
+
+def _without_dropout(source: Path, target: Path) -> None:
+    """Copy a training graph with every Dropout ratio set to 0, so that one step is deterministic."""
+    proto = onnx.load(source)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.array(0.0, dtype=np.float32), _ZERO_RATIO))
+    for node in proto.graph.node:
+        index = _RATIO_INPUT.get(node.op_type)
+        if index is None:
+            continue
+        while len(node.input) <= index:
+            node.input.append("")
+        node.input[index] = _ZERO_RATIO
+    onnx.save(proto, target)
+
+
+def _write_job(job: Path, folder: Path, manifest: Manifest, batches: Sequence[int]) -> None:
+    _without_dropout(folder / _TRAINING_MODEL, job / _TRAINING_MODEL)
+    spec = {
+        "training_model": str(job / _TRAINING_MODEL),
+        "eval_model": str(folder / "eval_model.onnx"),
+        "optimizer_model": str(folder / "optimizer_model.onnx"),
+        "checkpoint": str(folder / "checkpoint"),
+        "batches": list(batches),
+        "inputs": [spec.name for spec in manifest.graph_inputs],
+    }
+    (job / "job.json").write_text(json.dumps(spec), encoding="utf-8")
+
+
+def _run_child(job: Path, folder: Path, batches: Sequence[int]) -> None:
+    command = [sys.executable, "-c", _BOOTSTRAP, str(Path(__file__).parent), str(job)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as error:
+        raise ExportError(
+            f"Verifying the new artifacts in {folder} took longer than {TIMEOUT_S:g} s (one training step at "
+            f"batch sizes {list(batches)}); pass export_artifacts(..., verify=False) to skip the check for a model "
+            "this large, and check one training step yourself."
+        ) from error
+    if done.returncode == 0:
+        return
+    steps = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")]
+    at = f"batch size {steps[-1]}" if steps else "load (before any step)"
+    detail = " ".join(done.stderr.split())[-400:]
+    if done.returncode < 0:
+        raise ExportError(_crash_message(folder, -done.returncode, at, batches))
+    if done.returncode == EXIT_ORT_ERROR:
+        failure = json.loads((job / "error.json").read_text(encoding="utf-8"))
+        raise ExportError(
+            f"ONNX Runtime failed one training step of the new artifacts in {folder} at {at}: "
+            f"...{failure['error'][-600:]}. "
+            "Training would fail the same way; check the operators and the loss of the model, or pass "
+            "export_artifacts(..., verify=False) to keep the artifacts anyway."
+        )
+    raise ExportError(
+        f"The verification process for {folder} exited with status {done.returncode} ({detail or 'no output'}); "
+        "check that this Python can import onnxruntime-training, or pass export_artifacts(..., verify=False)."
+    )
+
+
+def _crash_message(folder: Path, signal_number: int, at: str, batches: Sequence[int]) -> str:
+    import signal
+
+    try:
+        name = signal.Signals(signal_number).name
+    except ValueError:
+        name = f"signal {signal_number}"
+    graph = onnx.load(folder / _TRAINING_MODEL, load_external_data=False).graph
+    pools = sorted({node.op_type for node in graph.node if node.op_type.startswith("AveragePool")})
+    hint = (
+        f" The graph has {'/'.join(pools)} nodes: ONNX Runtime 1.19.2's AveragePool gradient takes its shape from "
+        "the graph's static shape and divides by zero under a dynamic batch; where the pool covers the whole "
+        "feature map, use nn.AdaptiveAvgPool2d(1) or x.mean((2, 3)) (GlobalAveragePool, which trains)."
+        if pools
+        else ""
+    )
+    return (
+        f"One training step of the new artifacts in {folder} killed the verification process with {name} at {at} "
+        f"(checked batch sizes {list(batches)}); ONNX Runtime would kill the training process the same way.{hint} "
+        "Change the model, or pass export_artifacts(..., verify=False) to keep the artifacts anyway."
+    )
+
+
+def _result(job: Path, batch: int) -> tuple[float, dict[str, np.ndarray]]:
+    names = json.loads((job / f"result_{batch}.json").read_text(encoding="utf-8"))
+    with np.load(job / f"result_{batch}.npz") as arrays:
+        return float(arrays["loss"]), {name: arrays[f"g{index}"] for index, name in enumerate(names)}
+
+
+def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """``(key, value)`` rows for ``ort-lightning inspect``: the status, then one row per batch size."""
+    if report is None:
+        return [("verified", "not recorded (exported before verification existed)")]
+    if report.get("status") == "skipped":
+        return [("verified", "skipped (export_artifacts(verify=False))")]
+    status = str(report.get("status", "unknown"))
+    if "rtol" in report and "atol" in report:
+        status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
+    checks = [BatchCheck.from_report(entry) for entry in report.get("batches", [])]
+    return [("verified", status), *((f"batch {check.batch_size}", check.summary()) for check in checks)]
+
+
+def describe(report: dict[str, Any] | None) -> list[str]:
+    """`report_rows` as the lines ``ort-lightning inspect`` prints."""
+    return [f"{key + ':':<11} {value}" for key, value in report_rows(report)]

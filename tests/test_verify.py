@@ -1,0 +1,316 @@
+"""Export-time verification: one ORT training step in a child process against torch autograd."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from onnxruntime.training import onnxblock
+
+from ort_lightning import TrainingArtifacts, _export, _ort, _verify, export_artifacts
+from ort_lightning._verify_compare import ATOL, RTOL, compare, mismatch_message
+from ort_lightning._verify_reference import Reference
+from ort_lightning.cli import main as cli_main
+from ort_lightning.errors import ArtifactError, ExportError
+from tests.conftest import MLP, Exported
+
+
+class AvgPoolNet(torch.nn.Module):
+    """Conv -> AvgPool2d -> Linear: ORT 1.19.2's AveragePool gradient dies with SIGFPE under a dynamic batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3, padding=1)
+        self.pool = torch.nn.AvgPool2d(2)
+        self.fc = torch.nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.conv(x)).flatten(1))
+
+
+class _TripleGradient(torch.autograd.Function):
+    """Identity whose torch backward triples the gradient; its ONNX export is a plain Identity."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 3 * grad
+
+    @staticmethod
+    def symbolic(graph: torch.Graph, x: torch.Value) -> torch.Value:
+        return graph.op("Identity", x)
+
+
+class TripledMLP(MLP):
+    """An MLP whose torch gradients of fc1 are three times what its ONNX graph computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(_TripleGradient.apply(self.fc1(x))))
+
+
+class FixedBatchView(torch.nn.Module):
+    """A forward that hard-codes the example's batch size (``x.view(2, -1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(2, -1))
+
+
+def _onnx_file(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(
+            model, (example,), buffer, dynamo=False, input_names=["input"], output_names=["logits"],  # type: ignore[arg-type]
+            dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+        )
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def _inspect(capsys: pytest.CaptureFixture[str], folder: Path) -> str:
+    assert cli_main(["inspect", str(folder)]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_good_model_passes_and_the_report_is_in_the_manifest_and_inspect(
+    mlp_adamw: Exported, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = TrainingArtifacts.load(mlp_adamw.artifacts.directory).manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+    assert [check["batch_size"] for check in report["batches"]] == [2, 3]
+    for check in report["batches"]:
+        assert check["status"] == "passed"
+        assert check["worst_parameter"] in mlp_adamw.artifacts.manifest.trainable
+        assert check["loss_diff"] <= ATOL + RTOL * check["loss"]
+        assert check["grad_rel_diff"] < RTOL
+        assert 0 <= check["tolerance_used"] <= 1
+    out = _inspect(capsys, mlp_adamw.artifacts.directory)
+    assert re.search(r"verified:\s+passed", out)
+    assert re.search(r"batch 3:\s+passed, loss", out)
+
+
+def test_dropout_and_batchnorm_verify_deterministically(bn_dropout_cnn: Exported) -> None:
+    # Dropout(0.5) would make ORT and torch differ at random; both sides run it at ratio 0.
+    report = bn_dropout_cnn.artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+    assert all(check["loss_diff"] < 1e-5 for check in report["batches"])
+
+
+class FunctionalDropoutMLP(MLP):
+    """Dropout called as a function, not held as an nn.Dropout module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.dropout(torch.relu(self.fc1(x)), 0.5, self.training)
+        return self.fc2(hidden)
+
+
+def test_functional_dropout_is_off_on_both_sides(tmp_path: Path) -> None:
+    artifacts = export_artifacts(FunctionalDropoutMLP(), torch.randn(4, 4), tmp_path / "functional_dropout")
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+
+
+def test_frozen_parameters_are_not_compared(tmp_path: Path) -> None:
+    artifacts = export_artifacts(MLP(), torch.randn(3, 4), tmp_path / "frozen", frozen=["fc1.weight"], loss="mse")
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "passed"
+    assert {check["worst_parameter"] for check in report["batches"]} <= {"fc1.bias", "fc2.weight", "fc2.bias"}
+
+
+def _unlegalized(model: torch.nn.Module, example: torch.Tensor, folder: Path) -> TrainingArtifacts:
+    """Artifacts that ORT's generator writes straight from the torch export, with no graph rewrite.
+
+    NOTE: export_artifacts rewrites the ops it knows ORT mishandles (AveragePool under a dynamic
+    batch among them); verification is the net for those it does not know, so the crash is
+    reproduced here on the graph as the exporter wrote it.
+    """
+    exported = export_artifacts(model, example, folder, verify=False)
+    proto = _export.torch_to_onnx(model, (example,), input_names=["input"])
+    _ort.generate(
+        proto, trainable=list(exported.manifest.trainable), frozen=[], loss="cross_entropy", optimizer="sgd",
+        optimizer_options={}, directory=folder, extra_outputs=["logits"], loss_inputs=["logits"],
+    )
+    _export.fix_eval_graph(exported.eval_model)
+    _export.lower_ir_versions([exported.training_model, exported.optimizer_model])
+    return exported
+
+
+def test_average_pool_crash_becomes_an_export_error(tmp_path: Path) -> None:
+    model = AvgPoolNet()
+    artifacts = _unlegalized(copy.deepcopy(model), torch.zeros(4, 1, 8, 8), tmp_path / "avgpool")
+    assert "AveragePoolGrad" in {node.op_type for node in onnx.load(artifacts.training_model).graph.node}
+    expected = r"killed the verification process with SIGFPE at batch size 4.*AveragePool"
+    with pytest.raises(ExportError, match=expected):
+        _verify.verify_export(
+            artifacts.manifest, artifacts.directory, model=model, example_inputs=torch.zeros(4, 1, 8, 8),
+            loss="cross_entropy",
+        )
+    with pytest.raises(ArtifactError, match="has no ort_lightning.json"):
+        TrainingArtifacts.load(artifacts.directory)
+
+
+def test_verify_false_skips_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A model that verification refuses (see the next test) exports: no training step ran.
+    artifacts = export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "unchecked", verify=False)
+    assert artifacts.manifest.verification == {"status": "skipped"}
+    assert re.search(r"verified:\s+skipped", _inspect(capsys, artifacts.directory))
+
+
+def test_a_torch_model_whose_graph_computes_other_gradients_names_the_worst_parameter(tmp_path: Path) -> None:
+    expected = r"disagrees with torch autograd.*gradient of 'fc1\.(weight|bias)' differs by"
+    with pytest.raises(ExportError, match=expected):
+        export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "tripled")
+
+
+def _scale_gradient(path: Path, parameter: str, factor: float) -> None:
+    """Multiply one gradient of a training graph by `factor` before it is accumulated."""
+    proto = onnx.load(path)
+    grad = f"{parameter}_grad"
+    index = next(i for i, node in enumerate(proto.graph.node) if grad in node.input)
+    scaled = f"{grad}_tampered"
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(torch.tensor(factor).numpy(), "tamper_factor"))
+    proto.graph.node.insert(index, onnx.helper.make_node("Mul", [grad, "tamper_factor"], [scaled]))
+    accumulator = proto.graph.node[index + 1]
+    accumulator.input[list(accumulator.input).index(grad)] = scaled
+    onnx.save(proto, path)
+
+
+def test_a_tampered_training_graph_gives_export_error_naming_the_parameter(tmp_path: Path) -> None:
+    model = MLP()
+    pristine = copy.deepcopy(model)
+    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "tampered", verify=False)
+    _scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
+    with pytest.raises(ExportError, match=r"gradient of 'fc2\.bias' differs by .*relative 0\.5 "):
+        _verify.verify_export(
+            artifacts.manifest, artifacts.directory, model=pristine, example_inputs=torch.zeros(2, 4),
+            loss="cross_entropy",
+        )
+
+
+def test_onnx_file_source_is_checked_without_a_torch_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _onnx_file(MLP(), torch.zeros(2, 4), tmp_path / "mlp.onnx")
+    artifacts = export_artifacts(path, None, tmp_path / "from_onnx")
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "no torch reference"
+    assert [check["status"] for check in report["batches"]] == ["no torch reference"] * 2
+    assert all(math.isfinite(check["loss"]) for check in report["batches"])
+    assert re.search(r"verified:\s+no torch reference", _inspect(capsys, artifacts.directory))
+
+
+def test_onnx_runtime_error_at_another_batch_size_becomes_an_export_error(tmp_path: Path) -> None:
+    path = _onnx_file(FixedBatchView(), torch.zeros(2, 2, 2), tmp_path / "fixed_view.onnx")
+    with pytest.raises(ExportError, match=r"ONNX Runtime failed one training step .* at batch size 3: "):
+        export_artifacts(path, None, tmp_path / "fixed_view")
+
+
+class SummedMSE(onnxblock.Block):
+    """A custom loss block: torch has no reference for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = onnxblock.loss.MSELoss(reduction="sum")
+
+    def build(self, output_name: str) -> str:
+        return self.mse(output_name, "target")
+
+
+def test_a_custom_loss_block_is_checked_without_a_torch_reference(tmp_path: Path) -> None:
+    artifacts = export_artifacts(MLP(), torch.randn(2, 4), tmp_path / "custom_loss", loss=SummedMSE())
+    report = artifacts.manifest.verification
+    assert report is not None
+    assert report["status"] == "no torch reference"
+    assert all(math.isfinite(check["loss"]) and check["loss"] > 0 for check in report["batches"])
+
+
+def test_a_torch_model_that_fails_at_another_batch_size_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"The torch model itself fails one training step at batch size 3"):
+        export_artifacts(FixedBatchView(), torch.zeros(2, 2, 2), tmp_path / "fixed_view_torch")
+
+
+def test_manifest_without_a_report_still_loads(
+    mlp_sgd: Exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = Path(shutil.copytree(mlp_sgd.artifacts.directory, tmp_path / "old"))
+    manifest = folder / "ort_lightning.json"
+    data = json.loads(manifest.read_text())
+    del data["verification"]
+    manifest.write_text(json.dumps(data))
+    assert TrainingArtifacts.load(folder).manifest.verification is None
+    assert re.search(r"verified:\s+not recorded", _inspect(capsys, folder))
+
+
+class DividesByZero(MLP):
+    """Logits divided by zero: the loss is NaN in torch and in ORT alike."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / 0.0
+
+
+def test_a_non_finite_step_becomes_an_export_error(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"gave a non-finite value in the loss \(nan\)"):
+        export_artifacts(DividesByZero(), torch.zeros(2, 4), tmp_path / "nan")
+
+
+def test_a_trainable_parameter_without_an_ort_gradient_is_named(tmp_path: Path) -> None:
+    reference = Reference(1.0, {"w": torch.ones(2), "b": torch.ones(1)})
+    check = compare(2, reference, 1.0, {"w": torch.ones(2).numpy()}, ["w", "b"])
+    assert (check.status, check.worst_parameter) == ("missing gradient", "b")
+    message = mismatch_message(check, [2, 3], tmp_path)
+    assert re.search(r"gave no gradient for the trainable parameter 'b'.*frozen=\['b'\]", message)
+
+
+def test_a_verification_past_its_time_limit_becomes_an_export_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_verify, "TIMEOUT_S", 0.05)
+    with pytest.raises(ExportError, match=r"took longer than 0.05 s .*verify=False"):
+        export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "slow")
+
+
+def test_a_child_that_cannot_start_becomes_an_export_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The interpreter that runs the child lacks the package's dependencies.
+    monkeypatch.setattr(_verify, "_BOOTSTRAP", "raise SystemExit('No module named onnxruntime')")
+    with pytest.raises(ExportError, match=r"exited with status 1 \(No module named onnxruntime\).*import onnxruntime"):
+        export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "no_ort")
+
+
+class KeywordNet(MLP):
+    """A forward of two same-shaped tensors, called with keywords in another order than the graph's."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * torch.sigmoid(mask))
+
+
+def test_dict_example_inputs_reach_the_graph_by_name(tmp_path: Path) -> None:
+    model = KeywordNet()
+    examples = (torch.randn(2, 4), torch.randn(2, 4))
+    artifacts = export_artifacts(model, examples, tmp_path / "keywords", input_names=["x", "mask"], verify=False)
+    verified = _verify.verify_export(
+        artifacts.manifest, artifacts.directory, model=model, example_inputs={"mask": examples[1], "x": examples[0]},
+        loss="cross_entropy",
+    )
+    assert verified.verification is not None
+    assert verified.verification["status"] == "passed"
