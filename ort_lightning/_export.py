@@ -64,10 +64,28 @@ def default_output_names(count: int, *, model_returns_loss: bool) -> list[str]:
     return [first] + [f"output_{i}" for i in range(1, count)]
 
 
-def _count_outputs(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> int:
+def _output_rows(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[int | None]:
+    """The first dimension of each output at the example batch (None for a scalar)."""
     with torch.no_grad():
         outputs = model(*example_inputs)
-    return len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [int(out.shape[0]) if isinstance(out, torch.Tensor) and out.dim() else None for out in outputs]
+
+
+def _dynamic_axes(
+    input_names: Sequence[str], output_names: Sequence[str], rows: Sequence[int | None], batch: int
+) -> dict[str, dict[int, str]]:
+    """``batch`` for every input and every output that has the batch's size; ``<output>_rows`` otherwise.
+
+    NOTE: an output with other rows, such as a language model's ``logits.view(-1, V)`` of B*T
+    rows, must not share the batch's symbol: ORT's gradient of the Reshape would then take the
+    flattened rows for the batch and fail at every batch size but the example's.
+    """
+    axes = {name: {0: "batch"} for name in input_names}
+    for name, size in zip(output_names, rows, strict=False):
+        if size is not None:
+            axes[name] = {0: "batch" if size == batch else f"{name}_rows"}
+    return axes
 
 
 def torch_to_onnx(
@@ -76,12 +94,14 @@ def torch_to_onnx(
     *,
     input_names: Sequence[str],
     model_returns_loss: bool = False,
+    output_names: Sequence[str] | None = None,
 ) -> onnx.ModelProto:
     """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
 
     The model is copied first: tracing in training mode would otherwise update the caller's
     BatchNorm running statistics. The trace still updates the copy's, so the initializers are
-    reset to the model's state as it was before the trace.
+    reset to the model's state as it was before the trace. `output_names` default to
+    `default_output_names`.
 
     Raises:
         ExportError: when torch cannot export the model.
@@ -90,11 +110,12 @@ def torch_to_onnx(
     # parameters vanish) and emits Dropout without the mask the gradient builder needs.
     model = copy.deepcopy(model).train()
     state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-    count = _count_outputs(copy.deepcopy(model), example_inputs)
-    output_names = default_output_names(count, model_returns_loss=model_returns_loss)
-    # A loss output is a scalar: it has no batch dimension to make dynamic.
-    batched = [*input_names, *output_names[1:]] if model_returns_loss else [*input_names, *output_names]
-    dynamic_axes = {name: {0: "batch"} for name in batched}
+    rows = _output_rows(copy.deepcopy(model), example_inputs)
+    if output_names is None:
+        output_names = default_output_names(len(rows), model_returns_loss=model_returns_loss)
+    if model_returns_loss:  # a loss output is a scalar: it has no batch dimension to make dynamic
+        rows[0] = None
+    dynamic_axes = _dynamic_axes(input_names, output_names, rows, int(example_inputs[0].shape[0]))
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings():

@@ -74,6 +74,8 @@ class Manifest:
     frozen: tuple[str, ...]
     buffers: tuple[str, ...]
     versions: dict[str, str] = field(default_factory=dict)
+    #: The loss's options (``reduction``, ``ignore_index``, ``weight`` ...); empty for a custom or model loss.
+    loss_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def graph_inputs(self) -> tuple[TensorSpec, ...]:
@@ -112,6 +114,7 @@ class Manifest:
                 inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["inputs"]),
                 labels=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["labels"]),
                 **{key: _freeze(data[key]) for key in _SCALAR_FIELDS},
+                loss_options=dict(data.get("loss_options", {})),
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(

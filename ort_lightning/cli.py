@@ -201,6 +201,9 @@ def _describe_artifacts(directory: Path) -> None:
         for spec in specs:
             print(f"{title + ':':<11} {spec.name} {spec.dtype} [{', '.join(map(str, spec.shape))}]")
     print(f"outputs:    {', '.join(manifest.outputs) or '-'}  (loss: {manifest.loss} -> {manifest.loss_output})")
+    if manifest.loss_options:
+        loss_options = " ".join(f"{key}={value}" for key, value in manifest.loss_options.items())
+        print(f"loss:       {manifest.loss} {loss_options}")
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     print(f"optimizer:  {manifest.optimizer} {options}".rstrip())
     _describe_checkpoint(artifacts.checkpoint, header=False)
