@@ -27,7 +27,7 @@ from typing import Any, Union
 import onnx
 import torch
 
-from ort_lightning import _export, _ort
+from ort_lightning import _export, _legalize, _ort
 from ort_lightning._losses import LossSpec, check_class_axis, resolve_loss
 from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning._model_io import plan_io, strip_prefix
@@ -327,6 +327,7 @@ def export_artifacts(
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
+    _legalize.legalize(proto)
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
     model_outputs = [info.name for info in proto.graph.output]
@@ -335,7 +336,7 @@ def export_artifacts(
     model_inputs = [info.name for info in proto.graph.input]
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _ort.generate(
+    _generate(
         proto,
         trainable=trainable,
         frozen=[*frozen_names, *sorted(buffers)],
@@ -370,6 +371,15 @@ def export_artifacts(
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return TrainingArtifacts.load(folder)
+
+
+def _generate(proto: onnx.ModelProto, **options: Any) -> None:
+    """`_ort.generate`, with a missing gradient explained by the node and torch module it comes from."""
+    try:
+        _ort.generate(proto, **options)
+    except ExportError as error:
+        _legalize.raise_explained(proto, error)
+        raise
 
 
 def _versions() -> dict[str, str]:
