@@ -132,6 +132,13 @@ def _token_inputs(model: onnx.ModelProto) -> list[tuple[str, list[int | str]]]:
     ]
 
 
+def _same_positions(tokens: list[int | str], positions: list[int | str]) -> bool:
+    """Equal dims, a dim the exporter left symbolic (other than the batch) matching any size."""
+    return len(tokens) == len(positions) and all(
+        a == b or (isinstance(b, str) and b != "batch") for a, b in zip(tokens, positions, strict=True)
+    )
+
+
 def check_class_axis(spec: LossSpec, model: onnx.ModelProto, output: str) -> None:
     """Refuse class-index losses whose logits torch and a language model would read differently.
 
@@ -154,7 +161,7 @@ def check_class_axis(spec: LossSpec, model: onnx.ModelProto, output: str) -> Non
     if len(dims) < 3:
         return
     for name, token_dims in _token_inputs(model):
-        if token_dims[1:] == dims[1:-1]:
+        if _same_positions(token_dims[1:], dims[1:-1]):
             vocab = dims[-1]
             raise ExportError(
                 f"Output {output!r} has shape {dims}, like a language model's (B, T, V) logits over input "
