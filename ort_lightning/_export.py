@@ -27,6 +27,7 @@ __all__ = [
     "MAX_IR_VERSION",
     "MAX_OPSET",
     "OPSET",
+    "add_dropout_masks",
     "add_log_prob_outputs",
     "buffer_inputs_of",
     "check_opset",
@@ -199,6 +200,26 @@ def add_log_prob_outputs(proto: onnx.ModelProto) -> int:
         is_loss = node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
         if is_loss and len(node.output) == 1:
             name = f"{node.name or 'SoftmaxCrossEntropyLoss'}_{index}_log_prob"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.output.append(name)
+            changed += 1
+    return changed
+
+
+def add_dropout_masks(proto: onnx.ModelProto) -> int:
+    """Give every Dropout its optional ``mask`` output; return how many changed.
+
+    The exporter writes the Dropout of ``F.scaled_dot_product_attention(dropout_p=...)`` (the
+    attention dropout of Hugging Face models) with one output, and ORT's Dropout gradient reads
+    the mask, so building the gradient graph fails.
+    """
+    taken = {name for node in proto.graph.node for name in node.output}
+    changed = 0
+    for index, node in enumerate(proto.graph.node):
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            name = f"{node.name or 'Dropout'}_{index}_mask"
             while name in taken:
                 name += "_"
             taken.add(name)

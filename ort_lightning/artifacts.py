@@ -327,6 +327,7 @@ def export_artifacts(
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
+    _export.add_dropout_masks(proto)
     _legalize.legalize(proto)
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 

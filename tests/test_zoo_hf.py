@@ -180,3 +180,17 @@ def test_keyword_model_mistakes_are_explained(options: dict[str, Any], message: 
 def test_output_on_a_model_without_named_outputs_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"output='logits' picks an output by name, but Linear returns Tensor"):
         export_artifacts(nn.Linear(4, 3), torch.zeros(2, 4), tmp_path, output="logits")
+
+
+def test_gpt2_with_attention_dropout_trains(tmp_path: Path) -> None:
+    # The attention dropout inside scaled_dot_product_attention is exported without its mask output,
+    # which ORT's Dropout gradient needs; export_artifacts adds it.
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2, attn_pdrop=0.1,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    ids, mask = _tokens()
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    artifacts = export_artifacts(transformers.GPT2LMHeadModel(config), batch, tmp_path, loss=None)
+    losses, _, _ = ort_steps(artifacts, batch, steps=STEPS, lr=1e-2)
+    _assert_falls(losses)
