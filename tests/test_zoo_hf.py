@@ -194,3 +194,10 @@ def test_gpt2_with_attention_dropout_trains(tmp_path: Path) -> None:
     artifacts = export_artifacts(transformers.GPT2LMHeadModel(config), batch, tmp_path, loss=None)
     losses, _, _ = ort_steps(artifacts, batch, steps=STEPS, lr=1e-2)
     _assert_falls(losses)
+
+
+def test_a_non_tensor_keyword_input_is_refused(tmp_path: Path) -> None:
+    ids, _ = _tokens()
+    message = r"every value of the example_inputs dict to be a tensor, but \['use_cache'\]"
+    with pytest.raises(ExportError, match=message):
+        export_artifacts(_gpt2(), {"input_ids": ids, "use_cache": False}, tmp_path)
