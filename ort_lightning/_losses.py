@@ -74,8 +74,25 @@ class LossSpec:
         return "labels" if self.kind in CLASS_LOSSES else "target"
 
     def build(self, model: onnx.ModelProto, output: str) -> str:
-        """Append this loss over `output` to `model`'s graph; return the loss output's name."""
+        """Append this loss over `output` to `model`'s graph; return the loss output's name.
+
+        Raises:
+            ExportError: for a graph older than the opset of the loss's operators.
+        """
+        opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+        needed = self._opset()
+        if opset < needed:
+            raise ExportError(
+                f"loss={self.kind!r} is built with ai.onnx opset {needed} operators, but the model uses opset "
+                f"{opset}; re-export it with opset_version >= {needed} or convert it with onnx.version_converter."
+            )
         return build_loss(model.graph, self.kind, self.options, output=output, label=self.label)
+
+    def _opset(self) -> int:
+        """Gathered class indices take Squeeze/Unsqueeze axes as inputs (opset 13); SCE needs 12."""
+        if self.kind == "nll" or self.options.get("label_smoothing"):
+            return 13
+        return 12 if self.kind == "cross_entropy" else 1
 
 
 def _plain(value: Any) -> Any:

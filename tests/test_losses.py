@@ -207,3 +207,15 @@ def test_label_range_accepts_ignore_index_and_still_refuses_other_values(tmp_pat
     message = r"must be class indices in \[0, 3\) besides ignore_index=-7, but the batch has values in \[-1, 2\]"
     with pytest.raises(BatchError, match=message):
         trainer(1, []).fit(module, torch.utils.data.DataLoader([(x, labels)], batch_size=None))
+
+
+def test_a_model_older_than_opset_13_is_refused_with_the_fix(tmp_path: Path) -> None:
+    import onnx
+
+    path = tmp_path / "old.onnx"
+    torch.onnx.export(nn.Linear(4, CLASSES), (torch.zeros(2, 4),), path, dynamo=False, opset_version=12,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
+    assert onnx.load(path).opset_import[0].version == 12
+    with pytest.raises(ExportError, match=r"loss='nll' is built with ai.onnx opset 13 operators, but the model uses "
+                                          r"opset 12; re-export it with opset_version >= 13"):
+        export_artifacts(path, output_dir=tmp_path / "a", loss="nll")
