@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
                         help="dtype of one model input (default float32; repeat per input)")
     export.add_argument("--input-name", action="append", default=[], metavar="NAME", help="name of one model input")
-    export.add_argument("--loss", default="cross_entropy", help="cross_entropy | mse | bce_with_logits | l1 | none")
+    export.add_argument(
+        "--loss",
+        default="cross_entropy",
+        help="cross_entropy | nll | mse | l1 | bce_with_logits | smooth_l1 | huber | none",
+    )
     export.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     export.add_argument("--optimizer-option", action="append", default=[], metavar="KEY=VALUE",
                         help="e.g. weight_decay=0.0 or betas=0.9,0.98")

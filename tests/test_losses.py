@@ -184,7 +184,7 @@ def test_cross_entropy_needs_a_class_axis(tmp_path: Path) -> None:
         export_artifacts(nn.Sequential(nn.Linear(4, 1), nn.Flatten(0)), torch.zeros(2, 4), tmp_path)
 
 
-def test_loss_options_reach_the_manifest_and_inspect(tmp_path: Path) -> None:
+def test_loss_options_reach_the_manifest_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ort_lightning.cli import main
 
     loss = nn.CrossEntropyLoss(weight=WEIGHT, ignore_index=-1, reduction="sum")
@@ -194,6 +194,8 @@ def test_loss_options_reach_the_manifest_and_inspect(tmp_path: Path) -> None:
     assert options["reduction"] == "sum"
     assert options["weight"] == pytest.approx([0.5, 2.0, 1.5])
     main(["inspect", str(tmp_path / "a")])
+    shown = capsys.readouterr().out
+    assert "loss:       cross_entropy reduction=sum weight=[0.5, 2.0, 1.5] ignore_index=-1 label_smoothing=0.0" in shown
 
 
 def test_label_range_accepts_ignore_index_and_still_refuses_other_values(tmp_path: Path) -> None:
