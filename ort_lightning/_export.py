@@ -76,16 +76,24 @@ def _output_rows(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...
 def _dynamic_axes(
     input_names: Sequence[str], output_names: Sequence[str], rows: Sequence[int | None], batch: int
 ) -> dict[str, dict[int, str]]:
-    """``batch`` for every input and every output that has the batch's size; ``<output>_rows`` otherwise.
+    """``batch`` for every input and every output of the batch's size, ``batch*K`` for K rows per sample.
 
     NOTE: an output with other rows, such as a language model's ``logits.view(-1, V)`` of B*T
     rows, must not share the batch's symbol: ORT's gradient of the Reshape would then take the
-    flattened rows for the batch and fail at every batch size but the example's.
+    flattened rows for the batch and fail at every batch size but the example's. ``batch*T``
+    also tells how many label rows a batch needs; rows that are no multiple of the batch get
+    ``<output>_rows``.
     """
     axes = {name: {0: "batch"} for name in input_names}
-    for name, size in zip(output_names, rows, strict=False):
-        if size is not None:
-            axes[name] = {0: "batch" if size == batch else f"{name}_rows"}
+    for name, size in zip(output_names, rows, strict=True):
+        if size is None:
+            continue
+        if size == batch:
+            axes[name] = {0: "batch"}
+        elif batch and size % batch == 0:
+            axes[name] = {0: f"batch*{size // batch}"}
+        else:
+            axes[name] = {0: f"{name}_rows"}
     return axes
 
 

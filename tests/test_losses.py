@@ -156,10 +156,15 @@ def test_flattened_language_model_trains_like_torch(tmp_path: Path) -> None:
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     artifacts = export_artifacts(model, torch.zeros(2, 6, dtype=torch.long), tmp_path, loss=loss_fn, optimizer="sgd")
-    losses, grads, _ = ort_steps(artifacts, (ids, labels.view(-1)))
+    # The flattened rows get their own symbol, B*T: labels for forward() are sized from it.
+    assert artifacts.manifest.labels[0].shape == ("batch*6",)
+    losses, grads, module = ort_steps(artifacts, (ids, labels.view(-1)))
     expected, reference = torch_step(model, lambda m: loss_fn(m(ids), labels.view(-1)))
     assert losses[0] == pytest.approx(expected, rel=1e-5)
     assert_gradients_close(grads, reference, rtol=1e-5, atol=1e-6)
+    model.load_state_dict({name: p.detach() for name, p in module.named_parameters()})
+    three = ids[:3]
+    torch.testing.assert_close(module(three), model(three).detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
