@@ -28,6 +28,7 @@ __all__ = [
     "MAX_IR_VERSION",
     "MAX_OPSET",
     "OPSET",
+    "add_dropout_masks",
     "add_log_prob_outputs",
     "buffer_inputs_of",
     "check_opset",
@@ -65,10 +66,36 @@ def default_output_names(count: int, *, model_returns_loss: bool) -> list[str]:
     return [first] + [f"output_{i}" for i in range(1, count)]
 
 
-def _count_outputs(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> int:
+def _output_rows(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> list[int | None]:
+    """The first dimension of each output at the example batch (None for a scalar)."""
     with torch.no_grad():
         outputs = model(*example_inputs)
-    return len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [int(out.shape[0]) if isinstance(out, torch.Tensor) and out.dim() else None for out in outputs]
+
+
+def _dynamic_axes(
+    input_names: Sequence[str], output_names: Sequence[str], rows: Sequence[int | None], batch: int
+) -> dict[str, dict[int, str]]:
+    """``batch`` for every input and every output of the batch's size, ``batch*K`` for K rows per sample.
+
+    NOTE: an output with other rows, such as a language model's ``logits.view(-1, V)`` of B*T
+    rows, must not share the batch's symbol: ORT's gradient of the Reshape would then take the
+    flattened rows for the batch and fail at every batch size but the example's. ``batch*T``
+    also tells how many label rows a batch needs; rows that are no multiple of the batch get
+    ``<output>_rows``.
+    """
+    axes = {name: {0: "batch"} for name in input_names}
+    for name, size in zip(output_names, rows, strict=True):
+        if size is None:
+            continue
+        if size == batch:
+            axes[name] = {0: "batch"}
+        elif batch and size % batch == 0:
+            axes[name] = {0: f"batch*{size // batch}"}
+        else:
+            axes[name] = {0: f"{name}_rows"}
+    return axes
 
 
 def torch_to_onnx(
@@ -77,12 +104,14 @@ def torch_to_onnx(
     *,
     input_names: Sequence[str],
     model_returns_loss: bool = False,
+    output_names: Sequence[str] | None = None,
 ) -> onnx.ModelProto:
     """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
 
     The model is copied first: tracing in training mode would otherwise update the caller's
     BatchNorm running statistics. The trace still updates the copy's, so the initializers are
-    reset to the model's state as it was before the trace.
+    reset to the model's state as it was before the trace. `output_names` default to
+    `default_output_names`.
 
     Raises:
         ExportError: when torch cannot export the model.
@@ -91,11 +120,12 @@ def torch_to_onnx(
     # parameters vanish) and emits Dropout without the mask the gradient builder needs.
     model = copy.deepcopy(model).train()
     state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-    count = _count_outputs(copy.deepcopy(model), example_inputs)
-    output_names = default_output_names(count, model_returns_loss=model_returns_loss)
-    # A loss output is a scalar: it has no batch dimension to make dynamic.
-    batched = [*input_names, *output_names[1:]] if model_returns_loss else [*input_names, *output_names]
-    dynamic_axes = {name: {0: "batch"} for name in batched}
+    rows = _output_rows(copy.deepcopy(model), example_inputs)
+    if output_names is None:
+        output_names = default_output_names(len(rows), model_returns_loss=model_returns_loss)
+    if model_returns_loss:  # a loss output is a scalar: it has no batch dimension to make dynamic
+        rows[0] = None
+    dynamic_axes = _dynamic_axes(input_names, output_names, rows, int(example_inputs[0].shape[0]))
     buffer = io.BytesIO()
     try:
         # NOTE: symbolics for layers torch's exporter refuses at this opset (RMSNorm, Dropout2d...).
@@ -180,6 +210,26 @@ def add_log_prob_outputs(proto: onnx.ModelProto) -> int:
         is_loss = node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
         if is_loss and len(node.output) == 1:
             name = f"{node.name or 'SoftmaxCrossEntropyLoss'}_{index}_log_prob"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.output.append(name)
+            changed += 1
+    return changed
+
+
+def add_dropout_masks(proto: onnx.ModelProto) -> int:
+    """Give every Dropout its optional ``mask`` output; return how many changed.
+
+    The exporter writes the Dropout of ``F.scaled_dot_product_attention(dropout_p=...)`` (the
+    attention dropout of Hugging Face models) with one output, and ORT's Dropout gradient reads
+    the mask, so building the gradient graph fails.
+    """
+    taken = {name for node in proto.graph.node for name in node.output}
+    changed = 0
+    for index, node in enumerate(proto.graph.node):
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            name = f"{node.name or 'Dropout'}_{index}_mask"
             while name in taken:
                 name += "_"
             taken.add(name)

@@ -4,7 +4,8 @@ ORT 1.19.2 computes a cross-entropy loss with labels outside ``[0, C)`` without 
 (the loss is simply wrong), and a NaN or infinite loss turns every parameter into NaN at the
 next optimizer update. These guards cost one cheap reduction per step on the happy path:
 
-- `LabelRange`: one ``torch.aminmax`` over the label tensor, for cross-entropy artifacts only.
+- `LabelRange`: one ``torch.aminmax`` over the label tensor, for cross-entropy and NLL artifacts
+  only (a second, masked one for batches that hold `ignore_index` labels).
 - `NonFiniteGuard`: one ``math.isfinite`` on the 0-d loss; ``"raise"`` stops before the update,
   ``"skip"`` drops the whole optimizer step (every micro-batch of it) and warns.
 - `check_graph_inputs`: once at assembly, the manifest's inputs against the graph's own.
@@ -117,12 +118,15 @@ class LabelRange:
         name: the label input's name.
         index: its position among the graph's inputs.
         classes: the number of classes (the class axis of the logits).
+        ignore_index: a label value the loss skips (torch's ``ignore_index``, -100 by default;
+            Hugging Face pads labels with it); None when every label counts.
     """
 
-    def __init__(self, name: str, *, index: int, classes: int) -> None:
+    def __init__(self, name: str, *, index: int, classes: int, ignore_index: int | None = None) -> None:
         self.name = name
         self.index = index
         self.classes = classes
+        self.ignore_index = ignore_index
 
     def __call__(self, tensors: Sequence[torch.Tensor], *, graph: str) -> None:
         """Check the labels among `tensors` (in graph-input order).
@@ -134,19 +138,30 @@ class LabelRange:
         if labels.numel() == 0 or labels.is_floating_point():
             return  # the binder refuses empty batches and other dtypes with messages of their own
         low, high = (int(value) for value in torch.aminmax(labels))
+        if self.ignore_index is not None and self.ignore_index in (low, high):
+            # NOTE: only batches that hold ignored labels pay for the second, masked reduction.
+            low, high = self._counted_range(labels, low, high)
         if low < 0 or high >= self.classes:
+            ignored = f" besides ignore_index={self.ignore_index}" if self.ignore_index is not None else ""
             raise BatchError(
-                f"Labels {self.name!r} of the {graph} graph must be class indices in [0, {self.classes}), but the "
-                f"batch has values in [{low}, {high}] (ORT would train on them silently with a wrong loss); fix the "
-                f"labels in your Dataset, re-export the model with as many classes as the labels need, or pass "
+                f"Labels {self.name!r} of the {graph} graph must be class indices in [0, {self.classes}){ignored}, but "
+                f"the batch has values in [{low}, {high}] (ORT would train on them silently with a wrong loss); fix "
+                f"the labels in your Dataset, re-export the model with as many classes as the labels need, or pass "
                 "ORTLightningModule(check_labels=False) to skip this check."
             )
 
+    def _counted_range(self, labels: torch.Tensor, low: int, high: int) -> tuple[int, int]:
+        """The range of the labels other than `ignore_index` (``(0, 0)`` when all are ignored)."""
+        counted = labels[labels != self.ignore_index]
+        if counted.numel() == 0:
+            return 0, 0
+        return tuple(int(value) for value in torch.aminmax(counted))  # type: ignore[return-value]
+
 
 def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
-    """The label check for cross-entropy artifacts whose logits have a fixed class axis; None otherwise."""
+    """The label check for cross-entropy/NLL artifacts whose logits have a fixed class axis; None otherwise."""
     manifest = artifacts.manifest
-    if manifest.loss != "cross_entropy" or not manifest.labels or not manifest.outputs:
+    if manifest.loss not in ("cross_entropy", "nll") or not manifest.labels or not manifest.outputs:
         return None
     graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
     logits = {output.name: output for output in graph.output}.get(manifest.outputs[0])
@@ -156,7 +171,8 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
     classes = dims[1].dim_value if len(dims) >= 2 else 0
     if classes <= 0:
         return None
-    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes)
+    ignore_index = manifest.loss_options.get("ignore_index")
+    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index)
 
 
 def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str]) -> None:

@@ -76,6 +76,8 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     #: Export-time verification report (`ort_lightning._verify`); None in manifests written before it.
     verification: dict[str, Any] | None = None
+    #: The loss's options (``reduction``, ``ignore_index``, ``weight`` ...); empty for a custom or model loss.
+    loss_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def graph_inputs(self) -> tuple[TensorSpec, ...]:
@@ -115,6 +117,7 @@ class Manifest:
                 labels=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data["labels"]),
                 **{key: _freeze(data[key]) for key in _SCALAR_FIELDS},
                 verification=data.get("verification"),
+                loss_options=dict(data.get("loss_options", {})),
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -142,11 +142,24 @@ def is_block(obj: object) -> bool:
     return isinstance(obj, onnxblock.Block)
 
 
+class _GraphLoss(onnxblock.Block):
+    """Adapts a function ``(model, output) -> loss name`` that edits the graph to ORT's Block."""
+
+    def __init__(self, build: Callable[[onnx.ModelProto, str], str]) -> None:
+        super().__init__()
+        self._build = build
+
+    def build(self, output: str) -> str:
+        return self._build(self.base, output)
+
+
 def _loss_block(loss: str | Any | None) -> Any:
     if loss is None:
         return None
     if is_block(loss):
         return loss
+    if callable(loss):
+        return _GraphLoss(loss)
     return _LOSSES[loss]()
 
 
@@ -176,7 +189,8 @@ def generate(
         model: the forward `onnx.ModelProto`, parameters as initializers.
         trainable: initializers that get gradients.
         frozen: initializers kept in the checkpoint state without gradients.
-        loss: a loss name, an `onnxblock.Block`, or None when the model's first output is the loss.
+        loss: a loss name, an `onnxblock.Block`, a function ``(model, output) -> loss name`` that
+            appends the loss to the forward graph, or None when the model's first output is the loss.
         optimizer: ``"adamw"`` or ``"sgd"``.
         optimizer_options: the normalized hyper-parameters of `optimizer`.
         directory: where the four artifacts go.

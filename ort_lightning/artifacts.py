@@ -28,7 +28,9 @@ import onnx
 import torch
 
 from ort_lightning import _export, _legalize, _ort
+from ort_lightning._losses import LossSpec, check_class_axis, resolve_loss
 from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
+from ort_lightning._model_io import plan_io, strip_prefix
 from ort_lightning._verify import verify_export
 from ort_lightning.errors import ArtifactError, ExportError
 
@@ -40,7 +42,6 @@ _FILES = {
     "optimizer_model": "optimizer_model.onnx",
     "checkpoint": "checkpoint",
 }
-_LOSSES = tuple(_ort.LOSS_LABEL_NAMES)
 _OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     # torch.optim.AdamW's defaults, so that a PyTorch user gets what they expect.
     "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
@@ -176,37 +177,35 @@ def _normalize_optimizer(optimizer: str, options: dict[str, Any] | None) -> dict
     return merged
 
 
-def _check_loss(loss: object) -> str:
+def _check_loss(loss: object) -> tuple[str, LossSpec | None]:
+    """The manifest's loss kind, and the `LossSpec` of a loss name or torch loss module."""
     if loss is None:
-        return "model"
+        return "model", None
     if _ort.is_block(loss):
-        return "custom"
-    if loss not in _LOSSES:
-        raise ExportError(
-            f"Expected `loss` to be one of {list(_LOSSES)}, an onnxblock.Block, or None (the model returns "
-            f"its loss), but got {loss!r}."
-        )
-    return str(loss)
-
-
-def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    if not inputs or not all(isinstance(tensor, torch.Tensor) for tensor in inputs):
-        raise ExportError(
-            "Expected `example_inputs` to be a tensor or a tuple of tensors, as the model's forward takes "
-            f"them, but got {type(example_inputs).__name__}."
-        )
-    return inputs
+        return "custom", None
+    spec = resolve_loss(loss)
+    return spec.kind, spec
 
 
 def _source_proto(
-    model: ModelSource, example_inputs: Any, input_names: Sequence[str] | None, model_returns_loss: bool
+    model: ModelSource,
+    example_inputs: Any,
+    input_names: Sequence[str] | None,
+    model_returns_loss: bool,
+    output: str | None = None,
 ) -> tuple[onnx.ModelProto, set[str], set[str]]:
     """Return the forward graph, its parameter initializers and its buffer initializers."""
     if isinstance(model, torch.nn.Module):
-        inputs = _as_tuple(example_inputs)
-        names = list(input_names) if input_names else _export.default_input_names(len(inputs))
-        proto = _export.torch_to_onnx(model, inputs, input_names=names, model_returns_loss=model_returns_loss)
+        plan = plan_io(
+            model, example_inputs, input_names=input_names, output=output, model_returns_loss=model_returns_loss
+        )
+        names = plan.input_names or _export.default_input_names(len(plan.inputs))
+        proto = _export.torch_to_onnx(
+            plan.module, plan.inputs, input_names=names, model_returns_loss=model_returns_loss,
+            output_names=plan.output_names,
+        )
+        if plan.prefix:
+            strip_prefix(proto, plan.prefix)
         initializers = {tensor.name for tensor in proto.graph.initializer}
         parameters = {name for name, _ in model.named_parameters()} & initializers
         buffers = {name for name, _ in model.named_buffers()} & initializers
@@ -291,17 +290,24 @@ def export_artifacts(
     frozen: Sequence[str] = (),
     input_names: Sequence[str] | None = None,
     verify: bool = True,
+    output: str | None = None,
 ) -> TrainingArtifacts:
     """Turn a torch module or an ONNX model into ONNX Runtime training artifacts.
 
     Args:
         model: a ``torch.nn.Module``, an ``onnx.ModelProto``, or the path of an ``.onnx`` file.
-        example_inputs: a tensor or tuple of tensors the module's forward takes (torch models only);
-            the first dimension of every input and output becomes a dynamic batch dimension.
+        example_inputs: a tensor or tuple of tensors the module's forward takes (torch models only),
+            or a dict of keyword tensors (``{"input_ids": ..., "attention_mask": ...}``), whose keys
+            name the graph's inputs; the first dimension of every input and output becomes a dynamic
+            batch dimension.
         output_dir: folder for the artifacts; created if missing, files in it overwritten.
-        loss: ``"cross_entropy"`` (labels ``labels``, int64), ``"mse"``, ``"bce_with_logits"``,
-            ``"l1"`` (target ``target``, like the output), a custom ``onnxblock.Block``, or None
-            when the model's first output is already the loss.
+        loss: ``"cross_entropy"`` or ``"nll"`` (labels ``labels``, int64, class axis 1 as in torch),
+            ``"mse"``, ``"bce_with_logits"``, ``"l1"``, ``"smooth_l1"``, ``"huber"`` (target
+            ``target``, like the output), a torch loss module with its options
+            (``nn.CrossEntropyLoss(weight=, ignore_index=, reduction=, label_smoothing=)``,
+            ``nn.NLLLoss``, ``nn.MSELoss``, ``nn.L1Loss``, ``nn.BCEWithLogitsLoss(weight=, pos_weight=)``,
+            ``nn.SmoothL1Loss(beta=)``, ``nn.HuberLoss(delta=)``), a custom ``onnxblock.Block``, or
+            None when the model's first output is already the loss (a ``ModelOutput``'s ``loss``).
         optimizer: ``"adamw"`` (torch.optim.AdamW's defaults) or ``"sgd"`` (plain ``w -= lr * g``).
         optimizer_options: for AdamW ``betas``, ``eps``, ``weight_decay``.
         frozen: names of parameters (``named_parameters()`` names) that must not train; torch
@@ -311,6 +317,8 @@ def export_artifacts(
             batch size and one more, and compare the loss and every gradient with torch autograd
             (ONNX sources and custom loss blocks: crash, error and finiteness only). The report is
             kept in ``manifest.verification``. False skips it (about 2 s per export).
+        output: for a model that returns a mapping (Hugging Face's ``ModelOutput``), the key of the
+            output the loss reads (default ``"logits"``); with ``loss=None`` it is kept next to ``loss``.
 
     Returns:
         The validated `TrainingArtifacts`.
@@ -319,21 +327,24 @@ def export_artifacts(
     an exact equivalent it can (``_legalize.RULES``; docs/ops.md lists what trains).
 
     Raises:
-        ExportError: for an unknown loss, optimizer, option or frozen name, a model that cannot be
-            exported, a layer ORT cannot differentiate and no rewrite covers (the message names
-            the ONNX op, the node and the torch module), or artifacts whose first training step
-            crashes, fails, or disagrees with torch autograd.
+        ExportError: for an unknown loss, loss option, optimizer, option or frozen name, logits whose
+            class axis is ambiguous, a model that cannot be exported, a layer ORT cannot differentiate
+            and no rewrite covers (the message names the ONNX op, the node and the torch module), or
+            artifacts whose first training step crashes, fails, or disagrees with torch autograd.
     """
-    loss_kind = _check_loss(loss)
+    loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
-    proto, parameters, buffers = _source_proto(model, example_inputs, input_names, loss is None)
+    proto, parameters, buffers = _source_proto(model, example_inputs, input_names, loss is None, output)
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
+    _export.add_dropout_masks(proto)
     _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
-    model_outputs = [output.name for output in proto.graph.output]
+    model_outputs = [info.name for info in proto.graph.output]
+    if loss_spec is not None:
+        check_class_axis(loss_spec, proto, model_outputs[0])
     model_inputs = [info.name for info in proto.graph.input]
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -341,7 +352,7 @@ def export_artifacts(
         proto,
         trainable=trainable,
         frozen=[*frozen_names, *sorted(buffers)],
-        loss=loss,
+        loss=loss_spec.build if loss_spec is not None else loss,
         optimizer=optimizer,
         optimizer_options=options,
         directory=folder,
@@ -360,6 +371,7 @@ def export_artifacts(
         inputs=tuple(inputs),
         labels=tuple(labels),
         loss=loss_kind,
+        loss_options=loss_spec.options if loss_spec is not None else {},
         loss_output=training_outputs[0],
         outputs=tuple(model_outputs[1:] if loss is None else model_outputs),
         optimizer=optimizer,
@@ -370,7 +382,7 @@ def export_artifacts(
         versions=_versions(),
     )
     manifest = verify_export(
-        manifest, folder, model=model, example_inputs=example_inputs, loss=loss, enabled=verify
+        manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return TrainingArtifacts.load(folder)

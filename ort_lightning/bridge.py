@@ -244,5 +244,11 @@ def label_placeholder(spec: TensorSpec, batch: int, device: torch.device) -> tor
             f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
             "through validation_step, or export with fixed label dimensions."
         )
-    shape = (batch, *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
+    shape = (_rows(spec.shape[0], batch), *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
     return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+
+def _rows(dim: int | str, batch: int) -> int:
+    """Label rows for `batch` samples: ``batch*T`` (flattened per-position labels) is ``batch * T``."""
+    factor = dim.partition("batch*")[2] if isinstance(dim, str) else ""
+    return batch * int(factor) if factor.isdigit() else batch

@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
                         help="dtype of one model input (default float32; repeat per input)")
     export.add_argument("--input-name", action="append", default=[], metavar="NAME", help="name of one model input")
-    export.add_argument("--loss", default="cross_entropy", help="cross_entropy | mse | bce_with_logits | l1 | none")
+    export.add_argument(
+        "--loss",
+        default="cross_entropy",
+        help="cross_entropy | nll | mse | l1 | bce_with_logits | smooth_l1 | huber | none",
+    )
     export.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     export.add_argument("--optimizer-option", action="append", default=[], metavar="KEY=VALUE",
                         help="e.g. weight_decay=0.0 or betas=0.9,0.98")
@@ -202,6 +206,9 @@ def _describe_artifacts(directory: Path) -> None:
         for spec in specs:
             print(f"{title + ':':<11} {spec.name} {spec.dtype} [{', '.join(map(str, spec.shape))}]")
     print(f"outputs:    {', '.join(manifest.outputs) or '-'}  (loss: {manifest.loss} -> {manifest.loss_output})")
+    if manifest.loss_options:
+        loss_options = " ".join(f"{key}={value}" for key, value in manifest.loss_options.items())
+        print(f"loss:       {manifest.loss} {loss_options}")
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     print(f"optimizer:  {manifest.optimizer} {options}".rstrip())
     _describe_checkpoint(artifacts.checkpoint, header=False)

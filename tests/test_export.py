@@ -217,7 +217,8 @@ def test_export_from_onnx_file_that_is_missing_or_not_onnx(tmp_path: Path) -> No
         ({"example_inputs": [1, 2]}, r"Expected `example_inputs` to be a tensor or a tuple of tensors"),
         (
             {"loss": "hinge"},
-            r"Expected `loss` to be one of \['cross_entropy', 'mse', 'bce_with_logits', 'l1'\]",
+            r"Expected `loss` to be one of \['cross_entropy', 'mse', 'bce_with_logits', 'l1', 'nll', 'smooth_l1', "
+            r"'huber'\]",
         ),
     ],
     ids=["model-type", "example-inputs", "unknown-loss"],

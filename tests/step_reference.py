@@ -1,0 +1,67 @@
+"""Step-1 loss and gradients, once from a real Trainer over ORT artifacts, once from plain torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from ort_lightning import ORTLightningModule, TrainingArtifacts
+
+
+class _Capture(Callback):
+    """Keeps the first training loss and the gradients the optimizer is about to apply."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not self.grads:
+            self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def trainer(steps: int, callbacks: list[Callback]) -> L.Trainer:
+    return L.Trainer(max_steps=steps, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+
+
+def ort_steps(artifacts: TrainingArtifacts, batch: Any, *, steps: int = 1,
+              lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor], ORTLightningModule]:
+    """Train `steps` steps on the same batch under a real Trainer: losses, step-1 gradients, module."""
+    module = ORTLightningModule(artifacts, lr=lr, lr_scheduler="constant")
+    capture = _Capture()
+    trainer(steps, [capture]).fit(module, DataLoader([batch] * steps, batch_size=None))
+    return capture.losses, capture.grads, module
+
+
+def torch_step(
+    model: torch.nn.Module, compute: Callable[[torch.nn.Module], torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Step-1 loss and gradients of plain torch autograd."""
+    model.train()
+    model.zero_grad()
+    loss = compute(model)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_close(ort: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *,
+                           rtol: float, atol: float) -> float:
+    """Same names; each gradient within ``rtol * |g| + atol`` (element-wise); returns the worst relative
+    difference ``|g_ort - g| / |g|`` in norm over the parameters whose gradient is not ~0."""
+    assert sorted(ort) == sorted(reference)
+    worst = 0.0
+    for name, grad in reference.items():
+        torch.testing.assert_close(ort[name], grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        if float(grad.norm()) > 1e-8:
+            worst = max(worst, float((ort[name] - grad).norm() / grad.norm()))
+    return worst
