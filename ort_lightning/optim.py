@@ -30,8 +30,9 @@ class ORTOptimizer(torch.optim.Optimizer):
     """The ORT optimizer (AdamW or SGD graph) seen as a ``torch.optim.Optimizer``.
 
     ``step(closure)`` runs the closure (ORT forward and backward inside ``training_step``), sends
-    ``param_groups[0]["lr"]`` to ORT, runs the ORT update, then schedules ORT's gradient reset.
-    Moments and the step count live in ORT's CheckpointState, not in ``state``.
+    ``param_groups[0]["lr"]`` to ORT and runs ORT's update. Moments and the step count live in
+    ORT's CheckpointState, not in ``state``. The gradient reset after the update belongs to the
+    module's step path (`ort_lightning._step.StepPath`).
 
     Args:
         session: the assembled ORT objects.
@@ -45,33 +46,38 @@ class ORTOptimizer(torch.optim.Optimizer):
         super().__init__(list(params), {"lr": float(lr)})
         self.session = session
         session.set_lr(float(lr))
+        device = torch.device(session.device)
+        # NOTE: ORT's optimizer reads the gradient buffers on its own CUDA stream, while the
+        # accumulation scaling, the DDP all-reduce and clipping wrote them on torch's stream.
+        self._cuda_device = device if device.type == "cuda" else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``.
 
-        A closure that returns None (``training_step`` skipped the batch) skips the update; the
-        gradients are reset all the same, so that they do not leak into the next step.
+        A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf
+        loss is skipped) skips the update.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        session = self.session
-        if closure is None or loss is not None:
-            session.set_lr(self.param_groups[0]["lr"])
-            session.optimizer_step()
-        # NOTE: the reset goes right after the update. Lightning's zero_grad runs inside the
-        # closure after training_step, which for ORT (gradients appear in training_step, not in
-        # backward) would discard the first micro-batch under gradient accumulation.
-        session.lazy_reset_grad()
+            if loss is None:
+                return None
+        if self._cuda_device is not None:
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+        self.session.set_lr(self.param_groups[0]["lr"])
+        self.session.optimizer_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Do nothing: ORT resets its gradient buffers after each update (see `step`).
+        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them.
 
-        Setting ``.grad`` to None would also cut the views of ORT's gradient buffers.
+        In a fit the module's step path resets after each update instead, and Lightning's own
+        ``optimizer_zero_grad`` (which runs after ``training_step``, where ORT has already
+        computed the gradients) is a no-op.
         """
+        self.session.lazy_reset_grad()
 
 
 def linear_lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
