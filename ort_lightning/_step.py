@@ -133,6 +133,11 @@ class StepPath:
         state.update(_session=None, _gradients=GradientViews(()), _window=_Window())
         return state
 
+    def seed_in_use(self) -> int:
+        """The run's seed: Lightning's, else the module's own (drawn from torch or restored)."""
+        base = lightning_seed()
+        return self.seed if base is None else base
+
     def attach(self, session: _ort.TrainingSession, gradients: GradientViews) -> None:
         """Work on a (re)built session and its gradient views."""
         self._session, self._gradients = session, gradients
@@ -142,9 +147,8 @@ class StepPath:
     def before_graph(self, trainer: Any, batch_idx: int) -> None:
         """Before ORT's forward and backward: seed ORT's random stream; keep earlier gradients apart."""
         accumulate = trainer.accumulate_grad_batches
-        base = lightning_seed()
         step = self.step_offset + trainer.global_step
-        _ort.set_seed(seed_of(self.seed if base is None else base, step=step, micro_batch=batch_idx % accumulate))
+        _ort.set_seed(seed_of(self.seed_in_use(), step=step, micro_batch=batch_idx % accumulate))
         if self.keep_apart and accumulate > 1:
             assert self._session is not None
             self._window.fold(self._gradients.grads)

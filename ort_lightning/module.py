@@ -29,11 +29,14 @@ from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_rang
 from ort_lightning._metrics import stage_metrics
 from ort_lightning._portable import PortableMixin
 from ort_lightning._schedules import (
+    Progress,
     SchedulerFactory,
     check_lr_scheduler,
+    check_not_finished,
     check_schedule,
     describe,
     lr_scheduler_config,
+    resolve_schedule,
     total_steps_of,
 )
 from ort_lightning._step import StepPath
@@ -95,10 +98,10 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         self,
         artifacts: TrainingArtifacts | str | os.PathLike[str],
         *,
-        lr: float = 1e-3,
-        warmup_steps: int | float = 0,
+        lr: float | None = None,
+        warmup_steps: int | float | None = None,
         total_steps: int | None = None,
-        lr_scheduler: str | SchedulerFactory = "linear",
+        lr_scheduler: str | SchedulerFactory | dict[str, Any] = "linear",
         metrics: Any = None,
         device: str = "cpu",
         checkpoint: str | os.PathLike[str] | None = None,
@@ -107,28 +110,32 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         custom_op_library: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
-        check_schedule(lr, warmup_steps, total_steps)
         check_lr_scheduler(lr_scheduler)
         self._nonfinite = NonFiniteGuard(on_nonfinite)
         self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
-        self.lr = float(lr)
-        self.warmup_steps = warmup_steps
-        self.total_steps = total_steps
-        self.lr_scheduler = lr_scheduler
-        self.save_hyperparameters(
-            {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": warmup_steps,
-             "total_steps": total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
-             "check_labels": check_labels, "custom_op_library": self.custom_op_library}
-        )
-        self._metrics = self._stage_metrics(metrics)
         # NOTE: a subclass's training_step may run ORT's graph and then return None; under
         # accumulation that micro-batch's gradients are then kept apart until it counts.
         overridden = type(self).training_step is not ORTLightningModule.training_step
         self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
+        self._resumed: dict[str, Any] = {}  # the properties of the ORT checkpoint this run starts from
+        self._schedule_start = Progress()  # where the first fit's schedule starts (checkpoint=)
+        self._schedule: Any = None  # the scheduler of the current fit
         self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
+        if checkpoint is not None:
+            self._resume_from(self._source_properties)
+        schedule = resolve_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._resumed)
+        check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
+        self.lr, self.warmup_steps, self.total_steps = schedule.lr, schedule.warmup_steps, schedule.total_steps
+        self.lr_scheduler = lr_scheduler
+        self.save_hyperparameters(
+            {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": self.warmup_steps,
+             "total_steps": self.total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
+             "check_labels": check_labels, "custom_op_library": self.custom_op_library}
+        )
+        self._metrics = self._stage_metrics(metrics)
         check_graph_inputs(self.artifacts, self._session.input_names(training=True))
         self._labels = label_range_of(self.artifacts) if check_labels else None
 
@@ -268,10 +275,17 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         def total_steps() -> int:
             return total_steps_of(self.trainer, self.total_steps)
 
+        start, self._schedule_start = self._schedule_start, Progress()
         scheduler = lr_scheduler_config(
-            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps, start=start
         )
+        self._schedule = None if scheduler is None else scheduler["scheduler"]
         return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    @override
+    def on_train_start(self) -> None:
+        """Refuse a fit whose linear schedule is already over (every step would run at lr 0)."""
+        check_not_finished(self._schedule)
 
     @override
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
