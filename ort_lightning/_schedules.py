@@ -249,7 +249,7 @@ def resolve_schedule(
 
     Example::
 
-        >>> resolve_schedule(lr=None, warmup_steps=5, total_steps=None, stored={"schedule_lr": 0.1,
+        >>> resolve_schedule(lr=None, warmup_steps=5, total_steps=None, stored={"schedule_lr": "0.1",
         ...                  "schedule_warmup_steps": 10, "schedule_total_steps": 40})
         Schedule(lr=0.1, warmup_steps=5, total_steps=40)
     """
@@ -259,15 +259,19 @@ def resolve_schedule(
     for name, value in given.items():
         key = SCHEDULE_PROPERTIES[name]
         values[name] = value if value is not None else stored.get(key, defaults[name])
-    return Schedule(lr=values["lr"], warmup_steps=values["warmup_steps"], total_steps=values["total_steps"])
+    return Schedule(lr=float(values["lr"]), warmup_steps=values["warmup_steps"], total_steps=values["total_steps"])
 
 
-def schedule_properties(scheduler: object) -> dict[str, int | float]:
+def schedule_properties(scheduler: object) -> dict[str, int | float | str]:
     """The properties that let a run resumed with ``checkpoint=`` continue `scheduler` (the linear one only)."""
     if not isinstance(scheduler, LinearLRSchedule):
         return {}
-    return {SCHEDULE_PROPERTIES["lr"]: scheduler.base_lr, SCHEDULE_PROPERTIES["warmup_steps"]: scheduler.warmup_steps,
-            SCHEDULE_PROPERTIES["total_steps"]: scheduler.total_steps}
+    # NOTE: ORT stores float properties as float32; the lr goes as text so that a resume uses the same double.
+    return {
+        SCHEDULE_PROPERTIES["lr"]: repr(scheduler.base_lr),
+        SCHEDULE_PROPERTIES["warmup_steps"]: scheduler.warmup_steps,
+        SCHEDULE_PROPERTIES["total_steps"]: scheduler.total_steps,
+    }
 
 
 def total_steps_of(trainer: Any, total_steps: int | None) -> int:
