@@ -67,9 +67,9 @@ def check_lr_scheduler(lr_scheduler: object) -> None:
     if lr_scheduler in _SCHEDULE_NAMES or (callable(lr_scheduler) and not isinstance(lr_scheduler, str)):
         return
     raise ConfigurationError(
-        f"Expected argument `lr_scheduler` to be 'linear', 'constant', a callable optimizer -> "
-        f"torch.optim.lr_scheduler.LRScheduler or Lightning's scheduler dict, but got {lr_scheduler!r}; for "
-        "instance lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
+        f"Expected argument `lr_scheduler` to be 'linear', 'constant' or a callable optimizer -> "
+        f"torch.optim.lr_scheduler.LRScheduler (alone or in Lightning's scheduler dict), but got {lr_scheduler!r}; "
+        "for instance lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
     )
 
 
