@@ -57,7 +57,7 @@ def _torch_loop(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tor
     # NOTE: SGD, not AdamW: a bias followed by BatchNorm has a zero gradient up to float noise, which
     # AdamW's normalization would turn into lr-sized steps that differ between any two libraries.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for batch, labels in zip(x.split(BATCH), y.split(BATCH)):
+    for batch, labels in zip(x.split(BATCH), y.split(BATCH), strict=True):
         optimizer.zero_grad()
         F.cross_entropy(model(batch), labels).backward()
         optimizer.step()
