@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -78,7 +79,7 @@ class _Builder:
         self.nodes.append(helper.make_node("Constant", [], [output], name=output, value=tensor))
         return output
 
-    def op(self, op_type: str, inputs: list[str], name: str, **attributes: object) -> str:
+    def op(self, op_type: str, inputs: list[str], name: str, **attributes: Any) -> str:
         output = f"{self.prefix}/{name}"
         self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
         return output
