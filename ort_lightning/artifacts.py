@@ -27,7 +27,7 @@ from typing import Any, Union
 import onnx
 import torch
 
-from ort_lightning import _export, _legalize, _ort
+from ort_lightning import _batchnorm, _export, _legalize, _ort
 from ort_lightning._losses import LossSpec, check_class_axis, resolve_loss
 from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning._model_io import plan_io, strip_prefix
@@ -359,6 +359,7 @@ def export_artifacts(
         extra_outputs=[] if loss is None else model_outputs,
         loss_inputs=None if loss is None else model_outputs[:1],
     )
+    _batchnorm.torch_running_statistics(folder / _FILES["training_model"])
     _export.fix_eval_graph(folder / _FILES["eval_model"])
     if optimizer == "adamw":
         _export.set_torch_adamw_mode(folder / _FILES["optimizer_model"])

@@ -1,9 +1,13 @@
-"""`ORTCheckpoint`: ONNX Runtime checkpoint files during training, an inference model at the end.
+"""`ORTCheckpoint`: Lightning's `ModelCheckpoint`, writing ONNX Runtime checkpoint files.
 
-Each file is what ``onnxruntime.training.api.CheckpointState.load_checkpoint`` reads, written
-atomically with a ``.sha256`` sidecar, and carries the properties ``epoch``, ``global_step``,
-``lr``, ``ort_lightning_version`` and, with `monitor`, ``monitor`` and ``monitor_value``.
-Steps and epochs count across resumes from ``ORTLightningModule(..., checkpoint=...)``.
+Everything that decides *when* and *which* files exist is Lightning's own ``ModelCheckpoint``:
+file names (``filename="{epoch}-{val_loss:.3f}"``), ``save_top_k``/``monitor``/``mode``,
+``every_n_train_steps``/``every_n_epochs``, ``save_last``, nothing under ``fast_dev_run`` or the
+sanity check, ``best_model_path``, ``state_key``. Only the file itself differs: each is what
+``onnxruntime.training.api.CheckpointState.load_checkpoint`` reads, written atomically with a
+``.sha256`` sidecar, and carries the properties ``epoch``, ``global_step``, ``lr``,
+``ort_lightning_version`` and, with `monitor`, ``monitor`` and ``monitor_value``. Steps and
+epochs in names and properties count across resumes from ``ORTLightningModule(..., checkpoint=...)``.
 
 Example::
 
@@ -11,18 +15,24 @@ Example::
     >>> callback = ORTCheckpoint("checkpoints", monitor="val_loss", save_top_k=2)
     >>> callback.format_name({"epoch": 3, "step": 120})
     'epoch=3-step=120'
+    >>> ORTCheckpoint("checkpoints", filename="{val_loss}-{val_loss_ema}").format_name(
+    ...     {"val_loss": 0.5, "val_loss_ema": 0.25})
+    'val_loss=0.5-val_loss_ema=0.25'
 """
 
 from __future__ import annotations
 
-import math
 import os
-import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
 from ort_lightning._atomic import check_writable, remove_stale_temps, remove_with_digest
 from ort_lightning._checkpointing import CheckpointingMixin
@@ -31,88 +41,104 @@ from ort_lightning.errors import CheckpointError, ConfigurationError
 __all__ = ["ORTCheckpoint"]
 
 EXTENSION = ".ortckpt"
-_FIELD = re.compile(r"\{([^{}:]+)(?::[^{}]*)?\}")
 
 
-class ORTCheckpoint(Callback):
-    """Save ORT CheckpointState files every N steps or epochs, keep the best k and the last.
+class ORTCheckpoint(ModelCheckpoint):
+    """Save ORT CheckpointState files with `ModelCheckpoint`'s rules; optionally an inference model.
 
     Only global rank 0 writes; the other ranks wait at the strategy's barrier.
 
     Args:
-        dirpath: folder of the checkpoint files.
-        filename: name template without extension; ``{epoch}``, ``{step}`` and logged metrics
-            (``{val_loss:.3f}``) become ``epoch=3``, ``step=120``, ``val_loss=0.123``.
-        every_n_train_steps: save after every N optimizer steps (None: never by steps).
-        every_n_epochs: save at the end of every N training epochs (None or 0: never by epochs);
-            that epoch's validation metrics are already logged then.
+        dirpath: folder of the checkpoint files (None: as ``ModelCheckpoint``, the logger's
+            ``checkpoints`` folder, or ``default_root_dir/checkpoints``).
+        filename: name template without extension, as ``ModelCheckpoint``'s: ``{epoch}``, ``{step}``
+            and logged metrics (``{val_loss:.3f}``) become ``epoch=3``, ``step=120``, ``val_loss=0.123``.
+        every_n_train_steps: save after every N optimizer steps.
+        every_n_epochs: save every N epochs (after validation when there is one); None means 1
+            unless `every_n_train_steps` or `train_time_interval` is given (they are exclusive).
         save_last: also write ``last.ortckpt`` at each save: the file to resume from.
-        monitor: logged metric that ranks the files; None keeps the most recent ones.
+        monitor: logged metric that ranks the files; None keeps the latest one.
         mode: ``"min"`` or ``"max"``: which `monitor` value is best.
-        save_top_k: files kept besides ``last`` (-1: all, 0: none); the others are deleted.
+        save_top_k: files kept besides ``last`` (-1: all, 0: none); more than 1 needs a `monitor`
+            (``monitor="step", mode="max"`` keeps the most recent k).
         include_optimizer_state: store the optimizer's step and moments (needed to resume exactly).
         inference_model: write a plain ONNX inference model there when ``fit`` ends.
+        verbose: log each save, as ``ModelCheckpoint`` does.
+        auto_insert_metric_name: ``{val_loss}`` becomes ``val_loss=0.12`` (False: ``0.12``).
+        train_time_interval: save at this wall-clock interval instead.
+        save_on_train_epoch_end: as ``ModelCheckpoint`` (None: after validation when there is one).
+        enable_version_counter: add ``-v1``, ``-v2`` to a name that exists already.
 
     Raises:
-        ConfigurationError: for an option out of range.
+        ConfigurationError: for an option out of range or a combination ``ModelCheckpoint`` refuses.
     """
+
+    FILE_EXTENSION = EXTENSION
 
     def __init__(
         self,
-        dirpath: str | os.PathLike[str],
+        dirpath: str | os.PathLike[str] | None = None,
         *,
-        filename: str = "{epoch}-{step}",
+        filename: str | None = None,
         every_n_train_steps: int | None = None,
-        every_n_epochs: int | None = 1,
+        every_n_epochs: int | None = None,
         save_last: bool = True,
         monitor: str | None = None,
         mode: str = "min",
         save_top_k: int = 1,
         include_optimizer_state: bool = True,
         inference_model: str | os.PathLike[str] | None = None,
+        verbose: bool = False,
+        auto_insert_metric_name: bool = True,
+        train_time_interval: timedelta | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
     ) -> None:
-        _check_options(every_n_train_steps, every_n_epochs, mode, save_top_k)
-        self.dirpath = Path(dirpath)
-        self.filename = filename
-        self.every_n_train_steps = every_n_train_steps
-        self.every_n_epochs = every_n_epochs
-        self.save_last = save_last
-        self.monitor = monitor
-        self.mode = mode
-        self.save_top_k = save_top_k
+        _check_options(every_n_train_steps, every_n_epochs, mode, save_top_k, monitor)
+        try:
+            super().__init__(
+                dirpath=None if dirpath is None else os.fspath(dirpath), filename=filename, monitor=monitor,
+                verbose=verbose, save_last=save_last, save_top_k=save_top_k, mode=mode,
+                auto_insert_metric_name=auto_insert_metric_name, every_n_train_steps=every_n_train_steps,
+                train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
+                save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
+            )
+        except MisconfigurationException as error:
+            raise ConfigurationError(f"{str(error).rstrip('.')}; pass only one of every_n_train_steps, "
+                                     "every_n_epochs and train_time_interval.") from error
         self.include_optimizer_state = include_optimizer_state
         self.inference_model = None if inference_model is None else Path(inference_model)
-        self.kept: dict[str, float] = {}
-        self.last_path: Path | None = None
-        self._saves = 0
-        self._last_saved_step = -1
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """Separate state per folder and per rule, so that two instances resume their own."""
+        return self._generate_state_key(
+            dirpath=None if self.dirpath is None else os.fspath(self.dirpath), filename=self.filename,
+            monitor=self.monitor, mode=self.mode, every_n_train_steps=self._every_n_train_steps,
+            every_n_epochs=self._every_n_epochs, train_time_interval=self._train_time_interval,
+        )
 
     # ----------------------------------------------------------------------------- public helpers
     @property
     def best_path(self) -> Path | None:
-        """The kept file with the best score (the most recent one without `monitor`)."""
-        if not self.kept:
-            return None
-        return Path(min(self.kept, key=lambda path: self._rank(self.kept[path])))
+        """`best_model_path` as a `Path` (None before the first save)."""
+        return Path(self.best_model_path) if self.best_model_path else None
+
+    @property
+    def last_path(self) -> Path | None:
+        """`last_model_path` as a `Path`: the file to resume from (None before the first save)."""
+        return Path(self.last_model_path) if self.last_model_path else None
 
     def format_name(self, metrics: dict[str, Any]) -> str:
-        """Fill the filename template: ``{name}`` becomes ``name=value``.
-
-        Raises:
-            CheckpointError: for a template field that is neither epoch, step nor a logged metric.
-        """
-        template = self.filename
-        for name in dict.fromkeys(_FIELD.findall(template)):
-            if name not in metrics:
-                raise CheckpointError(
-                    f"Filename template {self.filename!r} names {name!r}, but only {sorted(metrics)} are known; "
-                    "log that metric or change `filename`."
-                )
-            template = template.replace("{" + name, name + "={" + name)
-        values = {name: float(v) if hasattr(v, "item") else v for name, v in metrics.items()}
-        return template.format_map(values)
+        """The file name, without folder and extension, that `metrics` give (``ModelCheckpoint``'s rules)."""
+        values = {name: value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                  for name, value in metrics.items()}
+        name = os.path.basename(self.format_checkpoint_name(values))
+        return name[: -len(self.FILE_EXTENSION)]
 
     # ----------------------------------------------------------------------------- hooks
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a module or a folder that cannot take ORT checkpoints; clear temp files of an interrupted write.
 
@@ -125,110 +151,82 @@ class ORTCheckpoint(Callback):
                 f"ORTCheckpoint saves ONNX Runtime state, but the module is a {type(pl_module).__name__}; use it "
                 "with ORTLightningModule, or use lightning's ModelCheckpoint for torch modules."
             )
-        if trainer.is_global_zero:
-            check_writable(self.dirpath)
-            remove_stale_temps(self.dirpath)
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and stage == "fit" and not _fast_dev_run(trainer):
+            folder = Path(os.fspath(self.dirpath or "."))
+            check_writable(folder)
+            remove_stale_temps(folder)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """Save every `every_n_train_steps` optimizer steps."""
-        n = self.every_n_train_steps
-        if n and trainer.global_step % n == 0 and trainer.global_step > 0:
-            self._save(trainer, pl_module)
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write ``last`` if no save happened yet, except where ``ModelCheckpoint`` writes nothing."""
+        # NOTE: ModelCheckpoint's own on_train_end writes `last` even under fast_dev_run, where its
+        # `_should_skip_saving_checkpoint` (the rule everywhere else) writes nothing.
+        if not _fast_dev_run(trainer):
+            super().on_train_end(trainer, pl_module)
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Save every `every_n_epochs` epochs."""
-        n = self.every_n_epochs
-        if n and (trainer.current_epoch + 1) % n == 0:
-            self._save(trainer, pl_module)
-
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Export the inference model when `inference_model` is set."""
-        if self.inference_model is None:
+        if self.inference_model is None or _fast_dev_run(trainer):
             return
         if trainer.is_global_zero:
             _module(pl_module).export_inference_model(self.inference_model)
         trainer.strategy.barrier("ORTCheckpoint.inference_model")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The kept files and their scores, so that top-k continues across a resume."""
-        return {"kept": dict(self.kept), "last_path": None if self.last_path is None else str(self.last_path),
-                "saves": self._saves}
+    # ----------------------------------------------------------------------------- ModelCheckpoint's file access
+    @override
+    def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        candidates = super()._monitor_candidates(trainer)
+        start = _module(trainer.lightning_module).start_progress
+        candidates["epoch"] = candidates["epoch"] + start["epoch"]
+        candidates["step"] = candidates["step"] + start["global_step"]
+        return candidates
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
-        self.kept = {str(k): float(v) for k, v in state_dict.get("kept", {}).items()}
-        last = state_dict.get("last_path")
-        self.last_path = None if last is None else Path(last)
-        self._saves = int(state_dict.get("saves", 0))
-
-    # ----------------------------------------------------------------------------- saving
-    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_step == self._last_saved_step or trainer.sanity_checking:
-            return
-        self._last_saved_step = trainer.global_step
-        module = _module(pl_module)
-        metrics, properties = self._progress(trainer, module)
-        if trainer.is_global_zero:
-            self._write(module, metrics, properties)
-        trainer.strategy.barrier("ORTCheckpoint.save")
-
-    def _progress(self, trainer: pl.Trainer, module: CheckpointingMixin) -> tuple[dict[str, Any], dict[str, Any]]:
-        start = module.start_progress
-        epoch = start["epoch"] + trainer.current_epoch
-        step = start["global_step"] + trainer.global_step
-        metrics: dict[str, Any] = {**trainer.callback_metrics, "epoch": epoch, "step": step}
-        properties: dict[str, int | float | str] = {"epoch": epoch, "global_step": step}
-        if self.monitor is not None:
-            properties["monitor"] = self.monitor
-            properties["monitor_value"] = self._monitored(metrics)
-        return metrics, properties
-
-    def _monitored(self, metrics: dict[str, Any]) -> float:
-        if self.monitor not in metrics:
+    @override
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        if self.save_top_k != 0 and self.monitor is not None and self.monitor not in monitor_candidates:
+            # NOTE: ModelCheckpoint only warns before the first validation and then saves nothing.
             raise CheckpointError(
                 f"ORTCheckpoint(monitor={self.monitor!r}) found no such logged metric (logged: "
-                f"{sorted(k for k in metrics if k not in ('epoch', 'step'))}); log it with self.log, or save by "
-                "epoch (every_n_epochs) so that validation metrics exist when it saves."
+                f"{sorted(k for k in monitor_candidates if k not in ('epoch', 'step'))}); log it with self.log, "
+                "or save after validation (every_n_epochs) so that validation metrics exist when it saves."
             )
-        return float(metrics[self.monitor])
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
 
-    def _write(self, module: CheckpointingMixin, metrics: dict[str, Any], properties: dict[str, Any]) -> None:
-        self._saves += 1
-        score = float(properties.get("monitor_value", self._saves))
-        if self.save_top_k != 0 and self._qualifies(score):
-            path = self.dirpath / (self.format_name(metrics) + EXTENSION)
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        module = _module(trainer.lightning_module)
+        if trainer.is_global_zero:
             module.save_ort_checkpoint(
-                path, include_optimizer_state=self.include_optimizer_state, properties=properties
+                filepath, include_optimizer_state=self.include_optimizer_state, properties=self._properties(trainer)
             )
-            self.kept[str(path)] = score
-            self._prune()
-        if self.save_last:
-            self.last_path = self.dirpath / ("last" + EXTENSION)
-            module.save_ort_checkpoint(
-                self.last_path, include_optimizer_state=self.include_optimizer_state, properties=properties
-            )
+        trainer.strategy.barrier("ORTCheckpoint.save")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
 
-    def _rank(self, score: float) -> float:
-        # Lower is better after this mapping: min mode as is, max mode negated, recency first.
-        if self.monitor is None:
-            return -score
-        if math.isnan(score):
-            return math.inf
-        return score if self.mode == "min" else -score
+    @override
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if trainer.is_global_zero:
+            remove_with_digest(Path(filepath))
 
-    def _qualifies(self, score: float) -> bool:
-        if self.save_top_k < 0 or len(self.kept) < self.save_top_k:
-            return True
-        worst = max(self._rank(value) for value in self.kept.values())
-        return self._rank(score) < worst
+    def _properties(self, trainer: pl.Trainer) -> dict[str, int | float | str]:
+        candidates = self._monitor_candidates(trainer)
+        properties: dict[str, int | float | str] = {
+            "epoch": int(candidates["epoch"]), "global_step": int(candidates["step"])
+        }
+        if self.monitor is not None and self.monitor in candidates:
+            properties["monitor"] = self.monitor
+            properties["monitor_value"] = float(candidates[self.monitor])
+        return properties
 
-    def _prune(self) -> None:
-        if self.save_top_k < 0:
-            return
-        ordered = sorted(self.kept, key=lambda path: self._rank(self.kept[path]))
-        for path in ordered[self.save_top_k:]:
-            del self.kept[path]
-            remove_with_digest(Path(path))
+
+def _fast_dev_run(trainer: pl.Trainer) -> bool:
+    # NOTE: the Trainer sets `fast_dev_run` in its connectors, so type checkers do not see it.
+    return bool(getattr(trainer, "fast_dev_run", False))
 
 
 def _module(pl_module: pl.LightningModule) -> CheckpointingMixin:
@@ -236,7 +234,9 @@ def _module(pl_module: pl.LightningModule) -> CheckpointingMixin:
     return pl_module
 
 
-def _check_options(every_n_train_steps: int | None, every_n_epochs: int | None, mode: str, save_top_k: int) -> None:
+def _check_options(
+    every_n_train_steps: int | None, every_n_epochs: int | None, mode: str, save_top_k: int, monitor: str | None
+) -> None:
     for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ConfigurationError(f"Expected argument `{name}` to be an int >= 0 or None, but got {value!r}.")
@@ -245,4 +245,9 @@ def _check_options(every_n_train_steps: int | None, every_n_epochs: int | None, 
     if not isinstance(save_top_k, int) or save_top_k < -1:
         raise ConfigurationError(
             f"Expected argument `save_top_k` to be an int >= -1 (-1 keeps all files), but got {save_top_k!r}."
+        )
+    if monitor is None and save_top_k > 1:
+        raise ConfigurationError(
+            f"ORTCheckpoint(save_top_k={save_top_k}, monitor=None) has nothing to rank files by; pass a `monitor` "
+            "(monitor='step', mode='max' keeps the most recent files) or save_top_k in (-1, 0, 1)."
         )

@@ -104,7 +104,7 @@ def _demo(args: argparse.Namespace) -> None:
     module = ORTLightningModule(artifacts, lr=args.lr, warmup_steps=0.1)
     checkpoints = ORTCheckpoint(out / "checkpoints", inference_model=out / "digits.onnx")
     trainer = pl.Trainer(
-        max_epochs=args.epochs, logger=CSVLogger(out, name="logs"), enable_checkpointing=False,
+        max_epochs=args.epochs, logger=CSVLogger(out, name="logs"),
         default_root_dir=out, enable_model_summary=False, callbacks=[checkpoints],
     )
     trainer.fit(module, datamodule=data)

@@ -60,7 +60,7 @@ def _fit(artifacts: Path, run: Path | None, out: Path) -> None:
         callbacks = [] if run is None else [ORTCheckpoint(run, every_n_train_steps=1, every_n_epochs=None)]
         trainer = L.Trainer(
             max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, enable_checkpointing=False, default_root_dir=out,
+            enable_model_summary=False, enable_checkpointing=run is not None, default_root_dir=out,
         )
         trainer.fit(module, _data(start))
     np.savez(out, **{name: t.detach().numpy() for name, t in module.state_dict().items()})

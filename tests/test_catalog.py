@@ -144,7 +144,7 @@ def test_unwritable_checkpoint_folder_is_refused_before_training(
     dirpath = blocker / "checkpoints" if under == "a-file" else blocker
     module = ORTLightningModule(mlp_adamw.artifacts)
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    trainer = _trainer(callbacks=[ORTCheckpoint(dirpath)])
+    trainer = _trainer(callbacks=[ORTCheckpoint(dirpath)], enable_checkpointing=True)
     with pytest.raises(CheckpointError, match=r"Cannot write checkpoints to .*blocker.*pass another `dirpath`"):
         trainer.fit(module, _loader())
     assert trainer.global_step == 0

@@ -30,8 +30,10 @@ SCHEDULE = dict(lr=0.05, warmup_steps=4, total_steps=2 * STEPS_PER_EPOCH)
 
 
 def _trainer(root: Path, **options: object) -> L.Trainer:
+    # NOTE: ORTCheckpoint is a ModelCheckpoint, which Lightning accepts only with checkpointing enabled.
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in options.get("callbacks", ()))  # type: ignore[attr-defined]
     defaults: dict[str, object] = dict(
-        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        enable_progress_bar=False, logger=False, enable_checkpointing=checkpointing, enable_model_summary=False,
         default_root_dir=root,
     )
     return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
@@ -141,7 +143,7 @@ def test_files_are_ort_checkpoints_with_properties(mlp_adamw: Exported, tmp_path
 
 def test_every_n_train_steps_and_recent_top_k(mlp_adamw: Exported, tmp_path: Path) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts, **SCHEDULE)
-    callback = ORTCheckpoint(tmp_path, every_n_train_steps=3, every_n_epochs=None, save_top_k=2, save_last=False)
+    callback = ORTCheckpoint(tmp_path, every_n_train_steps=3, save_top_k=2, save_last=False, monitor="step", mode="max")
     _trainer(tmp_path, max_epochs=2, callbacks=[callback]).fit(module, _loader())
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "epoch=1-step=12.ortckpt", "epoch=1-step=12.ortckpt.sha256",
@@ -187,17 +189,25 @@ def test_missing_monitor_is_a_clear_error(mlp_adamw: Exported, tmp_path: Path) -
         (dict(mode="best"), r"`mode` to be 'min' or 'max'"),
         (dict(save_top_k=-2), r"`save_top_k` to be an int >= -1"),
         (dict(every_n_train_steps=-1), r"`every_n_train_steps` to be an int >= 0"),
+        (dict(save_top_k=2), r"save_top_k=2, monitor=None\) has nothing to rank files by; pass a `monitor`"),
+        (dict(every_n_train_steps=2, every_n_epochs=1), r"mutually exclusive; pass only one of every_n_train_steps"),
     ],
-    ids=["mode", "top_k", "steps"],
+    ids=["mode", "top_k", "steps", "top_k_without_monitor", "exclusive_triggers"],
 )
 def test_bad_options_are_refused(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         ORTCheckpoint(tmp_path, **options)
 
 
-def test_unknown_filename_field_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"names 'val_acc'.*log that metric or change `filename`"):
-        ORTCheckpoint(tmp_path, filename="{epoch}-{val_acc}").format_name({"epoch": 0, "step": 1})
+def test_filename_formats_as_model_checkpoint_does(tmp_path: Path) -> None:
+    metrics = {"val_loss": 0.5, "val_loss_ema": 0.25, "epoch": 2, "step": 7}
+    for template in ("{val_loss}-{val_loss_ema}", "{epoch}-{val_loss:.1f}", "{epoch:03d}", "{missing:d}"):
+        lightning = ModelCheckpoint(dirpath=tmp_path, filename=template)
+        expected = Path(lightning.format_checkpoint_name({k: torch.tensor(v) for k, v in metrics.items()})).stem
+        assert ORTCheckpoint(tmp_path, filename=template).format_name(metrics) == expected, template
+    assert ORTCheckpoint(tmp_path, filename="{val_loss}-{val_loss_ema}").format_name(metrics) == (
+        "val_loss=0.5-val_loss_ema=0.25"
+    )
 
 
 # ----------------------------------------------------------------------------- damaged and foreign files

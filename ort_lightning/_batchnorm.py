@@ -1,0 +1,150 @@
+"""BatchNorm running statistics as torch keeps them, rewritten into the training graph.
+
+ORT's ``BatchNormInternal`` kernel updates ``running_var`` with the batch's biased (population)
+variance; torch's ``BatchNorm*d`` uses the unbiased one, ``var * n / (n - 1)`` with ``n`` the
+elements per channel (``N * H * W``). Left alone, a model trained here validates and exports
+with a running variance ~``1/n`` below a torch-trained model's.
+
+The rewrite takes the update out of the kernel and writes torch's rule after it:
+
+- the node's ``momentum`` becomes 1.0, so that the kernel keeps the running statistics as
+  they are (ONNX: ``running = momentum * running + (1 - momentum) * batch``);
+- from the kernel's saved batch mean and inverse standard deviation, new nodes compute
+  ``running_mean = (1 - m) * running_mean + m * mean`` and
+  ``running_var = (1 - m) * running_var + m * var_biased * n / (n - 1)`` (torch's momentum ``m``);
+- an ``InPlaceAccumulatorV2`` node with its overwrite flag set writes each result into the
+  running statistic's own buffer, the CheckpointState tensor that the graph reads, during
+  ``train_step``: the same in-place mechanism ORT uses for gradient accumulation buffers.
+
+Whatever the device's kernel does with the variance (cuDNN's own update already divides by
+``n - 1``), the statistics written are torch's.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from ort_lightning import export_artifacts
+    >>> model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    >>> artifacts = export_artifacts(model, torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> import onnx
+    >>> [n.op_type for n in onnx.load(artifacts.training_model).graph.node].count("InPlaceAccumulatorV2") >= 2
+    True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import TensorProto, helper
+
+__all__ = ["torch_running_statistics"]
+
+_KERNEL = "BatchNormInternal"
+#: ONNX's default momentum of BatchNormalization (torch's 0.1).
+_DEFAULT_MOMENTUM = 0.9
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    return next((a.f for a in node.attribute if a.name == name), default)
+
+
+def _torch_momentum(node: onnx.NodeProto) -> float:
+    # NOTE: the exporter stores 1 - momentum as float32 (0.9 -> 0.899999976); torch's value is the
+    # short decimal it came from, so the update uses 0.1, not 0.100000024.
+    return float(f"{1.0 - _attribute(node, 'momentum', _DEFAULT_MOMENTUM):.6g}")
+
+
+def _set_kernel_momentum(node: onnx.NodeProto) -> None:
+    for attribute in node.attribute:
+        if attribute.name == "momentum":
+            attribute.f = 1.0
+            return
+    node.attribute.append(helper.make_attribute("momentum", 1.0))
+
+
+class _Builder:
+    """Appends the nodes of one BatchNorm's update under a common name prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+
+    def constant(self, name: str, value: float | bool) -> str:
+        output = f"{self.prefix}/{name}"
+        if isinstance(value, bool):
+            tensor = helper.make_tensor(output, TensorProto.BOOL, [1], [value])
+        else:
+            tensor = helper.make_tensor(output, TensorProto.FLOAT, [], [value])
+        self.nodes.append(helper.make_node("Constant", [], [output], name=output, value=tensor))
+        return output
+
+    def op(self, op_type: str, inputs: list[str], name: str, **attributes: Any) -> str:
+        output = f"{self.prefix}/{name}"
+        self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
+        return output
+
+    def blend(self, running: str, batch: str, keep: str, take: str, name: str) -> str:
+        """``running * keep + batch * take``."""
+        kept = self.op("Mul", [running, keep], f"{name}_kept")
+        taken = self.op("Mul", [batch, take], f"{name}_taken")
+        return self.op("Add", [kept, taken], name)
+
+    def write(self, buffer: str, value: str, overwrite: str, name: str) -> None:
+        self.nodes.append(
+            helper.make_node(
+                "InPlaceAccumulatorV2", [buffer, value, overwrite], [f"{self.prefix}/{name}_written"],
+                name=f"{self.prefix}/{name}_write", domain="com.microsoft",
+            )
+        )
+
+
+def _unbiased_variance(build: _Builder, node: onnx.NodeProto) -> str:
+    """The batch's unbiased variance per channel, from the kernel's saved inverse std."""
+    x, running_var, inv_std = node.input[0], node.input[4], node.output[4]
+    one = build.constant("one", 1.0)
+    eps = build.constant("eps", _attribute(node, "epsilon", 1e-5))
+    count = build.op("Div", [build.op("Size", [x], "x_size"), build.op("Size", [running_var], "channels")], "n_int")
+    n = build.op("Cast", [count], "n", to=TensorProto.FLOAT)
+    # NOTE: n == 1 has no unbiased variance (torch refuses it); the guard keeps the update finite.
+    bessel = build.op("Div", [n, build.op("Max", [build.op("Sub", [n, one], "n_minus_1"), one], "dof")], "bessel")
+    variance = build.op("Sub", [build.op("Reciprocal", [build.op("Mul", [inv_std, inv_std], "inv_var")], "var_eps"),
+                                eps], "var_biased")
+    return build.op("Mul", [variance, bessel], "var_unbiased")
+
+
+def _rewrite_node(node: onnx.NodeProto, state: set[str]) -> list[onnx.NodeProto]:
+    running_mean, running_var = node.input[3], node.input[4]
+    if running_mean not in state or running_var not in state or len(node.output) < 5:
+        return []
+    momentum = _torch_momentum(node)
+    _set_kernel_momentum(node)
+    build = _Builder(f"{node.name or running_var}/torch_running_statistics")
+    keep, take = build.constant("keep", 1.0 - momentum), build.constant("take", momentum)
+    overwrite = build.constant("overwrite", True)
+    new_mean = build.blend(running_mean, node.output[3], keep, take, "running_mean")
+    new_var = build.blend(running_var, _unbiased_variance(build, node), keep, take, "running_var")
+    build.write(running_mean, new_mean, overwrite, "running_mean")
+    build.write(running_var, new_var, overwrite, "running_var")
+    return build.nodes
+
+
+def torch_running_statistics(path: Path) -> int:
+    """Rewrite the BatchNorm updates of a training graph file to torch's rule; return how many.
+
+    Only nodes whose running statistics are inputs of the graph (tensors of the checkpoint
+    state) are rewritten; the eval graph needs nothing, as it only reads the statistics.
+    """
+    proto = onnx.load(path)
+    state = {info.name for info in proto.graph.input}
+    added: list[onnx.NodeProto] = []
+    rewritten = 0
+    for node in proto.graph.node:
+        if node.op_type == _KERNEL:
+            nodes = _rewrite_node(node, state)
+            rewritten += bool(nodes)
+            added.extend(nodes)
+    if rewritten:
+        proto.graph.node.extend(added)
+        onnx.save(proto, path)
+    return rewritten
