@@ -89,7 +89,7 @@ def checkpoint_rows(path: Path) -> Rows:
 
 def _explain(name: str, value: Any) -> str:
     if name == "epoch":
-        return f"{value} (0-based, as Lightning counts: saved during epoch {int(value) + 1})"
+        return f"{value} (0-based, as Lightning counts; epoch {int(value) + 1} counting from 1)"
     if name == "lr":
         note = ", the schedule has ended" if float(value) == 0.0 else ""
         return f"{value:g} (for the next optimizer step{note})"

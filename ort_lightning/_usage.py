@@ -66,7 +66,7 @@ class OneLineParser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------- jsonargparse
 _NOT_ACCEPTED = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: --?(\S+)")
 _BAD_VALUE = re.compile(r'Parser key "([^"]+)"')
-_MISSING_FILE = re.compile(r"(?:File does not exist|Unable to access path)\W+'?([^'\n]+)'?")
+_MISSING_FILE = re.compile(r"(?:File does not exist|Unable to access path)[:\s]*'?([^'\n]+)'?")
 _LITERAL = re.compile(r"Literal\[([^\]]*)\]")
 _TYPE = re.compile(r"Expected an? <class '(\w+)'>")
 
@@ -105,6 +105,7 @@ def _bad_value(key: str, message: str) -> str:
     given = re.search(r"(?:Given value|Got value):\s*(.*)", message)
     value = given.group(1).strip() if given else "?"
     choices = [choice.strip(" '\"") for literal in _LITERAL.findall(message) for choice in literal.split(",")]
+    choices = list(dict.fromkeys(choices))  # jsonargparse repeats the literals once per union member
     if choices:
         return f"bad value {value!r} for {key}{did_you_mean(value, choices) or '.'} Valid values: {', '.join(choices)}"
     types = sorted(set(_TYPE.findall(message)) - {"NoneType"})

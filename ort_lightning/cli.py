@@ -28,7 +28,13 @@ from ort_lightning._usage import OneLineParser, UsageError
 
 __all__ = ["main"]
 
-_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_LIGHTNING_HELP = {
+    "fit": "train with LightningCLI: fit --config cfg.yaml (fit --help lists every key)",
+    "validate": "validate the trained model: validate --config cfg.yaml --ckpt_path last",
+    "test": "test the trained model: test --config cfg.yaml --ckpt_path last",
+    "predict": "write predictions.pt: predict --config cfg.yaml --ckpt_path last",
+}
+_LIGHTNING_SUBCOMMANDS = tuple(_LIGHTNING_HELP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,9 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe an artifacts folder or an ORT checkpoint file")
     inspect.add_argument("path", type=Path)
     inspect.set_defaults(handler=_inspect)
-    for name in _LIGHTNING_SUBCOMMANDS:
+    for name, text in _LIGHTNING_HELP.items():
         # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
-        commands.add_parser(name, help=f"LightningCLI {name}: ort-lightning {name} --config cfg.yaml [--help]")
+        commands.add_parser(name, help=text)
     return parser
 
 
