@@ -93,9 +93,12 @@ def one_line_argument_error(message: str, keys: Iterable[str]) -> str:
 
 def _unknown_key(key: str, keys: list[str]) -> str:
     key = key.split("=")[0].lstrip("-")
-    section = key.rpartition(".")[0]
+    section, _, leaf = key.rpartition(".")
     siblings = sorted(k for k in keys if k.rpartition(".")[0] == section)
-    hint = did_you_mean(key, keys) or "."
+    # NOTE: within a section compare the last part only: the shared "model." prefix makes any two keys look alike.
+    by_leaf = {k.rpartition(".")[2]: k for k in siblings}
+    match = by_leaf.get(closest(leaf, by_leaf) or "") if siblings else closest(key, keys)
+    hint = f"; did you mean {match!r}?" if match else "."
     if siblings and len(siblings) <= 20:
         return f"unknown key {key!r}{hint} Valid keys under {section or 'the top level'!r}: {', '.join(siblings)}"
     return f"unknown key {key!r}{hint} Run with --help for every valid key"
