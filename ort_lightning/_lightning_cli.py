@@ -106,6 +106,8 @@ class _ORTLightningCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         _check_precision(config.trainer.precision)
         _check_strategy_name(config.trainer.strategy)
+        if self.config.subcommand != "fit":
+            _check_ckpt_path(config.get("ckpt_path"), config.trainer.callbacks)
         _ensure_artifacts(config)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
@@ -128,6 +130,8 @@ class _ORTLightningCLI(LightningCLI):
         last = getattr(callback, "last_model_path", "") if callback is not None else ""
         if last:
             print(f"last checkpoint: {last} (validate, test or predict it with the same config and --ckpt_path last)")
+        if self.trainer.logger is not None:
+            print(f"logs: {self.trainer.log_dir}")
 
 
 def _check_precision(precision: Any) -> None:
@@ -152,6 +156,33 @@ def _check_strategy_name(strategy: Any) -> None:
             f"--trainer.strategy {strategy!r} cannot train ORT graphs: its wrapper hooks torch's autograd, which never "
             "sees the gradients ONNX Runtime computes; use --trainer.strategy ort_ddp (or ort_ddp_spawn), "
             "or auto for one process"
+        )
+
+
+def _checkpoint_folders(callbacks: Any) -> list[Path]:
+    folders = []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []:
+        init_args = getattr(callback, "init_args", None)
+        dirpath = getattr(init_args, "dirpath", None) if init_args is not None else None
+        if "ModelCheckpoint" in str(getattr(callback, "class_path", "")) and dirpath:
+            folders.append(Path(dirpath))
+    return folders
+
+
+def _check_ckpt_path(ckpt_path: Any, callbacks: Any) -> None:
+    if ckpt_path is None or ckpt_path == "best" or Path(str(ckpt_path)).is_file():
+        return
+    if ckpt_path != "last":
+        raise UsageError(
+            f"--ckpt_path {str(ckpt_path)!r} is not a file{did_you_mean(str(ckpt_path), ['last']) or '.'} "
+            "Valid values: last, or the path of a .ckpt file"
+        )
+    folders = _checkpoint_folders(callbacks)
+    if not any(next(folder.glob("last*.ckpt"), None) for folder in folders):
+        where = ", ".join(str(folder) for folder in folders) or "no ModelCheckpoint with a dirpath in trainer.callbacks"
+        raise UsageError(
+            f"--ckpt_path last found no last.ckpt ({where}); run fit with this config first, with a ModelCheckpoint "
+            "of fixed dirpath and save_last: true in trainer.callbacks (as in examples/digits.yaml)"
         )
 
 

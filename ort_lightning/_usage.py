@@ -88,6 +88,9 @@ def one_line_argument_error(message: str, keys: Iterable[str]) -> str:
     bad = _BAD_VALUE.search(message)
     if bad:
         return _bad_value(bad.group(1), message)
+    if "arguments are required" in message:
+        return (f"{' '.join(message.split())}; pass --config cfg.yaml (e.g. examples/digits.yaml), "
+                "or each of them as --key value")
     return " ".join(message.split())
 
 
@@ -107,6 +110,10 @@ def _unknown_key(key: str, keys: list[str]) -> str:
 def _bad_value(key: str, message: str) -> str:
     given = re.search(r"(?:Given value|Got value):\s*(.*)", message)
     value = given.group(1).strip() if given else "?"
+    problem = re.search(r"Problem with given class_path '([^']+)':\s*(.*)", message)
+    if problem:
+        return (f"bad value {problem.group(1)!r} for {key}: {problem.group(2).strip()}; name an importable class, "
+                "e.g. ort_lightning.demo.DigitsDataModule")
     choices = [choice.strip(" '\"") for literal in _LITERAL.findall(message) for choice in literal.split(",")]
     choices = list(dict.fromkeys(choices))  # jsonargparse repeats the literals once per union member
     if choices:

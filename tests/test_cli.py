@@ -208,12 +208,17 @@ def test_lightning_cli_print_config(digits_artifacts: Path, tmp_path: Path) -> N
         (["--trainer.strategy", "ort_dpp"], r"unknown --trainer\.strategy 'ort_dpp'; did you mean 'ort_ddp'\?"),
         (["--export.input_shape", "[3, 32, 32]", "--model.artifacts", "fresh"],
          r"cannot run on inputs of shape \(batch, 3,32,32\).*export\.input_shape"),
+        (["--data", "foo.Bar"], r"bad value 'foo\.Bar' for data: No module named 'foo'; name an importable class"),
+        (["--ckpt_path", "last", "validate"], r"--ckpt_path last found no last\.ckpt \(runs/digits/checkpoints\); "
+                                              r"run fit with this config first"),
+        (["--ckpt_path", "lst", "predict"], r"--ckpt_path 'lst' is not a file; did you mean 'last'\?"),
     ],
     ids=["missing-artifacts", "misspelled-key", "bad-value", "misspelled-value", "precision", "plain-ddp",
-         "misspelled-strategy", "wrong-input-shape"],
+         "misspelled-strategy", "wrong-input-shape", "bad-class-path", "no-last-checkpoint", "misspelled-ckpt-path"],
 )
 def test_lightning_cli_errors_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
-    result = run("fit", "--config", CONFIG, *args, cwd=tmp_path, ok=False)
+    command = args.pop() if args[-1] in ("validate", "predict") else "fit"
+    result = run(command, "--config", CONFIG, *args, cwd=tmp_path, ok=False)
     assert_one_line_error(result, pattern)
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.ckpt"))
 
@@ -222,6 +227,11 @@ def test_misspelled_key_in_a_config_file_names_the_closest_key(tmp_path: Path) -
     (tmp_path / "typo.yaml").write_text(CONFIG.read_text().replace("  lr: 0.01", "  lrr: 0.01"))
     result = run("fit", "--config", "typo.yaml", cwd=tmp_path, ok=False)
     assert_one_line_error(result, r"unknown key 'model\.lrr'; did you mean 'model\.lr'\? Valid keys under 'model': ")
+
+
+def test_no_config_names_the_required_keys(tmp_path: Path) -> None:
+    result = run("fit", cwd=tmp_path, ok=False)
+    assert_one_line_error(result, r"required: fit\.model\.artifacts, fit\.data; pass --config cfg\.yaml")
 
 
 def test_missing_config_file_is_one_line(tmp_path: Path) -> None:
