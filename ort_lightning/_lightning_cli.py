@@ -38,6 +38,7 @@ __all__ = ["ExportSection", "PredictionWriter", "run_lightning_cli"]
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _PRECISIONS = (None, 32, "32", "32-true")
 _ORT_STRATEGIES = ("auto", "ort_ddp", "ort_ddp_spawn")
+_ORT_ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 @dataclass
@@ -106,6 +107,7 @@ class _ORTLightningCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         _check_precision(config.trainer.precision)
         _check_strategy_name(config.trainer.strategy)
+        _check_accelerator(config.trainer.accelerator)
         if self.config.subcommand != "fit":
             _check_ckpt_path(config.get("ckpt_path"), config.trainer.callbacks)
         _ensure_artifacts(config)
@@ -139,6 +141,21 @@ def _check_precision(precision: Any) -> None:
         raise UsageError(
             f"--trainer.precision {precision!r} is not supported: ONNX Runtime training graphs run in float32; "
             "use --trainer.precision 32-true (the only supported value) or leave it unset"
+        )
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    if not isinstance(accelerator, str):
+        return
+    if accelerator not in _ORT_ACCELERATORS:
+        raise UsageError(
+            f"--trainer.accelerator {accelerator!r} cannot run ORT graphs{did_you_mean(accelerator, _ORT_ACCELERATORS)}"
+            f" Valid values: {', '.join(_ORT_ACCELERATORS)}"
+        )
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UsageError(
+            f"--trainer.accelerator {accelerator!r}, but torch sees no CUDA device (torch {torch.__version__}); "
+            "use --trainer.accelerator cpu, or install a CUDA build of torch and ort-lightning[cuda]"
         )
 
 

@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
 from ort_lightning._usage import OneLineParser, UsageError
+from ort_lightning.errors import ORTLightningError
 
 __all__ = ["main"]
 
@@ -51,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"ort-lightning: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
-    except (ImportError, OSError, ValueError, RuntimeError) as error:
-        # ORTLightningError subclasses ValueError/RuntimeError; one line, no traceback.
+    except (ImportError, OSError, ValueError, RuntimeError, ORTLightningError, MisconfigurationException) as error:
+        # One line, no traceback: ORT's and Lightning's refusals, and the package's own errors.
         message = " ".join(str(error).split())
         print(f"ort-lightning: error: {type(error).__name__}: {message}", file=sys.stderr)
         return 2

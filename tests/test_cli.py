@@ -212,9 +212,12 @@ def test_lightning_cli_print_config(digits_artifacts: Path, tmp_path: Path) -> N
         (["--ckpt_path", "last", "validate"], r"--ckpt_path last found no last\.ckpt \(runs/digits/checkpoints\); "
                                               r"run fit with this config first"),
         (["--ckpt_path", "lst", "predict"], r"--ckpt_path 'lst' is not a file; did you mean 'last'\?"),
+        (["--trainer.accelerator", "cpus"],
+         r"--trainer\.accelerator 'cpus' cannot run ORT graphs; did you mean 'cpu'\? Valid values: auto, cpu, gpu"),
     ],
     ids=["missing-artifacts", "misspelled-key", "bad-value", "misspelled-value", "precision", "plain-ddp",
-         "misspelled-strategy", "wrong-input-shape", "bad-class-path", "no-last-checkpoint", "misspelled-ckpt-path"],
+         "misspelled-strategy", "wrong-input-shape", "bad-class-path", "no-last-checkpoint", "misspelled-ckpt-path",
+         "misspelled-accelerator"],
 )
 def test_lightning_cli_errors_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
     command = args.pop() if args[-1] in ("validate", "predict") else "fit"

@@ -10,7 +10,7 @@ import torch
 
 from ort_lightning._factory_export import export_factory, parse_shape
 from ort_lightning._inspect import describe, format_rows
-from ort_lightning._lightning_cli import _check_precision, _check_strategy_name
+from ort_lightning._lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
 from ort_lightning._usage import OneLineParser, UsageError, one_line_argument_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +55,24 @@ def test_strategies_other_than_ort_ddp_are_refused_by_name(strategy: str, patter
 @pytest.mark.parametrize("strategy", ["auto", "ort_ddp", "ort_ddp_spawn", "single_device"])
 def test_single_process_and_ort_strategies_pass(strategy: str) -> None:
     _check_strategy_name(strategy)
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "pattern"),
+    [("tpu", r"'tpu' cannot run ORT graphs.* Valid values: auto, cpu, gpu, cuda"),
+     ("mps", r"'mps' cannot run ORT graphs"),
+     ("cpus", r"'cpus' cannot run ORT graphs; did you mean 'cpu'\?")],
+    ids=["tpu", "mps", "misspelled"],
+)
+def test_accelerators_ort_cannot_use_are_refused(accelerator: str, pattern: str) -> None:
+    with pytest.raises(UsageError, match=pattern):
+        _check_accelerator(accelerator)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_without_cuda_is_refused_before_training() -> None:
+    with pytest.raises(UsageError, match=r"--trainer\.accelerator 'gpu', but torch sees no CUDA device"):
+        _check_accelerator("gpu")
 
 
 def test_argparse_errors_become_one_line_with_the_closest_choice() -> None:
