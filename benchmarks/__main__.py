@@ -8,7 +8,7 @@ noise falls on all of them alike; medians and ratios come from the same run. The
 Usage::
 
     python -m benchmarks                      # the full run recorded in BENCHMARKS.md
-    python -m benchmarks --quick              # seconds; what the tests run
+    python -m benchmarks --quick              # a smoke run of seconds (what the tests run); no usable numbers
     python -m benchmarks --markdown out.md    # also write the tables as Markdown
 """
 
@@ -38,10 +38,15 @@ PAUSE_S = 0.2
 
 ORDER = ["lightning-ort", "ort-loop", "lightning-torch", "torch-loop"]
 
+_SMOKE = (
+    "**SMOKE RUN (--quick): a few steps of one model, to check that the harness works. These timings are "
+    "noise, not measurements; run `python -m benchmarks` (about 3 minutes) for numbers.**"
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps of the small MLP only (seconds)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: seconds, timings are noise")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=None, help="models to run")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per model")
     parser.add_argument("--steps", type=int, default=None, help="steps per runner per round")
@@ -109,6 +114,8 @@ def run(args: argparse.Namespace) -> str:
         "| model | runner | ms/step | samples/s | GFLOP/s | of peak | peak RSS added MB |",
         "|---|---|---|---|---|---|---|",
     ]
+    if quick:
+        lines[:0] = [_SMOKE, ""]
     ratios = [
         "| model | L+ORT / ORT loop | L+torch / torch loop | throughput L+ORT / L+torch | "
         "ms added by adapter+Lightning | ms added by Lightning |",

@@ -26,7 +26,15 @@ import torch
 from ort_lightning.bridge import ParameterView
 from ort_lightning.errors import ConfigurationError
 
-__all__ = ["GradientViews", "bind_views", "check_conversion", "owner_of"]
+__all__ = ["GradientViews", "ORTParameters", "bind_views", "check_conversion", "owner_of"]
+
+
+class ORTParameters(torch.nn.Module):
+    """A submodule of the torch model whose parameters and buffers live in ONNX Runtime's state.
+
+    It has no forward: the ORT graph computes. Lightning's ModelSummary lists it under the torch
+    submodule's name with its parameter count (its FLOPs show 0: torch never runs it).
+    """
 
 
 class GradientViews:
@@ -85,7 +93,7 @@ def owner_of(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
                     f"Parameter {name!r} clashes with the attribute {part!r} of {type(owner).__name__}; "
                     "rename that submodule of the torch model and export it again."
                 )
-            child = torch.nn.Module()
+            child = ORTParameters()
             owner.add_module(part, child)
         owner = child
     return owner, leaf

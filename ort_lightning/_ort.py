@@ -26,7 +26,7 @@ from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError,
 _INSTALL_HINT = (
     "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
     '  pip install "ort-lightning[cpu]"   # onnxruntime-training-cpu==1.19.2\n'
-    '  pip install "ort-lightning[cuda]"  # onnxruntime-training==1.19.2 (CUDA build)\n'
+    '  pip install "ort-lightning[cuda]"  # onnxruntime-training==1.19.2 (CUDA build, Python 3.10-3.11 only)\n'
     "Install exactly one, and never beside plain `onnxruntime`: all three provide the same package."
 )
 

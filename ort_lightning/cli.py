@@ -19,31 +19,43 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from ort_lightning._usage import OneLineParser, UsageError
+from ort_lightning.errors import ORTLightningError
+
 __all__ = ["main"]
 
-_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_LIGHTNING_HELP = {
+    "fit": "train with LightningCLI: fit --config cfg.yaml (fit --help lists every key)",
+    "validate": "validate the trained model: validate --config cfg.yaml --ckpt_path last",
+    "test": "test the trained model: test --config cfg.yaml --ckpt_path last",
+    "predict": "write predictions.pt: predict --config cfg.yaml --ckpt_path last",
+}
+_LIGHTNING_SUBCOMMANDS = tuple(_LIGHTNING_HELP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the console script; return the process exit status."""
+    """Run the console script; return the process exit status (2 after a one-line error)."""
     args = list(sys.argv[1:] if argv is None else argv)
     handler: Callable[[], Any]
-    if args and args[0] in _LIGHTNING_SUBCOMMANDS:
-        handler = lambda: _lightning_cli(args)  # noqa: E731 - one deferred call
-    else:
-        namespace = _parser().parse_args(args)
-        handler = lambda: namespace.handler(namespace)  # noqa: E731
     try:
+        if args and args[0] in _LIGHTNING_SUBCOMMANDS:
+            handler = lambda: _lightning_cli(args)  # noqa: E731 - one deferred call
+        else:
+            namespace = _parser().parse_args(args)
+            handler = lambda: namespace.handler(namespace)  # noqa: E731
         handler()
-    except (ImportError, OSError, ValueError, RuntimeError) as error:
-        # ORTLightningError subclasses ValueError/RuntimeError; one line, no traceback.
+    except UsageError as error:
+        print(f"ort-lightning: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    except (ImportError, OSError, ValueError, RuntimeError, ORTLightningError, MisconfigurationException) as error:
+        # One line, no traceback: ORT's and Lightning's refusals, and the package's own errors.
         message = " ".join(str(error).split())
         print(f"ort-lightning: error: {type(error).__name__}: {message}", file=sys.stderr)
         return 2
@@ -51,10 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ort-lightning",
         description="Train ONNX Runtime training artifacts with a Lightning Trainer. "
-        f"Also: {' | '.join(_LIGHTNING_SUBCOMMANDS)} --config cfg.yaml (LightningCLI).",
+        "Errors print one line and exit with status 2.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -68,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("source", help="an .onnx file, or package.module:factory returning a torch.nn.Module")
     export.add_argument("--out", type=Path, required=True, help="artifacts folder")
     export.add_argument("--input-shape", action="append", default=[], metavar="D1,D2,...",
-                        help="shape of one model input without the batch dimension (repeat per input)")
+                        help="shape of one model input without the batch dimension, e.g. 3,32,32 (repeat per input)")
     export.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
                         help="dtype of one model input (default float32; repeat per input)")
     export.add_argument("--input-name", action="append", default=[], metavar="NAME", help="name of one model input")
@@ -86,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe an artifacts folder or an ORT checkpoint file")
     inspect.add_argument("path", type=Path)
     inspect.set_defaults(handler=_inspect)
+    for name, text in _LIGHTNING_HELP.items():
+        # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
+        commands.add_parser(name, help=text)
     return parser
 
 
@@ -126,9 +141,9 @@ def _accuracy(module: Any, loader: Any) -> float:
 
 # ----------------------------------------------------------------------------- export
 def _export(args: argparse.Namespace) -> None:
-    import torch
-
     from ort_lightning import export_artifacts
+    from ort_lightning._factory_export import export_factory, parse_shape
+    from ort_lightning._inspect import describe
 
     loss = None if args.loss == "none" else args.loss
     options = dict(_option(text) for text in args.optimizer_option)
@@ -138,118 +153,36 @@ def _export(args: argparse.Namespace) -> None:
     if args.source.endswith(".onnx"):
         artifacts = export_artifacts(args.source, None, args.out, **common)
     else:
-        model = _factory(args.source)()
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"{args.source} returned {type(model).__name__}, expected a torch.nn.Module.")
-        examples = _example_inputs(args.input_shape, args.input_dtype)
-        artifacts = export_artifacts(model, examples, args.out, input_names=args.input_name or None, **common)
+        shapes = [parse_shape(text) for text in args.input_shape]
+        artifacts = export_factory(args.source, shapes, args.out, dtypes=args.input_dtype,
+                                   input_names=args.input_name or None, **common)
     print(f"wrote {artifacts.directory}")
-    _describe_artifacts(artifacts.directory)
+    print(describe(artifacts.directory))
 
 
 def _option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
-    if not sep:
-        raise ValueError(f"Expected --optimizer-option KEY=VALUE, but got {text!r}; e.g. weight_decay=0.0.")
-    numbers = [float(part) for part in value.split(",")]
+    try:
+        numbers = [float(part) for part in value.split(",")] if sep else []
+    except ValueError:
+        numbers = []
+    if not numbers:
+        raise UsageError(f"bad --optimizer-option {text!r}: expected KEY=NUMBER[,NUMBER], e.g. weight_decay=0.0")
     return key, numbers if len(numbers) > 1 else numbers[0]
-
-
-def _factory(spec: str) -> Callable[[], Any]:
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(
-            f"Expected an .onnx file or package.module:factory, but got {spec!r}; e.g. ort_lightning.demo:digits_mlp."
-        )
-    factory = getattr(importlib.import_module(module_name), attribute, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name} has no callable {attribute!r}; name a function that builds the model.")
-    return factory
-
-
-def _example_inputs(shapes: list[str], dtypes: list[str]) -> tuple[Any, ...]:
-    import torch
-
-    if not shapes:
-        raise ValueError("A torch factory needs --input-shape for each model input, e.g. --input-shape 64.")
-    if dtypes and len(dtypes) != len(shapes):
-        raise ValueError(f"Got {len(shapes)} --input-shape but {len(dtypes)} --input-dtype; give one per input.")
-    examples = []
-    for index, shape in enumerate(shapes):
-        dims = [int(dim) for dim in shape.split(",") if dim]
-        dtype = getattr(torch, dtypes[index] if dtypes else "float32", None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"Unknown --input-dtype {dtypes[index]!r}; use a torch dtype name such as float32.")
-        examples.append(torch.zeros((2, *dims), dtype=dtype))
-    return tuple(examples)
 
 
 # ----------------------------------------------------------------------------- inspect
 def _inspect(args: argparse.Namespace) -> None:
-    path: Path = args.path
-    if path.is_dir():
-        _describe_artifacts(path)
-    elif path.is_file():
-        _describe_checkpoint(path)
-    else:
-        raise FileNotFoundError(f"{path} does not exist; pass an artifacts folder or an ORT checkpoint file.")
+    from ort_lightning._inspect import describe
 
-
-def _describe_artifacts(directory: Path) -> None:
-    from ort_lightning import TrainingArtifacts
-    from ort_lightning._verify import describe as describe_verification
-
-    artifacts = TrainingArtifacts.load(directory)
-    manifest = artifacts.manifest
-    print(f"artifacts:  {artifacts.directory}")
-    for title, specs in (("inputs", manifest.inputs), ("labels", manifest.labels)):
-        for spec in specs:
-            print(f"{title + ':':<11} {spec.name} {spec.dtype} [{', '.join(map(str, spec.shape))}]")
-    print(f"outputs:    {', '.join(manifest.outputs) or '-'}  (loss: {manifest.loss} -> {manifest.loss_output})")
-    if manifest.loss_options:
-        loss_options = " ".join(f"{key}={value}" for key, value in manifest.loss_options.items())
-        print(f"loss:       {manifest.loss} {loss_options}")
-    options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
-    print(f"optimizer:  {manifest.optimizer} {options}".rstrip())
-    _describe_checkpoint(artifacts.checkpoint, header=False)
-    print("\n".join(describe_verification(manifest.verification)))
-    print("versions:   " + ", ".join(f"{name} {version}" for name, version in manifest.versions.items()))
-
-
-def _describe_checkpoint(path: Path, *, header: bool = True) -> None:
-    from ort_lightning import _ort
-    from ort_lightning._atomic import verify_digest
-
-    verify_digest(path)  # a sidecar written by ORTCheckpoint guards against silent corruption
-    try:
-        parameters, properties = _ort.checkpoint_summary(path)
-    except Exception as error:  # ORT raises its own types for a file it cannot parse
-        raise ValueError(f"{path} is not an ONNX Runtime checkpoint ({' '.join(str(error).split())[:200]}).") from error
-    trainable = sum(math.prod(shape) for _, shape, grad in parameters if grad)
-    total = sum(math.prod(shape) for _, shape, _ in parameters)
-    if header:
-        print(f"checkpoint: {path}")
-    print(f"parameters: {total:,} values in {len(parameters)} tensors ({trainable:,} trainable)")
-    for name, value in sorted(properties.items()):
-        print(f"{name + ':':<11} {value}")
+    print(describe(args.path))
 
 
 # ----------------------------------------------------------------------------- LightningCLI
 def _lightning_cli(args: list[str]) -> None:
-    import lightning.pytorch as pl
-    from lightning.pytorch.cli import LightningCLI
+    from ort_lightning._lightning_cli import run_lightning_cli
 
-    from ort_lightning import ORTLightningModule
-
-    LightningCLI(
-        ORTLightningModule,
-        pl.LightningDataModule,
-        subclass_mode_data=True,
-        # NOTE: the optimizer and schedule come from the ORT artifacts, never from CLI flags.
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    run_lightning_cli(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,11 +19,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["DigitsDataModule", "digits_mlp"]
+__all__ = ["DigitsDataModule", "StripesDataModule", "digits_mlp", "stripes_cnn"]
 
 #: Inputs per image (8x8 pixels, flattened) and classes.
 FEATURES = 64
 CLASSES = 10
+#: The generated stripes images: 1 channel of 12x12 pixels; horizontal, vertical and the two diagonals.
+STRIPE_SHAPE = (1, 12, 12)
+STRIPE_CLASSES = 4
 
 
 def digits_mlp(hidden: int = 64, seed: int = 0) -> torch.nn.Module:
@@ -33,6 +36,24 @@ def digits_mlp(hidden: int = 64, seed: int = 0) -> torch.nn.Module:
     try:
         return torch.nn.Sequential(
             torch.nn.Linear(FEATURES, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, CLASSES)
+        )
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def stripes_cnn(channels: int = 8, seed: int = 0) -> torch.nn.Module:
+    """Return a fresh small CNN for `StripesDataModule`'s 1x12x12 images: 4 classes.
+
+    Conv + BatchNorm + ReLU twice, a global max pool (no average pooling: ONNX Runtime's
+    AveragePool gradient needs a fixed batch size), then a linear classifier.
+    """
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.BatchNorm2d(channels), torch.nn.ReLU(),
+            torch.nn.Conv2d(channels, 2 * channels, 3, padding=1), torch.nn.BatchNorm2d(2 * channels), torch.nn.ReLU(),
+            torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(), torch.nn.Linear(2 * channels, STRIPE_CLASSES),
         )
     finally:
         torch.random.set_rng_state(generator_state)
@@ -83,6 +104,73 @@ class DigitsDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Held-out batches."""
         return DataLoader(self.val_set, batch_size=256)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out batches again."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out batches again (labels are ignored by predict)."""
+        return self.val_dataloader()
+
+
+def _stripes(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noisy 12x12 images of one short stripe each; the label is the stripe's direction."""
+    generator = torch.Generator().manual_seed(seed)
+    size = STRIPE_SHAPE[-1]
+    labels = torch.randint(0, STRIPE_CLASSES, (count,), generator=generator)
+    images = 0.3 * torch.randn((count, *STRIPE_SHAPE), generator=generator)
+    steps = {0: (0, 1), 1: (1, 0), 2: (1, 1), 3: (1, -1)}
+    starts = torch.randint(3, size - 3, (count, 2), generator=generator)
+    for index in range(count):
+        dy, dx = steps[int(labels[index])]
+        y, x = (int(v) for v in starts[index])
+        for offset in range(-2, 3):
+            images[index, 0, y + offset * dy, x + offset * dx] += 1.0
+    return images, labels
+
+
+class StripesDataModule(pl.LightningDataModule):
+    """Generated images ``float32 [B, 1, 12, 12]`` of a stripe in one of 4 directions, labels ``int64 [B]``.
+
+    Nothing downloads: the images are drawn from a seeded generator.
+
+    Args:
+        batch_size: samples per training batch.
+        train_size: generated training images (the validation, test and predict sets have a quarter of that).
+        seed: seed of the images and of the training shuffle.
+
+    Example::
+
+        >>> data = StripesDataModule(batch_size=8, train_size=16)
+        >>> data.setup("fit")
+        >>> x, y = next(iter(data.train_dataloader()))
+        >>> tuple(x.shape), int(y.max()) < 4
+        ((8, 1, 12, 12), True)
+        >>> stripes_cnn()(x).shape
+        torch.Size([8, 4])
+    """
+
+    def __init__(self, batch_size: int = 32, train_size: int = 512, seed: int = 0) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.train_size = train_size
+        self.seed = seed
+
+    def setup(self, stage: str) -> None:
+        """Draw the images once, the same way for every stage."""
+        self.train_set = TensorDataset(*_stripes(self.train_size, self.seed))
+        self.val_set = TensorDataset(*_stripes(max(1, self.train_size // 4), self.seed + 1))
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches (the last incomplete one dropped: BatchNorm needs 2+ samples)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator,
+                          drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out batches."""
+        return DataLoader(self.val_set, batch_size=128)
 
     def test_dataloader(self) -> DataLoader:
         """The held-out batches again."""

@@ -18,6 +18,7 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
+    assert text.startswith("**SMOKE RUN (--quick)"), text[:200]  # 5 steps are noise: said before any table
     for runner in ("Lightning + ORT", "ORT loop", "Lightning + torch", "torch loop"):
         assert re.search(rf"\| mlp-small \| {re.escape(runner)} \| [\d.]+ \|", text), runner
     assert re.search(r"\| mlp-small \| [\d.]+x \| [\d.]+x \| [\d.]+x \|", text)

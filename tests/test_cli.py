@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import onnx
 import onnxruntime
 import pytest
 import torch
+import yaml
 from onnxruntime.training.api import CheckpointState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +28,6 @@ def run(*args: object, cwd: Path, ok: bool = True) -> subprocess.CompletedProces
     if ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess[str], pattern: str) -> None:
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("ort-lightning: error:")]
-    assert len(lines) == 1, result.stderr[-2000:]
-    assert re.search(pattern, lines[0]), lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +45,11 @@ def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
     checkpoint = Path(re.search(r"ORT checkpoint: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert CheckpointState.load_checkpoint(str(checkpoint)).properties["epoch"] == 9
     shown = run("inspect", checkpoint, cwd=tmp_path).stdout
-    assert re.search(r"^epoch: +9$", shown, re.MULTILINE)
+    assert re.search(r"^epoch: +9 \(0-based, as Lightning counts; epoch 10 counting from 1\)$", shown, re.MULTILINE)
     assert re.search(r"^global_step: +\d+$", shown, re.MULTILINE)
-    assert re.search(r"^lr: +[\d.e-]+$", shown, re.MULTILINE), shown
+    assert re.search(r"^lr: +0 \(for the next optimizer step, the schedule has ended\)$", shown, re.MULTILINE), shown
+    # one value column: every "key: value" row starts its value at the same offset
+    assert len({len(line) - len(line.split(":", 1)[1].lstrip()) for line in shown.splitlines()}) == 1, shown
     model = Path(re.search(r"inference model: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
     session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     assert session.run(None, {session.get_inputs()[0].name: np.zeros((3, 64), np.float32)})[0].shape == (3, 10)
@@ -63,6 +59,8 @@ def test_export_from_factory_then_inspect(digits_artifacts: Path) -> None:
     result = run("inspect", digits_artifacts, cwd=digits_artifacts.parent)
     assert "input float32 [batch, 64]" in result.stdout
     assert "labels int64 [batch]" in result.stdout
+    assert re.search(r"^loss: +cross_entropy$", result.stdout, re.MULTILINE)
+    assert "onnx::" not in result.stdout
     # 64*64 + 64 + 64*10 + 10 parameters in the digits MLP, counted independently here.
     assert f"{64 * 64 + 64 + 64 * 10 + 10:,} values" in result.stdout
     assert "adamw" in result.stdout
@@ -86,6 +84,16 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
     assert re.search(r"\((\d+) trainable\)", result.stdout).group(1) != "27"  # type: ignore[union-attr]
 
 
+CNN_CONFIG = ROOT / "examples" / "stripes_cnn.yaml"
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], pattern: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr.startswith("ort-lightning: error: "), result.stderr
+    assert re.search(pattern, result.stderr), result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
@@ -96,9 +104,20 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
          r"ExportError: Expected `loss` to be one of"),
         (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--frozen", "nope"],
          r"Cannot freeze \['nope'\]"),
+        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "3x32x32"],
+         r"bad --input-shape '3x32x32'.*e\.g\. --input-shape 3,32,32"),
+        (["export", "ort_lightning.demo:stripes_cnn", "--out", "x", "--input-shape", "64"],
+         r"cannot run on inputs of shape \(batch, 64\).*--input-shape"),
+        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--optimizer-option", "wd"],
+         r"bad --optimizer-option 'wd': expected KEY=NUMBER"),
         (["inspect", "missing"], r"missing does not exist"),
+        (["fitt"], r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', 'fit', 'validate', 'test', "
+                   r"'predict'\); did you mean 'fit'\?"),
+        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--frozn", "a"],
+         r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
     ],
-    ids=["bad-source", "no-factory", "no-shape", "bad-loss", "bad-frozen", "inspect-missing"],
+    ids=["bad-source", "no-factory", "no-shape", "bad-loss", "bad-frozen", "shape-with-x", "shape-for-cnn",
+         "bad-optimizer-option", "inspect-missing", "misspelled-command", "misspelled-option"],
 )
 def test_errors_are_one_line_without_traceback(tmp_path: Path, args: list[str], pattern: str) -> None:
     assert_one_line_error(run(*args, cwd=tmp_path, ok=False), pattern)
@@ -106,28 +125,118 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path, args: list[str], 
 
 def test_inspect_refuses_a_file_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "junk").write_bytes(b"not a checkpoint")
-    assert_one_line_error(run("inspect", "junk", cwd=tmp_path, ok=False), r"not an ONNX Runtime checkpoint")
+    result = run("inspect", "junk", cwd=tmp_path, ok=False)
+    assert_one_line_error(result, r"not an ONNX Runtime checkpoint; inspect reads")
 
 
-def test_lightning_cli_fit_validate_test_predict(digits_artifacts: Path, tmp_path: Path) -> None:
-    common = ["--config", CONFIG, "--model.artifacts", digits_artifacts, "--trainer.max_epochs", "1",
-              "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", tmp_path]
-    run("fit", *common, cwd=tmp_path)
-    assert list(tmp_path.rglob("config.yaml")), "LightningCLI saves the resolved config next to the logs"
-    validate = run("validate", *common, cwd=tmp_path)
-    assert "val_loss" in validate.stdout
-    test = run("test", *common, cwd=tmp_path)
-    assert "test_loss" in test.stdout
-    run("predict", *common, cwd=tmp_path)
+def test_inspect_refuses_a_lightning_ckpt_and_says_what_it_reads(tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "last.ckpt")
+    result = run("inspect", "last.ckpt", cwd=tmp_path, ok=False)
+    assert_one_line_error(result, r"last\.ckpt is a torch/Lightning checkpoint.*inspect reads an artifacts folder.*ORT")
+
+
+def test_help_lists_every_subcommand(tmp_path: Path) -> None:
+    shown = run("--help", cwd=tmp_path).stdout
+    for command in ("demo", "export", "inspect", "fit", "validate", "test", "predict"):
+        assert re.search(rf"^ +{command} +\S", shown, re.MULTILINE), shown
+
+
+def _digits_labels() -> torch.Tensor:
+    from ort_lightning.demo import DigitsDataModule
+
+    data = DigitsDataModule()
+    data.setup("predict")
+    return data.val_set.tensors[1]
+
+
+def test_digits_config_trains_as_written_then_evaluates_the_trained_model(tmp_path: Path) -> None:
+    tiny = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
+    fit = run("fit", "--config", CONFIG, *tiny, cwd=tmp_path)
+    assert "exported ort_lightning.demo:digits_mlp to runs/digits/artifacts" in fit.stdout
+    assert "LightningCLI's args parameter" not in fit.stderr
+    assert (tmp_path / "runs/digits/checkpoints/last.ckpt").is_file()
+    evaluate = [*tiny, "--ckpt_path", "last"]
+    validate = run("validate", "--config", CONFIG, *evaluate, cwd=tmp_path)
+    val_loss = float(re.search(r"val_loss\W+([\d.]+)", validate.stdout).group(1))  # type: ignore[union-attr]
+    # Untrained, the 10-class cross-entropy is about ln(10) = 2.30; one epoch brings it well below.
+    assert val_loss < math.log(10) - 0.5
+    test = run("test", "--config", CONFIG, *evaluate, cwd=tmp_path)
+    test_loss = float(re.search(r"test_loss\W+([\d.]+)", test.stdout).group(1))  # type: ignore[union-attr]
+    assert test_loss == pytest.approx(val_loss, abs=1e-6)  # the same held-out images, the same trained model
+    predict = run("predict", "--config", CONFIG, *evaluate, cwd=tmp_path)
+    written = Path(re.search(r"written to (\S+)", predict.stdout).group(1))  # type: ignore[union-attr]
+    assert written == Path("runs/digits/predictions.pt")
+    logits = torch.load(tmp_path / written, weights_only=True)
+    labels = _digits_labels()
+    assert logits.shape == (len(labels), 10)
+    assert (logits.argmax(dim=1) == labels).float().mean() > 0.7
+    # evaluation runs log nothing: the fit's logs are the only version
+    assert [p.name for p in (tmp_path / "runs/digits/lightning_logs").iterdir()] == ["version_0"]
+
+
+def test_cnn_config_trains_as_written(tmp_path: Path) -> None:
+    tiny = ["--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
+    fit = run("fit", "--config", CNN_CONFIG, *tiny, cwd=tmp_path)
+    assert "exported ort_lightning.demo:stripes_cnn" in fit.stdout
+    test = run("test", "--config", CNN_CONFIG, *tiny, "--ckpt_path", "last", cwd=tmp_path)
+    test_loss = float(re.search(r"test_loss\W+([\d.]+)", test.stdout).group(1))  # type: ignore[union-attr]
+    assert test_loss < math.log(4) - 0.3  # 4 classes: ln(4) = 1.39 untrained
 
 
 def test_lightning_cli_print_config(digits_artifacts: Path, tmp_path: Path) -> None:
     result = run("fit", "--config", CONFIG, "--model.artifacts", digits_artifacts, "--print_config", cwd=tmp_path)
     assert f"artifacts: {digits_artifacts}" in result.stdout
     assert "class_path: ort_lightning.demo.DigitsDataModule" in result.stdout
-    assert "optimizer:" not in result.stdout.split("trainer:")[0]
+    config = yaml.safe_load(result.stdout)
+    assert "optimizer" not in config
+    assert "lr_scheduler" not in config
+    assert config["export"]["factory"] == "ort_lightning.demo:digits_mlp"
 
 
-def test_lightning_cli_error_for_missing_artifacts(tmp_path: Path) -> None:
-    result = run("fit", "--config", CONFIG, "--model.artifacts", "nothere", cwd=tmp_path, ok=False)
-    assert_one_line_error(result, r"ArtifactError: Artifacts folder nothere does not exist")
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--model.artifacts", "nothere", "--export.factory", "null"],
+         r"model\.artifacts folder 'nothere' does not exist; add an export: section.*ort-lightning export"),
+        (["--trainer.max_epocs", "3"], r"unknown key 'trainer\.max_epocs'; did you mean 'trainer\.max_epochs'\?"),
+        (["--model.lr", "fast"], r"bad value 'fast' for model\.lr: expected a float"),
+        (["--trainer.precision", "16-mixd"], r"bad value '16-mixd' for trainer\.precision; did you mean '16-mixed'\? "
+                                             r"Valid values: .*32-true"),
+        (["--trainer.precision", "16-mixed"], r"--trainer\.precision '16-mixed' is not supported.*32-true"),
+        (["--trainer.strategy", "ddp", "--trainer.devices", "2"],
+         r"--trainer\.strategy 'ddp' cannot train ORT.*ort_ddp"),
+        (["--trainer.strategy", "ort_dpp"], r"unknown --trainer\.strategy 'ort_dpp'; did you mean 'ort_ddp'\?"),
+        (["--export.input_shape", "[3, 32, 32]", "--model.artifacts", "fresh"],
+         r"cannot run on inputs of shape \(batch, 3,32,32\).*export\.input_shape"),
+        (["--data", "foo.Bar"], r"bad value 'foo\.Bar' for data: No module named 'foo'; name an importable class"),
+        (["--ckpt_path", "last", "validate"], r"--ckpt_path last found no last\.ckpt \(runs/digits/checkpoints\); "
+                                              r"run fit with this config first"),
+        (["--ckpt_path", "lst", "predict"], r"--ckpt_path 'lst' is not a file; did you mean 'last'\?"),
+        (["--trainer.accelerator", "cpus"],
+         r"--trainer\.accelerator 'cpus' cannot run ORT graphs; did you mean 'cpu'\? Valid values: auto, cpu, gpu"),
+    ],
+    ids=["missing-artifacts", "misspelled-key", "bad-value", "misspelled-value", "precision", "plain-ddp",
+         "misspelled-strategy", "wrong-input-shape", "bad-class-path", "no-last-checkpoint", "misspelled-ckpt-path",
+         "misspelled-accelerator"],
+)
+def test_lightning_cli_errors_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
+    command = args.pop() if args[-1] in ("validate", "predict") else "fit"
+    result = run(command, "--config", CONFIG, *args, cwd=tmp_path, ok=False)
+    assert_one_line_error(result, pattern)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.ckpt"))
+
+
+def test_misspelled_key_in_a_config_file_names_the_closest_key(tmp_path: Path) -> None:
+    (tmp_path / "typo.yaml").write_text(CONFIG.read_text().replace("  lr: 0.01", "  lrr: 0.01"))
+    result = run("fit", "--config", "typo.yaml", cwd=tmp_path, ok=False)
+    assert_one_line_error(result, r"unknown key 'model\.lrr'; did you mean 'model\.lr'\? Valid keys under 'model': ")
+
+
+def test_no_config_names_the_required_keys(tmp_path: Path) -> None:
+    result = run("fit", cwd=tmp_path, ok=False)
+    assert_one_line_error(result, r"required: fit\.model\.artifacts, fit\.data; pass --config cfg\.yaml")
+
+
+def test_missing_config_file_is_one_line(tmp_path: Path) -> None:
+    result = run("validate", "--config", "nothere.yaml", cwd=tmp_path, ok=False)
+    assert_one_line_error(result, r"config file '.*nothere\.yaml' does not exist; pass --config")

@@ -48,6 +48,29 @@ def test_requires_python_matches_the_training_wheels() -> None:
     assert not spec.contains("3.13")
 
 
+@pytest.mark.parametrize(
+    ("extra", "package", "pythons", "refused"),
+    [("cpu", "onnxruntime-training-cpu", ["3.10", "3.11", "3.12"], []),
+     ("cuda", "onnxruntime-training", ["3.10", "3.11"], ["3.12"])],
+    ids=["cpu", "cuda"],
+)
+def test_extras_install_only_where_wheels_exist(
+    extra: str, package: str, pythons: list[str], refused: list[str]
+) -> None:
+    # The wheels of 1.19.2 (the last release): CPU build for CPython <= 3.12, CUDA build for <= 3.11.
+    requirement = _requirement(package, PROJECT["optional-dependencies"][extra])
+    for version in pythons:
+        assert requirement.marker is None or requirement.marker.evaluate({"python_version": version}), version
+    for version in refused:
+        assert requirement.marker is not None
+        assert not requirement.marker.evaluate({"python_version": version}), version
+
+
+def test_notebooks_extra_names_what_the_notebooks_import() -> None:
+    names = {Requirement(text).name for text in PROJECT["optional-dependencies"]["notebooks"]}
+    assert {"nbclient", "nbformat", "ipykernel", "matplotlib", "scikit-learn", "torchmetrics"} <= names
+
+
 def test_py_typed_marker_ships() -> None:
     assert (ROOT / "ort_lightning" / "py.typed").is_file()
 

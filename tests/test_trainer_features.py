@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import logging
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -111,14 +113,39 @@ def test_num_sanity_val_steps(mlp_adamw: Exported) -> None:
     assert counter.counts["sanity"] == 2
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_model_summary_counts_ort_parameters(mlp_adamw: Exported) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts)
-    expected = sum(p.numel() for p in mlp_adamw.reference().parameters())
-    summary = Summary(module, max_depth=-1)
-    assert summary.total_parameters == expected
-    assert summary.trainable_parameters == expected
+    reference = mlp_adamw.reference()
+    # Each torch submodule with parameters, counted on the plain torch model.
+    expected = {name: sum(p.numel() for p in child.parameters()) for name, child in reference.named_children()}
+    expected = {name: count for name, count in expected.items() if count}
+    summary = Summary(module, max_depth=1)
+    assert dict(zip(summary.layer_names, summary.param_nums, strict=True)) == expected
+    assert set(summary.layer_types) == {"ORTParameters"}
+    assert summary.total_parameters == summary.trainable_parameters == sum(expected.values())
     train, _ = _loaders()
-    _trainer(max_steps=1, enable_model_summary=True, callbacks=[ModelSummary(max_depth=2)]).fit(module, train)
+    # The ModelSummary callback logs its table at INFO (the suite's conftest quiets lightning.pytorch).
+    lines, logger = _Lines(), logging.getLogger("lightning.pytorch.callbacks.model_summary")
+    level, logger.level = logger.level, logging.INFO
+    logger.addHandler(lines)
+    try:
+        _trainer(max_steps=1, enable_model_summary=True, callbacks=[ModelSummary(max_depth=2)]).fit(module, train)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    printed = "\n".join(lines.lines)
+    for name, count in expected.items():
+        assert re.search(rf"\b{name}\s*\|\s*ORTParameters\s*\|\s*{count}\b", printed), printed
+    assert re.search(rf"{sum(expected.values())}\s+Total params", printed), printed
 
 
 def test_early_stopping(mlp_adamw: Exported) -> None:

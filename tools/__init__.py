@@ -1,1 +1,1 @@
-"""Developer scripts of the project (run as ``python -m tools.<name>``)."""
+"""Developer scripts of the repository, run as ``python -m tools.<name>`` (not part of the installed package)."""

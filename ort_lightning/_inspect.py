@@ -1,0 +1,99 @@
+"""What ``ort-lightning inspect`` prints: an artifacts folder or an ORT checkpoint file, as aligned rows.
+
+Example::
+
+    >>> print(format_rows([("epoch", "3"), ("global_step", "120")]))
+    epoch:       3
+    global_step: 120
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ort_lightning._usage import UsageError
+
+__all__ = ["describe", "format_rows"]
+
+Rows = list[tuple[str, str]]
+
+
+def format_rows(rows: Sequence[tuple[str, str]]) -> str:
+    """Align ``key: value`` rows on one column."""
+    width = max(len(key) for key, _ in rows) + 2
+    return "\n".join(f"{key + ':':<{width}}{value}".rstrip() for key, value in rows)
+
+
+def describe(path: Path) -> str:
+    """Describe an artifacts folder or an ORT checkpoint file.
+
+    Raises:
+        FileNotFoundError: when `path` does not exist.
+        UsageError: for a Lightning/torch ``.ckpt`` (a zip archive), which inspect does not read.
+        ValueError: for a file that is not an ONNX Runtime checkpoint.
+    """
+    if path.is_dir():
+        return format_rows(artifacts_rows(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass an artifacts folder or an ORT checkpoint file.")
+    if zipfile.is_zipfile(path):
+        raise UsageError(
+            f"{path} is a torch/Lightning checkpoint (.ckpt); inspect reads an artifacts folder (from export) or an "
+            "ORT checkpoint file (*.ortckpt from ORTCheckpoint, or the artifacts' checkpoint file); load a .ckpt "
+            "with torch.load(path, weights_only=True)"
+        )
+    return format_rows([("checkpoint", str(path)), *checkpoint_rows(path)])
+
+
+def artifacts_rows(directory: Path) -> Rows:
+    """Rows for an artifacts folder: inputs, labels, outputs, loss, optimizer, parameters, versions."""
+    from ort_lightning import TrainingArtifacts
+    from ort_lightning._verify import report_rows
+
+    artifacts = TrainingArtifacts.load(directory)
+    manifest = artifacts.manifest
+    rows: Rows = [("artifacts", str(artifacts.directory))]
+    for title, specs in (("input", manifest.inputs), ("label", manifest.labels)):
+        rows += [(title, f"{spec.name} {spec.dtype} [{', '.join(map(str, spec.shape))}]") for spec in specs]
+    rows.append(("outputs", ", ".join(manifest.outputs) or "-"))
+    # NOTE: the loss as the user named it at export; the graph's internal output name means nothing to them.
+    loss_options = " ".join(f"{key}={value}" for key, value in manifest.loss_options.items())
+    rows.append(("loss", f"{manifest.loss} {loss_options}".rstrip()))
+    options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
+    rows.append(("optimizer", f"{manifest.optimizer} {options}".rstrip()))
+    rows += checkpoint_rows(artifacts.checkpoint)
+    rows += report_rows(manifest.verification)
+    rows.append(("versions", ", ".join(f"{name} {version}" for name, version in manifest.versions.items())))
+    return rows
+
+
+def checkpoint_rows(path: Path) -> Rows:
+    """Rows for an ORT checkpoint file: parameter counts and the stored properties, explained."""
+    from ort_lightning import _ort
+    from ort_lightning._atomic import verify_digest
+
+    verify_digest(path)  # a sidecar written by ORTCheckpoint guards against silent corruption
+    try:
+        parameters, properties = _ort.checkpoint_summary(path)
+    except Exception as error:  # ORT raises its own types for a file it cannot parse
+        raise ValueError(
+            f"{path} is not an ONNX Runtime checkpoint; inspect reads an artifacts folder or an ORT checkpoint "
+            "file (*.ortckpt from ORTCheckpoint, or the artifacts' checkpoint file)."
+        ) from error
+    trainable = sum(math.prod(shape) for _, shape, grad in parameters if grad)
+    total = sum(math.prod(shape) for _, shape, _ in parameters)
+    rows: Rows = [("parameters", f"{total:,} values in {len(parameters)} tensors ({trainable:,} trainable)")]
+    return rows + [(name, _explain(name, value)) for name, value in sorted(properties.items())]
+
+
+def _explain(name: str, value: Any) -> str:
+    if name == "epoch":
+        return f"{value} (0-based, as Lightning counts; epoch {int(value) + 1} counting from 1)"
+    if name == "lr":
+        note = ", the schedule has ended" if float(value) == 0.0 else ""
+        return f"{value:g} (for the next optimizer step{note})"
+    return str(value)
