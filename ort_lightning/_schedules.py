@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ort_lightning._hybrid import linear_schedule
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
 
@@ -54,7 +55,7 @@ def check_lr_scheduler(lr_scheduler: object) -> None:
     )
 
 
-def torch_schedule(optimizer: ORTOptimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
+def torch_schedule(optimizer: torch.optim.Optimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
     """Build a torch scheduler over `optimizer` with `factory`; its lr reaches ORT before every update.
 
     Raises:
@@ -78,7 +79,7 @@ def resolve_warmup(warmup_steps: int | float, *, total_steps: int) -> int:
 
 
 def lr_scheduler_config(
-    optimizer: ORTOptimizer,
+    optimizer: torch.optim.Optimizer,
     lr_scheduler: str | SchedulerFactory,
     *,
     warmup_steps: int | float,
@@ -87,7 +88,7 @@ def lr_scheduler_config(
     """The ``lr_scheduler`` entry of ``configure_optimizers`` (None for a constant lr), stepped per step.
 
     Args:
-        optimizer: the ORT optimizer facade.
+        optimizer: the ORT optimizer facade, or the torch optimizer of hybrid training.
         lr_scheduler: ``"linear"``, ``"constant"`` or a torch scheduler factory.
         warmup_steps: the linear schedule's warmup, a count or a fraction of the total.
         total_steps: returns the linear schedule's length (asked only for ``"linear"``).
@@ -100,7 +101,10 @@ def lr_scheduler_config(
     else:
         total = total_steps()
         warmup = resolve_warmup(warmup_steps, total_steps=total)
-        scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total)
+        if isinstance(optimizer, ORTOptimizer):
+            scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total)
+        else:  # a torch optimizer over ORT's gradients: the same closed form, as a torch scheduler
+            scheduler = linear_schedule(optimizer, warmup_steps=warmup, total_steps=total)
     return {"scheduler": scheduler, "interval": "step"}
 
 
