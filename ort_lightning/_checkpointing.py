@@ -32,6 +32,8 @@ import torch
 
 from ort_lightning import _ort
 from ort_lightning._atomic import atomic_write, verify_digest
+from ort_lightning._schedules import Progress, schedule_properties
+from ort_lightning._step import StepPath
 from ort_lightning.errors import CheckpointError, ConfigurationError
 
 if TYPE_CHECKING:
@@ -87,9 +89,15 @@ class CheckpointingMixin:
     _start_progress: dict[str, int]
     _state_restored: bool
     _optimizer_factory: Any
+    _resumed: dict[str, Any]
+    _source_properties: dict[str, Any]
+    _schedule_start: Progress
+    _schedule: Any
+    _steps: StepPath
 
     if TYPE_CHECKING:
         trainer: Any
+        _trainer: Any
 
         def _assemble(
             self, device: str, checkpoint: str | os.PathLike[str] | None = None, *, spinning: bool = True
@@ -127,6 +135,8 @@ class CheckpointingMixin:
             snapshot = Path(folder) / "state"
             _ort.save_checkpoint(self._session, snapshot, include_optimizer_state=False)
             self._session = self._assemble(self._session.device, snapshot, spinning=self._session.spinning)
+        self._start_progress = {"global_step": 0, "epoch": 0}
+        self._steps.step_offset = 0
 
     def _check_matches_artifacts(self, path: Path) -> None:
         found, properties = _read_checkpoint(path)
@@ -137,12 +147,39 @@ class CheckpointingMixin:
                 f"Checkpoint {path} does not match the artifacts in {self.artifacts.directory}: its parameters are "
                 f"{problems}; pass a checkpoint written while training these artifacts, or the artifacts it came from."
             )
-        self._start_progress = {key: int(properties.get(key, 0)) for key in ("global_step", "epoch")}
+        self._source_properties = properties
+
+    def _resume_from(self, properties: dict[str, Any]) -> None:
+        """Continue the progress, schedule and seed of the run that wrote an ORT checkpoint (``checkpoint=``)."""
+        # NOTE: "next_epoch" says whether the saving epoch had finished; older files have "epoch" only.
+        step = int(properties.get("global_step", 0))
+        epoch = int(properties.get("next_epoch", properties.get("epoch", 0)))
+        self._start_progress = {"global_step": step, "epoch": epoch}
+        self._resumed = properties
+        with_optimizer = bool(int(properties.get("optimizer_state", 1)))
+        self._schedule_start = Progress(step=step, epoch=epoch) if with_optimizer else Progress()
+        self._steps.step_offset = step
+        if "seed" in properties:
+            self._steps.seed = int(properties["seed"])
 
     @property
     def start_progress(self) -> dict[str, int]:
-        """``{"global_step", "epoch"}`` reached before this run, when it started from an ORT checkpoint."""
+        """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run.
+
+        Nonzero when the run started from an ORT checkpoint: the first epoch of this run is epoch
+        ``start_progress["epoch"]`` of the whole training, so that numbers never repeat.
+        """
         return dict(getattr(self, "_start_progress", None) or {"global_step": 0, "epoch": 0})
+
+    def _progress_properties(self) -> dict[str, int]:
+        """Where training stands, counted across resumes; empty outside a Trainer."""
+        trainer = self._trainer
+        if trainer is None:
+            return {}
+        start = self.start_progress
+        epochs = trainer.fit_loop.epoch_progress.current
+        return {"global_step": start["global_step"] + trainer.global_step, "epoch": start["epoch"] + epochs.completed,
+                "next_epoch": start["epoch"] + epochs.processed}
 
     # ----------------------------------------------------------------------------- ORT checkpoint files
     def save_ort_checkpoint(
@@ -162,8 +199,11 @@ class CheckpointingMixin:
             include_optimizer_state: also store the optimizer's step count and moments, which an
                 exact resume needs. Under hybrid training (``optimizer=`` a torch optimizer) the file
                 holds the weights only: the torch optimizer's state is in Lightning's ``.ckpt``.
-            properties: int, float or str values stored in the file (the lr and the package
-                version are always added).
+            properties: int, float or str values stored in the file. Always added: ``lr``,
+                ``ort_lightning_version``, ``optimizer_state`` (1 or 0) and ``seed`` (ORT's random
+                stream); the linear schedule's ``schedule_lr``, ``schedule_warmup_steps`` and
+                ``schedule_total_steps``; inside a fit, ``global_step``, ``epoch`` and ``next_epoch``
+                (the epoch a resume starts in), counted across resumes.
 
         Returns:
             The path written.
@@ -173,6 +213,10 @@ class CheckpointingMixin:
         include_optimizer_state = include_optimizer_state and self._optimizer_factory is None
         values: dict[str, int | float | str] = {"lr": float(self._session.get_lr())}
         values["ort_lightning_version"] = _version()
+        values["optimizer_state"] = int(include_optimizer_state)
+        values["seed"] = self._steps.seed_in_use()
+        values.update(schedule_properties(self._schedule))
+        values.update(self._progress_properties())
         values.update(properties or {})
         _ort.set_properties(self._session, values)
         session = self._session
@@ -217,7 +261,7 @@ class CheckpointingMixin:
             _ort.save_checkpoint(self._session, path, include_optimizer_state=self._optimizer_factory is None)
             data = bytearray(path.read_bytes())
         checkpoint[ORT_STATE_KEY] = torch.frombuffer(data, dtype=torch.uint8)
-        checkpoint[_PROGRESS_KEY] = {"version": _version(), **self.start_progress}
+        checkpoint[_PROGRESS_KEY] = {"version": _version(), "seed": self._steps.seed_in_use(), **self.start_progress}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Rebuild the ORT components from the stored state (before ``configure_optimizers`` runs)."""
@@ -236,3 +280,6 @@ class CheckpointingMixin:
         self._state_restored = True
         progress = checkpoint.get(_PROGRESS_KEY, {})
         self._start_progress = {key: int(progress.get(key, 0)) for key in ("global_step", "epoch")}
+        self._steps.step_offset = self._start_progress["global_step"]
+        if "seed" in progress:
+            self._steps.seed = int(progress["seed"])

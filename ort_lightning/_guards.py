@@ -5,8 +5,8 @@ ORT 1.19.2 computes a cross-entropy loss with labels outside ``[0, C)`` without 
 next optimizer update. These guards cost one cheap reduction per step on the happy path:
 
 - `LabelRange`: one ``torch.aminmax`` over the label tensor, for cross-entropy artifacts only.
-- `NonFiniteGuard`: one ``math.isfinite`` on the 0-d loss; ``"raise"`` stops before the update,
-  ``"skip"`` drops the whole optimizer step (every micro-batch of it) and warns.
+- `NonFiniteGuard`: one ``math.isfinite`` on the 0-d loss; once per optimizer step, decided by all
+  ranks together, ``"raise"`` stops before the update, ``"skip"`` drops the whole step and warns.
 - `check_graph_inputs`: once at assembly, the manifest's inputs against the graph's own.
 
 Example::
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -47,10 +47,15 @@ _ADVICE = "lower the lr, check the data for NaN/inf values, or pass ORTLightning
 class NonFiniteGuard:
     """Watch each training loss; refuse or drop the optimizer step that a NaN/inf loss would poison.
 
+    The decision is made once per optimizer step, after the window's last micro-batch and
+    before the gradients are averaged across ranks or the update runs, and it is shared by all
+    ranks (``trainer.strategy.reduce_boolean_decision``): under ``ort_ddp`` every rank skips
+    together or every rank raises, so no rank waits in a collective the others left and no
+    rank's NaN gradients reach the others' parameters.
+
     Args:
-        policy: ``"raise"`` raises `NonFiniteLossError` from ``training_step``, before ORT's update;
-            ``"skip"`` lets the step's micro-batches finish, then drops the optimizer update (the
-            gradients are reset) and warns.
+        policy: ``"raise"`` raises `NonFiniteLossError` before ORT's update; ``"skip"`` drops the
+            optimizer update (every micro-batch of it; the gradients are reset) and warns.
 
     Raises:
         ConfigurationError: for another policy.
@@ -67,43 +72,40 @@ class NonFiniteGuard:
         self._pending: str | None = None
 
     def observe(self, loss: torch.Tensor, trainer: Any, batch_idx: int) -> None:
-        """Check one micro-batch's loss; the `trainer`'s progress names the step in messages.
-
-        Raises:
-            NonFiniteLossError: for a NaN/inf loss under the ``"raise"`` policy.
-        """
+        """Check one micro-batch's loss; the `trainer`'s progress names the step in messages."""
         # NOTE: the loss is a 0-d view of ORT's output; .item() reads one number (ORT's run has
         # already finished, so this adds no wait on a GPU either).
         value = loss.item()
-        if math.isfinite(value):
-            return
+        if not math.isfinite(value) and self._pending is None:
+            self._pending = f"{value} {_where(trainer, batch_idx)}"
+
+    def decide(self, trainer: Any) -> bool:
+        """Whether this optimizer step is skipped; every rank gets the same answer.
+
+        Raises:
+            NonFiniteLossError: under ``"raise"``, on every rank, when any rank saw a NaN/inf loss.
+        """
+        pending, self._pending = self._pending, None
+        bad = pending is not None
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if not bad:
+            return False
+        where = pending or f"on another rank at global_step={trainer.global_step}"
         if self.policy == "raise":
             raise NonFiniteLossError(
-                f"The training loss is {value} {_where(trainer, batch_idx)}; ORT's optimizer update has not run, so "
-                f"the parameters are still finite. To go on: {_ADVICE}."
+                f"The training loss is {where}; ORT's optimizer update has not run, so the parameters are "
+                f"still finite. To go on: {_ADVICE}."
             )
-        if self._pending is None:
-            self._pending = f"the loss was {value} {_where(trainer, batch_idx)}"
-
-    def wrap(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """Wrap an optimizer closure so that it returns None (the optimizer skips) after a non-finite loss."""
-
-        def closure_or_skip() -> Any:
-            result = closure()
-            pending, self._pending = self._pending, None
-            if pending is None:
-                return result
-            self.skipped += 1
-            warnings.warn(
-                f"Skipped an optimizer step: {pending}. The parameters and the optimizer state are unchanged and "
-                f"the gradients were reset ({self.skipped} step(s) skipped so far); if this repeats, lower the lr "
-                "or check the data for NaN/inf values.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-
-        return closure_or_skip
+        self.skipped += 1
+        warnings.warn(
+            f"Skipped an optimizer step: the loss was {where}. The parameters and the optimizer state are "
+            f"unchanged and the gradients were reset ({self.skipped} step(s) skipped so far); if this repeats, "
+            "lower the lr or check the data for NaN/inf values.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return True
 
 
 def _where(trainer: Any, batch_idx: int) -> str:

@@ -6,8 +6,9 @@ Nesterov, any third-party torch optimizer). The parameters it receives are the m
 parameters: views of ORT's CheckpointState whose ``.grad`` are views of ORT's gradient buffers
 (DLPack, no copy). The torch optimizer's in-place update therefore writes ORT's weights
 directly, and the next ``train_step`` sees it. `TorchOverORT` wraps that optimizer so that
-Lightning drives it like the ORT one: it runs the closure (ORT's forward and backward), skips
-the update when the closure returns None, and resets ORT's gradient buffers after each update.
+Lightning drives it like the ORT one: it is the update of the module's one step path
+(`ort_lightning._step.StepPath`), which runs the closure (ORT's forward and backward), skips the
+update when the closure returns None, and resets ORT's gradient buffers after each update.
 
 ORT's own optimizer graph stays the default (``optimizer=None``): it is what ships for
 on-device training. The torch optimizer pays where ORT's update is slow (AdamW over millions of
@@ -82,6 +83,8 @@ class TorchOverORT(torch.optim.Optimizer):
         super().__init__([p for group in optimizer.param_groups for p in group["params"]], {})
         self.optimizer = optimizer
         self.session = session
+        device = torch.device(session.device)
+        self._cuda_device = device if device.type == "cuda" else None
         self._alias()
 
     def _alias(self) -> None:
@@ -91,27 +94,31 @@ class TorchOverORT(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run `closure`, then the torch optimizer's update, then schedule ORT's gradient reset.
+        """Run `closure`, then the torch optimizer's update: step 7 of `ort_lightning._step.StepPath`.
 
-        A closure that returns None (``training_step`` skipped the batch, or a NaN/inf loss under
-        ``on_nonfinite="skip"``) skips the update; the gradients are reset all the same.
+        A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf loss
+        is skipped) skips the update. The gradient reset after it belongs to the step path.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if closure is None or loss is not None:
-            self.optimizer.step()
-        # NOTE: right after the update, as for ORT's optimizer: Lightning's zero_grad runs after
-        # training_step, where ORT's gradients already are (see ORTOptimizer.step).
-        self.session.lazy_reset_grad()
+            if loss is None:
+                return None
+        self.optimizer.step()
+        if self._cuda_device is not None:
+            # NOTE: the update ran on torch's stream; ORT's next train step reads the parameters
+            # on its own stream.
+            torch.cuda.current_stream(self._cuda_device).synchronize()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Do nothing: ORT's gradient buffers are reset after each update (see `step`).
+        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them.
 
-        The torch optimizer's own ``zero_grad`` would set ``.grad`` to None, cutting the views.
+        The torch optimizer's own ``zero_grad`` would set ``.grad`` to None, cutting the views. In a
+        fit the module's step path resets after each update instead (see `ORTOptimizer.zero_grad`).
         """
+        self.session.lazy_reset_grad()
 
     def state_dict(self) -> dict[str, Any]:
         """The torch optimizer's state (moments, step counts, param groups)."""
@@ -171,16 +178,11 @@ def _facade_class(kind: type[torch.optim.Optimizer]) -> type[TorchOverORT]:
 def linear_schedule(
     optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """ORT's linear warmup/decay as a torch scheduler, for a torch optimizer (same closed form).
+    """The linear warmup/decay of `LinearLRSchedule` as a torch scheduler over a torch optimizer.
 
-    Raises:
-        ConfigurationError: for a warmup longer than the run or a non-positive total.
+    Each param group keeps its own peak lr (the factory's); a warmup longer than the run stays
+    in the warmup, as with ORT's optimizer.
     """
-    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
-        raise ConfigurationError(
-            f"Expected 0 <= warmup_steps <= total_steps and total_steps >= 1, but got warmup_steps="
-            f"{warmup_steps}, total_steps={total_steps}; lower warmup_steps or raise total_steps."
-        )
 
     def factor(step: int) -> float:
         return linear_lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps)

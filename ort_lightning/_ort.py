@@ -58,6 +58,7 @@ __all__ = [
     "is_block",
     "optimizer_kind_of",
     "parse_device",
+    "set_seed",
     "versions",
 ]
 
@@ -84,6 +85,11 @@ _DEVICE = re.compile(r"(?P<kind>cpu)|(?P<cuda>cuda)(?::(?P<index>[0-9]+))?", re.
 
 #: Optimizer graph node -> the optimizer kind used in the manifest.
 _OPTIMIZER_NODES = {"AdamWOptimizer": "adamw", "SGDOptimizerV2": "sgd"}
+
+
+def set_seed(seed: int) -> None:
+    """Seed ONNX Runtime's process-wide random generators (Dropout's among them)."""
+    onnxruntime.set_seed(seed)
 
 
 def versions() -> dict[str, str]:

@@ -49,6 +49,7 @@ class PortableMixin(torch.nn.Module):
         for key in _UNPICKLED:
             state.pop(key, None)
         state["_ort_device"] = self._session.device
+        state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

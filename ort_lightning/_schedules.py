@@ -1,9 +1,14 @@
-"""Which learning-rate schedule drives the ORT optimizer: ORT's linear one, none, or a torch one.
+"""Which learning-rate schedule drives the ORT optimizer: the linear one, none, or a torch one.
 
-``ORTLightningModule(lr_scheduler=...)`` takes ``"linear"`` (ORT's LinearLRScheduler, the
-default), ``"constant"``, or a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``.
-A torch scheduler writes ``param_groups[0]["lr"]``, which `ORTOptimizer.step` hands to ORT
-before every update.
+``ORTLightningModule(lr_scheduler=...)`` takes ``"linear"`` (linear warmup and decay, the
+default), ``"constant"``, a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``
+(stepped per optimizer step), or Lightning's scheduler dict with such a factory under
+``"scheduler"`` (``interval``, ``frequency``, ``monitor`` as Lightning reads them). A scheduler
+writes ``param_groups[0]["lr"]``, which `ORTOptimizer.step` hands to ORT before every update.
+
+Resuming with ``checkpoint=``: the linear schedule's lr, warmup and total that are not given
+come from the checkpoint, and every schedule starts at the checkpoint's optimizer step (or
+epoch), so that the run goes on as if it had not stopped.
 
 Example::
 
@@ -15,7 +20,9 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +32,18 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
 
 __all__ = [
+    "SCHEDULE_PROPERTIES",
+    "Progress",
+    "Schedule",
     "SchedulerFactory",
     "check_lr_scheduler",
+    "check_not_finished",
     "check_schedule",
     "describe",
     "lr_scheduler_config",
+    "resolve_schedule",
     "resolve_warmup",
+    "schedule_properties",
     "torch_schedule",
 ]
 
@@ -38,21 +51,42 @@ __all__ = [
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 _SCHEDULE_NAMES = ("linear", "constant")
+#: The keys of Lightning's scheduler dict that a dict `lr_scheduler` may carry.
+_CONFIG_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
+_INTERVALS = ("step", "epoch")
 
 
 def check_lr_scheduler(lr_scheduler: object) -> None:
-    """Refuse an `lr_scheduler` option that is neither a known name nor a callable.
+    """Refuse an `lr_scheduler` option that is neither a known name, a callable nor Lightning's dict.
 
     Raises:
         ConfigurationError: naming what is accepted.
     """
+    if isinstance(lr_scheduler, dict):
+        _check_config(lr_scheduler)
+        return
     if lr_scheduler in _SCHEDULE_NAMES or (callable(lr_scheduler) and not isinstance(lr_scheduler, str)):
         return
     raise ConfigurationError(
-        f"Expected argument `lr_scheduler` to be 'linear', 'constant' or a callable optimizer -> "
-        f"torch.optim.lr_scheduler.LRScheduler, but got {lr_scheduler!r}; for instance "
-        "lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
+        f"Expected argument `lr_scheduler` to be 'linear', 'constant', a callable optimizer -> "
+        f"torch.optim.lr_scheduler.LRScheduler or Lightning's scheduler dict, but got {lr_scheduler!r}; for "
+        "instance lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
     )
+
+
+def _check_config(config: dict[str, Any]) -> None:
+    unknown = sorted(set(config) - set(_CONFIG_KEYS))
+    factory = config.get("scheduler")
+    interval = config.get("interval", "epoch")
+    frequency = config.get("frequency", 1)
+    bad_frequency = not isinstance(frequency, int) or frequency < 1
+    if unknown or not callable(factory) or interval not in _INTERVALS or bad_frequency:
+        raise ConfigurationError(
+            f"Expected `lr_scheduler` as a dict to be Lightning's scheduler config with a factory "
+            f"optimizer -> scheduler under 'scheduler', keys among {list(_CONFIG_KEYS)}, 'interval' in "
+            f"{list(_INTERVALS)} and 'frequency' an int >= 1, but got {config!r}; write e.g. "
+            "{'scheduler': lambda opt: ReduceLROnPlateau(opt), 'monitor': 'val_loss', 'interval': 'epoch'}."
+        )
 
 
 def torch_schedule(optimizer: torch.optim.Optimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
@@ -78,40 +112,95 @@ def resolve_warmup(warmup_steps: int | float, *, total_steps: int) -> int:
     return int(warmup_steps)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a run starts: optimizer steps and epochs done before it (a start from an ORT checkpoint)."""
+
+    step: int = 0
+    epoch: int = 0
+
+
 def lr_scheduler_config(
     optimizer: torch.optim.Optimizer,
-    lr_scheduler: str | SchedulerFactory,
+    lr_scheduler: str | SchedulerFactory | dict[str, Any],
     *,
     warmup_steps: int | float,
     total_steps: Callable[[], int],
+    start: Progress = Progress(),
 ) -> dict[str, Any] | None:
-    """The ``lr_scheduler`` entry of ``configure_optimizers`` (None for a constant lr), stepped per step.
+    """The ``lr_scheduler`` entry of ``configure_optimizers`` (None for a constant lr).
+
+    ``"linear"`` and a bare factory are stepped per optimizer step; a dict is Lightning's own
+    config with the factory's scheduler in place of the factory (Lightning's defaults: interval
+    ``"epoch"``, frequency 1). A run that starts from an ORT checkpoint starts its schedule
+    where the checkpoint's run stopped: the linear schedule at `start.step`, a torch scheduler
+    stepped forward to `start.step` (interval ``"step"``) or `start.epoch` (``"epoch"``);
+    ``ReduceLROnPlateau`` depends on metrics it has not seen and starts afresh.
 
     Args:
         optimizer: the ORT optimizer facade, or the torch optimizer of hybrid training.
-        lr_scheduler: ``"linear"``, ``"constant"`` or a torch scheduler factory.
+        lr_scheduler: ``"linear"``, ``"constant"``, a torch scheduler factory or Lightning's dict.
         warmup_steps: the linear schedule's warmup, a count or a fraction of the total.
         total_steps: returns the linear schedule's length (asked only for ``"linear"``).
+        start: the progress the run starts from.
     """
     if lr_scheduler == "constant":
         return None
+    if isinstance(lr_scheduler, dict):
+        config = {**lr_scheduler, "scheduler": torch_schedule(optimizer, lr_scheduler["scheduler"])}
+        interval = config.get("interval", "epoch")
+        _fast_forward(config["scheduler"], start.step if interval == "step" else start.epoch)
+        return config
     scheduler: Any
     if callable(lr_scheduler):
         scheduler = torch_schedule(optimizer, lr_scheduler)
+        _fast_forward(scheduler, start.step)
     else:
         total = total_steps()
         warmup = resolve_warmup(warmup_steps, total_steps=total)
         if isinstance(optimizer, ORTOptimizer):
-            scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total)
+            scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total, step=start.step)
         else:  # a torch optimizer over ORT's gradients: the same closed form, as a torch scheduler
             scheduler = linear_schedule(optimizer, warmup_steps=warmup, total_steps=total)
+            _fast_forward(scheduler, start.step)
     return {"scheduler": scheduler, "interval": "step"}
 
 
-def describe(lr_scheduler: str | SchedulerFactory) -> str:
+def _fast_forward(scheduler: torch.optim.lr_scheduler.LRScheduler, count: int) -> None:
+    if count <= 0 or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return
+    with warnings.catch_warnings():
+        # NOTE: torch warns when a scheduler steps before its optimizer; here that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(count):
+            scheduler.step()
+
+
+def check_not_finished(scheduler: object) -> None:
+    """Refuse a fit whose linear schedule is over before its first step (it would train at lr 0).
+
+    Raises:
+        ConfigurationError: saying where the schedule stands and how to go on.
+    """
+    if not isinstance(scheduler, LinearLRSchedule) or not scheduler.finished:
+        return
+    step, total = scheduler.last_step, scheduler.total_steps
+    raise ConfigurationError(
+        f"The linear lr schedule is over before this fit starts: it is at optimizer step {step} and reaches lr 0 at "
+        f"total_steps={total} (warmup_steps={scheduler.warmup_steps}), so every step would run at lr 0 and the "
+        f"parameters would not change. To train on, pass total_steps larger than {step} (the schedule continues "
+        f"from step {step}, e.g. total_steps={step + total}), pass lr_scheduler='constant', or start a new "
+        "schedule from the weights alone (a checkpoint saved with include_optimizer_state=False)."
+    )
+
+
+def describe(lr_scheduler: str | SchedulerFactory | dict[str, Any]) -> str:
     """A name for `lr_scheduler` in the hyper-parameters (a factory is not serializable)."""
     if isinstance(lr_scheduler, str):
         return lr_scheduler
+    if isinstance(lr_scheduler, dict):
+        options = ", ".join(f"{key}={value!r}" for key, value in lr_scheduler.items() if key != "scheduler")
+        return f"{describe(lr_scheduler['scheduler'])} ({options})" if options else describe(lr_scheduler["scheduler"])
     return getattr(lr_scheduler, "__qualname__", type(lr_scheduler).__name__)
 
 
@@ -139,6 +228,51 @@ def check_schedule(lr: float, warmup_steps: int | float, total_steps: int | None
         raise ConfigurationError(
             f"Expected `warmup_steps` >= 0, but got {warmup_steps!r}; pass 0 for no warmup."
         )
+
+
+#: Defaults of the linear schedule when neither the arguments nor a checkpoint say otherwise.
+DEFAULT_LR, DEFAULT_WARMUP = 1e-3, 0
+#: ORT checkpoint properties that carry the linear schedule of the run that wrote them.
+SCHEDULE_PROPERTIES = {
+    "lr": "schedule_lr", "warmup_steps": "schedule_warmup_steps", "total_steps": "schedule_total_steps"
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The linear schedule's settings: peak lr, warmup (count or fraction) and total (None: estimated)."""
+
+    lr: float
+    warmup_steps: int | float
+    total_steps: int | None
+
+
+def resolve_schedule(
+    *, lr: float | None, warmup_steps: int | float | None, total_steps: int | None, stored: dict[str, Any]
+) -> Schedule:
+    """The schedule a run uses: each argument given, else the checkpoint's value, else the default.
+
+    Example::
+
+        >>> resolve_schedule(lr=None, warmup_steps=5, total_steps=None, stored={"schedule_lr": 0.1,
+        ...                  "schedule_warmup_steps": 10, "schedule_total_steps": 40})
+        Schedule(lr=0.1, warmup_steps=5, total_steps=40)
+    """
+    given = {"lr": lr, "warmup_steps": warmup_steps, "total_steps": total_steps}
+    defaults: dict[str, Any] = {"lr": DEFAULT_LR, "warmup_steps": DEFAULT_WARMUP, "total_steps": None}
+    values: dict[str, Any] = {}
+    for name, value in given.items():
+        key = SCHEDULE_PROPERTIES[name]
+        values[name] = value if value is not None else stored.get(key, defaults[name])
+    return Schedule(lr=values["lr"], warmup_steps=values["warmup_steps"], total_steps=values["total_steps"])
+
+
+def schedule_properties(scheduler: object) -> dict[str, int | float]:
+    """The properties that let a run resumed with ``checkpoint=`` continue `scheduler` (the linear one only)."""
+    if not isinstance(scheduler, LinearLRSchedule):
+        return {}
+    return {SCHEDULE_PROPERTIES["lr"]: scheduler.base_lr, SCHEDULE_PROPERTIES["warmup_steps"]: scheduler.warmup_steps,
+            SCHEDULE_PROPERTIES["total_steps"]: scheduler.total_steps}
 
 
 def total_steps_of(trainer: Any, total_steps: int | None) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from ort_lightning import _hybrid, _ort
 from ort_lightning._binding import GradientViews, bind_views, check_conversion
@@ -28,13 +29,17 @@ from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_rang
 from ort_lightning._metrics import stage_metrics
 from ort_lightning._portable import PortableMixin
 from ort_lightning._schedules import (
+    Progress,
     SchedulerFactory,
     check_lr_scheduler,
+    check_not_finished,
     check_schedule,
     describe,
     lr_scheduler_config,
+    resolve_schedule,
     total_steps_of,
 )
+from ort_lightning._step import StepPath
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
 from ort_lightning.errors import BatchError, ConfigurationError
@@ -44,9 +49,6 @@ from ort_lightning.strategies import check_strategy, thread_spinning
 __all__ = ["ORTLightningModule"]
 
 _SUPPORTED_PRECISION = "32-true"
-
-#: What the closure gives the optimizer when the last micro-batch was skipped but earlier ones count.
-_WINDOW_LOSS = torch.zeros(())
 
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
@@ -77,9 +79,9 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
             start from instead of the artifacts' initial one: weights, and the optimizer state
             when the file has it.
-        on_nonfinite: what a NaN/inf training loss does: ``"raise"`` (`NonFiniteLossError`, before the
-            update touches the parameters) or ``"skip"`` (drop that optimizer step, every micro-batch
-            of it, reset the gradients and warn).
+        on_nonfinite: what a NaN/inf training loss does, decided once per optimizer step by all ranks
+            together: ``"raise"`` (`NonFiniteLossError`, before the update touches the parameters) or
+            ``"skip"`` (drop that optimizer step, every micro-batch of it, reset the gradients and warn).
         check_labels: refuse cross-entropy labels outside ``[0, classes)`` (one ``aminmax`` per batch;
             ORT would train on them with a wrong loss).
         custom_op_library: a shared library of custom operators to register with ONNX Runtime; nothing
@@ -100,10 +102,10 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         self,
         artifacts: TrainingArtifacts | str | os.PathLike[str],
         *,
-        lr: float = 1e-3,
-        warmup_steps: int | float = 0,
+        lr: float | None = None,
+        warmup_steps: int | float | None = None,
         total_steps: int | None = None,
-        lr_scheduler: str | SchedulerFactory = "linear",
+        lr_scheduler: str | SchedulerFactory | dict[str, Any] = "linear",
         metrics: Any = None,
         device: str = "cpu",
         checkpoint: str | os.PathLike[str] | None = None,
@@ -113,29 +115,36 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         optimizer: _hybrid.OptimizerFactory | None = None,
     ) -> None:
         super().__init__()
-        check_schedule(lr, warmup_steps, total_steps)
         check_lr_scheduler(lr_scheduler)
         _hybrid.check_optimizer(optimizer)
         self._optimizer_factory = optimizer
         self._nonfinite = NonFiniteGuard(on_nonfinite)
         self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
-        self.lr = float(lr)
-        self.warmup_steps = warmup_steps
-        self.total_steps = total_steps
+        # NOTE: a subclass's training_step may run ORT's graph and then return None; under
+        # accumulation that micro-batch's gradients are then kept apart until it counts.
+        overridden = type(self).training_step is not ORTLightningModule.training_step
+        self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
+        self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
+        self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
+        self._resumed: dict[str, Any] = {}  # the properties of the ORT checkpoint this run starts from
+        self._schedule_start = Progress()  # where the first fit's schedule starts (checkpoint=)
+        self._schedule: Any = None  # the scheduler of the current fit
+        self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
+        if checkpoint is not None:
+            self._resume_from(self._source_properties)
+        schedule = resolve_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._resumed)
+        check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
+        self.lr, self.warmup_steps, self.total_steps = schedule.lr, schedule.warmup_steps, schedule.total_steps
         self.lr_scheduler = lr_scheduler
         self.save_hyperparameters(
-            {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": warmup_steps,
-             "total_steps": total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
+            {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": self.warmup_steps,
+             "total_steps": self.total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
              "check_labels": check_labels, "custom_op_library": self.custom_op_library,
              # NOTE: not named `optimizer`: load_from_checkpoint would pass the name back as the factory.
              "update": _hybrid.describe_optimizer(optimizer)}
         )
         self._metrics = self._stage_metrics(metrics)
-        self._window_has_loss = False  # a micro-batch of the current accumulation window returned a loss
-        self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
-        self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
-        self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
         check_graph_inputs(self.artifacts, self._session.input_names(training=True))
         self._labels = label_range_of(self.artifacts) if check_labels else None
 
@@ -163,6 +172,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         self._gradients: GradientViews = bind_views(self, views, self.artifacts.manifest.buffers)
         self._ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self._train_step = session.train_step
+        self._steps.attach(session, self._gradients)
         self._eval_step = session.eval_step
         return session
 
@@ -183,6 +193,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         return stages
 
     # ----------------------------------------------------------------------------- Lightning hooks
+    @override
     def setup(self, stage: str) -> None:
         """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
         check_strategy(self.trainer.strategy)
@@ -193,6 +204,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
                 f"use Trainer(precision={_SUPPORTED_PRECISION!r})."
             )
 
+    @override
     def configure_model(self) -> None:
         """Rebuild the ORT components on the trainer's root device when it is not theirs.
 
@@ -215,6 +227,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             self._gradients = bind_views(self, parameter_views(self._session), self.artifacts.manifest.buffers)
         self._load_values(values)
 
+    @override
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Run the eval graph on model inputs; return its model outputs as torch tensors.
 
@@ -224,8 +237,10 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
         return outputs[0] if len(outputs) == 1 else outputs
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
+        self._steps.before_graph(self.trainer, batch_idx)
         tensors, fetches, loss = self._run_graph(self._train_inputs, self._train_step, batch, graph="training")
         self._nonfinite.observe(loss, self.trainer, batch_idx)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
@@ -233,14 +248,17 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             self._update_metrics("train", fetches, tensors)
         return loss
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Run the eval graph and log ``val_loss`` (and the ``val_`` metrics)."""
         return self._evaluate("val", batch)
 
+    @override
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Run the eval graph and log ``test_loss`` (and the ``test_`` metrics)."""
         return self._evaluate("test", batch)
 
+    @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
         count = len(self.artifacts.manifest.inputs)
@@ -250,6 +268,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             return self(batch)
         return self(*batch[:count])
 
+    @override
     def configure_optimizers(self) -> Any:
         """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step.
 
@@ -270,11 +289,19 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         def total_steps() -> int:
             return total_steps_of(self.trainer, self.total_steps)
 
+        start, self._schedule_start = self._schedule_start, Progress()
         scheduler = lr_scheduler_config(
-            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps, start=start
         )
+        self._schedule = None if scheduler is None else scheduler["scheduler"]
         return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
 
+    @override
+    def on_train_start(self) -> None:
+        """Refuse a fit whose linear schedule is already over (every step would run at lr 0)."""
+        check_not_finished(self._schedule)
+
+    @override
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
         """Step ORT's schedule (Lightning only steps torch schedulers by itself)."""
         if isinstance(scheduler, LinearLRSchedule):
@@ -282,54 +309,45 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         else:
             super().lr_scheduler_step(scheduler, metric)
 
+    @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Note that this micro-batch's gradients count: ORT computed them in ``training_step``.
 
         Lightning calls it only for a ``training_step`` that returned a loss.
         """
-        self._window_has_loss = True
+        self._steps.counted()
 
+    @override
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any | None = None
     ) -> None:
-        """Step the optimizer; under ``accumulate_grad_batches=N`` average ORT's summed gradients first.
+        """One optimizer step, in the order `ort_lightning._step.StepPath.step` spells out.
 
-        After a NaN/inf loss under ``on_nonfinite="skip"`` the closure returns None and the optimizer
-        skips the update. ORT sums gradients over micro-batches, Lightning expects their mean; the scaling runs
-        inside the closure, so gradient clipping sees the averaged gradients, on the views of
-        ORT's buffers (re-bound there in case something set ``.grad`` to None).
+        Run the closure (the last micro-batch), mark the window, scale by ``1/accumulate_grad_batches``
+        (ORT sums, Lightning averages), re-bind the gradient views, decide a NaN/inf skip on all
+        ranks, let Lightning all-reduce and clip, update, reset ORT's gradient buffers.
         """
-        if optimizer_closure is not None:
-            optimizer_closure = self._nonfinite.wrap(
-                self._gradients.after_closure(
-                    self._window_closure(optimizer_closure), scale=1.0 / self.trainer.accumulate_grad_batches
-                )
-            )
-        optimizer.step(closure=optimizer_closure)
-        self._window_has_loss = False
+        self._steps.step(optimizer, optimizer_closure, self.trainer)
 
-    def _window_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """Step when any micro-batch of the window returned a loss, as a torch optimizer does.
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Do nothing: the step path resets ORT's gradients right after each update.
 
-        A ``training_step`` that returns None makes the closure return None, which skips the ORT
-        update; under accumulation, earlier micro-batches' gradients still count, so the step runs.
+        Lightning calls this inside the closure after ``training_step``: right for torch, whose
+        gradients appear in ``backward``, wrong for ORT, whose gradients appear in ``training_step``
+        (a reset there would throw away the first micro-batch under accumulation).
         """
 
-        def closure_of_the_window() -> Any:
-            result = closure()
-            return _WINDOW_LOSS if result is None and self._window_has_loss else result
-
-        return closure_of_the_window
-
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Schedule ORT's gradient reset and keep ``.grad`` the views of ORT's gradient buffers.
+        """Reset ORT's gradient buffers and keep ``.grad`` the views of them.
 
         ``torch.nn.Module.zero_grad`` would set ``.grad`` to None, cutting the views: gradient
         clipping would then see no gradients and silently do nothing.
         """
-        self._session.lazy_reset_grad()
-        self._gradients.rebind()
+        self._steps.reset()
 
+    @override
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTLightningModule:
         """Apply `fn` to the torch-side submodules (metrics) only; ORT's parameters stay in ORT's memory.
 

@@ -3,7 +3,7 @@
 Lightning only drives what looks like a torch optimizer: `ORTOptimizer` is a
 ``torch.optim.Optimizer`` whose ``param_groups`` hold the torch views of ORT's parameters
 (their ``.grad`` are views of ORT's gradient buffers) and whose ``lr`` is ORT's learning
-rate. `LinearLRSchedule` wraps ORT's ``LinearLRScheduler`` with ``step``/``state_dict``.
+rate. `LinearLRSchedule` is the linear warmup/decay schedule with ``step``/``state_dict``.
 
 Example::
 
@@ -30,8 +30,9 @@ class ORTOptimizer(torch.optim.Optimizer):
     """The ORT optimizer (AdamW or SGD graph) seen as a ``torch.optim.Optimizer``.
 
     ``step(closure)`` runs the closure (ORT forward and backward inside ``training_step``), sends
-    ``param_groups[0]["lr"]`` to ORT, runs the ORT update, then schedules ORT's gradient reset.
-    Moments and the step count live in ORT's CheckpointState, not in ``state``.
+    ``param_groups[0]["lr"]`` to ORT and runs ORT's update. Moments and the step count live in
+    ORT's CheckpointState, not in ``state``. The gradient reset after the update belongs to the
+    module's step path (`ort_lightning._step.StepPath`).
 
     Args:
         session: the assembled ORT objects.
@@ -45,33 +46,38 @@ class ORTOptimizer(torch.optim.Optimizer):
         super().__init__(list(params), {"lr": float(lr)})
         self.session = session
         session.set_lr(float(lr))
+        device = torch.device(session.device)
+        # NOTE: ORT's optimizer reads the gradient buffers on its own CUDA stream, while the
+        # accumulation scaling, the DDP all-reduce and clipping wrote them on torch's stream.
+        self._cuda_device = device if device.type == "cuda" else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``.
 
-        A closure that returns None (``training_step`` skipped the batch) skips the update; the
-        gradients are reset all the same, so that they do not leak into the next step.
+        A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf
+        loss is skipped) skips the update.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        session = self.session
-        if closure is None or loss is not None:
-            session.set_lr(self.param_groups[0]["lr"])
-            session.optimizer_step()
-        # NOTE: the reset goes right after the update. Lightning's zero_grad runs inside the
-        # closure after training_step, which for ORT (gradients appear in training_step, not in
-        # backward) would discard the first micro-batch under gradient accumulation.
-        session.lazy_reset_grad()
+            if loss is None:
+                return None
+        if self._cuda_device is not None:
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+        self.session.set_lr(self.param_groups[0]["lr"])
+        self.session.optimizer_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Do nothing: ORT resets its gradient buffers after each update (see `step`).
+        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them.
 
-        Setting ``.grad`` to None would also cut the views of ORT's gradient buffers.
+        In a fit the module's step path resets after each update instead, and Lightning's own
+        ``optimizer_zero_grad`` (which runs after ``training_step``, where ORT has already
+        computed the gradients) is a no-op.
         """
+        self.session.lazy_reset_grad()
 
 
 def linear_lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
@@ -88,40 +94,52 @@ def linear_lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float
 
 
 class LinearLRSchedule:
-    """ORT's LinearLRScheduler as a Lightning scheduler: linear warmup to `lr`, then decay to 0.
+    """Linear warmup from 0 to `lr`, then linear decay to 0, as a Lightning scheduler over `ORTOptimizer`.
 
-    The lr is computed by ORT from the optimizer's own step count, so it stays right after a
-    resume; ``param_groups`` mirror it for ``LearningRateMonitor``.
+    ``lr(s) = lr * linear_lr_factor(s)`` where `s` counts the scheduler's steps, which Lightning
+    takes once per optimizer step, a skipped (NaN/inf) one included, so `s` follows
+    ``trainer.global_step`` as a torch scheduler does. A warmup longer than the run stays in the
+    warmup (``fast_dev_run``, short ``max_steps``). ``param_groups`` carry the lr for
+    ``LearningRateMonitor``, and ORT gets it before every update.
 
     Args:
         optimizer: the `ORTOptimizer` whose lr it drives.
         warmup_steps: optimizer steps of the warmup.
         total_steps: optimizer steps until the lr reaches 0.
+        step: the step to start at (the optimizer steps of a run resumed from an ORT checkpoint).
+
+    Raises:
+        ConfigurationError: for ``total_steps < 1`` or a negative warmup or step.
     """
 
-    def __init__(self, optimizer: ORTOptimizer, *, warmup_steps: int, total_steps: int) -> None:
-        if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+    def __init__(self, optimizer: ORTOptimizer, *, warmup_steps: int, total_steps: int, step: int = 0) -> None:
+        if total_steps < 1 or warmup_steps < 0 or step < 0:
             raise ConfigurationError(
-                f"Expected 0 <= warmup_steps <= total_steps and total_steps >= 1, but got warmup_steps="
-                f"{warmup_steps}, total_steps={total_steps}; lower warmup_steps or raise total_steps."
+                f"Expected total_steps >= 1, warmup_steps >= 0 and step >= 0, but got warmup_steps={warmup_steps}, "
+                f"total_steps={total_steps}, step={step}; pass a positive total_steps."
             )
         self.optimizer = optimizer
         self.warmup_steps = int(warmup_steps)
         self.total_steps = int(total_steps)
         self.base_lr = float(optimizer.defaults["lr"])
-        self._scheduler = optimizer.session.linear_scheduler(
-            warmup_steps=self.warmup_steps, total_steps=self.total_steps, lr=self.base_lr
-        )
+        self.last_step = int(step)
         self._sync()
 
+    @property
+    def finished(self) -> bool:
+        """Whether every step from here on runs at lr 0 (past the warmup and past `total_steps`)."""
+        return self.last_step >= max(self.warmup_steps, self.total_steps)
+
     def _sync(self) -> None:
-        lr = self.optimizer.session.get_lr()
+        factor = linear_lr_factor(self.last_step, warmup_steps=self.warmup_steps, total_steps=self.total_steps)
+        lr = self.base_lr * factor
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.optimizer.session.set_lr(lr)
 
     def step(self) -> None:
-        """Recompute the lr from the optimizer's step count (call after each optimizer step)."""
-        self._scheduler.scheduler_step()
+        """Move to the next step's lr (Lightning calls it after each optimizer step)."""
+        self.last_step += 1
         self._sync()
 
     def get_last_lr(self) -> list[float]:
@@ -129,16 +147,14 @@ class LinearLRSchedule:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's settings; the step itself lives in ORT's optimizer state."""
-        return {"warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "base_lr": self.base_lr}
+        """The schedule's settings and its step."""
+        return {"warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "base_lr": self.base_lr,
+                "step": self.last_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the settings written by `state_dict` and recompute the lr."""
+        """Restore what `state_dict` returned and recompute the lr."""
         self.warmup_steps = int(state_dict["warmup_steps"])
         self.total_steps = int(state_dict["total_steps"])
         self.base_lr = float(state_dict["base_lr"])
-        self._scheduler = self.optimizer.session.linear_scheduler(
-            warmup_steps=self.warmup_steps, total_steps=self.total_steps, lr=self.base_lr
-        )
+        self.last_step = int(state_dict.get("step", self.last_step))
         self._sync()
-

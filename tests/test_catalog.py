@@ -186,8 +186,21 @@ def test_bad_lr_or_schedule_is_refused(mlp_adamw: Exported, options: dict[str, o
         ORTLightningModule(mlp_adamw.artifacts, **options)  # type: ignore[arg-type]
 
 
-def test_warmup_longer_than_the_run_is_refused_before_training(mlp_adamw: Exported) -> None:
-    module = ORTLightningModule(mlp_adamw.artifacts, warmup_steps=20, total_steps=10)
-    message = r"0 <= warmup_steps <= total_steps .* but got warmup_steps=20, total_steps=10; lower warmup_steps"
+def test_a_resumed_fit_past_the_end_of_its_schedule_is_refused_before_training(
+    mlp_adamw: Exported, tmp_path: Path
+) -> None:
+    # A finished run (2 steps of a 2-step schedule) resumed with checkpoint= for more: every step would be at lr 0.
+    _trainer(callbacks=[ORTCheckpoint(tmp_path)]).fit(ORTLightningModule(mlp_adamw.artifacts, lr=0.1), _loader())
+    resumed = ORTLightningModule(mlp_adamw.artifacts, checkpoint=tmp_path / "last.ortckpt")
+    before = {name: p.detach().clone() for name, p in resumed.named_parameters()}
+    message = (r"linear lr schedule is over before this fit starts: it is at optimizer step 2 and reaches lr 0 at "
+               r"total_steps=2 .* pass total_steps larger than 2 .* lr_scheduler='constant'")
     with pytest.raises(ConfigurationError, match=message):
-        _trainer().fit(module, _loader())
+        _trainer().fit(resumed, _loader())
+    assert all(torch.equal(p.detach(), before[name]) for name, p in resumed.named_parameters())
+    # What the message says works: a longer schedule continues from step 2 and trains.
+    longer = ORTLightningModule(mlp_adamw.artifacts, checkpoint=tmp_path / "last.ortckpt", total_steps=4)
+    _trainer().fit(longer, _loader())
+    assert not torch.equal(longer.get_parameter("fc1.weight").detach(), before["fc1.weight"])
+
+

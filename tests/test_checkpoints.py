@@ -73,7 +73,7 @@ def test_resume_from_ort_checkpoint_file_is_bit_identical(mlp_adamw: Exported, s
     first = ORTLightningModule(mlp_adamw.artifacts, **SCHEDULE)
     _trainer(tmp_path, max_epochs=1, callbacks=[ORTCheckpoint(tmp_path / "ckpt")]).fit(first, _loader())
     resumed = ORTLightningModule(mlp_adamw.artifacts, checkpoint=tmp_path / "ckpt" / "last.ortckpt", **SCHEDULE)
-    assert resumed.start_progress == {"global_step": STEPS_PER_EPOCH, "epoch": 0}
+    assert resumed.start_progress == {"global_step": STEPS_PER_EPOCH, "epoch": 1}  # its first epoch is epoch 1
     _trainer(tmp_path, max_epochs=1).fit(resumed, _loader())
     _assert_bit_identical(_weights(resumed), straight)
 
@@ -104,7 +104,7 @@ def test_lightning_ckpt_loads_weights_only_and_holds_ort_state(mlp_adamw: Export
     trainer.save_checkpoint(tmp_path / "model.ckpt")
     checkpoint = torch.load(tmp_path / "model.ckpt", weights_only=True)
     assert checkpoint["ort_state"].dtype is torch.uint8
-    assert checkpoint["lr_schedulers"][0] == {"warmup_steps": 4, "total_steps": 16, "base_lr": 0.05}
+    assert checkpoint["lr_schedulers"][0] == {"warmup_steps": 4, "total_steps": 16, "base_lr": 0.05, "step": 3}
     (tmp_path / "state").write_bytes(checkpoint["ort_state"].numpy().tobytes())
     state = CheckpointState.load_checkpoint(tmp_path / "state")
     np.testing.assert_array_equal(state.parameters["fc1.weight"].data, module.fc1.weight.detach().numpy())
