@@ -27,7 +27,7 @@ from typing import Any, Union
 import onnx
 import torch
 
-from ort_lightning import _export, _ort
+from ort_lightning import _export, _legalize, _ort
 from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning.errors import ArtifactError, ExportError
 
@@ -319,13 +319,14 @@ def export_artifacts(
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
+    _legalize.legalize(proto)
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
     model_outputs = [output.name for output in proto.graph.output]
     model_inputs = [info.name for info in proto.graph.input]
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _ort.generate(
+    _generate(
         proto,
         trainable=trainable,
         frozen=[*frozen_names, *sorted(buffers)],
@@ -359,6 +360,15 @@ def export_artifacts(
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return TrainingArtifacts.load(folder)
+
+
+def _generate(proto: onnx.ModelProto, **options: Any) -> None:
+    """`_ort.generate`, with a missing gradient explained by the node and torch module it comes from."""
+    try:
+        _ort.generate(proto, **options)
+    except ExportError as error:
+        _legalize.raise_explained(proto, error)
+        raise
 
 
 def _versions() -> dict[str, str]:

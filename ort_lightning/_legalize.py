@@ -1,0 +1,151 @@
+"""Legalization: rewrite the nodes ORT 1.19.2's gradient builder cannot take into exact equivalents.
+
+`RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
+returns the nodes that replace one node (or None when that node needs no change); the graph is
+otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
+`_rewrites`.
+
+Example::
+
+    >>> import onnx
+    >>> from onnx import helper
+    >>> node = helper.make_node("HardSwish", ["x"], ["y"], name="/act/HardSwish")
+    >>> graph = helper.make_graph(
+    ...     [node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+    ...     [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])])
+    >>> proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    >>> legalize(proto)
+    ['/act/HardSwish']
+    >>> sorted({node.op_type for node in proto.graph.node})
+    ['Add', 'Clip', 'Constant', 'Mul']
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx
+
+from ort_lightning import _rewrites
+from ort_lightning import _rewrites_spatial as _spatial
+from ort_lightning._rewriting import Graph, where
+from ort_lightning.errors import ExportError
+
+__all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "raise_explained"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one ONNX op is made differentiable by ORT 1.19.2, and why it has to be."""
+
+    rewrite: Callable[[Graph, onnx.NodeProto], list[onnx.NodeProto] | None]
+    reason: str
+
+
+_NO_GRADIENT = "no gradient builder in ORT 1.19.2"
+
+#: ONNX op (ai.onnx domain) -> its rewrite. The one place that says what legalization does.
+RULES: dict[str, Rule] = {
+    "LayerNormalization": Rule(
+        _rewrites.layer_norm_outputs,
+        "ORT's gradient reads the optional Mean and InvStdDev outputs, which the torch exporter leaves out",
+    ),
+    "HardSigmoid": Rule(_rewrites.hard_sigmoid, f"{_NO_GRADIENT}; becomes Clip(alpha*x + beta, 0, 1)"),
+    "HardSwish": Rule(_rewrites.hard_swish, f"{_NO_GRADIENT}; becomes x * Clip(x/6 + 1/2, 0, 1)"),
+    "Elu": Rule(_rewrites.elu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)) - 1)"),
+    "Selu": Rule(_rewrites.selu, f"{_NO_GRADIENT}; becomes gamma * the Elu rewrite"),
+    "Celu": Rule(_rewrites.celu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)/alpha) - 1)"),
+    "Softplus": Rule(_rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes relu(x) + log(1+exp(-|x|))"),
+    "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU, nn.RReLU); becomes relu(x) + slope*min(x, 0)"),
+    "Sign": Rule(_rewrites.sign, f"{_NO_GRADIENT} (nn.LPPool); becomes (x > 0) - (x < 0), gradient-free as Sign's"),
+    "ReduceMax": Rule(_rewrites.reduce_max, f"{_NO_GRADIENT} (torch.max/amax over a dim); becomes TopK(k=1)"),
+    "ReduceMin": Rule(_rewrites.reduce_min, f"{_NO_GRADIENT} (torch.min/amin over a dim); becomes TopK(k=1, smallest)"),
+    "ReduceL2": Rule(_rewrites.reduce_l2, "ORT's gradient graph of it is invalid (torch.norm); becomes sqrt(sum(x*x))"),
+    "InstanceNormalization": Rule(
+        _rewrites.instance_norm,
+        f"{_NO_GRADIENT} (nn.GroupNorm, nn.InstanceNorm*d export to it); becomes ReduceMean arithmetic",
+    ),
+    "AveragePool": Rule(
+        _spatial.average_pool,
+        "its gradient reads the static graph shape: a dynamic batch dies with SIGFPE; becomes a ones-kernel Conv",
+    ),
+    "Resize": Rule(_spatial.resize, "no CPU ResizeGrad kernel (nn.Upsample, F.interpolate); becomes a MatMul per axis"),
+    "Slice": Rule(_spatial.reversed_slice, "SliceGrad fails on negative steps (torch.flip); becomes Gather"),
+    "DepthToSpace": Rule(_spatial.depth_to_space, f"{_NO_GRADIENT} (nn.PixelShuffle); becomes Reshape/Transpose"),
+    "CumSum": Rule(_spatial.cumsum, f"{_NO_GRADIENT}; becomes a MatMul with a triangular ones matrix"),
+    "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),
+    "Loop": Rule(_rewrites.control_flow, "as If"),
+    "Scan": Rule(_rewrites.control_flow, "as If"),
+}
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def legalize(proto: onnx.ModelProto) -> list[str]:
+    """Rewrite, in place, every node of `proto` that `RULES` covers; return the rewritten nodes' names.
+
+    Raises:
+        ExportError: when a covered node cannot be rewritten (the message names the node).
+    """
+    graph = Graph(proto)
+    rewritten: list[str] = []
+    nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(proto.graph.node):
+        rule = RULES.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
+        replacement = rule.rewrite(graph, node) if rule is not None else None
+        if replacement is None:
+            nodes.append(node)
+            continue
+        rewritten.append(node.name or f"{node.op_type}_{index}")
+        nodes.extend(replacement)
+    if rewritten:
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes)
+    return rewritten
+
+
+_NO_BUILDER = re.compile(r"gradient builder has not been registered: ?(?P<op>[A-Za-z0-9_]+)")
+
+
+def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
+    """Say which node, of which torch module, ORT could not differentiate; None if `message` does not say.
+
+    The torch exporter names nodes after the module scope (``/encoder/layers.0/norm1/...``),
+    which is how the message names the torch module the op came from.
+
+    Example::
+
+        >>> from onnx import helper
+        >>> node = helper.make_node("Foo", ["x"], ["y"], name="/block/act/Foo", domain="custom")
+        >>> proto = helper.make_model(helper.make_graph([node], "g", [], []))
+        >>> print(explain_gradient_error(proto, "... gradient builder has not been registered: Foo ..."))
+        ... # doctest: +ELLIPSIS
+        ORT 1.19.2 has no gradient for the ONNX op 'Foo' (domain 'custom') at node '/block/act/Foo' ...
+    """
+    match = _NO_BUILDER.search(message)
+    if match is None:
+        return None
+    op = match.group("op")
+    nodes = [node for node in proto.graph.node if node.op_type == op]
+    if not nodes:
+        return None
+    node = nodes[0]
+    more = f" and {len(nodes) - 1} more node(s) of that op" if len(nodes) > 1 else ""
+    return (
+        f"ORT 1.19.2 has no gradient for {where(node)}{more}, and ort-lightning has no rewrite for "
+        f"it (see docs/ops.md); replace that layer with one the ops table lists as trainable, freeze "
+        f"everything before it and feed its output as an input, or train that part in torch."
+    )
+
+
+def raise_explained(proto: onnx.ModelProto, error: ExportError) -> None:
+    """Raise a clearer `ExportError` naming the node and module, when `error` is a missing gradient.
+
+    Raises:
+        ExportError: the explained error (the original one is its cause).
+    """
+    explained = explain_gradient_error(proto, str(error))
+    if explained is not None:
+        raise ExportError(explained) from error

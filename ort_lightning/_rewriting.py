@@ -1,0 +1,142 @@
+"""What a rewrite of `_legalize` works with: a `Graph` that hands out fresh names, shapes and constants.
+
+Example::
+
+    >>> import onnx
+    >>> from onnx import helper
+    >>> graph = Graph(helper.make_model(helper.make_graph([], "g", [], [])))
+    >>> graph.name("x"), graph.name("x")
+    ('x', 'x_1')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+__all__ = ["Graph", "attr", "module_of", "where"]
+
+
+class Graph:
+    """What the rewrites need to know about the graph: unique names, its opset, static shapes."""
+
+    def __init__(self, proto: onnx.ModelProto) -> None:
+        self.proto = proto
+        self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+        self._taken = {name for node in proto.graph.node for name in (*node.input, *node.output)}
+        self._taken |= {t.name for t in proto.graph.initializer} | {n.name for n in proto.graph.node}
+        self._shapes: dict[str, list[int | str | None]] | None = None
+        self._floats: set[str] = set()
+        self._constants = {t.name: t for t in proto.graph.initializer}
+        for node in proto.graph.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                self._constants[node.output[0]] = node.attribute[0].t
+        #: Nodes emitted by the rewrite in progress; `take` hands them over.
+        self.emitted: list[onnx.NodeProto] = []
+
+    def take(self) -> list[onnx.NodeProto]:
+        """The nodes emitted since the last `take`."""
+        nodes, self.emitted = self.emitted, []
+        return nodes
+
+    def emit(self, op: str, inputs: list[str], like: onnx.NodeProto, output: str | None = None, **attrs: Any) -> str:
+        """Emit a node named under `like` (its scope survives); return its output name."""
+        node = self.node(op, inputs, like, output, **attrs)
+        self.emitted.append(node)
+        return node.output[0]
+
+    def const(self, array: np.ndarray, like: onnx.NodeProto) -> str:
+        """Emit a Constant node; return its output name."""
+        node = self.constant(array, like)
+        self.emitted.append(node)
+        return node.output[0]
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The value of an initializer or Constant output, or None if `name` is computed (or empty)."""
+        tensor = self._constants.get(name) if name else None
+        return None if tensor is None else numpy_helper.to_array(tensor)
+
+    def name(self, base: str) -> str:
+        """A value or node name not yet used in the graph, derived from `base`."""
+        name, suffix = base, 0
+        while name in self._taken:
+            suffix += 1
+            name = f"{base}_{suffix}"
+        self._taken.add(name)
+        return name
+
+    def is_float(self, value: str) -> bool:
+        """Whether shape inference says `value` is a floating-point tensor (one gradients flow through)."""
+        self.shape(value)
+        return value in self._floats
+
+    def shape(self, value: str) -> list[int | str | None] | None:
+        """Dimensions of `value` (ints, symbolic names, None if unknown), from ONNX shape inference."""
+        if self._shapes is None:
+            self._shapes, self._floats = _infer_shapes(self.proto)
+        return self._shapes.get(value)
+
+    def node(
+        self, op: str, inputs: list[str], like: onnx.NodeProto, output: str | None = None, **attrs: Any
+    ) -> onnx.NodeProto:
+        """A new node named under `like` (so its scope survives), with a fresh output unless given."""
+        out = output or self.name(f"{like.name or like.op_type}/{op}_out")
+        return helper.make_node(op, inputs, [out], name=self.name(f"{like.name or like.op_type}/{op}"), **attrs)
+
+    def constant(self, array: np.ndarray, like: onnx.NodeProto) -> onnx.NodeProto:
+        """A Constant node (not an initializer: it must never become a parameter)."""
+        out = self.name(f"{like.name or like.op_type}/const")
+        return helper.make_node(
+            "Constant", [], [out], name=self.name(f"{like.name or like.op_type}/Constant"),
+            value=numpy_helper.from_array(array, out),
+        )
+
+
+def module_of(node_name: str) -> str:
+    """The torch module a TorchScript-exported node came from (the exporter names nodes by module scope).
+
+    Example::
+
+        >>> module_of("/encoder/layers.0/norm1/LayerNormalization")
+        'encoder.layers.0.norm1'
+    """
+    parts = [part for part in node_name.split("/") if part]
+    return ".".join(parts[:-1]) or "<top level>"
+
+
+def where(node: onnx.NodeProto) -> str:
+    """``op 'X' (domain 'd') at node 'n' (torch module 'm')``, for error messages."""
+    return (
+        f"the ONNX op {node.op_type!r} (domain {node.domain or 'ai.onnx'!r}) at node {node.name!r} "
+        f"(torch module {module_of(node.name)!r})"
+    )
+
+
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | None]], set[str]]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # onnx raises several types for a graph it cannot infer; shapes stay unknown
+        inferred = proto
+    shapes: dict[str, list[int | str | None]] = {}
+    graph = inferred.graph
+    infos = [*graph.input, *graph.value_info, *graph.output]
+    floats = {info.name for info in infos if info.type.tensor_type.elem_type in _FLOAT_TYPES}
+    for info in infos:
+        if not info.type.tensor_type.HasField("shape"):
+            continue
+        dims = info.type.tensor_type.shape.dim
+        shapes[info.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
+    return shapes, floats
+
+
+def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default

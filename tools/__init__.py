@@ -1,0 +1,1 @@
+"""Developer scripts of the project (run as ``python -m tools.<name>``)."""

@@ -1,0 +1,94 @@
+"""One training step of a torch model through real ORT artifacts, compared with torch autograd."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ort_lightning import _ort, export_artifacts
+from ort_lightning.bridge import BatchBinder, to_torch
+
+__all__ = ["StepResult", "compare_step"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """How one ORT training step compares with torch on the same weights and batch."""
+
+    loss_diff: float
+    output_diff: float
+    grad_diff: float  # max |g_ort - g_torch| over all parameters
+    grad_rel: float  # grad_diff relative to the largest |g_torch| of that parameter
+    worst: str  # the parameter with the largest relative difference
+
+
+def _torch_step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> tuple[
+    torch.Tensor, torch.Tensor, dict[str, torch.Tensor]
+]:
+    output = model(*inputs)
+    loss = F.mse_loss(output, target)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), output.detach(), grads
+
+
+def _ort_step(folder: Path, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    from ort_lightning import TrainingArtifacts
+
+    artifacts = TrainingArtifacts.load(folder)
+    session = _ort.assemble(
+        training_model=artifacts.training_model, eval_model=artifacts.eval_model,
+        optimizer_model=artifacts.optimizer_model, checkpoint=artifacts.checkpoint,
+    )
+    specs = [*artifacts.manifest.inputs, *artifacts.manifest.labels]
+    binder = BatchBinder(specs, torch.device("cpu"), graph="training")
+    fetches = session.train_step(binder(batch))
+    loss, output = to_torch(fetches[0]).clone(), to_torch(fetches[1]).clone()
+    grads = {name: to_torch(grad).clone() for name, _, grad, _ in session.parameters() if grad is not None}
+    return loss, output, grads
+
+
+def compare_step(
+    model: torch.nn.Module,
+    example: tuple[torch.Tensor, ...],
+    batch: tuple[torch.Tensor, ...],
+    *,
+    folder: Path | None = None,
+    seed: int = 0,
+) -> StepResult:
+    """Export `model` at `example`, run one ORT train step (MSE loss) on `batch`, compare with torch.
+
+    Raises:
+        ExportError: when the model cannot be exported or legalized.
+    """
+    reference = copy.deepcopy(model).train()
+    with tempfile.TemporaryDirectory() as scratch:
+        target_folder = folder or Path(scratch) / "artifacts"
+        export_artifacts(model, example, target_folder, loss="mse")
+        with torch.no_grad():
+            shape = copy.deepcopy(reference)(*batch).shape
+        target = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        ort_loss, ort_output, ort_grads = _ort_step(target_folder, [*batch, target])
+    torch_loss, torch_output, torch_grads = _torch_step(reference, batch, target)
+    grad_diff, grad_rel, worst = 0.0, 0.0, ""
+    # NOTE: a parameter whose true gradient is ~0 (a conv bias before a normalization) is measured
+    # against 1e-3 of the model's largest gradient, not divided by ~0.
+    floor = 1e-3 * max((float(g.abs().max()) for g in torch_grads.values()), default=1.0)
+    for name, grad in torch_grads.items():
+        diff = float((ort_grads[name] - grad).abs().max())
+        rel = diff / max(float(grad.abs().max()), floor, 1e-12)
+        grad_diff = max(grad_diff, diff)
+        if rel >= grad_rel:
+            grad_rel, worst = rel, name
+    return StepResult(
+        loss_diff=float((ort_loss - torch_loss).abs()),
+        output_diff=float((ort_output - torch_output).abs().max()),
+        grad_diff=grad_diff,
+        grad_rel=grad_rel,
+        worst=worst,
+    )
