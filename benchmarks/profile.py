@@ -65,10 +65,27 @@ def ort_profile(case: Case, artifacts: TrainingArtifacts, steps: int, folder: Pa
     totals: dict[str, float] = defaultdict(float)
     totals["AdamWOptimizer (clock)"] = update_ms / steps
     for path in folder.glob(f"ort-{case.name}*.json"):
-        for event in json.loads(path.read_text()):
+        for event in _events(path.read_text()):
             if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
                 totals[event["args"]["op_name"]] += event["dur"] / 1e3 / steps
     return dict(totals)
+
+
+def _events(text: str) -> list[dict]:
+    """The events of an ORT profile, one JSON object a line; lines that two sessions garbled are skipped.
+
+    NOTE: sessions created in the same second write the same file name; the file may then
+    hold the tail of one session's events after another's closing bracket.
+    """
+    events = []
+    for line in text.splitlines():
+        line = line.strip().rstrip(",")
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
 
 
 def torch_profile(case: Case, steps: int) -> dict[str, float]:
