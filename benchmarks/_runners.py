@@ -1,4 +1,4 @@
-"""The four ways to train one model that the benchmark compares, each timed the same way.
+"""The five ways to train one model that the benchmark compares, each timed the same way.
 
 A runner's ``run(steps)`` trains on a DataLoader of ``steps + 1`` batches and returns the
 ``steps`` intervals between consecutive batch ends, in seconds: data loading, the step and,
@@ -22,6 +22,11 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts
 LR = 1e-3
 
 
+def torch_adamw(params: Any) -> torch.optim.Optimizer:
+    """The torch runners' and the hybrid runner's optimizer: AdamW, fused (torch's fastest on CPU)."""
+    return torch.optim.AdamW(params, lr=LR, fused=True)
+
+
 class _BatchEndClock(pl.Callback):
     def __init__(self) -> None:
         self.stamps: list[float] = []
@@ -37,18 +42,18 @@ def _intervals(stamps: list[float]) -> list[float]:
 class TorchLightning(pl.LightningModule):
     """What a user writes in plain Lightning: the torch model, cross-entropy, AdamW, logging."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, case: Case) -> None:
         super().__init__()
-        self.model = model
+        self.case = case
+        self.model = case.model()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss = self.case.loss(self.model, batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+        return torch_adamw(self.parameters())
 
 
 def _fit(module: pl.LightningModule, loader: Any) -> list[float]:
@@ -77,6 +82,16 @@ class LightningORT:
         return _fit(self.module, self.case.loader(steps + 1))
 
 
+class LightningORTHybrid(LightningORT):
+    """ORTLightningModule with a torch optimizer: ORT's forward and backward, torch's fused AdamW update."""
+
+    label = "Lightning + ORT-hybrid"
+
+    def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
+        self.case = case
+        self.module = ORTLightningModule(artifacts, optimizer=torch_adamw, lr_scheduler="constant")
+
+
 class LightningTorch:
     """The same model in plain torch under the same Trainer: what a user would pick instead."""
 
@@ -84,7 +99,7 @@ class LightningTorch:
 
     def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
         self.case = case
-        self.module = TorchLightning(case.model())
+        self.module = TorchLightning(case)
 
     def run(self, steps: int) -> list[float]:
         return _fit(self.module, self.case.loader(steps + 1))
@@ -113,10 +128,12 @@ class ORTLoop:
         reset = self.module._model.lazy_reset_grad
         wrap = OrtValue.from_dlpack
         stamps = []
-        for x, y in self.case.loader(steps + 1):
+        for batch in self.case.loader(steps + 1):
             inputs = OrtValueVector()
-            inputs.push_back(wrap(x.__dlpack__(), False))
-            inputs.push_back(wrap(y.__dlpack__(), False))
+            for tensor in batch:
+                # NOTE: ORT 1.19.2 reads bool tensors from DLPack only as 8-bit unsigned ones.
+                flag = tensor.dtype == torch.bool
+                inputs.push_back(wrap((tensor.view(torch.uint8) if flag else tensor).__dlpack__(), flag))
             fetches = OrtValueVector()
             train(inputs, fetches)
             update()
@@ -126,32 +143,32 @@ class ORTLoop:
 
 
 class TorchLoop:
-    """A hand-written torch loop: forward, cross-entropy, backward, AdamW step, zero_grad."""
+    """A hand-written torch loop: forward, loss, backward, AdamW step, zero_grad."""
 
     label = "torch loop"
 
     def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
         self.case = case
         self.model = case.model()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.optimizer = torch_adamw(self.model.parameters())
 
     def run(self, steps: int) -> list[float]:
         stamps = []
-        for x, y in self.case.loader(steps + 1):
-            loss = torch.nn.functional.cross_entropy(self.model(x), y)
-            loss.backward()
+        for batch in self.case.loader(steps + 1):
+            self.case.loss(self.model, batch).backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             stamps.append(time.perf_counter())
         return _intervals(stamps)
 
 
-RUNNERS = {"lightning-ort": LightningORT, "ort-loop": ORTLoop, "lightning-torch": LightningTorch,
-           "torch-loop": TorchLoop}
+RUNNERS = {"lightning-ort": LightningORT, "lightning-ort-hybrid": LightningORTHybrid, "ort-loop": ORTLoop,
+           "lightning-torch": LightningTorch, "torch-loop": TorchLoop}
 
 
 def export(case: Case, directory: Path) -> TrainingArtifacts:
     """Export `case`'s model (seed 0, the torch runners' initial weights too) with AdamW."""
     from ort_lightning import export_artifacts
 
-    return export_artifacts(case.model(), case.example(), directory / case.name)
+    loss = None if case.returns_loss else "cross_entropy"
+    return export_artifacts(case.model(), case.example(), directory / case.name, loss=loss)

@@ -88,6 +88,7 @@ class CheckpointingMixin:
     _session: _ort.TrainingSession
     _start_progress: dict[str, int]
     _state_restored: bool
+    _optimizer_factory: Any
     _resumed: dict[str, Any]
     _source_properties: dict[str, Any]
     _schedule_start: Progress
@@ -196,7 +197,8 @@ class CheckpointingMixin:
         Args:
             path: the checkpoint file to create or replace.
             include_optimizer_state: also store the optimizer's step count and moments, which an
-                exact resume needs.
+                exact resume needs. Under hybrid training (``optimizer=`` a torch optimizer) the file
+                holds the weights only: the torch optimizer's state is in Lightning's ``.ckpt``.
             properties: int, float or str values stored in the file. Always added: ``lr``,
                 ``ort_lightning_version``, ``optimizer_state`` (1 or 0) and ``seed`` (ORT's random
                 stream); the linear schedule's ``schedule_lr``, ``schedule_warmup_steps`` and
@@ -206,6 +208,9 @@ class CheckpointingMixin:
         Returns:
             The path written.
         """
+        # NOTE: under a torch optimizer (hybrid training) ORT's optimizer state is never used;
+        # the file holds the weights, and the torch optimizer's state lives in Lightning's .ckpt.
+        include_optimizer_state = include_optimizer_state and self._optimizer_factory is None
         values: dict[str, int | float | str] = {"lr": float(self._session.get_lr())}
         values["ort_lightning_version"] = _version()
         values["optimizer_state"] = int(include_optimizer_state)
@@ -253,7 +258,7 @@ class CheckpointingMixin:
         """Store the full ORT state (weights, optimizer step and moments) as uint8 bytes."""
         with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
             path = Path(folder) / "state"
-            _ort.save_checkpoint(self._session, path, include_optimizer_state=True)
+            _ort.save_checkpoint(self._session, path, include_optimizer_state=self._optimizer_factory is None)
             data = bytearray(path.read_bytes())
         checkpoint[ORT_STATE_KEY] = torch.frombuffer(data, dtype=torch.uint8)
         checkpoint[_PROGRESS_KEY] = {"version": _version(), "seed": self._steps.seed_in_use(), **self.start_progress}

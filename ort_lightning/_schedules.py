@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ort_lightning._hybrid import linear_schedule
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
 
@@ -88,7 +89,7 @@ def _check_config(config: dict[str, Any]) -> None:
         )
 
 
-def torch_schedule(optimizer: ORTOptimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
+def torch_schedule(optimizer: torch.optim.Optimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
     """Build a torch scheduler over `optimizer` with `factory`; its lr reaches ORT before every update.
 
     Raises:
@@ -120,7 +121,7 @@ class Progress:
 
 
 def lr_scheduler_config(
-    optimizer: ORTOptimizer,
+    optimizer: torch.optim.Optimizer,
     lr_scheduler: str | SchedulerFactory | dict[str, Any],
     *,
     warmup_steps: int | float,
@@ -137,7 +138,7 @@ def lr_scheduler_config(
     ``ReduceLROnPlateau`` depends on metrics it has not seen and starts afresh.
 
     Args:
-        optimizer: the ORT optimizer facade.
+        optimizer: the ORT optimizer facade, or the torch optimizer of hybrid training.
         lr_scheduler: ``"linear"``, ``"constant"``, a torch scheduler factory or Lightning's dict.
         warmup_steps: the linear schedule's warmup, a count or a fraction of the total.
         total_steps: returns the linear schedule's length (asked only for ``"linear"``).
@@ -157,7 +158,11 @@ def lr_scheduler_config(
     else:
         total = total_steps()
         warmup = resolve_warmup(warmup_steps, total_steps=total)
-        scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total, step=start.step)
+        if isinstance(optimizer, ORTOptimizer):
+            scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total, step=start.step)
+        else:  # a torch optimizer over ORT's gradients: the same closed form, as a torch scheduler
+            scheduler = linear_schedule(optimizer, warmup_steps=warmup, total_steps=total)
+            _fast_forward(scheduler, start.step)
     return {"scheduler": scheduler, "interval": "step"}
 
 

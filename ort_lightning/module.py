@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from ort_lightning import _ort
+from ort_lightning import _hybrid, _ort
 from ort_lightning._binding import GradientViews, bind_views, check_conversion
 from ort_lightning._checkpointing import CheckpointingMixin
 from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_range_of
@@ -86,6 +86,10 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             ORT would train on them with a wrong loss).
         custom_op_library: a shared library of custom operators to register with ONNX Runtime; nothing
             is ever loaded from the artifacts folder unless named here.
+        optimizer: None (the default) runs the artifacts' ORT optimizer graph; a factory
+            ``params -> torch.optim.Optimizer`` (``lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True)``)
+            makes ORT compute forward and backward and that torch optimizer update ORT's parameters
+            in place (hybrid training). Its lr is the factory's; `lr` is then unused.
 
     Raises:
         ConfigurationError: for a non-positive lr, an inconsistent schedule, an unknown `on_nonfinite`,
@@ -108,9 +112,12 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         on_nonfinite: str = "raise",
         check_labels: bool = True,
         custom_op_library: str | os.PathLike[str] | None = None,
+        optimizer: _hybrid.OptimizerFactory | None = None,
     ) -> None:
         super().__init__()
         check_lr_scheduler(lr_scheduler)
+        _hybrid.check_optimizer(optimizer)
+        self._optimizer_factory = optimizer
         self._nonfinite = NonFiniteGuard(on_nonfinite)
         self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
@@ -133,7 +140,9 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         self.save_hyperparameters(
             {"artifacts": str(self.artifacts.directory), "lr": self.lr, "warmup_steps": self.warmup_steps,
              "total_steps": self.total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
-             "check_labels": check_labels, "custom_op_library": self.custom_op_library}
+             "check_labels": check_labels, "custom_op_library": self.custom_op_library,
+             # NOTE: not named `optimizer`: load_from_checkpoint would pass the name back as the factory.
+             "update": _hybrid.describe_optimizer(optimizer)}
         )
         self._metrics = self._stage_metrics(metrics)
         check_graph_inputs(self.artifacts, self._session.input_names(training=True))
@@ -270,7 +279,12 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         if self._optimizers_configured and not self._state_restored:
             self._restart_optimizer()
         self._optimizers_configured, self._state_restored = True, False
-        optimizer = ORTOptimizer(self._session, (p for p, _ in self._gradients.pairs), lr=self.lr)
+        params = _hybrid.trainable(self._gradients.pairs)
+        optimizer: torch.optim.Optimizer
+        if self._optimizer_factory is None:
+            optimizer = ORTOptimizer(self._session, params, lr=self.lr)
+        else:
+            optimizer = _hybrid.build(self._optimizer_factory, self._session, params)
 
         def total_steps() -> int:
             return total_steps_of(self.trainer, self.total_steps)

@@ -62,6 +62,11 @@ class DumpState(L.Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
+def sgd_nesterov(params: Any) -> torch.optim.Optimizer:
+    """The torch optimizer of the hybrid DDP test: SGD with momentum, Nesterov and weight decay."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
 def train(
     artifacts: str | Path,
     out: str | Path,
@@ -73,12 +78,14 @@ def train(
     steps: int = 20,
     accumulate: int = 1,
     lr: float = 0.01,
+    optimizer: str = "ort",
 ) -> ORTLightningModule:
     """Fit ``steps`` optimizer steps on ``devices`` ranks of ``batch`` samples; return the module."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     x, y = dataset(kind, 2 * steps * accumulate * batch * devices)
-    module = ORTLightningModule(artifacts, lr=lr)
+    hybrid = sgd_nesterov if optimizer == "sgd-nesterov" else None
+    module = ORTLightningModule(artifacts, lr=lr, optimizer=hybrid, lr_scheduler="constant" if hybrid else "linear")
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
         use_distributed_sampler=False, callbacks=[DumpState(out)], logger=False, enable_checkpointing=False,
@@ -102,10 +109,11 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--kind", default="mlp")
     parser.add_argument("--strategy", default="ort_ddp")
+    parser.add_argument("--optimizer", default="ort", choices=["ort", "sgd-nesterov"])
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     train(args.artifacts, args.out, kind=args.kind, strategy=args.strategy, devices=args.devices,
-          batch=args.batch, steps=args.steps, accumulate=args.accumulate)
+          batch=args.batch, steps=args.steps, accumulate=args.accumulate, optimizer=args.optimizer)
 
 
 if __name__ == "__main__":

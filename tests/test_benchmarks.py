@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,9 +22,15 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
     assert text.startswith("**SMOKE RUN (--quick)"), text[:200]  # 5 steps are noise: said before any table
-    for runner in ("Lightning + ORT", "ORT loop", "Lightning + torch", "torch loop"):
+    for runner in ("Lightning + ORT", "Lightning + ORT-hybrid", "ORT loop", "Lightning + torch", "torch loop"):
         assert re.search(rf"\| mlp-small \| {re.escape(runner)} \| [\d.]+ \|", text), runner
-    assert re.search(r"\| mlp-small \| [\d.]+x \| [\d.]+x \| [\d.]+x \|", text)
+    assert re.search(r"\| mlp-small \| [\d.]+x \| [\d.]+x \| [\d.]+x \| [\d.]+x \|", text)
+    goal_row = r"^\| mlp-small \| (.+?) \| [-\d.]+ ?(?:ms|x) \| [<>]= [\d.]+ ?(?:ms|x) \| (met|\*\*not met\*\*) \|$"
+    goals = re.findall(goal_row, text, re.MULTILINE)
+    assert [goal for goal, _ in goals] == [
+        "ms added by adapter+Lightning <= ms added by Lightning (torch) + 0.1",
+        "throughput L+ORT / L+torch >= 1.25",
+    ]
     assert len(re.findall(r"^\| (64|4096) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", text, re.MULTILINE)) == 2
     assert text in result.stdout
 
@@ -33,3 +42,26 @@ def test_soak_script_reports_rss_growth() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"steps: 300 .* growth after warm-up: [+-][\d.]+%", result.stdout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the script runs for real there")
+def test_gpu_script_without_a_gpu_says_so_and_fails() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
+    assert result.returncode == 2
+    assert "benchmarks.gpu: cannot run: no CUDA GPU visible to torch" in result.stderr
+    assert "Nothing was measured" in result.stderr
+
+
+def test_profile_lists_ort_and_torch_ops_side_by_side() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile", "--cases", "mlp-small", "--steps", "3"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = r"^\| 1 \| [A-Z][\w ()]* \| [\d.]+ \| \d+% \| [\w:#.]+ \| [\d.]+ \| \d+% \|$"
+    assert re.search(first, result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"\*\*all ORT kernels\*\* \| \*\*[\d.]+\*\*", result.stdout)
+    assert "| Gemm |" in result.stdout or "| FusedGemm |" in result.stdout  # the linear layers' kernels
+    assert "AdamWOptimizer (clock)" in result.stdout

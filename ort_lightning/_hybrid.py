@@ -1,0 +1,195 @@
+"""Hybrid training: ONNX Runtime computes forward and backward, a torch optimizer updates.
+
+``ORTLightningModule(optimizer=factory)`` takes a factory ``params -> torch.optim.Optimizer``
+(``lambda params: torch.optim.AdamW(params, lr=3e-4, fused=True)``, SGD with momentum and
+Nesterov, any third-party torch optimizer). The parameters it receives are the module's torch
+parameters: views of ORT's CheckpointState whose ``.grad`` are views of ORT's gradient buffers
+(DLPack, no copy). The torch optimizer's in-place update therefore writes ORT's weights
+directly, and the next ``train_step`` sees it. `TorchOverORT` wraps that optimizer so that
+Lightning drives it like the ORT one: it is the update of the module's one step path
+(`ort_lightning._step.StepPath`), which runs the closure (ORT's forward and backward), skips the
+update when the closure returns None, and resets ORT's gradient buffers after each update.
+
+ORT's own optimizer graph stays the default (``optimizer=None``): it is what ships for
+on-device training. The torch optimizer pays where ORT's update is slow (AdamW over millions of
+parameters) or missing (SGD with momentum, Nesterov, weight decay).
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from ort_lightning import ORTLightningModule, export_artifacts
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
+    >>> module = ORTLightningModule(artifacts, optimizer=sgd, lr_scheduler="constant")
+    >>> optimizer = module.configure_optimizers()
+    >>> type(optimizer.optimizer).__name__, optimizer.param_groups[0]["momentum"]
+    ('SGD', 0.9)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ort_lightning._ort import TrainingSession
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.optim import linear_lr_factor
+
+__all__ = ["OptimizerFactory", "TorchOverORT", "check_optimizer", "describe_optimizer", "linear_schedule"]
+
+#: What ``ORTLightningModule(optimizer=...)`` takes besides None.
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+_EXAMPLE = "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4, fused=True)"
+
+
+def check_optimizer(optimizer: object) -> None:
+    """Refuse an `optimizer` option that is neither None nor a callable.
+
+    Raises:
+        ConfigurationError: naming what is accepted.
+    """
+    if optimizer is None or (callable(optimizer) and not isinstance(optimizer, (str, torch.optim.Optimizer))):
+        return
+    raise ConfigurationError(
+        f"Expected argument `optimizer` to be None (ORT's own optimizer graph) or a callable params -> "
+        f"torch.optim.Optimizer, but got {optimizer!r}; pass a factory, e.g. {_EXAMPLE} (an optimizer "
+        "instance cannot work: it must be built over the module's ORT-backed parameters)."
+    )
+
+
+def describe_optimizer(optimizer: OptimizerFactory | None) -> str:
+    """A name for `optimizer` in the hyper-parameters: ``"ort"`` or the factory's name."""
+    if optimizer is None:
+        return "ort"
+    return getattr(optimizer, "__qualname__", type(optimizer).__name__)
+
+
+class TorchOverORT(torch.optim.Optimizer):
+    """A torch optimizer updating ORT's parameters from ORT's gradients, driven by Lightning.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own objects, so
+    gradient clipping, torch schedulers and ``LearningRateMonitor`` work on it as on the torch
+    optimizer; ``state_dict`` is the torch optimizer's, which Lightning stores in the ``.ckpt``.
+
+    Args:
+        session: the assembled ORT objects (for the gradient reset).
+        optimizer: the torch optimizer, built over the module's ORT-backed parameters.
+    """
+
+    def __init__(self, session: TrainingSession, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__([p for group in optimizer.param_groups for p in group["params"]], {})
+        self.optimizer = optimizer
+        self.session = session
+        device = torch.device(session.device)
+        self._cuda_device = device if device.type == "cuda" else None
+        self._alias()
+
+    def _alias(self) -> None:
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run `closure`, then the torch optimizer's update: step 7 of `ort_lightning._step.StepPath`.
+
+        A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf loss
+        is skipped) skips the update. The gradient reset after it belongs to the step path.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            if loss is None:
+                return None
+        self.optimizer.step()
+        if self._cuda_device is not None:
+            # NOTE: the update ran on torch's stream; ORT's next train step reads the parameters
+            # on its own stream.
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them.
+
+        The torch optimizer's own ``zero_grad`` would set ``.grad`` to None, cutting the views. In a
+        fit the module's step path resets after each update instead (see `ORTOptimizer.zero_grad`).
+        """
+        self.session.lazy_reset_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch optimizer's state (moments, step counts, param groups)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the torch optimizer's state, keeping the objects others hold.
+
+        ``torch.optim.Optimizer.load_state_dict`` replaces ``param_groups`` and ``state`` with new
+        objects; Lightning's optimizer wrapper and the schedulers keep the old ones, so the new
+        contents are moved into them.
+        """
+        groups, state = self.optimizer.param_groups, self.optimizer.state
+        self.optimizer.load_state_dict(state_dict)
+        groups[:] = self.optimizer.param_groups
+        state.clear()
+        state.update(self.optimizer.state)
+        self.optimizer.param_groups, self.optimizer.state = groups, state
+        self._alias()
+
+
+def build(factory: OptimizerFactory, session: TrainingSession, params: Sequence[torch.nn.Parameter]) -> TorchOverORT:
+    """Call `factory` over the trainable ORT-backed `params` and wrap what it returns.
+
+    Raises:
+        ConfigurationError: when the factory returns no torch optimizer, or one holding tensors
+            that are not the module's trainable parameters (they would never see ORT's gradients).
+    """
+    optimizer = factory(list(params))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigurationError(
+            f"Expected `optimizer` to return a torch.optim.Optimizer, but it returned {type(optimizer).__name__}; "
+            f"write e.g. {_EXAMPLE}."
+        )
+    ours = {id(p) for p in params}
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in ours)
+    if foreign:
+        raise ConfigurationError(
+            f"The optimizer from `optimizer` holds {foreign} tensor(s) that are not the module's trainable "
+            "parameters (views of ONNX Runtime's state), so they would never receive ORT's gradients; build it "
+            f"over the `params` the factory is given, e.g. {_EXAMPLE}."
+        )
+    return _facade_class(type(optimizer))(session, optimizer)
+
+
+_FACADES: dict[type, type[TorchOverORT]] = {}
+
+
+def _facade_class(kind: type[torch.optim.Optimizer]) -> type[TorchOverORT]:
+    # NOTE: named after the torch optimizer, so that LearningRateMonitor logs "lr-AdamW" as it
+    # does for a torch module, not the name of this wrapper.
+    if kind not in _FACADES:
+        _FACADES[kind] = type(kind.__name__, (TorchOverORT,), {"__module__": __name__, "__doc__": TorchOverORT.__doc__})
+    return _FACADES[kind]
+
+
+def linear_schedule(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The linear warmup/decay of `LinearLRSchedule` as a torch scheduler over a torch optimizer.
+
+    Each param group keeps its own peak lr (the factory's); a warmup longer than the run stays
+    in the warmup, as with ORT's optimizer.
+    """
+
+    def factor(step: int) -> float:
+        return linear_lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def trainable(pairs: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> list[torch.nn.Parameter]:
+    """The parameters of (parameter, gradient view) pairs, in order."""
+    return [parameter for parameter, _ in pairs]
