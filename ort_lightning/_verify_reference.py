@@ -42,6 +42,8 @@ _TORCH_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "smooth_l1": F.smooth_l1_loss,
     "huber": F.huber_loss,
 }
+#: Position of ``dropout_p`` in ``F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p)``.
+_SDPA_DROPOUT_ARG = 4
 #: Functions a torch forward drops out with; the graph's Dropout nodes run at ratio 0 instead.
 _DROPOUTS = frozenset(
     {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
@@ -147,7 +149,11 @@ def _select(outputs: Any, call: Call, *, returns_loss: bool) -> torch.Tensor:
 
 
 class _WithoutDropout(TorchFunctionMode):
-    """Dropout functions return their input: ``nn.Dropout`` modules and ``F.dropout`` calls alike."""
+    """Dropout functions return their input: ``nn.Dropout`` modules and ``F.dropout`` calls alike.
+
+    ``F.scaled_dot_product_attention`` drops out inside the function (Hugging Face attention passes
+    ``dropout_p``); it runs with ``dropout_p=0``, as the graph's Dropout after its Softmax does.
+    """
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
@@ -155,6 +161,10 @@ class _WithoutDropout(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            if len(args) > _SDPA_DROPOUT_ARG:
+                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1 :])
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
         return func(*args, **kwargs)
 
 
