@@ -204,7 +204,22 @@ def _describe_artifacts(directory: Path) -> None:
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     print(f"optimizer:  {manifest.optimizer} {options}".rstrip())
     _describe_checkpoint(artifacts.checkpoint, header=False)
+    for title, names in _initializer_roles(artifacts):
+        print(f"{title + ':':<11} {', '.join(names) or '-'}")
     print("versions:   " + ", ".join(f"{name} {version}" for name, version in manifest.versions.items()))
+
+
+def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
+    """Which tensors train, which are frozen or buffers, and which float initializers stay constants."""
+    import onnx
+
+    manifest = artifacts.manifest
+    state = {*manifest.trainable, *manifest.frozen, *manifest.buffers}
+    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+    graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
+    constants = sorted(t.name for t in graph.initializer if t.data_type in floating and t.name not in state)
+    return [("trains", list(manifest.trainable)), ("frozen", list(manifest.frozen)),
+            ("buffers", list(manifest.buffers)), ("constants", constants)]
 
 
 def _describe_checkpoint(path: Path, *, header: bool = True) -> None:
