@@ -155,9 +155,25 @@ def test_a_cut_gradient_view_is_bound_again_before_the_all_reduce(mlp_adamw: Exp
 
 
 def test_single_rank_ort_ddp_trains_like_one_process(mlp_adamw: Exported) -> None:
-    trainer = _fit(ORTLightningModule(mlp_adamw.artifacts), ORTDDPStrategy(bucket_cap_mb=0.001))
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
+    trainer = _fit(module, ORTDDPStrategy(bucket_cap_mb=0.001))
     assert isinstance(trainer.strategy, ORTDDPStrategy)
     assert trainer.strategy.gradient_syncs == 2
+    # The reference: plain torch, the same two batches, torch's AdamW and ORT's linear decay over 2 steps.
+    reference = mlp_adamw.reference()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (2 - step) / 2)
+    x, y = ddp_run.dataset("mlp", 64)
+    for batch in range(2):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x[batch * BATCH:(batch + 1) * BATCH]),
+                                          y[batch * BATCH:(batch + 1) * BATCH]).backward()
+        optimizer.step()
+        schedule.step()
+    expected = {name: p.detach() for name, p in reference.named_parameters()}
+    _assert_equal_states({n: p.detach() for n, p in module.named_parameters()}, expected, atol=1e-6)
+    initial = mlp_adamw.reference().state_dict()
+    assert max((initial[n] - expected[n]).abs().max().item() for n in expected) > 1e-3
 
 
 def test_bucket_size_must_be_positive() -> None:
