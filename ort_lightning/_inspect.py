@@ -66,9 +66,23 @@ def artifacts_rows(directory: Path) -> Rows:
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     rows.append(("optimizer", f"{manifest.optimizer} {options}".rstrip()))
     rows += checkpoint_rows(artifacts.checkpoint)
+    rows += [(title, ", ".join(names) or "-") for title, names in _initializer_roles(artifacts)]
     rows += report_rows(manifest.verification)
     rows.append(("versions", ", ".join(f"{name} {version}" for name, version in manifest.versions.items())))
     return rows
+
+
+def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
+    """Which tensors train, which are frozen or buffers, and which float initializers stay constants."""
+    import onnx
+
+    manifest = artifacts.manifest
+    state = {*manifest.trainable, *manifest.frozen, *manifest.buffers}
+    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+    graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
+    constants = sorted(t.name for t in graph.initializer if t.data_type in floating and t.name not in state)
+    return [("trains", list(manifest.trainable)), ("frozen", list(manifest.frozen)),
+            ("buffers", list(manifest.buffers)), ("constants", constants)]
 
 
 def checkpoint_rows(path: Path) -> Rows:

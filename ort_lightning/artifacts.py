@@ -27,7 +27,7 @@ from typing import Any, Union
 import onnx
 import torch
 
-from ort_lightning import _batchnorm, _export, _legalize, _ort
+from ort_lightning import _batchnorm, _export, _legalize, _ort, _weights
 from ort_lightning._losses import LossSpec, check_class_axis, resolve_loss
 from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning._model_io import plan_io, strip_prefix
@@ -229,9 +229,8 @@ def _source_proto(
             f"but got {type(model).__name__}."
         )
     buffers = _export.buffer_inputs_of(proto)
-    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
-    parameters = {t.name for t in proto.graph.initializer if t.data_type in floating} - buffers
-    return proto, parameters, buffers
+    weights, _ = _weights.split_initializers(proto, buffers=buffers)
+    return proto, set(weights), buffers
 
 
 def _describe(model: ModelSource) -> str:
@@ -296,6 +295,11 @@ def export_artifacts(
 
     Args:
         model: a ``torch.nn.Module``, an ``onnx.ModelProto``, or the path of an ``.onnx`` file.
+            A torch module trains its ``named_parameters()``. An ONNX model trains only its real
+            weights: floating-point initializers of rank >= 1, other than BatchNorm running
+            statistics, that some node reads at a differentiable input (not as a shape, axes,
+            indices, Pow exponent, Dropout ratio, Clip bound ...); scalars and those other
+            initializers stay constants (``ort-lightning inspect`` lists both).
         example_inputs: a tensor or tuple of tensors the module's forward takes (torch models only),
             or a dict of keyword tensors (``{"input_ids": ..., "attention_mask": ...}``), whose keys
             name the graph's inputs; the first dimension of every input and output becomes a dynamic

@@ -79,13 +79,19 @@ def train(
     accumulate: int = 1,
     lr: float = 0.01,
     optimizer: str = "ort",
+    samples: int | None = None,
 ) -> ORTLightningModule:
-    """Fit ``steps`` optimizer steps on ``devices`` ranks of ``batch`` samples; return the module."""
+    """Fit ``steps`` optimizer steps on ``devices`` ranks of ``batch`` samples; return the module.
+
+    The data is one epoch of exactly ``steps`` optimizer steps unless `samples` says otherwise, so
+    that ``last.ckpt`` is written at an epoch's end; the lr is constant, so that a run resumed
+    from it continues the same schedule whatever its length.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    x, y = dataset(kind, 2 * steps * accumulate * batch * devices)
+    x, y = dataset(kind, samples or steps * accumulate * batch * devices)
     hybrid = sgd_nesterov if optimizer == "sgd-nesterov" else None
-    module = ORTLightningModule(artifacts, lr=lr, optimizer=hybrid, lr_scheduler="constant" if hybrid else "linear")
+    module = ORTLightningModule(artifacts, lr=lr, optimizer=hybrid, lr_scheduler="constant")
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
         use_distributed_sampler=False, callbacks=[DumpState(out)], logger=False, enable_checkpointing=False,

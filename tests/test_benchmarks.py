@@ -35,13 +35,24 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     assert text in result.stdout
 
 
-def test_soak_script_reports_rss_growth() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--steps", "300"],
+def _soak(*options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--steps", "1200", "--max-kb-per-step", "1.0", *options],
         capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"steps: 300 .* growth after warm-up: [+-][\d.]+%", result.stdout)
+
+
+def test_soak_rss_stays_flat_and_a_leak_would_fail() -> None:
+    # NOTE: allocator noise gives a slope of ~0.1-0.4 KB/step here; the bound is 1 KB/step, and the
+    # control keeps 4 KB per step alive (as a leaked fetch buffer would) to prove the bound bites.
+    result = _soak()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert re.search(r"steps: 1200 .* growth after warm-up: [+-][\d.]+%", result.stdout)
+    slope = float(re.search(r"RSS slope after warm-up: ([+-][\d.]+) KB/step", result.stdout).group(1))  # type: ignore[union-attr]
+    assert slope < 1.0
+    leaking = _soak("--leak-kb", "4")
+    assert leaking.returncode == 1, leaking.stdout[-2000:] + leaking.stderr[-2000:]
+    assert "above the bound 1.0 KB/step: a leak" in leaking.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the script runs for real there")

@@ -119,3 +119,10 @@ def test_properties_name_the_file_s_epoch_step_and_score(mlp_adamw: Exported, tm
     assert (best.properties["epoch"], best.properties["global_step"]) == (3, 16)
     assert best.properties["monitor_value"] == pytest.approx(0.1)
     assert torch.is_tensor(ours.best_model_score)
+
+
+def test_checkpointing_turned_off_is_refused_as_for_model_checkpoint(tmp_path: Path) -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=r"enable_checkpointing=False.*found `ModelCheckpoint`"):
+        L.Trainer(enable_checkpointing=False, callbacks=[ORTCheckpoint(tmp_path)], logger=False)

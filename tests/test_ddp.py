@@ -72,19 +72,33 @@ def test_both_ranks_hold_identical_parameters(two_ranks: Path) -> None:
     assert first["syncs"] == second["syncs"] == STEPS
 
 
-def test_checkpoint_written_under_ddp_resumes_in_one_process(mlp_adamw: Exported, two_ranks: Path, tmp_path) -> None:
-    checkpoint = two_ranks / "last.ckpt"
-    module = ORTLightningModule(mlp_adamw.artifacts)
-    module.load_state_dict(torch.load(checkpoint, weights_only=False)["state_dict"])
-    _assert_equal_states(
-        {n: t.detach() for n, t in module.state_dict().items()}, ddp_run.load(two_ranks, 0)["state"], atol=0
-    )
-    x, y = ddp_run.dataset("mlp", 64)
+def _resume(artifacts: Exported, checkpoint: Path, root: Path) -> ORTLightningModule:
+    """Two more steps in one process on the double batch, from a Lightning checkpoint of STEPS steps."""
+    module = ORTLightningModule(artifacts.artifacts, lr=0.01, lr_scheduler="constant")
+    x, y = ddp_run.dataset("mlp", STEPS * 2 * BATCH)
     trainer = L.Trainer(max_steps=STEPS + 2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path)
-    trainer.fit(module, datamodule=ddp_run.RankSlices(x, y, BATCH), ckpt_path=checkpoint)
+                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=root)
+    trainer.fit(module, datamodule=ddp_run.RankSlices(x, y, 2 * BATCH), ckpt_path=checkpoint)
     assert trainer.global_step == STEPS + 2
-    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    return module
+
+
+def test_checkpoint_written_under_ddp_resumes_in_one_process(mlp_adamw: Exported, two_ranks: Path, tmp_path) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    module.load_state_dict(torch.load(two_ranks / "last.ckpt", weights_only=False)["state_dict"])
+    at_checkpoint = ddp_run.load(two_ranks, 0)["state"]
+    _assert_equal_states({n: t.detach() for n, t in module.state_dict().items()}, at_checkpoint, atol=0)
+    resumed = _resume(mlp_adamw, two_ranks / "last.ckpt", tmp_path)
+    # The reference: one process of the double batch, checkpointed after STEPS steps and resumed the same
+    # way. NOTE: not an uninterrupted run of STEPS + 2: a Lightning checkpoint taken when max_steps ends
+    # an epoch resumes at that epoch's batch index STEPS (one batch, then a new epoch), for torch
+    # modules alike, so the two runs would see different batches.
+    ddp_run.train(mlp_adamw.artifacts.directory, tmp_path / "one", devices=1, batch=2 * BATCH, steps=STEPS)
+    reference = _resume(mlp_adamw, tmp_path / "one" / "last.ckpt", tmp_path)
+    expected = {name: tensor.detach() for name, tensor in reference.state_dict().items()}
+    _assert_equal_states({n: t.detach() for n, t in resumed.state_dict().items()}, expected, atol=1e-5)
+    # the two resumed steps moved the parameters well beyond the tolerance, from ORT's restored moments
+    assert max((at_checkpoint[n] - expected[n]).abs().max().item() for n in expected) > 1e-3
 
 
 def test_accumulation_under_torchrun_syncs_once_per_optimizer_step(mlp_adamw: Exported, tmp_path) -> None:
@@ -155,9 +169,25 @@ def test_a_cut_gradient_view_is_bound_again_before_the_all_reduce(mlp_adamw: Exp
 
 
 def test_single_rank_ort_ddp_trains_like_one_process(mlp_adamw: Exported) -> None:
-    trainer = _fit(ORTLightningModule(mlp_adamw.artifacts), ORTDDPStrategy(bucket_cap_mb=0.001))
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
+    trainer = _fit(module, ORTDDPStrategy(bucket_cap_mb=0.001))
     assert isinstance(trainer.strategy, ORTDDPStrategy)
     assert trainer.strategy.gradient_syncs == 2
+    # The reference: plain torch, the same two batches, torch's AdamW and ORT's linear decay over 2 steps.
+    reference = mlp_adamw.reference()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (2 - step) / 2)
+    x, y = ddp_run.dataset("mlp", 64)
+    for batch in range(2):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x[batch * BATCH:(batch + 1) * BATCH]),
+                                          y[batch * BATCH:(batch + 1) * BATCH]).backward()
+        optimizer.step()
+        schedule.step()
+    expected = {name: p.detach() for name, p in reference.named_parameters()}
+    _assert_equal_states({n: p.detach() for n, p in module.named_parameters()}, expected, atol=1e-6)
+    initial = mlp_adamw.reference().state_dict()
+    assert max((initial[n] - expected[n]).abs().max().item() for n in expected) > 1e-3
 
 
 def test_bucket_size_must_be_positive() -> None:

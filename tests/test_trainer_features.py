@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -148,13 +149,45 @@ def test_model_summary_counts_ort_parameters(mlp_adamw: Exported) -> None:
     assert re.search(rf"{sum(expected.values())}\s+Total params", printed), printed
 
 
-def test_early_stopping(mlp_adamw: Exported) -> None:
+class _Replay(L.LightningModule):
+    """A torch module that logs, at epoch e, the e-th recorded ``val_loss`` (Lightning's reference)."""
+
+    def __init__(self, values: list[float]) -> None:
+        super().__init__()
+        self.values = values
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (self.weight ** 2).sum()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.values[self.current_epoch])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Record(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.values.append(trainer.callback_metrics["val_loss"].item())
+
+
+def test_early_stopping_stops_where_lightning_stops_a_torch_module(mlp_adamw: Exported) -> None:
     train, val = _loaders()
-    stopper = EarlyStopping(monitor="val_loss", patience=1, min_delta=100.0)
-    trainer = _trainer(max_epochs=20, callbacks=[stopper])
-    trainer.fit(ORTLightningModule(mlp_adamw.artifacts), train, val)
-    assert trainer.current_epoch == 2
-    assert stopper.stopped_epoch == 1
+    options = dict(monitor="val_loss", patience=2, min_delta=0.01)
+    recorder, stopper = _Record(), EarlyStopping(**options)  # type: ignore[arg-type]
+    trainer = _trainer(max_epochs=40, num_sanity_val_steps=0, callbacks=[recorder, stopper])
+    trainer.fit(ORTLightningModule(mlp_adamw.artifacts, lr=0.05, lr_scheduler="constant"), train, val)
+    reference = EarlyStopping(**options)  # type: ignore[arg-type]
+    replayed = _trainer(max_epochs=40, num_sanity_val_steps=0, callbacks=[reference])
+    replayed.fit(_Replay(recorder.values + [math.inf] * 40), train, val)
+    assert 0 < reference.stopped_epoch < 39, "the logged losses plateau, so Lightning stops early"
+    assert (stopper.stopped_epoch, trainer.current_epoch) == (reference.stopped_epoch, replayed.current_epoch)
+    assert len(recorder.values) == reference.stopped_epoch + 1
 
 
 def _csv_rows(logger: CSVLogger) -> list[dict[str, str]]:
