@@ -21,6 +21,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from ort_lightning import _symbolics
 from ort_lightning.errors import ExportError
 
 __all__ = [
@@ -127,7 +128,8 @@ def torch_to_onnx(
     dynamic_axes = _dynamic_axes(input_names, output_names, rows, int(example_inputs[0].shape[0]))
     buffer = io.BytesIO()
     try:
-        with warnings.catch_warnings():
+        # NOTE: symbolics for layers torch's exporter refuses at this opset (RMSNorm, Dropout2d...).
+        with warnings.catch_warnings(), _symbolics.registered(OPSET):
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 model,

@@ -328,7 +328,7 @@ def export_artifacts(
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
     _export.add_dropout_masks(proto)
-    _legalize.legalize(proto)
+    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
     model_outputs = [info.name for info in proto.graph.output]
