@@ -6,9 +6,11 @@ torch's behaviour unchanged.
 
 Example::
 
-    >>> import io, torch
-    >>> with registered():
-    ...     torch.onnx.export(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), io.BytesIO(), dynamo=False, opset_version=17)
+    >>> import torch
+    >>> from ort_lightning._export import torch_to_onnx
+    >>> proto = torch_to_onnx(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), input_names=["x"])
+    >>> sorted({node.op_type for node in proto.graph.node} & {"ReduceMean", "Sqrt"})
+    ['ReduceMean', 'Sqrt']
 """
 
 from __future__ import annotations
