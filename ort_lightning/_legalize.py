@@ -3,12 +3,12 @@
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
 returns the nodes that replace one node (or None when that node needs no change); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
-`_rewrites`.
+`_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing) and
+`_rewrites_layers` (padding, transposed convolution, RNNs, embeddings, einsum).
 
 Example::
 
     >>> import onnx
-import torch
     >>> from onnx import helper
     >>> node = helper.make_node("HardSwish", ["x"], ["y"], name="/act/HardSwish")
     >>> graph = helper.make_graph(
@@ -63,7 +63,7 @@ RULES: dict[str, Rule] = {
     "Softplus": Rule(
         _rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes x > 20 ? x : log(1 + exp(x)), as torch"
     ),
-    "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU, nn.RReLU); becomes relu(x) + slope*min(x, 0)"),
+    "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU); becomes relu(x) + slope*min(x, 0)"),
     "Sign": Rule(_rewrites.sign, f"{_NO_GRADIENT} (nn.LPPool); becomes (x > 0) - (x < 0), gradient-free as Sign's"),
     "ReduceMax": Rule(_rewrites.reduce_max, f"{_NO_GRADIENT} (torch.max/amax over a dim); becomes TopK(k=1)"),
     "ReduceMin": Rule(_rewrites.reduce_min, f"{_NO_GRADIENT} (torch.min/amin over a dim); becomes TopK(k=1, smallest)"),

@@ -317,9 +317,14 @@ def export_artifacts(
     Returns:
         The validated `TrainingArtifacts`.
 
+    Before ORT builds the training graphs, every node it cannot differentiate is rewritten into
+    an exact equivalent it can (``_legalize.RULES``; docs/ops.md lists what trains).
+
     Raises:
         ExportError: for an unknown loss, loss option, optimizer, option or frozen name, logits whose
-            class axis is ambiguous, or a model that cannot be exported.
+            class axis is ambiguous, a model that cannot be exported, or a layer ORT cannot
+            differentiate and no rewrite covers (the message names the ONNX op, the node and the
+            torch module).
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
