@@ -6,9 +6,11 @@ torch's behaviour unchanged.
 
 Example::
 
-    >>> import io, torch
-    >>> with registered():
-    ...     torch.onnx.export(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), io.BytesIO(), dynamo=False, opset_version=17)
+    >>> import torch
+    >>> from ort_lightning._export import torch_to_onnx
+    >>> proto = torch_to_onnx(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), input_names=["x"])
+    >>> sorted({node.op_type for node in proto.graph.node} & {"ReduceMean", "Sqrt"})
+    ['ReduceMean', 'Sqrt']
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from torch.onnx import symbolic_helper
 __all__ = ["SYMBOLICS", "registered"]
 
 _OPSET = 17
-# NOTE: torch.nn.AlphaDropout's constant (SELU's alpha * scale), as in ATen's _dropout_impl.
-_ALPHA = 1.7580993408473766
 
 
 def _const(g: Any, value: Any, dtype: torch.dtype = torch.float32) -> Any:
@@ -91,19 +91,12 @@ def _feature_dropout(g: Any, x: Any, p: Any, train: Any) -> Any:
     return g.op("Mul", x, _keep_mask(g, x, float(rate), per_channel=True))
 
 
-def _alpha(per_channel: bool) -> Callable[[Any, Any, Any, Any], Any]:
-    def symbolic(g: Any, x: Any, p: Any, train: Any) -> Any:
-        """nn.AlphaDropout / FeatureAlphaDropout: ``x * keep * a + alpha * a * (keep - 1 + p)``."""
-        rate, training = symbolic_helper._maybe_get_const(p, "f"), symbolic_helper._maybe_get_const(train, "b")
-        if not training or not rate:
-            return x
-        rate = float(rate)
-        a = 1.0 / ((_ALPHA * _ALPHA * rate + 1) * (1 - rate)) ** 0.5
-        keep = g.op("Mul", _keep_mask(g, x, rate, per_channel=per_channel), _const(g, 1.0 - rate))
-        kept = g.op("Mul", g.op("Mul", x, keep), _const(g, a))
-        return g.op("Add", kept, g.op("Mul", g.op("Add", keep, _const(g, rate - 1.0)), _const(g, _ALPHA * a)))
-
-    return symbolic
+def _rrelu(g: Any, x: Any, lower: Any, upper: Any, training: Any, generator: Any) -> Any:
+    """Refuse nn.RReLU in training: its eval graph would keep sampling slopes (ORT turns off Dropout only)."""
+    raise RuntimeError(
+        "nn.RReLU samples its negative slopes in training, and ONNX Runtime's eval graph would keep sampling "
+        "them instead of using (lower + upper) / 2; use nn.LeakyReLU((lower + upper) / 2) or nn.PReLU"
+    )
 
 
 #: aten op -> its symbolic, registered for the exporter's opset while `torch_to_onnx` runs.
@@ -113,8 +106,7 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::bilinear": _bilinear,
     "aten::channel_shuffle": _channel_shuffle,
     "aten::feature_dropout": _feature_dropout,
-    "aten::alpha_dropout": _alpha(per_channel=False),
-    "aten::feature_alpha_dropout": _alpha(per_channel=True),
+    "aten::rrelu": _rrelu,
 }
 
 

@@ -1,7 +1,8 @@
 """The op audit's cases (tools/cases.py, the list docs/ops.md is generated from), one real ORT step each.
 
 Every case is exported at one batch size and trained at another; its gradients must match torch
-autograd (1e-5 relative), or, for layers that draw random numbers in training, be finite. The
+autograd (1e-5 relative), or, for layers that draw random numbers in training, be finite; its eval
+graph must match the torch model in eval mode (Dropout off). The
 cases listed in REFUSED must fail with the `ExportError` given there, never with a crash.
 """
 
@@ -33,6 +34,8 @@ def test_case(tmp_path: Path, case: Case) -> None:
             return
         result = compare_step(model, case.inputs(EXPORT_BATCH), case.inputs(TRAIN_BATCH), folder=tmp_path)
     assert result.finite, result
+    # The eval graph (Dropout off, parameters as exported) is deterministic for every case.
+    assert result.eval_rel <= TOLERANCE, result
     if case.deterministic:
         assert result.output_rel <= TOLERANCE, result
         assert result.grad_rel <= TOLERANCE, result

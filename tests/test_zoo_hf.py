@@ -201,3 +201,17 @@ def test_a_non_tensor_keyword_input_is_refused(tmp_path: Path) -> None:
     message = r"every value of the example_inputs dict to be a tensor, but \['use_cache'\]"
     with pytest.raises(ExportError, match=message):
         export_artifacts(_gpt2(), {"input_ids": ids, "use_cache": False}, tmp_path)
+
+
+def test_bert_padding_row_gets_no_gradient_even_when_attended(tmp_path: Path) -> None:
+    # nn.Embedding(padding_idx=0): torch gives the pad row no gradient; the graph has no padding_idx.
+    torch.manual_seed(0)
+    model, loss_fn = _bert(), nn.CrossEntropyLoss()
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    ids[:, 3] = 0
+    mask, labels = torch.ones(BATCH, SEQ, dtype=torch.long), torch.tensor([0, 1, 2, 1])
+    artifacts = export_artifacts(model, {"input_ids": ids, "attention_mask": mask}, tmp_path, loss=loss_fn)
+    _, grads, _ = ort_steps(artifacts, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+    _, reference = torch_step(model, lambda m: loss_fn(m(input_ids=ids, attention_mask=mask).logits, labels))
+    assert torch.count_nonzero(grads["bert.embeddings.word_embeddings.weight"][0]) == 0
+    _check_step_one(grads, reference)

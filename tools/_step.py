@@ -27,6 +27,7 @@ class StepResult:
     grad_rel: float  # grad_diff relative to the largest |g_torch| of that parameter
     worst: str  # the parameter with the largest relative difference
     finite: bool  # ORT's loss and every gradient are finite
+    eval_rel: float  # the eval graph's output vs the torch model in eval mode, relative to its largest |value|
 
 
 def _torch_step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> tuple[
@@ -39,7 +40,9 @@ def _torch_step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target
     return loss.detach(), output.detach(), grads
 
 
-def _ort_step(folder: Path, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _ort_step(
+    folder: Path, batch: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     from ort_lightning import TrainingArtifacts
 
     artifacts = TrainingArtifacts.load(folder)
@@ -49,10 +52,12 @@ def _ort_step(folder: Path, batch: list[torch.Tensor]) -> tuple[torch.Tensor, to
     )
     specs = [*artifacts.manifest.inputs, *artifacts.manifest.labels]
     binder = BatchBinder(specs, torch.device("cpu"), graph="training")
+    # NOTE: the eval graph first, while the parameters and running statistics are the exported ones.
+    evaluated = to_torch(session.eval_step(binder(batch))[1]).clone()
     fetches = session.train_step(binder(batch))
     loss, output = to_torch(fetches[0]).clone(), to_torch(fetches[1]).clone()
     grads = {name: to_torch(grad).clone() for name, _, grad, _ in session.parameters() if grad is not None}
-    return loss, output, grads
+    return loss, output, grads, evaluated
 
 
 def compare_step(
@@ -78,7 +83,9 @@ def compare_step(
         with torch.no_grad():
             shape = copy.deepcopy(reference)(*batch).shape
         target = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-        ort_loss, ort_output, ort_grads = _ort_step(target_folder, [*batch, target])
+        ort_loss, ort_output, ort_grads, ort_eval = _ort_step(target_folder, [*batch, target])
+    with torch.no_grad():
+        torch_eval = copy.deepcopy(reference).eval()(*batch)
     torch_loss, torch_output, torch_grads = _torch_step(reference, batch, target)
     grad_diff, grad_rel, worst = 0.0, 0.0, ""
     # NOTE: a parameter whose true gradient is ~0 (a conv bias before a normalization) is measured
@@ -97,5 +104,6 @@ def compare_step(
         grad_diff=grad_diff,
         grad_rel=grad_rel,
         worst=worst,
+        eval_rel=float((ort_eval - torch_eval).abs().max() / torch_eval.abs().max().clamp_min(1e-12)),
         finite=bool(torch.isfinite(ort_loss).all()) and all(bool(torch.isfinite(g).all()) for g in ort_grads.values()),
     )

@@ -62,8 +62,8 @@ def audit_case(case_id: str) -> Row:
     except Exception as error:  # any ORT failure in the step is what the audit reports
         return Row(case.id, case.family, exports=True, trains=False, note=_first_line(error))
     if not case.deterministic:
-        return Row(case.id, case.family, exports=True, trains=result.finite,
-                   note="random in training: step checked, values not compared")
+        return Row(case.id, case.family, exports=True, trains=result.finite and result.eval_rel <= 1e-5,
+                   note=f"random in training: a finite step; eval graph vs torch eval mode {result.eval_rel:.0e}")
     return Row(case.id, case.family, exports=True, trains=True, grad_rel=result.grad_rel,
                grad_diff=result.grad_diff, output_diff=result.output_diff)
 
@@ -120,9 +120,10 @@ def render(rows: list[Row], *, tolerance: float = 1e-5) -> str:
         "target), then compared with torch autograd on the same weights and batch. *matches torch* is the",
         "largest gradient difference relative to the largest gradient of that parameter (floored at 1e-3 of",
         "the model's largest gradient, so parameters whose true gradient is ~0 do not divide by ~0); `yes`",
-        f"means at most {tolerance:g}. Layers that draw random numbers in training (the Dropout variants,",
-        "RReLU, FractionalMaxPool) are checked for a finite training step only: their values cannot be",
-        "compared with torch's random stream.",
+        f"means at most {tolerance:g}. The Dropout layers draw ORT's random numbers in training, which cannot",
+        "be compared with torch's: their training step is checked to be finite, and their eval graph (Dropout",
+        "off) against the torch model in eval mode. Layers whose eval graph would stay random (RReLU,",
+        "AlphaDropout) are refused at export.",
         "",
         f"**{trained} of {len(rows)} cases train.**",
         "",

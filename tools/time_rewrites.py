@@ -1,6 +1,7 @@
 """Time one ORT training step of models that need a rewrite, against the same model with a native op.
 
-Run as ``python -m tools.time_rewrites``. Each pair differs in one layer: the rewritten one (left)
+Run as ``python -m tools.time_rewrites [WORD...]`` (only the pairs whose name has a WORD).
+Each pair differs in one layer: the rewritten one (left)
 and one ORT differentiates natively at a similar cost (right); the ratio says what the rewrite
 costs per step. AveragePool is compared with itself exported at a fixed batch (where the native
 op trains). Steps are interleaved, and the median of several rounds is reported.
@@ -87,6 +88,8 @@ def main() -> int:
     example = torch.zeros(BATCH, 3, 32, 32)
     with tempfile.TemporaryDirectory() as scratch:
         for index, (name, rewritten, native) in enumerate(PAIRS):
+            if len(sys.argv) > 1 and not any(word in name for word in sys.argv[1:]):
+                continue
             torch.manual_seed(0)
             left = _stepper(export_artifacts(rewritten(), example[:4], Path(scratch) / f"{index}a").directory)
             source: object = native()
