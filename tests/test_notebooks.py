@@ -33,7 +33,7 @@ def test_notebook_is_committed_executed_with_figures(path: Path) -> None:
         assert len(data) < MAX_FIGURE_BYTES
     text = path.read_text()
     for machine_path in (str(ROOT), tempfile.gettempdir(), sys.prefix, str(Path.home()), "site-packages"):
-        assert machine_path not in text, f"{path.name} names a path of the machine that ran it: {machine_path}"
+        assert len(machine_path) < 2 or machine_path not in text, f"{path.name} names a path of the machine that ran it: {machine_path}"
     assert "Traceback" not in text
 
 
