@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -87,54 +90,6 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
 CNN_CONFIG = ROOT / "examples" / "stripes_cnn.yaml"
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], pattern: str) -> None:
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert result.stderr.startswith("ort-lightning: error: "), result.stderr
-    assert re.search(pattern, result.stderr), result.stderr
-
-
-@pytest.mark.parametrize(
-    ("args", "pattern"),
-    [
-        (["export", "no_colon_here", "--out", "x"], r"package\.module:factory"),
-        (["export", "ort_lightning.demo:nothing", "--out", "x", "--input-shape", "64"], r"no callable 'nothing'"),
-        (["export", "ort_lightning.demo:digits_mlp", "--out", "x"], r"needs --input-shape"),
-        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--loss", "hinge"],
-         r"ExportError: Expected `loss` to be one of"),
-        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--frozen", "nope"],
-         r"Cannot freeze \['nope'\]"),
-        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "3x32x32"],
-         r"bad --input-shape '3x32x32'.*e\.g\. --input-shape 3,32,32"),
-        (["export", "ort_lightning.demo:stripes_cnn", "--out", "x", "--input-shape", "64"],
-         r"cannot run on inputs of shape \(batch, 64\).*--input-shape"),
-        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--optimizer-option", "wd"],
-         r"bad --optimizer-option 'wd': expected KEY=NUMBER"),
-        (["inspect", "missing"], r"missing does not exist"),
-        (["fitt"], r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', 'fit', 'validate', 'test', "
-                   r"'predict'\); did you mean 'fit'\?"),
-        (["export", "ort_lightning.demo:digits_mlp", "--out", "x", "--input-shape", "64", "--frozn", "a"],
-         r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
-    ],
-    ids=["bad-source", "no-factory", "no-shape", "bad-loss", "bad-frozen", "shape-with-x", "shape-for-cnn",
-         "bad-optimizer-option", "inspect-missing", "misspelled-command", "misspelled-option"],
-)
-def test_errors_are_one_line_without_traceback(tmp_path: Path, args: list[str], pattern: str) -> None:
-    assert_one_line_error(run(*args, cwd=tmp_path, ok=False), pattern)
-
-
-def test_inspect_refuses_a_file_that_is_not_a_checkpoint(tmp_path: Path) -> None:
-    (tmp_path / "junk").write_bytes(b"not a checkpoint")
-    result = run("inspect", "junk", cwd=tmp_path, ok=False)
-    assert_one_line_error(result, r"not an ONNX Runtime checkpoint; inspect reads")
-
-
-def test_inspect_refuses_a_lightning_ckpt_and_says_what_it_reads(tmp_path: Path) -> None:
-    torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "last.ckpt")
-    result = run("inspect", "last.ckpt", cwd=tmp_path, ok=False)
-    assert_one_line_error(result, r"last\.ckpt is a torch/Lightning checkpoint.*inspect reads an artifacts folder.*ORT")
-
-
 def test_help_lists_every_subcommand(tmp_path: Path) -> None:
     shown = run("--help", cwd=tmp_path).stdout
     for command in ("demo", "export", "inspect", "fit", "validate", "test", "predict"):
@@ -193,50 +148,110 @@ def test_lightning_cli_print_config(digits_artifacts: Path, tmp_path: Path) -> N
     assert config["export"]["factory"] == "ort_lightning.demo:digits_mlp"
 
 
-@pytest.mark.parametrize(
-    ("args", "pattern"),
-    [
-        (["--model.artifacts", "nothere", "--export.factory", "null"],
-         r"model\.artifacts folder 'nothere' does not exist; add an export: section.*ort-lightning export"),
-        (["--trainer.max_epocs", "3"], r"unknown key 'trainer\.max_epocs'; did you mean 'trainer\.max_epochs'\?"),
-        (["--model.lr", "fast"], r"bad value 'fast' for model\.lr: expected a float"),
-        (["--trainer.precision", "16-mixd"], r"bad value '16-mixd' for trainer\.precision; did you mean '16-mixed'\? "
-                                             r"Valid values: .*32-true"),
-        (["--trainer.precision", "16-mixed"], r"--trainer\.precision '16-mixed' is not supported.*32-true"),
-        (["--trainer.strategy", "ddp", "--trainer.devices", "2"],
-         r"--trainer\.strategy 'ddp' cannot train ORT.*ort_ddp"),
-        (["--trainer.strategy", "ort_dpp"], r"unknown --trainer\.strategy 'ort_dpp'; did you mean 'ort_ddp'\?"),
-        (["--export.input_shape", "[3, 32, 32]", "--model.artifacts", "fresh"],
-         r"cannot run on inputs of shape \(batch, 3,32,32\).*export\.input_shape"),
-        (["--data", "foo.Bar"], r"bad value 'foo\.Bar' for data: No module named 'foo'; name an importable class"),
-        (["--ckpt_path", "last", "validate"], r"--ckpt_path last found no last\.ckpt \(runs/digits/checkpoints\); "
-                                              r"run fit with this config first"),
-        (["--ckpt_path", "lst", "predict"], r"--ckpt_path 'lst' is not a file; did you mean 'last'\?"),
-        (["--trainer.accelerator", "cpus"],
-         r"--trainer\.accelerator 'cpus' cannot run ORT graphs; did you mean 'cpu'\? Valid values: auto, cpu, gpu"),
-    ],
-    ids=["missing-artifacts", "misspelled-key", "bad-value", "misspelled-value", "precision", "plain-ddp",
-         "misspelled-strategy", "wrong-input-shape", "bad-class-path", "no-last-checkpoint", "misspelled-ckpt-path",
-         "misspelled-accelerator"],
-)
-def test_lightning_cli_errors_are_one_line(tmp_path: Path, args: list[str], pattern: str) -> None:
-    command = args.pop() if args[-1] in ("validate", "predict") else "fit"
-    result = run(command, "--config", CONFIG, *args, cwd=tmp_path, ok=False)
-    assert_one_line_error(result, pattern)
-    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.ckpt"))
+# ----------------------------------------------------------------------------- errors
+@dataclass(frozen=True)
+class Mistake:
+    """A command with one mistake, the files it needs in its folder, and the one error line it must print."""
+
+    args: tuple[str, ...]
+    pattern: str
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
-def test_misspelled_key_in_a_config_file_names_the_closest_key(tmp_path: Path) -> None:
-    (tmp_path / "typo.yaml").write_text(CONFIG.read_text().replace("  lr: 0.01", "  lrr: 0.01"))
-    result = run("fit", "--config", "typo.yaml", cwd=tmp_path, ok=False)
-    assert_one_line_error(result, r"unknown key 'model\.lrr'; did you mean 'model\.lr'\? Valid keys under 'model': ")
+def _torch_ckpt() -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, buffer)
+    return buffer.getvalue()
 
 
-def test_no_config_names_the_required_keys(tmp_path: Path) -> None:
-    result = run("fit", cwd=tmp_path, ok=False)
-    assert_one_line_error(result, r"required: fit\.model\.artifacts, fit\.data; pass --config cfg\.yaml")
+def _fit(*args: str) -> tuple[str, ...]:
+    return ("fit", "--config", str(CONFIG), *args)
 
 
-def test_missing_config_file_is_one_line(tmp_path: Path) -> None:
-    result = run("validate", "--config", "nothere.yaml", cwd=tmp_path, ok=False)
-    assert_one_line_error(result, r"config file '.*nothere\.yaml' does not exist; pass --config")
+FACTORY = ("export", "ort_lightning.demo:digits_mlp", "--out", "x")
+MISTAKES = {
+    # export / inspect / the subcommand itself (argparse)
+    "bad-source": Mistake(("export", "no_colon_here", "--out", "x"), r"package\.module:factory"),
+    "no-factory": Mistake(("export", "ort_lightning.demo:nothing", "--out", "x", "--input-shape", "64"),
+                          r"no callable 'nothing'"),
+    "no-shape": Mistake(FACTORY, r"needs --input-shape"),
+    "bad-loss": Mistake((*FACTORY, "--input-shape", "64", "--loss", "hinge"),
+                        r"ExportError: Expected `loss` to be one of"),
+    "bad-frozen": Mistake((*FACTORY, "--input-shape", "64", "--frozen", "nope"), r"Cannot freeze \['nope'\]"),
+    "shape-with-x": Mistake((*FACTORY, "--input-shape", "3x32x32"),
+                            r"bad --input-shape '3x32x32'.*e\.g\. --input-shape 3,32,32"),
+    "shape-for-cnn": Mistake(("export", "ort_lightning.demo:stripes_cnn", "--out", "x", "--input-shape", "64"),
+                             r"cannot run on inputs of shape \(batch, 64\).*--input-shape"),
+    "bad-optimizer-option": Mistake((*FACTORY, "--input-shape", "64", "--optimizer-option", "wd"),
+                                    r"bad --optimizer-option 'wd': expected KEY=NUMBER"),
+    "misspelled-option": Mistake((*FACTORY, "--input-shape", "64", "--frozn", "a"),
+                                 r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
+    "misspelled-command": Mistake(("fitt",), r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', "
+                                             r"'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
+    "inspect-missing": Mistake(("inspect", "missing"), r"missing does not exist"),
+    "inspect-junk": Mistake(("inspect", "junk"), r"junk is not an ONNX Runtime checkpoint; inspect reads",
+                            {"junk": b"not a checkpoint"}),
+    "inspect-lightning-ckpt": Mistake(("inspect", "last.ckpt"), r"last\.ckpt is a torch/Lightning checkpoint.*inspect "
+                                      r"reads an artifacts folder.*ORT checkpoint file", {"last.ckpt": _torch_ckpt()}),
+    # LightningCLI subcommands: caught after parsing, before any export, seed or process start
+    "missing-artifacts": Mistake(_fit("--model.artifacts", "nothere", "--export.factory", "null"),
+                                 r"model\.artifacts folder 'nothere' does not exist; add an export: section.*"
+                                 r"ort-lightning export"),
+    "misspelled-key": Mistake(_fit("--trainer.max_epocs", "3"),
+                              r"unknown key 'trainer\.max_epocs'; did you mean 'trainer\.max_epochs'\?"),
+    "misspelled-key-in-file": Mistake(("fit", "--config", "typo.yaml"),
+                                      r"unknown key 'model\.lrr'; did you mean 'model\.lr'\? Valid keys under "
+                                      r"'model': ",
+                                      {"typo.yaml": CONFIG.read_bytes().replace(b"  lr: 0.01", b"  lrr: 0.01")}),
+    "bad-value": Mistake(_fit("--model.lr", "fast"), r"bad value 'fast' for model\.lr: expected a float"),
+    "misspelled-value": Mistake(_fit("--trainer.precision", "16-mixd"),
+                                r"bad value '16-mixd' for trainer\.precision; did you mean '16-mixed'\? Valid values: "
+                                r".*32-true"),
+    "precision": Mistake(_fit("--trainer.precision", "16-mixed"),
+                         r"--trainer\.precision '16-mixed' is not supported.*32-true"),
+    "plain-ddp": Mistake(_fit("--trainer.strategy", "ddp", "--trainer.devices", "2"),
+                         r"--trainer\.strategy 'ddp' cannot train ORT.*ort_ddp"),
+    "misspelled-strategy": Mistake(_fit("--trainer.strategy", "ort_dpp"),
+                                   r"unknown --trainer\.strategy 'ort_dpp'; did you mean 'ort_ddp'\?"),
+    "misspelled-accelerator": Mistake(_fit("--trainer.accelerator", "cpus"),
+                                      r"--trainer\.accelerator 'cpus' cannot run ORT graphs; did you mean 'cpu'\? "
+                                      r"Valid values: auto, cpu, gpu"),
+    "wrong-input-shape": Mistake(_fit("--export.input_shape", "[3, 32, 32]", "--model.artifacts", "fresh"),
+                                 r"cannot run on inputs of shape \(batch, 3,32,32\).*export\.input_shape"),
+    "bad-class-path": Mistake(_fit("--data", "foo.Bar"),
+                              r"bad value 'foo\.Bar' for data: No module named 'foo'; name an importable class"),
+    "no-last-checkpoint": Mistake(("validate", "--config", str(CONFIG), "--ckpt_path", "last"),
+                                  r"--ckpt_path last found no last\.ckpt \(runs/digits/checkpoints\); run fit with "
+                                  r"this config first"),
+    "misspelled-ckpt-path": Mistake(("predict", "--config", str(CONFIG), "--ckpt_path", "lst"),
+                                    r"--ckpt_path 'lst' is not a file; did you mean 'last'\?"),
+    "no-config": Mistake(("fit",), r"required: fit\.model\.artifacts, fit\.data; pass --config cfg\.yaml"),
+    "missing-config-file": Mistake(("validate", "--config", "nothere.yaml"),
+                                   r"config file '.*nothere\.yaml' does not exist; pass --config"),
+}
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """Run every mistaken command once, a few at a time (each one mostly waits for its imports)."""
+
+    def attempt(name: str) -> tuple[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+        folder = tmp_path_factory.mktemp(name)
+        for file, content in MISTAKES[name].files.items():
+            (folder / file).write_bytes(content)
+        return name, (folder, run(*MISTAKES[name].args, cwd=folder, ok=False))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(attempt, MISTAKES))
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_error_is_one_line_with_status_2(
+    mistakes: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str
+) -> None:
+    folder, result = mistakes[name]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]  # nothing else on stderr: no usage, no traceback
+    assert result.stderr.startswith("ort-lightning: error: "), result.stderr
+    assert re.search(MISTAKES[name].pattern, result.stderr), result.stderr
+    assert not (folder / "runs").exists()  # refused before anything was exported or trained

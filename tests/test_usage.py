@@ -12,6 +12,7 @@ from ort_lightning._factory_export import export_factory, parse_shape
 from ort_lightning._inspect import describe, format_rows
 from ort_lightning._lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
 from ort_lightning._usage import OneLineParser, UsageError, one_line_argument_error
+from tests.test_cli import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,10 @@ def test_inspect_rows_share_one_value_column() -> None:
 def test_errors_catalog_names_only_cli_tests_that_exist() -> None:
     catalog = (ROOT / "docs" / "errors.md").read_text().split("## Command line")[1]
     source = (ROOT / "tests" / "test_cli.py").read_text()
-    for name, case in re.findall(r"tests/test_cli\.py::(\w+)(?:\[([\w-]+)\])?", catalog):
+    cited = re.findall(r"tests/test_cli\.py::(\w+)(?:\[([\w-]+)\])?", catalog)
+    for name, case in cited:
         assert f"def {name}(" in source, name
         if case:
             assert f'"{case}"' in source, case
+    # and every mistake the console script is tested with is in the catalog
+    assert set(MISTAKES) <= {case for name, case in cited if name == "test_error_is_one_line_with_status_2"}
