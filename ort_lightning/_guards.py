@@ -91,7 +91,7 @@ class NonFiniteGuard:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if not bad:
             return False
-        where = pending or f"on another rank at global_step={trainer.global_step}"
+        where = pending or f"non-finite on another rank at global_step={trainer.global_step}"
         if self.policy == "raise":
             raise NonFiniteLossError(
                 f"The training loss is {where}; ORT's optimizer update has not run, so the parameters are "

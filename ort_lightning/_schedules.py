@@ -68,9 +68,9 @@ def check_lr_scheduler(lr_scheduler: object) -> None:
     if lr_scheduler in _SCHEDULE_NAMES or (callable(lr_scheduler) and not isinstance(lr_scheduler, str)):
         return
     raise ConfigurationError(
-        f"Expected argument `lr_scheduler` to be 'linear', 'constant', a callable optimizer -> "
-        f"torch.optim.lr_scheduler.LRScheduler or Lightning's scheduler dict, but got {lr_scheduler!r}; for "
-        "instance lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
+        f"Expected argument `lr_scheduler` to be 'linear', 'constant' or a callable optimizer -> "
+        f"torch.optim.lr_scheduler.LRScheduler (alone or in Lightning's scheduler dict), but got {lr_scheduler!r}; "
+        "for instance lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)."
     )
 
 
@@ -254,7 +254,7 @@ def resolve_schedule(
 
     Example::
 
-        >>> resolve_schedule(lr=None, warmup_steps=5, total_steps=None, stored={"schedule_lr": 0.1,
+        >>> resolve_schedule(lr=None, warmup_steps=5, total_steps=None, stored={"schedule_lr": "0.1",
         ...                  "schedule_warmup_steps": 10, "schedule_total_steps": 40})
         Schedule(lr=0.1, warmup_steps=5, total_steps=40)
     """
@@ -264,15 +264,19 @@ def resolve_schedule(
     for name, value in given.items():
         key = SCHEDULE_PROPERTIES[name]
         values[name] = value if value is not None else stored.get(key, defaults[name])
-    return Schedule(lr=values["lr"], warmup_steps=values["warmup_steps"], total_steps=values["total_steps"])
+    return Schedule(lr=float(values["lr"]), warmup_steps=values["warmup_steps"], total_steps=values["total_steps"])
 
 
-def schedule_properties(scheduler: object) -> dict[str, int | float]:
+def schedule_properties(scheduler: object) -> dict[str, int | float | str]:
     """The properties that let a run resumed with ``checkpoint=`` continue `scheduler` (the linear one only)."""
     if not isinstance(scheduler, LinearLRSchedule):
         return {}
-    return {SCHEDULE_PROPERTIES["lr"]: scheduler.base_lr, SCHEDULE_PROPERTIES["warmup_steps"]: scheduler.warmup_steps,
-            SCHEDULE_PROPERTIES["total_steps"]: scheduler.total_steps}
+    # NOTE: ORT stores float properties as float32; the lr goes as text so that a resume uses the same double.
+    return {
+        SCHEDULE_PROPERTIES["lr"]: repr(scheduler.base_lr),
+        SCHEDULE_PROPERTIES["warmup_steps"]: scheduler.warmup_steps,
+        SCHEDULE_PROPERTIES["total_steps"]: scheduler.total_steps,
+    }
 
 
 def total_steps_of(trainer: Any, total_steps: int | None) -> int:
