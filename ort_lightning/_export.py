@@ -21,6 +21,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from ort_lightning import _symbolics
 from ort_lightning.errors import ExportError
 
 __all__ = [
@@ -97,7 +98,8 @@ def torch_to_onnx(
     dynamic_axes = {name: {0: "batch"} for name in batched}
     buffer = io.BytesIO()
     try:
-        with warnings.catch_warnings():
+        # NOTE: symbolics for layers torch's exporter refuses at this opset (RMSNorm, Dropout2d...).
+        with warnings.catch_warnings(), _symbolics.registered(OPSET):
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 model,

@@ -3,7 +3,8 @@
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
 returns the nodes that replace one node (or None when that node needs no change); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
-`_rewrites`.
+`_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing) and
+`_rewrites_layers` (padding, transposed convolution, RNNs, embeddings, einsum).
 
 Example::
 
@@ -27,13 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx
+import torch
 
 from ort_lightning import _rewrites
+from ort_lightning import _rewrites_layers as _layers
 from ort_lightning import _rewrites_spatial as _spatial
 from ort_lightning._rewriting import Graph, where
 from ort_lightning.errors import ExportError
 
-__all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "raise_explained"]
+__all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "padding_rows_of", "raise_explained"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ RULES: dict[str, Rule] = {
     "Elu": Rule(_rewrites.elu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)) - 1)"),
     "Selu": Rule(_rewrites.selu, f"{_NO_GRADIENT}; becomes gamma * the Elu rewrite"),
     "Celu": Rule(_rewrites.celu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)/alpha) - 1)"),
-    "Softplus": Rule(_rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes relu(x) + log(1+exp(-|x|))"),
+    "Softplus": Rule(
+        _rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes x > 20 ? x : log(1 + exp(x)), as torch"
+    ),
     "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU, nn.RReLU); becomes relu(x) + slope*min(x, 0)"),
     "Sign": Rule(_rewrites.sign, f"{_NO_GRADIENT} (nn.LPPool); becomes (x > 0) - (x < 0), gradient-free as Sign's"),
     "ReduceMax": Rule(_rewrites.reduce_max, f"{_NO_GRADIENT} (torch.max/amax over a dim); becomes TopK(k=1)"),
@@ -75,6 +80,13 @@ RULES: dict[str, Rule] = {
     "Slice": Rule(_spatial.reversed_slice, "SliceGrad fails on negative steps (torch.flip); becomes Gather"),
     "DepthToSpace": Rule(_spatial.depth_to_space, f"{_NO_GRADIENT} (nn.PixelShuffle); becomes Reshape/Transpose"),
     "CumSum": Rule(_spatial.cumsum, f"{_NO_GRADIENT}; becomes a MatMul with a triangular ones matrix"),
+    "Pad": Rule(_layers.pad, "the Pad gradient takes constant mode only (reflect, replicate); becomes Gathers"),
+    "ConvTranspose": Rule(_layers.conv_transpose, "no CPU ConvTransposeGrad kernel; becomes zero insertion + Conv"),
+    "LSTM": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two LSTMs"),
+    "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
+    "Gather": Rule(_layers.embedding_padding, "nn.Embedding(padding_idx) exports as a Gather training the padding row"),
+    "RNN": Rule(_layers.vanilla_rnn, f"{_NO_GRADIENT} (nn.RNN); unrolled over its fixed length: MatMul, Tanh/Relu"),
+    "Einsum": Rule(_layers.einsum, f"{_NO_GRADIENT}; becomes aligned operands, Mul and ReduceSum"),
     "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),
     "Loop": Rule(_rewrites.control_flow, "as If"),
     "Scan": Rule(_rewrites.control_flow, "as If"),
@@ -83,13 +95,15 @@ RULES: dict[str, Rule] = {
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-def legalize(proto: onnx.ModelProto) -> list[str]:
+def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None) -> list[str]:
     """Rewrite, in place, every node of `proto` that `RULES` covers; return the rewritten nodes' names.
+
+    `padding_rows` maps embedding weights to their ``padding_idx`` (see `padding_rows_of`).
 
     Raises:
         ExportError: when a covered node cannot be rewritten (the message names the node).
     """
-    graph = Graph(proto)
+    graph = Graph(proto, padding_rows=padding_rows)
     rewritten: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(proto.graph.node):
@@ -103,10 +117,51 @@ def legalize(proto: onnx.ModelProto) -> list[str]:
     if rewritten:
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
+        _record_shapes(proto)
     return rewritten
 
 
-_NO_BUILDER = re.compile(r"gradient builder has not been registered: ?(?P<op>[A-Za-z0-9_]+)")
+def _record_shapes(proto: onnx.ModelProto) -> None:
+    """Write the shapes ONNX inference finds into the graph's value_info.
+
+    NOTE: ORT's own inference cannot see through a Reshape to a computed shape (GroupNorm's
+    ``Reshape(y, Shape(x))``); a later MaxPool's gradient then reads an unknown shape as 0 and the
+    step fails. Shapes propagated through the shape computations (``data_prop``) prevent that.
+    """
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # onnx raises several types for a graph it cannot infer; ORT then infers alone
+        return
+    known = {info.name for info in proto.graph.value_info}
+    proto.graph.value_info.extend(info for info in inferred.graph.value_info if info.name not in known)
+
+
+def padding_rows_of(model: object) -> dict[str, int]:
+    """``{"<embedding>.weight": padding_idx}`` for every nn.Embedding of a torch model with a padding_idx.
+
+    Example::
+
+        >>> import torch
+        >>> padding_rows_of(torch.nn.Sequential(torch.nn.Embedding(5, 2, padding_idx=0)))
+        {'0.weight': 0}
+    """
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {
+        f"{name}.weight" if name else "weight": int(module.padding_idx)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None
+    }
+
+
+#: What ORT says when it cannot differentiate an op, and what that means for the user.
+_NO_GRADIENT_MESSAGES = (
+    (re.compile(r"gradient builder has not been registered: ?(?P<op>[A-Za-z0-9_]+)"), "ORT 1.19.2 has no gradient for"),
+    (
+        re.compile(r"(?P<domain>[A-Za-z0-9_.]+):(?P<op>[A-Za-z0-9_]+)\(-?\d+\) is not a registered function/op"),
+        "ORT 1.19.2 neither knows nor can differentiate",
+    ),
+)
 
 
 def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
@@ -124,20 +179,17 @@ def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
         ... # doctest: +ELLIPSIS
         ORT 1.19.2 has no gradient for the ONNX op 'Foo' (domain 'custom') at node '/block/act/Foo' ...
     """
-    match = _NO_BUILDER.search(message)
-    if match is None:
-        return None
-    op = match.group("op")
-    nodes = [node for node in proto.graph.node if node.op_type == op]
-    if not nodes:
-        return None
-    node = nodes[0]
-    more = f" and {len(nodes) - 1} more node(s) of that op" if len(nodes) > 1 else ""
-    return (
-        f"ORT 1.19.2 has no gradient for {where(node)}{more}, and ort-lightning has no rewrite for "
-        f"it (see docs/ops.md); replace that layer with one the ops table lists as trainable, freeze "
-        f"everything before it and feed its output as an input, or train that part in torch."
-    )
+    for pattern, lead in _NO_GRADIENT_MESSAGES:
+        match = pattern.search(message)
+        nodes = [node for node in proto.graph.node if match is not None and node.op_type == match.group("op")]
+        if nodes:
+            more = f" and {len(nodes) - 1} more node(s) of that op" if len(nodes) > 1 else ""
+            return (
+                f"{lead} {where(nodes[0])}{more}, and ort-lightning has no rewrite for it (see docs/ops.md); "
+                "replace that layer with one docs/ops.md lists as trainable, freeze everything before it and "
+                "feed its output as an input, or train that part in torch."
+            )
+    return None
 
 
 def raise_explained(proto: onnx.ModelProto, error: ExportError) -> None:

@@ -56,9 +56,9 @@ def hard_swish(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
 
 
 def _relu_parts(graph: Graph, node: onnx.NodeProto, x: str) -> tuple[str, str]:
-    """``(relu(x), -relu(-x))``, i.e. ``(max(x, 0), min(x, 0))`` in ops with gradients."""
-    negative = graph.emit("Neg", [graph.emit("Relu", [graph.emit("Neg", [x], node)], node)], node)
-    return graph.emit("Relu", [x], node), negative
+    """``(max(x, 0), min(x, 0))``: a Relu and a one-sided Clip, both with gradients."""
+    zero = graph.const(np.array(0.0, _F32), node)
+    return graph.emit("Relu", [x], node), graph.emit("Clip", [x, "", zero], node)
 
 
 def _exp_minus_one(graph: Graph, node: onnx.NodeProto, x: str, alpha: float) -> str:
@@ -99,12 +99,14 @@ def celu(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
 
 
 def softplus(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """``Softplus(x) = max(x, 0) + log(1 + exp(-|x|))``, the form that never overflows."""
-    positive, negative = _relu_parts(graph, node, node.input[0])
-    minus_abs = graph.emit("Sub", [negative, positive], node)
-    one = graph.const(np.array(1.0, _F32), node)
-    log = graph.emit("Log", [graph.emit("Add", [graph.emit("Exp", [minus_abs], node), one], node)], node)
-    graph.emit("Add", [positive, log], node, output=node.output[0])
+    """``Softplus(x) = x if x > 20 else log(1 + exp(x))``, torch's own threshold (exp never overflows)."""
+    # NOTE: the exp branch sees min(x, 20), so the unused branch of the Where stays finite and its
+    # zero gradient cannot turn into NaN.
+    limit = graph.const(np.array(20.0, _F32), node)
+    exp = graph.emit("Exp", [graph.emit("Clip", [node.input[0], "", limit], node)], node)
+    log = graph.emit("Log", [graph.emit("Add", [exp, graph.const(np.array(1.0, _F32), node)], node)], node)
+    above = graph.emit("Greater", [node.input[0], limit], node)
+    graph.emit("Where", [above, node.input[0], log], node, output=node.output[0])
     return graph.take()
 
 

@@ -17,7 +17,7 @@ from onnx.reference import ReferenceEvaluator
 from ort_lightning._rewriting import Graph, attr
 from ort_lightning.errors import ExportError
 
-__all__ = ["average_pool", "cumsum", "depth_to_space", "resize", "reversed_slice"]
+__all__ = ["along_axis", "average_pool", "cumsum", "depth_to_space", "resize", "reversed_slice"]
 
 _I64 = np.int64
 _END = np.iinfo(np.int64).max
@@ -113,10 +113,12 @@ def reversed_slice(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] |
 
     ORT 1.19.2's SliceGrad fails on negative steps (``narrowing_error`` at the first step).
     """
-    values = [graph.value(name) for name in node.input[1:5]]
-    starts, ends, axes, steps = (values + [None] * 4)[:4]
+    steps = graph.value(node.input[4]) if len(node.input) > 4 else None
+    if steps is None or not (steps < 0).any():
+        return None
+    starts, ends, axes = (graph.value(name) if name else None for name in [*node.input[1:4], ""][:3])
     shape = graph.shape(node.input[0])
-    if starts is None or ends is None or steps is None or not (steps < 0).any() or shape is None:
+    if starts is None or ends is None or shape is None:
         return None
     axes = np.arange(len(starts)) if axes is None else axes
     rank = len(shape)
@@ -211,11 +213,11 @@ def resize(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         scale = float(scales_value[axis]) if scales_value is not None and scales_value.size else None
         matrix = _resize_matrix(node, int(source[axis]), int(target[axis]), scale)  # type: ignore[arg-type]
         output = node.output[0] if count == len(axes) - 1 else None
-        current = _along_axis(graph, node, current, matrix, axis, rank, output)
+        current = along_axis(graph, node, current, matrix, axis, rank, output)
     return graph.take()
 
 
-def _along_axis(graph: Graph, node: onnx.NodeProto, x: str, matrix: np.ndarray, axis: int, rank: int,
+def along_axis(graph: Graph, node: onnx.NodeProto, x: str, matrix: np.ndarray, axis: int, rank: int,
                 output: str | None) -> str:
     """Apply `matrix` (out x in) along `axis` of `x`: right-multiply the last axis, left-multiply the others."""
     if axis == rank - 1:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 __all__ = ["Graph", "attr", "module_of", "where"]
 
@@ -23,8 +24,10 @@ __all__ = ["Graph", "attr", "module_of", "where"]
 class Graph:
     """What the rewrites need to know about the graph: unique names, its opset, static shapes."""
 
-    def __init__(self, proto: onnx.ModelProto) -> None:
+    def __init__(self, proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None) -> None:
         self.proto = proto
+        #: Embedding weight name -> its padding_idx (from the torch model; ONNX does not say).
+        self.padding_rows = dict(padding_rows or {})
         self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
         self._taken = {name for node in proto.graph.node for name in (*node.input, *node.output)}
         self._taken |= {t.name for t in proto.graph.initializer} | {n.name for n in proto.graph.node}
@@ -34,6 +37,7 @@ class Graph:
         for node in proto.graph.node:
             if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
                 self._constants[node.output[0]] = node.attribute[0].t
+        self._producers: dict[str, onnx.NodeProto] | None = None
         #: Nodes emitted by the rewrite in progress; `take` hands them over.
         self.emitted: list[onnx.NodeProto] = []
 
@@ -55,9 +59,42 @@ class Graph:
         return node.output[0]
 
     def value(self, name: str) -> np.ndarray | None:
-        """The value of an initializer or Constant output, or None if `name` is computed (or empty)."""
+        """The value of `name` when it does not depend on the inputs (a constant, or a subgraph of constants).
+
+        Returns None for a value computed from the graph inputs, and for an empty name.
+        """
         tensor = self._constants.get(name) if name else None
-        return None if tensor is None else numpy_helper.to_array(tensor)
+        if tensor is not None:
+            return numpy_helper.to_array(tensor)
+        return self._fold(name) if name else None
+
+    def _fold(self, name: str, limit: int = 64) -> np.ndarray | None:
+        """Evaluate the constant subgraph that computes `name` (the exporter writes pads that way)."""
+        if self._producers is None:
+            self._producers = {output: node for node in self.proto.graph.node for output in node.output}
+        producers = self._producers
+        needed: list[onnx.NodeProto] = []
+        stack, seen = [name], set()
+        while stack:
+            value = stack.pop()
+            if value in seen or value in self._constants or not value:
+                continue
+            seen.add(value)
+            node = producers.get(value)
+            if node is None or node.op_type in _NOT_FOLDABLE or len(needed) >= limit:
+                return None
+            needed.append(node)
+            stack.extend(node.input)
+        constants = [helper.make_node("Constant", [], [n], value=self._constants[n]) for n in _inputs_of(needed)
+                     if n in self._constants]
+        nodes = constants + sorted(needed, key=list(self.proto.graph.node).index)
+        graph = helper.make_graph(nodes, "fold", [], [helper.make_tensor_value_info(name, 0, None)])
+        try:
+            model = helper.make_model(graph, opset_imports=self.proto.opset_import)
+            (result,) = ReferenceEvaluator(model).run(None, {})
+        except Exception:  # the reference evaluator raises many types; the value then stays unknown
+            return None
+        return np.asarray(result)
 
     def name(self, base: str) -> str:
         """A value or node name not yet used in the graph, derived from `base`."""
@@ -115,6 +152,15 @@ def where(node: onnx.NodeProto) -> str:
     )
 
 
+#: Ops whose value depends on more than their inputs' values, or that read a graph input's shape.
+_NOT_FOLDABLE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial",
+                 "Dropout", "If", "Loop", "Scan"}
+
+
+def _inputs_of(nodes: list[onnx.NodeProto]) -> set[str]:
+    return {name for node in nodes for name in node.input if name}
+
+
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
@@ -132,6 +178,10 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | No
             continue
         dims = info.type.tensor_type.shape.dim
         shapes[info.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
+    for tensor in graph.initializer:
+        shapes.setdefault(tensor.name, list(tensor.dims))
+        if tensor.data_type in _FLOAT_TYPES:
+            floats.add(tensor.name)
     return shapes, floats
 
 

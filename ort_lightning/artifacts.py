@@ -309,9 +309,13 @@ def export_artifacts(
     Returns:
         The validated `TrainingArtifacts`.
 
+    Before ORT builds the training graphs, every node it cannot differentiate is rewritten into
+    an exact equivalent it can (``_legalize.RULES``; docs/ops.md lists what trains).
+
     Raises:
-        ExportError: for an unknown loss, optimizer, option or frozen name, or a model that
-            cannot be exported.
+        ExportError: for an unknown loss, optimizer, option or frozen name, a model that cannot be
+            exported, or a layer ORT cannot differentiate and no rewrite covers (the message names
+            the ONNX op, the node and the torch module).
     """
     loss_kind = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
@@ -319,7 +323,7 @@ def export_artifacts(
     _export.check_opset(proto, _describe(model))
     _export.lower_ir_version(proto)
     _export.add_log_prob_outputs(proto)
-    _legalize.legalize(proto)
+    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
 
     model_outputs = [output.name for output in proto.graph.output]

@@ -22,9 +22,11 @@ class StepResult:
 
     loss_diff: float
     output_diff: float
+    output_rel: float  # output_diff relative to the largest |output| of torch
     grad_diff: float  # max |g_ort - g_torch| over all parameters
     grad_rel: float  # grad_diff relative to the largest |g_torch| of that parameter
     worst: str  # the parameter with the largest relative difference
+    finite: bool  # ORT's loss and every gradient are finite
 
 
 def _torch_step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> tuple[
@@ -60,8 +62,11 @@ def compare_step(
     *,
     folder: Path | None = None,
     seed: int = 0,
+    source: object = None,
 ) -> StepResult:
     """Export `model` at `example`, run one ORT train step (MSE loss) on `batch`, compare with torch.
+
+    `source` (an ONNX file or ModelProto of `model`) is exported instead of the torch module when given.
 
     Raises:
         ExportError: when the model cannot be exported or legalized.
@@ -69,7 +74,7 @@ def compare_step(
     reference = copy.deepcopy(model).train()
     with tempfile.TemporaryDirectory() as scratch:
         target_folder = folder or Path(scratch) / "artifacts"
-        export_artifacts(model, example, target_folder, loss="mse")
+        export_artifacts(source if source is not None else model, example, target_folder, loss="mse")  # type: ignore[arg-type]
         with torch.no_grad():
             shape = copy.deepcopy(reference)(*batch).shape
         target = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
@@ -88,7 +93,9 @@ def compare_step(
     return StepResult(
         loss_diff=float((ort_loss - torch_loss).abs()),
         output_diff=float((ort_output - torch_output).abs().max()),
+        output_rel=float((ort_output - torch_output).abs().max() / torch_output.abs().max().clamp_min(1e-12)),
         grad_diff=grad_diff,
         grad_rel=grad_rel,
         worst=worst,
+        finite=bool(torch.isfinite(ort_loss).all()) and all(bool(torch.isfinite(g).all()) for g in ort_grads.values()),
     )

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CASES", "Case"]
+from tools._case_models import SDPA, Attention, Bag, DecoderLayer, EncoderLayer, First, Fn, Interpolate, Pre
+
+__all__ = ["CASES", "REFUSED", "Case"]
 
 Inputs = Callable[[int], tuple[torch.Tensor, ...]]
 
@@ -29,8 +31,6 @@ class Case:
     #: False for layers that draw random numbers in training (Dropout, RReLU): their gradients
     #: cannot be compared with torch's, so only the training step itself is checked.
     deterministic: bool = True
-    #: An `ExportError` message pattern for a case that is expected not to train.
-    refused: str | None = None
 
 
 def _randn(*shape: int, scale: float = 2.0) -> Inputs:
@@ -49,80 +49,78 @@ def _tokens(length: int, vocab: int = 10) -> Inputs:
     return make
 
 
-class Fn(nn.Module):
-    """``fn(linear(x))``: a parameterized input to a functional op (or a parameter-free layer)."""
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], features: int = 6, out: int = 8) -> None:
-        super().__init__()
-        self.linear = nn.Linear(features, out)
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(self.linear(x))
-
-
-class Pre(nn.Module):
-    """``layer(conv1x1(x))`` for 1-, 2- or 3-d inputs: gives parameter-free layers a parameter to train."""
-
-    def __init__(self, layer: nn.Module, dims: int, channels: int = 3) -> None:
-        super().__init__()
-        conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
-        self.conv = conv(channels, channels, 1)
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(self.conv(x))
-
-
-class First(nn.Module):
-    """The first output of a layer that returns a tuple (RNNs, MultiheadAttention)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)[0]
-
-
 def _spatial(dims: int, size: int = 6) -> tuple[int, ...]:
     return (3, *([size] * dims))
 
 
 def _activation(name: str, layer: Callable[[], nn.Module], *, deterministic: bool = True) -> Case:
-    return Case(f"act-{name}", "activation", lambda: nn.Sequential(nn.Linear(6, 8), layer()), _randn(6),
-                deterministic=deterministic)
+    return Case(
+        f"act-{name}",
+        "activation",
+        lambda: nn.Sequential(nn.Linear(6, 8), layer()),
+        _randn(6),
+        deterministic=deterministic,
+    )
 
 
 _ACTIVATIONS = [
-    _activation("elu", nn.ELU), _activation("hardshrink", nn.Hardshrink), _activation("hardsigmoid", nn.Hardsigmoid),
-    _activation("hardtanh", nn.Hardtanh), _activation("hardswish", nn.Hardswish), _activation("leakyrelu", nn.LeakyReLU),
-    _activation("logsigmoid", nn.LogSigmoid), _activation("prelu", nn.PReLU), _activation("relu", nn.ReLU),
-    _activation("relu6", nn.ReLU6), _activation("rrelu", nn.RReLU, deterministic=False),
-    _activation("selu", nn.SELU), _activation("celu", nn.CELU), _activation("gelu", nn.GELU),
-    _activation("gelu-tanh", lambda: nn.GELU(approximate="tanh")), _activation("sigmoid", nn.Sigmoid),
-    _activation("silu", nn.SiLU), _activation("mish", nn.Mish), _activation("softplus", nn.Softplus),
-    _activation("softshrink", nn.Softshrink), _activation("softsign", nn.Softsign), _activation("tanh", nn.Tanh),
-    _activation("tanhshrink", nn.Tanhshrink), _activation("threshold", lambda: nn.Threshold(0.1, 20.0)),
-    _activation("glu", nn.GLU), _activation("softmin", lambda: nn.Softmin(dim=1)),
-    _activation("softmax", lambda: nn.Softmax(dim=1)), _activation("logsoftmax", lambda: nn.LogSoftmax(dim=1)),
+    _activation("elu", nn.ELU),
+    _activation("hardshrink", nn.Hardshrink),
+    _activation("hardsigmoid", nn.Hardsigmoid),
+    _activation("hardtanh", nn.Hardtanh),
+    _activation("hardswish", nn.Hardswish),
+    _activation("leakyrelu", nn.LeakyReLU),
+    _activation("logsigmoid", nn.LogSigmoid),
+    _activation("prelu", nn.PReLU),
+    _activation("relu", nn.ReLU),
+    _activation("relu6", nn.ReLU6),
+    _activation("rrelu", nn.RReLU, deterministic=False),
+    _activation("selu", nn.SELU),
+    _activation("celu", nn.CELU),
+    _activation("gelu", nn.GELU),
+    _activation("gelu-tanh", lambda: nn.GELU(approximate="tanh")),
+    _activation("sigmoid", nn.Sigmoid),
+    _activation("silu", nn.SiLU),
+    _activation("mish", nn.Mish),
+    _activation("softplus", nn.Softplus),
+    _activation("softshrink", nn.Softshrink),
+    _activation("softsign", nn.Softsign),
+    _activation("tanh", nn.Tanh),
+    _activation("tanhshrink", nn.Tanhshrink),
+    _activation("threshold", lambda: nn.Threshold(0.1, 20.0)),
+    _activation("glu", nn.GLU),
+    _activation("softmin", lambda: nn.Softmin(dim=1)),
+    _activation("softmax", lambda: nn.Softmax(dim=1)),
+    _activation("logsoftmax", lambda: nn.LogSoftmax(dim=1)),
     Case("act-softmax2d", "activation", lambda: Pre(nn.Softmax2d(), 2), _randn(*_spatial(2))),
 ]
 
 _NORMS = [
-    Case("norm-batchnorm1d", "norm", lambda: Pre(nn.BatchNorm1d(3), 1), _randn(*_spatial(1))),
-    Case("norm-batchnorm2d", "norm", lambda: Pre(nn.BatchNorm2d(3), 2), _randn(*_spatial(2))),
-    Case("norm-batchnorm3d", "norm", lambda: Pre(nn.BatchNorm3d(3), 3), _randn(*_spatial(3, 4))),
-    Case("norm-groupnorm", "norm", lambda: Pre(nn.GroupNorm(1, 3), 2), _randn(*_spatial(2))),
-    Case("norm-groupnorm-1d", "norm",
-         lambda: nn.Sequential(nn.Conv1d(3, 6, 1), nn.GroupNorm(3, 6)), _randn(*_spatial(1))),
-    Case("norm-instancenorm1d", "norm", lambda: Pre(nn.InstanceNorm1d(3, affine=True), 1), _randn(*_spatial(1))),
-    Case("norm-instancenorm2d", "norm", lambda: Pre(nn.InstanceNorm2d(3), 2), _randn(*_spatial(2))),
-    Case("norm-instancenorm3d", "norm", lambda: Pre(nn.InstanceNorm3d(3, affine=True), 3), _randn(*_spatial(3, 4))),
+    Case("norm-batchnorm1d", "norm", lambda: Pre(nn.BatchNorm1d(3), 1, bias=False), _randn(*_spatial(1))),
+    Case("norm-batchnorm2d", "norm", lambda: Pre(nn.BatchNorm2d(3), 2, bias=False), _randn(*_spatial(2))),
+    Case("norm-batchnorm3d", "norm", lambda: Pre(nn.BatchNorm3d(3), 3, bias=False), _randn(*_spatial(3, 4))),
+    Case("norm-groupnorm", "norm", lambda: Pre(nn.GroupNorm(1, 3), 2, bias=False), _randn(*_spatial(2))),
+    Case(
+        "norm-groupnorm-1d", "norm", lambda: nn.Sequential(nn.Conv1d(3, 6, 1), nn.GroupNorm(3, 6)), _randn(*_spatial(1))
+    ),
+    Case(
+        "norm-instancenorm1d",
+        "norm",
+        lambda: Pre(nn.InstanceNorm1d(3, affine=True), 1, bias=False),
+        _randn(*_spatial(1)),
+    ),
+    Case("norm-instancenorm2d", "norm", lambda: Pre(nn.InstanceNorm2d(3), 2, bias=False), _randn(*_spatial(2))),
+    Case(
+        "norm-instancenorm3d",
+        "norm",
+        lambda: Pre(nn.InstanceNorm3d(3, affine=True), 3, bias=False),
+        _randn(*_spatial(3, 4)),
+    ),
     Case("norm-layernorm", "norm", lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8)), _randn(6)),
-    Case("norm-layernorm-no-bias", "norm",
-         lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, bias=False)), _randn(6)),
-    Case("norm-layernorm-2d", "norm", lambda: Pre(nn.LayerNorm([6, 6]), 2), _randn(*_spatial(2))),
+    Case(
+        "norm-layernorm-no-bias", "norm", lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, bias=False)), _randn(6)
+    ),
+    Case("norm-layernorm-2d", "norm", lambda: Pre(nn.LayerNorm([6, 6]), 2, bias=False), _randn(*_spatial(2))),
     Case("norm-localresponse", "norm", lambda: Pre(nn.LocalResponseNorm(2), 2), _randn(*_spatial(2))),
     Case("norm-rmsnorm", "norm", lambda: nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8)), _randn(6)),
 ]
@@ -133,17 +131,22 @@ def _pool(name: str, dims: int, layer: Callable[[], nn.Module], size: int = 6) -
 
 
 _POOLS = [
-    _pool("maxpool1d", 1, lambda: nn.MaxPool1d(2)), _pool("maxpool2d", 2, lambda: nn.MaxPool2d(3, 2, padding=1)),
-    _pool("maxpool3d", 3, lambda: nn.MaxPool3d(2), 4), _pool("avgpool1d", 1, lambda: nn.AvgPool1d(2)),
+    _pool("maxpool1d", 1, lambda: nn.MaxPool1d(2)),
+    _pool("maxpool2d", 2, lambda: nn.MaxPool2d(3, 2, padding=1)),
+    _pool("maxpool3d", 3, lambda: nn.MaxPool3d(2), 4),
+    _pool("avgpool1d", 1, lambda: nn.AvgPool1d(2)),
     _pool("avgpool2d", 2, lambda: nn.AvgPool2d(2)),
     _pool("avgpool2d-pad-ceil", 2, lambda: nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False)),
     _pool("avgpool3d", 3, lambda: nn.AvgPool3d(2), 4),
-    _pool("lppool1d", 1, lambda: nn.LPPool1d(2, 2)), _pool("lppool2d", 2, lambda: nn.LPPool2d(2, 2)),
+    _pool("lppool1d", 1, lambda: nn.LPPool1d(2, 2)),
+    _pool("lppool2d", 2, lambda: nn.LPPool2d(2, 2)),
     _pool("lppool3d", 3, lambda: nn.LPPool3d(2, 2), 4),
-    _pool("adaptiveavg1d", 1, lambda: nn.AdaptiveAvgPool1d(3)), _pool("adaptiveavg2d", 2, lambda: nn.AdaptiveAvgPool2d(2)),
+    _pool("adaptiveavg1d", 1, lambda: nn.AdaptiveAvgPool1d(3)),
+    _pool("adaptiveavg2d", 2, lambda: nn.AdaptiveAvgPool2d(2)),
     _pool("adaptiveavg2d-global", 2, lambda: nn.AdaptiveAvgPool2d(1)),
     _pool("adaptiveavg3d", 3, lambda: nn.AdaptiveAvgPool3d(2), 4),
-    _pool("adaptivemax1d", 1, lambda: nn.AdaptiveMaxPool1d(3)), _pool("adaptivemax2d", 2, lambda: nn.AdaptiveMaxPool2d(2)),
+    _pool("adaptivemax1d", 1, lambda: nn.AdaptiveMaxPool1d(3)),
+    _pool("adaptivemax2d", 2, lambda: nn.AdaptiveMaxPool2d(2)),
     _pool("adaptivemax3d", 3, lambda: nn.AdaptiveMaxPool3d(2), 4),
     _pool("fractionalmax2d", 2, lambda: nn.FractionalMaxPool2d(2, output_size=3)),
 ]
@@ -154,7 +157,8 @@ def _conv(name: str, dims: int, layer: Callable[[], nn.Module], channels: int = 
 
 
 _CONVS = [
-    _conv("conv1d", 1, lambda: nn.Conv1d(4, 5, 3)), _conv("conv2d", 2, lambda: nn.Conv2d(4, 5, 3, padding=1)),
+    _conv("conv1d", 1, lambda: nn.Conv1d(4, 5, 3)),
+    _conv("conv2d", 2, lambda: nn.Conv2d(4, 5, 3, padding=1)),
     _conv("conv3d", 3, lambda: nn.Conv3d(4, 2, 3)),
     _conv("conv2d-grouped", 2, lambda: nn.Conv2d(4, 6, 3, groups=2)),
     _conv("conv2d-depthwise", 2, lambda: nn.Conv2d(4, 4, 3, groups=4)),
@@ -171,45 +175,36 @@ _CONVS = [
 
 _RECURRENT = [
     Case("rnn-tanh", "recurrent", lambda: First(nn.RNN(4, 5, batch_first=True)), _randn(3, 4)),
-    Case("rnn-relu-2layer", "recurrent",
-         lambda: First(nn.RNN(4, 5, num_layers=2, nonlinearity="relu", batch_first=True)), _randn(3, 4)),
+    Case(
+        "rnn-relu-2layer",
+        "recurrent",
+        lambda: First(nn.RNN(4, 5, num_layers=2, nonlinearity="relu", batch_first=True)),
+        _randn(3, 4),
+    ),
     Case("lstm", "recurrent", lambda: First(nn.LSTM(4, 5, batch_first=True)), _randn(3, 4)),
-    Case("lstm-bidirectional", "recurrent",
-         lambda: First(nn.LSTM(4, 5, batch_first=True, bidirectional=True)), _randn(3, 4)),
-    Case("lstm-2layer-proj", "recurrent",
-         lambda: First(nn.LSTM(4, 5, num_layers=2, proj_size=3, batch_first=True)), _randn(3, 4)),
+    Case(
+        "lstm-bidirectional",
+        "recurrent",
+        lambda: First(nn.LSTM(4, 5, batch_first=True, bidirectional=True)),
+        _randn(3, 4),
+    ),
+    Case(
+        "lstm-2layer-proj",
+        "recurrent",
+        lambda: First(nn.LSTM(4, 5, num_layers=2, proj_size=3, batch_first=True)),
+        _randn(3, 4),
+    ),
     Case("gru", "recurrent", lambda: First(nn.GRU(4, 5, batch_first=True)), _randn(3, 4)),
-    Case("gru-bidirectional", "recurrent",
-         lambda: First(nn.GRU(4, 5, batch_first=True, bidirectional=True)), _randn(3, 4)),
+    Case(
+        "gru-bidirectional",
+        "recurrent",
+        lambda: First(nn.GRU(4, 5, batch_first=True, bidirectional=True)),
+        _randn(3, 4),
+    ),
     Case("rnncell", "recurrent", lambda: nn.RNNCell(4, 5), _randn(4)),
     Case("lstmcell", "recurrent", lambda: First(nn.LSTMCell(4, 5)), _randn(4)),
     Case("grucell", "recurrent", lambda: nn.GRUCell(4, 5), _randn(4)),
 ]
-
-
-class Attention(nn.Module):
-    """MultiheadAttention (self-attention) with an optional key padding mask input."""
-
-    def __init__(self, *, batch_first: bool = True) -> None:
-        super().__init__()
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
-
-    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
-        return self.attention(x, x, x, key_padding_mask=padding, need_weights=False)[0]
-
-
-class SDPA(nn.Module):
-    """``F.scaled_dot_product_attention`` over projected q, k, v, with a mask input or ``is_causal``."""
-
-    def __init__(self, *, causal: bool = False) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(8, 24)
-        self.causal = causal
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
-        return out.transpose(1, 2).flatten(2)
 
 
 def _with_padding(batch: int) -> tuple[torch.Tensor, ...]:
@@ -238,41 +233,9 @@ _ATTENTION = [
     Case("sdpa-causal", "attention", lambda: SDPA(causal=True), _randn(4, 8)),
     Case("sdpa-float-mask", "attention", lambda: SDPA(), _with_float_mask),
     Case("sdpa-bool-mask", "attention", lambda: SDPA(), _with_bool_mask),
-    Case("transformer-encoder-layer", "attention", lambda: _EncoderLayer(), _with_padding),
-    Case("transformer-decoder-layer", "attention",
-         lambda: First(_SelfDecoder()), _randn(4, 8)),
+    Case("transformer-encoder-layer", "attention", lambda: EncoderLayer(), _with_padding),
+    Case("transformer-decoder-layer", "attention", lambda: First(DecoderLayer()), _randn(4, 8)),
 ]
-
-
-class _EncoderLayer(nn.Module):
-    # NOTE: called with its mask by keyword, as models do; a bare layer(x) trips torch's exporter
-    # (its `is_causal` argument is traced as a tensor).
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-
-    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, src_key_padding_mask=padding)
-
-
-class _SelfDecoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.layer(x, x),)
-
-
-class Bag(nn.Module):
-    """EmbeddingBag over fixed-length bags (a 2-d index input)."""
-
-    def __init__(self, mode: str) -> None:
-        super().__init__()
-        self.bag = nn.EmbeddingBag(10, 4, mode=mode)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.bag(tokens)
 
 
 _SPARSE = [
@@ -285,8 +248,7 @@ _SPARSE = [
 
 
 def _vision(name: str, layer: Callable[[], nn.Module], channels: int = 3, dims: int = 2, size: int = 4) -> Case:
-    return Case(f"vision-{name}", "vision", lambda: Pre(layer(), dims, channels),
-                _randn(channels, *([size] * dims)))
+    return Case(f"vision-{name}", "vision", lambda: Pre(layer(), dims, channels), _randn(channels, *([size] * dims)))
 
 
 _VISION = [
@@ -296,16 +258,11 @@ _VISION = [
     _vision("upsample-bicubic", lambda: nn.Upsample(scale_factor=2, mode="bicubic")),
     _vision("upsample-linear-1d", lambda: nn.Upsample(scale_factor=2, mode="linear"), dims=1),
     _vision("upsample-trilinear", lambda: nn.Upsample(scale_factor=2, mode="trilinear"), dims=3),
-    _vision("interpolate-size", lambda: _Interpolate()),
+    _vision("interpolate-size", lambda: Interpolate()),
     _vision("pixelshuffle", lambda: nn.PixelShuffle(2), channels=4),
     _vision("pixelunshuffle", lambda: nn.PixelUnshuffle(2)),
     _vision("channelshuffle", lambda: nn.ChannelShuffle(2), channels=4),
 ]
-
-
-class _Interpolate(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.interpolate(x, size=(6, 5), mode="nearest")
 
 
 def _pad(name: str, dims: int, layer: Callable[[], nn.Module]) -> Case:
@@ -313,21 +270,27 @@ def _pad(name: str, dims: int, layer: Callable[[], nn.Module]) -> Case:
 
 
 _PADDING = [
-    _pad(f"{kind}{dims}d", dims, lambda kind=kind, dims=dims: getattr(nn, f"{kind}Pad{dims}d")(*(
-        (1, 0.5) if kind == "Constant" else (1,))))
+    _pad(
+        f"{kind}{dims}d",
+        dims,
+        lambda kind=kind, dims=dims: getattr(nn, f"{kind}Pad{dims}d")(*((1, 0.5) if kind == "Constant" else (1,))),
+    )
     for kind in ("Reflection", "Replication", "Zero", "Constant", "Circular")
     for dims in (1, 2, 3)
 ]
 
 
 def _dropout(name: str, dims: int, layer: Callable[[], nn.Module]) -> Case:
-    return Case(f"dropout-{name}", "dropout", lambda: Pre(layer(), dims), _randn(*_spatial(dims, 4)),
-                deterministic=False)
+    return Case(
+        f"dropout-{name}", "dropout", lambda: Pre(layer(), dims), _randn(*_spatial(dims, 4)), deterministic=False
+    )
 
 
 _DROPOUT = [
-    _dropout("dropout", 1, lambda: nn.Dropout(0.5)), _dropout("dropout1d", 1, lambda: nn.Dropout1d(0.5)),
-    _dropout("dropout2d", 2, lambda: nn.Dropout2d(0.5)), _dropout("dropout3d", 3, lambda: nn.Dropout3d(0.5)),
+    _dropout("dropout", 1, lambda: nn.Dropout(0.5)),
+    _dropout("dropout1d", 1, lambda: nn.Dropout1d(0.5)),
+    _dropout("dropout2d", 2, lambda: nn.Dropout2d(0.5)),
+    _dropout("dropout3d", 3, lambda: nn.Dropout3d(0.5)),
     _dropout("alphadropout", 1, lambda: nn.AlphaDropout(0.5)),
     _dropout("featurealphadropout", 2, lambda: nn.FeatureAlphaDropout(0.5)),
 ]
@@ -347,6 +310,8 @@ _OPS = [
     _op("masked-fill", lambda h: h.masked_fill(h > 0.5, -1.0)),
     _op("where", lambda h: torch.where(h > 0, h * h, -h)),
     _op("cumsum", lambda h: h.cumsum(1)),
+    _op("prod", lambda h: h.prod(1, keepdim=True)),
+    _op("atan", torch.atan),
     _op("einsum", lambda h: torch.einsum("bi,bj->bij", h, h).flatten(1)),
     _op("matmul", lambda h: h.unflatten(1, (2, 4)) @ h.unflatten(1, (4, 2))),
     _op("cat-split-chunk", lambda h: torch.cat([*h.split(3, 1)[::-1], *h.chunk(2, 1)], 1)),
@@ -365,6 +330,32 @@ _OPS = [
 
 #: Every audited case, in the order docs/ops.md lists them.
 CASES: list[Case] = [
-    *_ACTIVATIONS, *_NORMS, *_POOLS, *_CONVS, *_RECURRENT, *_ATTENTION, *_SPARSE, *_VISION, *_PADDING, *_DROPOUT,
+    *_ACTIVATIONS,
+    *_NORMS,
+    *_POOLS,
+    *_CONVS,
+    *_RECURRENT,
+    *_ATTENTION,
+    *_SPARSE,
+    *_VISION,
+    *_PADDING,
+    *_DROPOUT,
     *_OPS,
 ]
+
+#: The cases that still do not train, each with the `ExportError` it gets (a regex of its message).
+REFUSED: dict[str, str] = {
+    # nn.LocalResponseNorm on 4-d input exports a data-dependent If; ORT's gradient builder aborts on it.
+    "norm-localresponse": r"'If' .* is control flow on the gradient path",
+    # torch's exporter has no symbolic for these at opset 17 (col2im needs 18, which ORT 1.19.2 cannot train).
+    "pool-fractionalmax2d": r"torch.onnx.export failed .*fractional_max_pool2d",
+    "conv-fold": r"torch.onnx.export failed .*col2im",
+    "lstm-2layer-proj": r"torch.onnx.export failed .*LSTMs with projections",
+    # nn.EmbeddingBag exports a Loop over the bags.
+    "embeddingbag-mean": r"'Loop' .*torch module 'bag'.* is control flow",
+    "embeddingbag-sum": r"'Loop' .*torch module 'bag'.* is control flow",
+    "embeddingbag-max": r"'Loop' .*torch module 'bag'.* is control flow",
+    # ONNX Atan and ReduceProd have no gradient in ORT 1.19.2 and no exact rewrite here yet.
+    "op-atan": r"no gradient for the ONNX op 'Atan'",
+    "op-prod": r"no gradient for the ONNX op 'ReduceProd'",
+}

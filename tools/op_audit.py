@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -63,8 +62,7 @@ def audit_case(case_id: str) -> Row:
     except Exception as error:  # any ORT failure in the step is what the audit reports
         return Row(case.id, case.family, exports=True, trains=False, note=_first_line(error))
     if not case.deterministic:
-        finite = math.isfinite(result.loss_diff)
-        return Row(case.id, case.family, exports=True, trains=finite,
+        return Row(case.id, case.family, exports=True, trains=result.finite,
                    note="random in training: step checked, values not compared")
     return Row(case.id, case.family, exports=True, trains=True, grad_rel=result.grad_rel,
                grad_diff=result.grad_diff, output_diff=result.output_diff)
@@ -121,7 +119,7 @@ def render(rows: list[Row], *, tolerance: float = 1e-5) -> str:
         f"trained one step at batch {TRAIN_BATCH} through real ORT artifacts (MSE loss against a fixed random",
         "target), then compared with torch autograd on the same weights and batch. *matches torch* is the",
         "largest gradient difference relative to the largest gradient of that parameter (floored at 1e-3 of",
-        f"the model's largest gradient, so parameters whose true gradient is ~0 do not divide by ~0); `yes`",
+        "the model's largest gradient, so parameters whose true gradient is ~0 do not divide by ~0); `yes`",
         f"means at most {tolerance:g}. Layers that draw random numbers in training (the Dropout variants,",
         "RReLU, FractionalMaxPool) are checked for a finite training step only: their values cannot be",
         "compared with torch's random stream.",

@@ -1,0 +1,277 @@
+"""Layer rewrites behind `_legalize.RULES`: padding modes, transposed convolution, bidirectional RNNs, embeddings.
+
+Like the other rewrites they are exact, need static sizes along the axes they touch (the batch
+may stay dynamic), and leave a node they cannot rewrite for ORT, or refuse it with an
+`ExportError` when ORT would fail on it only later (when the artifacts are loaded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ort_lightning._rewrites_spatial import along_axis
+from ort_lightning._rewriting import Graph, attr, where
+from ort_lightning.errors import ExportError
+
+__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "embedding_padding", "pad", "vanilla_rnn"]
+
+_I64 = np.int64
+_NUMPY_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def pad(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Pad in reflect/edge/wrap mode as one Gather of constant indices per padded axis (constant mode is left).
+
+    ORT 1.19.2's Pad gradient exists for constant mode only.
+    """
+    mode = _text(attr(node, "mode", "constant"))
+    if mode not in _NUMPY_PAD_MODES:
+        return None
+    pads, shape = graph.value(node.input[1]), graph.shape(node.input[0])
+    axes = graph.value(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    if pads is None or shape is None:
+        raise ExportError(f"{where(node)} pads in {mode!r} mode, which ORT 1.19.2 cannot differentiate, and its "
+                          "pads or input shape are not known at export time; give the layer fixed sizes.")
+    rank = len(shape)
+    axes = np.arange(rank) if axes is None else axes % rank
+    count = len(axes)
+    padded = [
+        (int(axis), int(pads[i]), int(pads[i + count])) for i, axis in enumerate(axes) if pads[i] or pads[i + count]
+    ]
+    if not all(isinstance(shape[axis], int) for axis, _, _ in padded):
+        raise ExportError(f"{where(node)} pads a dimension of unknown size in {mode!r} mode (shape {shape}); "
+                          "give that dimension a fixed size.")
+    current = node.input[0]
+    for position, (axis, before, after) in enumerate(padded):
+        index = np.pad(np.arange(int(shape[axis] or 0)), (before, after), mode=_NUMPY_PAD_MODES[mode])  # type: ignore[call-overload]
+        output = node.output[0] if position == len(padded) - 1 else None
+        current = graph.emit("Gather", [current, graph.const(index.astype(_I64), node)], node, output=output, axis=axis)
+    if not padded:
+        graph.emit("Identity", [current], node, output=node.output[0])
+    return graph.take()
+
+
+def _transposed_weight(graph: Graph, node: onnx.NodeProto, weight: str, shape: list[int], groups: int) -> str:
+    """ConvTranspose weight (Cin, Cout/g, k...) -> the Conv weight (Cout, Cin/g, k...) flipped in space."""
+    c_in, c_out_g, kernel = shape[0], shape[1], shape[2:]
+    grouped = graph.emit("Reshape", [weight, graph.const(np.array([groups, c_in // groups, c_out_g, *kernel], _I64),
+                                                         node)], node)
+    swapped = graph.emit("Transpose", [grouped], node, perm=[0, 2, 1, *range(3, 3 + len(kernel))])
+    current = graph.emit("Reshape", [swapped, graph.const(np.array([groups * c_out_g, c_in // groups, *kernel], _I64),
+                                                          node)], node)
+    for axis, size in enumerate(kernel, start=2):
+        flipped = graph.const(np.arange(size)[::-1].astype(_I64), node)
+        current = graph.emit("Gather", [current, flipped], node, axis=axis)
+    return current
+
+
+def conv_transpose(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """ConvTranspose as zero-insertion (a 0/1 MatMul per strided axis) and a Conv with the flipped weight.
+
+    ORT 1.19.2 has no CPU kernel for ConvTransposeGrad.
+
+    Raises:
+        ExportError: when sizes are unknown, or for output_shape/auto_pad/padding beyond the kernel.
+    """
+    x_shape, w_shape = graph.shape(node.input[0]), graph.shape(node.input[1])
+    rank = len(w_shape or []) - 2
+    strides = [int(s) for s in attr(node, "strides", [1] * rank)]
+    dilations = [int(d) for d in attr(node, "dilations", [1] * rank)]
+    pads = [int(p) for p in attr(node, "pads", [0] * (2 * rank))]
+    extra = [int(p) for p in attr(node, "output_padding", [0] * rank)]
+    groups = int(attr(node, "group", 1))
+    known = x_shape is not None and w_shape is not None and all(isinstance(d, int) for d in [*x_shape[1:], *w_shape])
+    kernel = [int(k or 0) for k in (w_shape or [])[2:]]
+    conv_pads = [dilations[a] * (kernel[a] - 1) - pads[a] for a in range(rank)]
+    conv_pads += [dilations[a] * (kernel[a] - 1) - pads[a + rank] + extra[a] for a in range(rank)]
+    if not known or attr(node, "output_shape", None) or _text(attr(node, "auto_pad", "NOTSET")) != "NOTSET" or min(
+        conv_pads, default=0
+    ) < 0:
+        raise ExportError(
+            f"ORT 1.19.2 has no CPU gradient kernel for {where(node)}, and it cannot be rewritten as a Conv (input "
+            f"{x_shape}, weight {w_shape}; the rewrite needs static sizes, no output_shape/auto_pad, and padding "
+            "within dilation*(kernel-1)); give the layer fixed sizes, or use Upsample + Conv instead."
+        )
+    current = node.input[0]
+    for axis in range(rank):
+        if strides[axis] > 1:
+            size = int(x_shape[axis + 2] or 0)  # type: ignore[index]
+            spread = np.zeros(((size - 1) * strides[axis] + 1, size), np.float32)
+            spread[np.arange(size) * strides[axis], np.arange(size)] = 1.0
+            current = along_axis(graph, node, current, spread, axis + 2, rank + 2, None)
+    weight = _transposed_weight(graph, node, node.input[1], [int(d or 0) for d in w_shape or []], groups)
+    graph.emit("Conv", [current, weight, *node.input[2:3]], node, output=node.output[0], group=groups,
+               kernel_shape=kernel, dilations=dilations, pads=conv_pads)
+    return graph.take()
+
+
+def _one_direction(graph: Graph, node: onnx.NodeProto, name: str, direction: int) -> str:
+    """Slice direction `direction` of a (2, ...) RNN weight or state; '' stays ''."""
+    if not name:
+        return ""
+    bounds = [graph.const(np.array([bound], _I64), node) for bound in (direction, direction + 1, 0)]
+    return graph.emit("Slice", [name, *bounds], node)
+
+
+def bidirectional_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """A bidirectional LSTM/GRU as two forward ones, the second over the time-reversed sequence.
+
+    ORT 1.19.2's LSTM and GRU training kernels take the forward direction only.
+
+    Raises:
+        ExportError: for variable sequence lengths, peepholes, batch-major layout or an unknown length.
+    """
+    if _text(attr(node, "direction", "forward")) != "bidirectional":
+        return None
+    inputs = [*node.input, *[""] * (8 - len(node.input))]
+    shape = graph.shape(inputs[0])
+    length = shape[0] if shape else None
+    if inputs[4] or inputs[7] or int(attr(node, "layout", 0)) or not isinstance(length, int):
+        raise ExportError(
+            f"ORT 1.19.2 trains {where(node)} in the forward direction only, and this bidirectional one cannot be "
+            f"split in two (sequence_lens, peepholes, layout=1 or a sequence length not fixed at export: input "
+            f"shape {shape}); export with a fixed sequence length and without packed sequences."
+        )
+    reverse = graph.const(np.arange(length)[::-1].astype(_I64), node)
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name != "direction"}
+    state_count = 3 if node.op_type == "LSTM" else 2
+    halves = []
+    for direction in (0, 1):
+        sequence = inputs[0] if direction == 0 else graph.emit("Gather", [inputs[0], reverse], node, axis=0)
+        parts = [_one_direction(graph, node, name, direction) for name in inputs[1:4]]
+        states = [_one_direction(graph, node, name, direction) for name in inputs[5:4 + state_count]]
+        outputs = [graph.name(f"{node.name}/{direction}_{index}") for index in range(state_count)]
+        graph.emitted.append(onnx.helper.make_node(node.op_type, [sequence, *parts, "", *states], outputs,
+                                                   name=graph.name(f"{node.name}/{node.op_type}"), **attributes))
+        if direction == 1:
+            outputs[0] = graph.emit("Gather", [outputs[0], reverse], node, axis=0)
+        halves.append(outputs)
+    for index, output in enumerate(node.output):
+        if output:
+            graph.emit("Concat", [halves[0][index], halves[1][index]], node, output=output, axis=1 if index == 0 else 0)
+    return graph.take()
+
+
+def embedding_padding(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """nn.Embedding(padding_idx=p): the padding row gets no gradient, as in torch.
+
+    The exporter writes a plain Gather, which would train the padding row. Here the looked-up rows
+    are kept where the index is not ``p``, and the padding row's value at export is used where it is.
+    NOTE: torch's AdamW still decays the padding row; the row stays as exported here, which is the
+    same for the usual all-zero padding row.
+    """
+    row = graph.padding_rows.get(node.input[0])
+    weight = graph.value(node.input[0]) if row is not None else None
+    if row is None or weight is None or int(attr(node, "axis", 0)) != 0:
+        return None
+    gathered = graph.emit("Gather", list(node.input), node)
+    hit = graph.emit("Equal", [node.input[1], graph.const(np.array(row, _I64), node)], node)
+    last = graph.const(np.array([-1], _I64), node)
+    is_pad = graph.emit("Unsqueeze", [graph.emit("Cast", [hit], node, to=onnx.TensorProto.FLOAT), last], node)
+    keep = graph.emit("Sub", [graph.const(np.array(1.0, np.float32), node), is_pad], node)
+    padding = graph.emit("Mul", [is_pad, graph.const(weight[row].astype(np.float32), node)], node)
+    graph.emit("Add", [graph.emit("Mul", [gathered, keep], node), padding], node, output=node.output[0])
+    return graph.take()
+
+
+def einsum(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """Einsum as Transpose/Unsqueeze of each operand onto all the equation's letters, Mul, ReduceSum.
+
+    Exact, and any number of operands; the product spans every letter at once, so its memory is the
+    product of all index sizes (fine for the small contractions einsum is mostly used for). An
+    equation with ``...`` or a letter repeated within one operand (a diagonal) is left to ORT.
+    """
+    equation = _text(attr(node, "equation", "")).replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        return None
+    operands, output = equation.split("->")
+    terms = operands.split(",")
+    if len(terms) != len(node.input) or any(len(set(term)) != len(term) for term in [*terms, output]):
+        return None
+    letters = list(output) + sorted({letter for term in terms for letter in term} - set(output))
+    aligned = []
+    for term, name in zip(terms, node.input, strict=True):
+        order = sorted(range(len(term)), key=lambda i: letters.index(term[i]))
+        moved = graph.emit("Transpose", [name], node, perm=order) if order != sorted(order) else name
+        missing = [axis for axis, letter in enumerate(letters) if letter not in term]
+        aligned.append(graph.emit("Unsqueeze", [moved, graph.const(np.array(missing, _I64), node)], node)
+                       if missing else moved)
+    product = aligned[0]
+    for other in aligned[1:]:
+        product = graph.emit("Mul", [product, other], node)
+    contracted = list(range(len(output), len(letters)))
+    if contracted:
+        axes = graph.const(np.array(contracted, _I64), node)
+        graph.emit("ReduceSum", [product, axes], node, output=node.output[0], keepdims=0)
+    else:
+        graph.emit("Identity", [product], node, output=node.output[0])
+    return graph.take()
+
+
+def _rnn_direction(graph: Graph, node: onnx.NodeProto, inputs: list[str], direction: int, length: int,
+                   activation: str) -> tuple[list[str], str]:
+    """Unroll one direction of a vanilla RNN: ``h_t = act(x_t W^T + h_{t-1} R^T + Wb + Rb)``; (h per t, last h)."""
+    x, w, r, b, h0 = inputs[0], inputs[1], inputs[2], inputs[3], inputs[5]
+    first = graph.const(np.array([0], _I64), node)
+
+    def part(name: str) -> str:  # direction `direction` of a (D, ...) tensor, without its leading axis
+        return graph.emit("Squeeze", [_one_direction(graph, node, name, direction), first], node)
+
+    projected = graph.emit("MatMul", [x, graph.emit("Transpose", [part(w)], node, perm=[1, 0])], node)
+    if b:
+        hidden = int((graph.shape(b) or [0, 0])[1] or 0) // 2
+        bounds = [graph.const(np.array([v], _I64), node) for v in (0, hidden, 2 * hidden)]
+        bias = part(b)
+        both = graph.emit("Add", [graph.emit("Slice", [bias, bounds[0], bounds[1]], node),
+                                  graph.emit("Slice", [bias, bounds[1], bounds[2]], node)], node)
+        projected = graph.emit("Add", [projected, both], node)
+    recurrent = graph.emit("Transpose", [part(r)], node, perm=[1, 0])
+    state = part(h0) if h0 else ""
+    states = []
+    for step in range(length):
+        t = step if direction == 0 else length - 1 - step
+        total = graph.emit("Gather", [projected, graph.const(np.array(t, _I64), node)], node, axis=0)
+        if state:
+            total = graph.emit("Add", [total, graph.emit("MatMul", [state, recurrent], node)], node)
+        state = graph.emit(activation, [total], node)
+        states.append(state)
+    return states if direction == 0 else states[::-1], state
+
+
+def vanilla_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """nn.RNN (ONNX RNN, no gradient in ORT 1.19.2) unrolled over its fixed length into MatMul/Add/Tanh|Relu.
+
+    Raises:
+        ExportError: for a sequence length not fixed at export, sequence_lens, clip or another activation.
+    """
+    inputs = [*node.input, *[""] * (6 - len(node.input))]
+    shape = graph.shape(inputs[0])
+    length = shape[0] if shape else None
+    activations = [_text(a) for a in attr(node, "activations", [b"Tanh"])]
+    directions = 2 if _text(attr(node, "direction", "forward")) == "bidirectional" else 1
+    reverse_only = _text(attr(node, "direction", "forward")) == "reverse"
+    if not isinstance(length, int) or inputs[4] or attr(node, "clip", None) is not None or reverse_only or int(
+        attr(node, "layout", 0)
+    ) or any(a not in ("Tanh", "Relu") for a in activations):
+        raise ExportError(
+            f"ORT 1.19.2 has no gradient for {where(node)}, and it cannot be unrolled (input shape {shape}, "
+            f"activations {activations}; unrolling needs a sequence length fixed at export, no packed sequences "
+            "and tanh/relu); export with a fixed sequence length, or use nn.GRU/nn.LSTM, which ORT trains."
+        )
+    zero = graph.const(np.array([0], _I64), node)
+    ys, lasts = [], []
+    for direction in range(directions):
+        states, last = _rnn_direction(graph, node, inputs, direction, length, activations[direction % len(activations)])
+        stacked = graph.emit("Concat", [graph.emit("Unsqueeze", [s, zero], node) for s in states], node, axis=0)
+        ys.append(graph.emit("Unsqueeze", [stacked, graph.const(np.array([1], _I64), node)], node))
+        lasts.append(graph.emit("Unsqueeze", [last, zero], node))
+    if node.output[0]:
+        graph.emit("Concat", ys, node, output=node.output[0], axis=1)
+    if len(node.output) > 1 and node.output[1]:
+        graph.emit("Concat", lasts, node, output=node.output[1], axis=0)
+    return graph.take()

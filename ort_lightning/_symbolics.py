@@ -1,0 +1,132 @@
+"""ONNX symbolics for torch layers the TorchScript exporter refuses at opset 17 (or in training mode).
+
+Each one writes the layer in ops that ORT 1.19.2 can differentiate. They are registered only for
+the duration of one export (`registered`), so that a user's own ``torch.onnx.export`` calls see
+torch's behaviour unchanged.
+
+Example::
+
+    >>> import torch
+    >>> from ort_lightning._export import torch_to_onnx
+    >>> proto = torch_to_onnx(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), input_names=["x"])
+    >>> sorted({node.op_type for node in proto.graph.node} & {"ReduceMean", "Sqrt"})
+    ['ReduceMean', 'Sqrt']
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.onnx import symbolic_helper
+
+__all__ = ["SYMBOLICS", "registered"]
+
+_OPSET = 17
+# NOTE: torch.nn.AlphaDropout's constant (SELU's alpha * scale), as in ATen's _dropout_impl.
+_ALPHA = 1.7580993408473766
+
+
+def _const(g: Any, value: Any, dtype: torch.dtype = torch.float32) -> Any:
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+
+def _rms_norm(g: Any, x: Any, normalized_shape: Any, weight: Any, eps: Any) -> Any:
+    """``x / sqrt(mean(x^2 over the normalized dims) + eps) * weight``."""
+    dims = symbolic_helper._maybe_get_const(normalized_shape, "is")
+    epsilon = symbolic_helper._maybe_get_const(eps, "f")
+    if epsilon is None or symbolic_helper._is_none(eps):
+        epsilon = torch.finfo(torch.float32).eps
+    axes = list(range(-len(dims), 0))
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes_i=axes, keepdims_i=1)
+    normed = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, _const(g, float(epsilon)))))
+    return normed if symbolic_helper._is_none(weight) else g.op("Mul", normed, weight)
+
+
+@symbolic_helper.parse_args("v", "f", "f")
+def _threshold(g: Any, x: Any, threshold: float, value: float) -> Any:
+    """``where(x > threshold, x, value)`` (torch's exporter takes only threshold 0)."""
+    return g.op("Where", g.op("Greater", x, _const(g, threshold)), x, _const(g, value))
+
+
+def _bilinear(g: Any, x1: Any, x2: Any, weight: Any, bias: Any) -> Any:
+    """``y[..., o] = x1 W[o] x2 + b[o]`` as one MatMul, a product and a sum."""
+    out, left, right = symbolic_helper._get_tensor_sizes(weight)
+    flat = g.op("Reshape", g.op("Transpose", weight, perm_i=[1, 0, 2]), _const(g, [left, out * right], torch.int64))
+    mixed = g.op("MatMul", x1, flat)
+    lead = g.op("Slice", g.op("Shape", x1), _const(g, [0], torch.int64), _const(g, [-1], torch.int64))
+    split = g.op("Concat", lead, _const(g, [out, right], torch.int64), axis_i=0)
+    products = g.op("Mul", g.op("Reshape", mixed, split), g.op("Unsqueeze", x2, _const(g, [-2], torch.int64)))
+    summed = g.op("ReduceSum", products, _const(g, [-1], torch.int64), keepdims_i=0)
+    return summed if symbolic_helper._is_none(bias) else g.op("Add", summed, bias)
+
+
+@symbolic_helper.parse_args("v", "i")
+def _channel_shuffle(g: Any, x: Any, groups: int) -> Any:
+    """(N, C, ...) -> (N, g, C/g, rest) -> swap the group axes -> back to x's shape."""
+    channels = int(symbolic_helper._get_tensor_sizes(x)[1] or 0)
+    grouped = g.op("Reshape", x, _const(g, [0, groups, channels // groups, -1], torch.int64))
+    swapped = g.op("Transpose", grouped, perm_i=[0, 2, 1, 3])
+    return g.op("Reshape", swapped, g.op("Shape", x))
+
+
+def _keep_mask(g: Any, x: Any, p: float, *, per_channel: bool) -> Any:
+    """ONNX Dropout of ones (ORT's kernel, with its seed): ``keep / (1 - p)``, per element or per (N, C)."""
+    if per_channel:
+        rank = int(symbolic_helper._get_tensor_rank(x) or 2)
+        lead = g.op("Slice", g.op("Shape", x), _const(g, [0], torch.int64), _const(g, [2], torch.int64))
+        shape = g.op("Concat", lead, _const(g, [1] * (rank - 2), torch.int64), axis_i=0)
+    else:
+        shape = g.op("Shape", x)
+    ones = g.op("ConstantOfShape", shape, value_t=torch.tensor([1.0]))
+    scaled, _ = g.op("Dropout", ones, _const(g, p), _const(g, True, torch.bool), outputs=2)
+    return scaled
+
+
+def _feature_dropout(g: Any, x: Any, p: Any, train: Any) -> Any:
+    """nn.Dropout1d/2d/3d: one keep/drop draw per (sample, channel)."""
+    rate, training = symbolic_helper._maybe_get_const(p, "f"), symbolic_helper._maybe_get_const(train, "b")
+    if not training or not rate:
+        return x
+    return g.op("Mul", x, _keep_mask(g, x, float(rate), per_channel=True))
+
+
+def _alpha(per_channel: bool) -> Callable[[Any, Any, Any, Any], Any]:
+    def symbolic(g: Any, x: Any, p: Any, train: Any) -> Any:
+        """nn.AlphaDropout / FeatureAlphaDropout: ``x * keep * a + alpha * a * (keep - 1 + p)``."""
+        rate, training = symbolic_helper._maybe_get_const(p, "f"), symbolic_helper._maybe_get_const(train, "b")
+        if not training or not rate:
+            return x
+        rate = float(rate)
+        a = 1.0 / ((_ALPHA * _ALPHA * rate + 1) * (1 - rate)) ** 0.5
+        keep = g.op("Mul", _keep_mask(g, x, rate, per_channel=per_channel), _const(g, 1.0 - rate))
+        kept = g.op("Mul", g.op("Mul", x, keep), _const(g, a))
+        return g.op("Add", kept, g.op("Mul", g.op("Add", keep, _const(g, rate - 1.0)), _const(g, _ALPHA * a)))
+
+    return symbolic
+
+
+#: aten op -> its symbolic, registered for the exporter's opset while `torch_to_onnx` runs.
+SYMBOLICS: dict[str, Callable[..., Any]] = {
+    "aten::rms_norm": _rms_norm,
+    "aten::threshold": _threshold,
+    "aten::bilinear": _bilinear,
+    "aten::channel_shuffle": _channel_shuffle,
+    "aten::feature_dropout": _feature_dropout,
+    "aten::alpha_dropout": _alpha(per_channel=False),
+    "aten::feature_alpha_dropout": _alpha(per_channel=True),
+}
+
+
+@contextlib.contextmanager
+def registered(opset: int = _OPSET) -> Iterator[None]:
+    """Register `SYMBOLICS` for `opset` while the block runs; torch's own symbolics come back after."""
+    for name, symbolic in SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+    try:
+        yield
+    finally:
+        for name in SYMBOLICS:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
