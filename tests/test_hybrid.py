@@ -213,3 +213,21 @@ def test_a_factory_returning_something_unusable_is_refused(mlp_adamw: Exported, 
     module = _hybrid(mlp_adamw, factory)
     with pytest.raises(ConfigurationError, match=message):
         module.configure_optimizers()
+
+
+def test_checkpoint_resume_restarts_the_linear_schedule_with_the_fresh_torch_optimizer(
+    mlp_adamw: Exported, tmp_path: Path
+) -> None:
+    options = dict(lr_scheduler="linear", warmup_steps=4, total_steps=2 * EPOCH)
+    first = _hybrid(mlp_adamw, adamw_fused, **options)
+    _trainer(max_steps=EPOCH).fit(first, _loader())
+    path = first.save_ort_checkpoint(tmp_path / "half.ortckpt")
+    second = _hybrid(mlp_adamw, adamw_fused, checkpoint=path, **options)
+    _trainer(max_steps=EPOCH).fit(second, _loader())
+    reference = mlp_adamw.reference()
+    # weights only in the file: the second half starts a fresh AdamW, and its warmup, from step 0
+    for _ in range(2):
+        optimizer = adamw_fused(reference.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, 4, 2 * EPOCH))
+        _torch_train(reference, optimizer, scheduler=scheduler, steps=EPOCH)
+    _assert_same_parameters(second, reference)
