@@ -270,7 +270,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step.
+        """Return the ORT optimizer (or the `optimizer` factory's torch one) and the `lr_scheduler` schedule.
 
         As in torch Lightning, every ``fit`` starts a fresh optimizer (step 0, no moments), except
         when the state was just restored (``checkpoint=`` before the first fit, or ``ckpt_path=``),
