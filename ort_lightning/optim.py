@@ -152,9 +152,12 @@ class LinearLRSchedule:
                 "step": self.last_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned and recompute the lr."""
-        self.warmup_steps = int(state_dict["warmup_steps"])
-        self.total_steps = int(state_dict["total_steps"])
+        """Restore the step and the peak lr, and recompute the lr (``ckpt_path=`` resume).
+
+        The shape of the schedule (`warmup_steps`, `total_steps`) stays as this fit configured
+        it, as torch's ``LambdaLR`` keeps its lambda: a resumed fit with a larger ``max_steps``
+        extends the decay instead of staying at lr 0.
+        """
         self.base_lr = float(state_dict["base_lr"])
         self.last_step = int(state_dict.get("step", self.last_step))
         self._sync()
