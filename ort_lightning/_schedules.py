@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
+from ort_lightning.optim import LinearLRSchedule
 
 __all__ = [
     "SCHEDULE_PROPERTIES",
@@ -88,7 +88,7 @@ def _check_config(config: dict[str, Any]) -> None:
         )
 
 
-def torch_schedule(optimizer: ORTOptimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
+def torch_schedule(optimizer: torch.optim.Optimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
     """Build a torch scheduler over `optimizer` with `factory`; its lr reaches ORT before every update.
 
     Raises:
@@ -120,7 +120,7 @@ class Progress:
 
 
 def lr_scheduler_config(
-    optimizer: ORTOptimizer,
+    optimizer: torch.optim.Optimizer,
     lr_scheduler: str | SchedulerFactory | dict[str, Any],
     *,
     warmup_steps: int | float,
