@@ -231,3 +231,18 @@ def test_checkpoint_resume_restarts_the_linear_schedule_with_the_fresh_torch_opt
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, 4, 2 * EPOCH))
         _torch_train(reference, optimizer, scheduler=scheduler, steps=EPOCH)
     _assert_same_parameters(second, reference)
+
+
+def test_lightning_scheduler_dict_steps_the_torch_optimizer_per_epoch(mlp_adamw: Exported) -> None:
+    schedule = {"scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+                "interval": "epoch"}
+    module = _hybrid(mlp_adamw, sgd_nesterov, lr_scheduler=schedule)
+    _trainer(max_epochs=2, max_steps=-1).fit(module, _loader())
+    reference = mlp_adamw.reference()
+    optimizer = sgd_nesterov(reference.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for _ in range(2):  # one epoch of 16 steps, then the epoch's scheduler step
+        _torch_train(reference, optimizer, steps=EPOCH)
+        scheduler.step()
+    _assert_same_parameters(module, reference)
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)
