@@ -16,11 +16,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ort_lightning.errors import ConfigurationError
 
-__all__ = ["STAGES", "stage_metrics"]
+if TYPE_CHECKING:
+    from ort_lightning._manifest import Manifest
+
+__all__ = ["STAGES", "stage_metrics", "stage_metrics_for"]
 
 STAGES = ("train", "val", "test")
 
@@ -45,6 +48,21 @@ def stage_metrics(metrics: Any) -> dict[str, Any]:
         )
     collection = metrics if isinstance(metrics, MetricCollection) else MetricCollection(metrics)
     return {stage: collection.clone(prefix=f"{stage}_") for stage in STAGES}
+
+
+def stage_metrics_for(metrics: Any, manifest: Manifest) -> dict[str, Any]:
+    """`stage_metrics` for artifacts whose graphs have a model output and a label to feed them.
+
+    Raises:
+        ConfigurationError: for artifacts without outputs or labels, or metrics torchmetrics cannot collect.
+    """
+    if not manifest.outputs or not manifest.labels:
+        raise ConfigurationError(
+            f"`metrics` need a model output and a label, but the artifacts have outputs {list(manifest.outputs)} "
+            f"and labels {[s.name for s in manifest.labels]}; export with a loss that takes labels "
+            "(e.g. loss='cross_entropy'), or drop `metrics`."
+        )
+    return stage_metrics(metrics)
 
 
 def _is_metrics(metrics: Any, metric: type, collection: type) -> bool:

@@ -2,9 +2,10 @@
 
 ONNX Runtime's objects do not pickle, yet Lightning's spawn launcher and ``copy.deepcopy`` copy
 a module by pickling it, and the spawn launcher on CPU also replaces every parameter's
-``.data`` with a copy. `PortableMixin` leaves the ORT objects out of the pickle and rebuilds
-them from the artifacts with the pickled values, and tells when the torch tensors are no longer
-views of ORT's state so that ``configure_model`` can attach them again.
+``.data`` with a copy. `picklable` leaves the ORT objects out of the pickle (the module rebuilds
+them from the artifacts with the pickled values, see `values_of` / `load_values`), and
+`views_attached` tells when the torch tensors are no longer views of ORT's state, so that
+``configure_model`` can attach them again.
 
 Example::
 
@@ -18,60 +19,47 @@ Example::
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ort_lightning import _ort
 from ort_lightning.bridge import parameter_views
 
-__all__ = ["PortableMixin"]
+__all__ = ["DEVICE_KEY", "load_values", "picklable", "values_of", "views_attached"]
 
 #: Attributes holding ORT objects or views of them, rebuilt after unpickling (spawn, deepcopy).
 _UNPICKLED = ("_session", "_train_inputs", "_eval_inputs", "_placeholders", "_gradients", "_train_step", "_eval_step")
+#: Where the pickle says which device the ORT objects ran on.
+DEVICE_KEY = "_ort_device"
 
 
-class PortableMixin(torch.nn.Module):
-    """Pickling support mixed into `ORTLightningModule` (ahead of ``LightningModule``)."""
+def picklable(state: dict[str, Any], session: _ort.TrainingSession) -> dict[str, Any]:
+    """A module's ``__dict__`` without ORT's objects, with the device to rebuild them on."""
+    state = dict(state)
+    for key in _UNPICKLED:
+        state.pop(key, None)
+    state[DEVICE_KEY] = session.device
+    state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
+    return state
 
-    _session: _ort.TrainingSession
 
-    if TYPE_CHECKING:
+def values_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of every parameter and buffer, to load into rebuilt ORT objects."""
+    return [t.detach().clone() for t in (*module.parameters(), *module.buffers())]
 
-        def _assemble(
-            self, device: str, checkpoint: str | os.PathLike[str] | None = None, *, spinning: bool = True
-        ) -> _ort.TrainingSession: ...
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
-        state: dict[str, Any] = dict(super().__getstate__())
-        for key in _UNPICKLED:
-            state.pop(key, None)
-        state["_ort_device"] = self._session.device
-        state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
-        return state
+@torch.no_grad()
+def load_values(module: torch.nn.Module, values: list[torch.Tensor]) -> None:
+    """Copy what `values_of` returned into the module's (ORT-backed) parameters and buffers."""
+    for tensor, value in zip((*module.parameters(), *module.buffers()), values, strict=True):
+        tensor.copy_(value)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
-        device = state.pop("_ort_device")
-        super().__setstate__(state)
-        values = self._values()
-        self._session = self._assemble(device)
-        self._load_values(values)
 
-    def _values(self) -> list[torch.Tensor]:
-        return [t.detach().clone() for t in (*self.parameters(), *self.buffers())]
-
-    @torch.no_grad()
-    def _load_values(self, values: list[torch.Tensor]) -> None:
-        for tensor, value in zip((*self.parameters(), *self.buffers()), values, strict=True):
-            tensor.copy_(value)
-
-    def _views_attached(self) -> bool:
-        """Tell whether every parameter and buffer still shares memory with ORT's state."""
-        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        return all(
-            view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
-            for view in parameter_views(self._session)
-        )
+def views_attached(module: torch.nn.Module, session: _ort.TrainingSession) -> bool:
+    """Tell whether every parameter and buffer of `module` still shares memory with `session`'s state."""
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return all(
+        view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
+        for view in parameter_views(session)
+    )

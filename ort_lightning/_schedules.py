@@ -160,7 +160,9 @@ def lr_scheduler_config(
         warmup = resolve_warmup(warmup_steps, total_steps=total)
         if isinstance(optimizer, ORTOptimizer):
             scheduler = LinearLRSchedule(optimizer, warmup_steps=warmup, total_steps=total, step=start.step)
-        else:  # a torch optimizer over ORT's gradients: the same closed form, as a torch scheduler
+        else:
+            # NOTE: a torch optimizer over ORT's gradients: the same closed form as a torch
+            # LambdaLR, which keeps each param group's own peak lr (LinearLRSchedule sets one lr).
             scheduler = linear_schedule(optimizer, warmup_steps=warmup, total_steps=total)
             _fast_forward(scheduler, start.step)
     return {"scheduler": scheduler, "interval": "step"}

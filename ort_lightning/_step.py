@@ -121,7 +121,8 @@ class StepPath:
     def __init__(self, nonfinite: NonFiniteGuard, *, keep_apart: bool, seed: int) -> None:
         self.nonfinite = nonfinite
         self.keep_apart = keep_apart
-        self.seed = seed
+        # NOTE: torch's unseeded initial seed may use all 64 bits; checkpoints store a signed int64.
+        self.seed = seed & (_MASK64 >> 1)
         self.step_offset = 0  # optimizer steps before this run (a start from an ORT checkpoint)
         self._window = _Window()
         self._session: _ort.TrainingSession | None = None

@@ -14,8 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,12 +26,21 @@ from typing_extensions import override
 
 from ort_lightning import _hybrid, _ort
 from ort_lightning._binding import GradientViews, bind_views, check_conversion
-from ort_lightning._checkpointing import CheckpointingMixin
+from ort_lightning._checkpointing import (
+    ORT_STATE_KEY,
+    PROGRESS_KEY,
+    RunOrigin,
+    export_inference,
+    read_checkpoint,
+    restored_state,
+    snapshot,
+    state_bytes,
+    write_ort_checkpoint,
+)
 from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_range_of
-from ort_lightning._metrics import stage_metrics
-from ort_lightning._portable import PortableMixin
+from ort_lightning._metrics import stage_metrics_for
+from ort_lightning._portable import DEVICE_KEY, load_values, picklable, values_of, views_attached
 from ort_lightning._schedules import (
-    Progress,
     SchedulerFactory,
     check_lr_scheduler,
     check_not_finished,
@@ -37,6 +48,7 @@ from ort_lightning._schedules import (
     describe,
     lr_scheduler_config,
     resolve_schedule,
+    schedule_properties,
     total_steps_of,
 )
 from ort_lightning._step import StepPath
@@ -50,11 +62,12 @@ __all__ = ["ORTLightningModule"]
 
 _SUPPORTED_PRECISION = "32-true"
 
+
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
-class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
+class ORTLightningModule(pl.LightningModule):
     """Train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
     The ORT components (CheckpointState, Module, Optimizer) are built at once on the CPU, and
@@ -63,14 +76,18 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
 
     Args:
         artifacts: `TrainingArtifacts` or the folder `export_artifacts` wrote.
-        lr: peak learning rate.
+        lr: peak learning rate; None means the `checkpoint`'s, else 1e-3.
         warmup_steps: optimizer steps of linear warmup from 0 to `lr`, as a count, or as a
-            fraction of `total_steps` when a float in (0, 1).
-        total_steps: optimizer steps until the lr decays linearly to 0; None means
-            ``trainer.estimated_stepping_batches``.
-        lr_scheduler: ``"linear"`` (ORT's linear warmup/decay, the default), ``"constant"``, or a
-            factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` (cosine, step, one-cycle),
-            stepped per optimizer step; the lr it sets reaches ORT before every update.
+            fraction of `total_steps` when a float in (0, 1); a warmup longer than the run stays in
+            the warmup. None means the `checkpoint`'s, else 0.
+        total_steps: optimizer steps until the lr decays linearly to 0; None means the
+            `checkpoint`'s, else ``trainer.estimated_stepping_batches``.
+        lr_scheduler: ``"linear"`` (linear warmup/decay, the default), ``"constant"``, a factory
+            ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` (cosine, step, one-cycle) stepped
+            per optimizer step, or Lightning's scheduler dict with such a factory under
+            ``"scheduler"`` (``interval``, ``frequency``, ``monitor``, e.g. for ``ReduceLROnPlateau``).
+            Schedules count Lightning's optimizer steps, skipped ones included; the lr reaches ORT
+            before every update.
         metrics: a torchmetrics Metric, MetricCollection or dict name -> Metric, updated with the
             graph's first extra output (the logits) and the first label, cloned per stage and logged
             as ``train_<name>``, ``val_<name>``, ``test_<name>`` (name: the dict key or the class name).
@@ -78,7 +95,8 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
         checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
             start from instead of the artifacts' initial one: weights, and the optimizer state
-            when the file has it.
+            when the file has it. The run continues the file's: its schedule starts at the stored
+            step, its epochs and steps count on, and ORT's random stream keeps the stored seed.
         on_nonfinite: what a NaN/inf training loss does, decided once per optimizer step by all ranks
             together: ``"raise"`` (`NonFiniteLossError`, before the update touches the parameters) or
             ``"skip"`` (drop that optimizer step, every micro-batch of it, reset the gradients and warn).
@@ -127,13 +145,13 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
-        self._resumed: dict[str, Any] = {}  # the properties of the ORT checkpoint this run starts from
-        self._schedule_start = Progress()  # where the first fit's schedule starts (checkpoint=)
         self._schedule: Any = None  # the scheduler of the current fit
-        self._session: _ort.TrainingSession = self._assemble(device, checkpoint)
-        if checkpoint is not None:
-            self._resume_from(self._source_properties)
-        schedule = resolve_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._resumed)
+        source = None if checkpoint is None else Path(checkpoint)
+        self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(read_checkpoint(source, self.artifacts)))
+        self._session: _ort.TrainingSession = self._assemble(device, source)
+        schedule = resolve_schedule(
+            lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._origin.properties
+        )
         check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
         self.lr, self.warmup_steps, self.total_steps = schedule.lr, schedule.warmup_steps, schedule.total_steps
         self.lr_scheduler = lr_scheduler
@@ -144,16 +162,25 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
              # NOTE: not named `optimizer`: load_from_checkpoint would pass the name back as the factory.
              "update": _hybrid.describe_optimizer(optimizer)}
         )
-        self._metrics = self._stage_metrics(metrics)
+        self._metrics = {} if metrics is None else stage_metrics_for(metrics, self.artifacts.manifest)
+        for stage, collection in self._metrics.items():
+            self.add_module(f"{stage}_metrics", collection)
+        self._label_index = len(self.artifacts.manifest.inputs)
         check_graph_inputs(self.artifacts, self._session.input_names(training=True))
         self._labels = label_range_of(self.artifacts) if check_labels else None
 
     # ----------------------------------------------------------------------------- assembly
-    def _assemble(
-        self, device: str, checkpoint: str | os.PathLike[str] | None = None, *, spinning: bool = True
-    ) -> _ort.TrainingSession:
+    def _assemble(self, device: str, checkpoint: Path | None = None, *, spinning: bool = True) -> _ort.TrainingSession:
+        """Build the ORT components from `checkpoint`, else from a snapshot of the running ones, else anew."""
         artifacts = self.artifacts
-        with self._checkpoint_source(checkpoint) as source:
+        with contextlib.ExitStack() as stack:
+            running: _ort.TrainingSession | None = self.__dict__.get("_session")
+            source = checkpoint
+            if source is None and running is not None:
+                # NOTE: a rebuild on another device keeps the training progress of the running session.
+                source = stack.enter_context(snapshot(running, include_optimizer_state=True))
+            if source is None:
+                source = artifacts.checkpoint
             session = _ort.assemble(
                 training_model=artifacts.training_model,
                 eval_model=artifacts.eval_model,
@@ -176,21 +203,24 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         self._eval_step = session.eval_step
         return session
 
-    def _stage_metrics(self, metrics: Any) -> dict[str, Any]:
-        if metrics is None:
-            return {}
-        manifest = self.artifacts.manifest
-        if not manifest.outputs or not manifest.labels:
-            raise ConfigurationError(
-                f"`metrics` need a model output and a label, but the artifacts have outputs {list(manifest.outputs)} "
-                f"and labels {[s.name for s in manifest.labels]}; export with a loss that takes labels "
-                "(e.g. loss='cross_entropy'), or drop `metrics`."
-            )
-        self._label_index = len(manifest.inputs)
-        stages = stage_metrics(metrics)
-        for stage, collection in stages.items():
-            self.add_module(f"{stage}_metrics", collection)
-        return stages
+    def _set_origin(self, origin: RunOrigin) -> None:
+        """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
+        self._origin = origin
+        self._steps.step_offset = origin.step
+        if origin.seed is not None:
+            self._steps.seed = origin.seed
+
+    def _restart_optimizer(self) -> None:
+        """Rebuild the ORT components from the current weights with a fresh optimizer state.
+
+        What torch Lightning gets on every ``fit``: ``configure_optimizers`` makes a new optimizer
+        (step 0, no moments), so a second ``fit`` warms up and decays again instead of staying at
+        the end of the first one's schedule; its steps and epochs count from 0.
+        """
+        session = self._session
+        with snapshot(session, include_optimizer_state=False) as path:
+            self._session = self._assemble(session.device, path, spinning=session.spinning)
+        self._set_origin(RunOrigin(seed=self._steps.seed))
 
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
@@ -218,14 +248,14 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         device = _device_string(self.trainer.strategy.root_device)
         spinning = thread_spinning(self.trainer.strategy)
         rebuild = device != self._session.device or spinning != self._session.spinning
-        if not rebuild and self._views_attached():
+        if not rebuild and views_attached(self, self._session):
             return
-        values = self._values()
+        values = values_of(self)
         if rebuild:
             self._session = self._assemble(device, spinning=spinning)
         else:
             self._gradients = bind_views(self, parameter_views(self._session), self.artifacts.manifest.buffers)
-        self._load_values(values)
+        load_values(self, values)
 
     @override
     def forward(self, *inputs: torch.Tensor) -> Any:
@@ -270,7 +300,7 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        """Return the ORT optimizer and the schedule chosen by `lr_scheduler`, stepped per optimizer step.
+        """Return the ORT optimizer (or the `optimizer` factory's torch one) and the `lr_scheduler` schedule.
 
         As in torch Lightning, every ``fit`` starts a fresh optimizer (step 0, no moments), except
         when the state was just restored (``checkpoint=`` before the first fit, or ``ckpt_path=``),
@@ -289,9 +319,9 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
         def total_steps() -> int:
             return total_steps_of(self.trainer, self.total_steps)
 
-        start, self._schedule_start = self._schedule_start, Progress()
         scheduler = lr_scheduler_config(
-            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps, start=start
+            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps,
+            start=self._origin.schedule,
         )
         self._schedule = None if scheduler is None else scheduler["scheduler"]
         return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
@@ -372,6 +402,107 @@ class ORTLightningModule(CheckpointingMixin, PortableMixin, pl.LightningModule):
             self._device = device
             self._dtype = torch.float32
         return self
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def save_ort_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        include_optimizer_state: bool = True,
+        properties: dict[str, int | float | str] | None = None,
+    ) -> Path:
+        """Write the ORT CheckpointState to `path` atomically, with a ``.sha256`` sidecar digest.
+
+        The file is what ``onnxruntime.training.api.CheckpointState.load_checkpoint`` reads and
+        what ``ORTLightningModule(artifacts, checkpoint=path)`` resumes from.
+
+        Args:
+            path: the checkpoint file to create or replace.
+            include_optimizer_state: also store the optimizer's step count and moments, which an
+                exact resume needs. Under hybrid training (``optimizer=`` a torch optimizer) the file
+                holds the weights only: the torch optimizer's state is in Lightning's ``.ckpt``.
+            properties: int, float or str values stored in the file. Always added: ``lr``,
+                ``ort_lightning_version``, ``optimizer_state`` (1 or 0) and ``seed`` (ORT's random
+                stream); the linear schedule's ``schedule_lr``, ``schedule_warmup_steps`` and
+                ``schedule_total_steps``; inside a fit, ``global_step``, ``epoch`` and ``next_epoch``
+                (the epoch a resume starts in), counted across resumes.
+
+        Returns:
+            The path written.
+        """
+        # NOTE: under a torch optimizer (hybrid training) ORT's optimizer state is never used;
+        # the file holds the weights, and the torch optimizer's state lives in Lightning's .ckpt.
+        include_optimizer_state = include_optimizer_state and self._optimizer_factory is None
+        values: dict[str, int | float | str] = {
+            "lr": float(self._session.get_lr()), "optimizer_state": int(include_optimizer_state),
+            "seed": self._steps.seed_in_use(), **schedule_properties(self._schedule),
+            **self._origin.progress_properties(self._trainer), **(properties or {}),
+        }
+        return write_ort_checkpoint(
+            self._session, path, include_optimizer_state=include_optimizer_state, properties=values
+        )
+
+    def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None = None) -> Path:
+        """Write the eval graph with the current weights as a plain ONNX inference model.
+
+        The model takes the model inputs only (no labels) and runs in
+        ``onnxruntime.InferenceSession``.
+
+        Args:
+            path: the ``.onnx`` file to create or replace (atomically).
+            outputs: eval graph outputs to keep; None keeps the model's own outputs.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ConfigurationError: for an output name the eval graph does not have.
+        """
+        names = list(outputs) if outputs is not None else list(self.artifacts.manifest.outputs)
+        return export_inference(self._session, path, names)
+
+    @property
+    def start_progress(self) -> dict[str, int]:
+        """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run.
+
+        Nonzero when the run started from an ORT checkpoint: the first epoch of this run is epoch
+        ``start_progress["epoch"]`` of the whole training, so that numbers never repeat.
+        """
+        return {"global_step": self._origin.step, "epoch": self._origin.epoch}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the full ORT state (weights, optimizer step and moments) as uint8 bytes.
+
+        Under hybrid training the weights only: the torch optimizer's state is Lightning's own entry.
+        """
+        checkpoint[ORT_STATE_KEY] = state_bytes(self._session, include_optimizer_state=self._optimizer_factory is None)
+        checkpoint[PROGRESS_KEY] = self._origin.lightning_record(self._steps.seed_in_use())
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Rebuild the ORT components from the stored state (before ``configure_optimizers`` runs)."""
+        state = checkpoint.get(ORT_STATE_KEY)
+        if state is None:
+            return
+        session = self._session
+        with restored_state(state) as path:
+            self._session = self._assemble(session.device, path, spinning=session.spinning)
+        self._state_restored = True
+        self._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
+        return picklable(super().__getstate__(), self._session)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
+        device = state.pop(DEVICE_KEY)
+        super().__setstate__(state)
+        values = values_of(self)
+        self._session = self._assemble(device)
+        load_values(self, values)
 
     # ----------------------------------------------------------------------------- helpers
     def _run_graph(

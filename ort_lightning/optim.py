@@ -103,7 +103,7 @@ class LinearLRSchedule:
     ``LearningRateMonitor``, and ORT gets it before every update.
 
     Args:
-        optimizer: the `ORTOptimizer` whose lr it drives.
+        optimizer: the `ORTOptimizer` (or a torch optimizer over ORT's parameters) whose lr it drives.
         warmup_steps: optimizer steps of the warmup.
         total_steps: optimizer steps until the lr reaches 0.
         step: the step to start at (the optimizer steps of a run resumed from an ORT checkpoint).
@@ -112,7 +112,9 @@ class LinearLRSchedule:
         ConfigurationError: for ``total_steps < 1`` or a negative warmup or step.
     """
 
-    def __init__(self, optimizer: ORTOptimizer, *, warmup_steps: int, total_steps: int, step: int = 0) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, step: int = 0
+    ) -> None:
         if total_steps < 1 or warmup_steps < 0 or step < 0:
             raise ConfigurationError(
                 f"Expected total_steps >= 1, warmup_steps >= 0 and step >= 0, but got warmup_steps={warmup_steps}, "
@@ -135,7 +137,8 @@ class LinearLRSchedule:
         lr = self.base_lr * factor
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.session.set_lr(lr)
+        if isinstance(self.optimizer, ORTOptimizer):
+            self.optimizer.session.set_lr(lr)  # NOTE: so that a checkpoint's "lr" is the next step's
 
     def step(self) -> None:
         """Move to the next step's lr (Lightning calls it after each optimizer step)."""
@@ -152,9 +155,12 @@ class LinearLRSchedule:
                 "step": self.last_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned and recompute the lr."""
-        self.warmup_steps = int(state_dict["warmup_steps"])
-        self.total_steps = int(state_dict["total_steps"])
+        """Restore the step and the peak lr, and recompute the lr (``ckpt_path=`` resume).
+
+        The shape of the schedule (`warmup_steps`, `total_steps`) stays as this fit configured
+        it, as torch's ``LambdaLR`` keeps its lambda: a resumed fit with a larger ``max_steps``
+        extends the decay instead of staying at lr 0.
+        """
         self.base_lr = float(state_dict["base_lr"])
         self.last_step = int(state_dict.get("step", self.last_step))
         self._sync()

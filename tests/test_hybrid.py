@@ -213,3 +213,36 @@ def test_a_factory_returning_something_unusable_is_refused(mlp_adamw: Exported, 
     module = _hybrid(mlp_adamw, factory)
     with pytest.raises(ConfigurationError, match=message):
         module.configure_optimizers()
+
+
+def test_checkpoint_resume_restarts_the_linear_schedule_with_the_fresh_torch_optimizer(
+    mlp_adamw: Exported, tmp_path: Path
+) -> None:
+    options = dict(lr_scheduler="linear", warmup_steps=4, total_steps=2 * EPOCH)
+    first = _hybrid(mlp_adamw, adamw_fused, **options)
+    _trainer(max_steps=EPOCH).fit(first, _loader())
+    path = first.save_ort_checkpoint(tmp_path / "half.ortckpt")
+    second = _hybrid(mlp_adamw, adamw_fused, checkpoint=path, **options)
+    _trainer(max_steps=EPOCH).fit(second, _loader())
+    reference = mlp_adamw.reference()
+    # weights only in the file: the second half starts a fresh AdamW, and its warmup, from step 0
+    for _ in range(2):
+        optimizer = adamw_fused(reference.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, 4, 2 * EPOCH))
+        _torch_train(reference, optimizer, scheduler=scheduler, steps=EPOCH)
+    _assert_same_parameters(second, reference)
+
+
+def test_lightning_scheduler_dict_steps_the_torch_optimizer_per_epoch(mlp_adamw: Exported) -> None:
+    schedule = {"scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+                "interval": "epoch"}
+    module = _hybrid(mlp_adamw, sgd_nesterov, lr_scheduler=schedule)
+    _trainer(max_epochs=2, max_steps=-1).fit(module, _loader())
+    reference = mlp_adamw.reference()
+    optimizer = sgd_nesterov(reference.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for _ in range(2):  # one epoch of 16 steps, then the epoch's scheduler step
+        _torch_train(reference, optimizer, steps=EPOCH)
+        scheduler.step()
+    _assert_same_parameters(module, reference)
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)

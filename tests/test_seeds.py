@@ -92,3 +92,14 @@ def test_checkpoint_file_resume_of_a_dropout_model_is_bit_identical_without_seed
     other._steps.seed += 1
     _trainer(tmp_path, max_epochs=1).fit(other, _loader())
     assert not _identical(_state(other), straight)
+
+
+def test_an_unseeded_process_seed_of_64_bits_is_kept_by_a_checkpoint(
+    mlp_adamw: Exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's initial seed of an unseeded process may use all 64 bits; ORT stores signed 64-bit ints
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    torch.manual_seed(2**64 - 5)
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    path = module.save_ort_checkpoint(tmp_path / "state.ortckpt")
+    assert ORTLightningModule(mlp_adamw.artifacts, checkpoint=path)._steps.seed == module._steps.seed == 2**63 - 5
