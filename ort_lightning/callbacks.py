@@ -156,6 +156,21 @@ class ORTCheckpoint(ModelCheckpoint):
             folder = Path(os.fspath(self.dirpath or "."))
             check_writable(folder)
             remove_stale_temps(folder)
+        if stage == "fit":
+            self._continue_last(pl_module)
+
+    def _continue_last(self, pl_module: pl.LightningModule) -> None:
+        """A run resumed with ``checkpoint=`` replaces the folder's ``last`` file instead of adding ``last-v1``.
+
+        NOTE: ``ModelCheckpoint`` keeps an existing ``last`` of another run and versions its own; a
+        ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
+        restored state names the file to replace).
+        """
+        if self.last_model_path or not self.save_last or _module(pl_module).start_progress["global_step"] == 0:
+            return
+        last = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
+        if os.path.isfile(last):
+            self.last_model_path = last
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -109,3 +109,15 @@ def blob_loaders() -> tuple[DataLoader, DataLoader]:
     train = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
     val = DataLoader(TensorDataset(vx, vy), batch_size=64)
     return train, val
+
+
+def checkpointing_for(options: dict[str, object]) -> bool:
+    """``enable_checkpointing`` for a test Trainer: on exactly when a callback is a ModelCheckpoint.
+
+    NOTE: ORTCheckpoint is a ModelCheckpoint, which Lightning accepts only with checkpointing enabled;
+    without one, the tests keep Lightning's own ``.ckpt`` writer off.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = options.get("callbacks") or ()
+    return any(isinstance(callback, ModelCheckpoint) for callback in callbacks)  # type: ignore[attr-defined]

@@ -40,7 +40,7 @@ def main(artifacts: str, folder: str) -> None:
     x, y = torch.randn(64, 4, generator=generator), torch.randint(0, 3, (64,), generator=generator)
     trainer = L.Trainer(
         strategy="ort_ddp", accelerator="cpu", devices=1, num_nodes=2, max_steps=3, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=True, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ORTCheckpoint(out / "checkpoints"), _Ranks(out)],
     )
     trainer.fit(ORTLightningModule(artifacts, lr=0.01), DataLoader(TensorDataset(x, y), batch_size=8))

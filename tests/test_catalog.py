@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTCheckpoint, ORTLightningModule, TrainingArtifacts
 from ort_lightning.artifacts import MANIFEST_NAME
 from ort_lightning.errors import ArtifactError, BatchError, CheckpointError, ConfigurationError
-from tests.conftest import Exported, blobs
+from tests.conftest import Exported, blobs, checkpointing_for
 
 
 def _trainer(**options: object) -> pl.Trainer:
     defaults: dict[str, object] = {
-        "max_epochs": 1, "accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+        "max_epochs": 1, "accelerator": "cpu", "logger": False, "enable_checkpointing": checkpointing_for(options),
         "enable_progress_bar": False, "enable_model_summary": False,
     }
     return pl.Trainer(**{**defaults, **options})  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.errors import ConfigurationError
-from tests.conftest import Exported, blobs
+from tests.conftest import Exported, blobs, checkpointing_for
 
 pytestmark = [pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")]
 
@@ -44,7 +44,8 @@ def _val_loader() -> DataLoader:
 
 def _trainer(root: Path, **options: object) -> L.Trainer:
     defaults: dict[str, object] = dict(
-        accelerator="cpu", enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        accelerator="cpu", enable_progress_bar=False, enable_checkpointing=checkpointing_for(options),
+        enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=root, logger=CSVLogger(root, name="lr"), log_every_n_steps=1,
     )
     callbacks = [LearningRateMonitor(logging_interval="step"), *options.pop("callbacks", [])]  # type: ignore[misc]

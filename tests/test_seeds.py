@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from tests import ddp_run
-from tests.conftest import Exported
+from tests.conftest import Exported, checkpointing_for
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
@@ -29,7 +29,7 @@ def _loader() -> DataLoader:
 
 def _trainer(root: Path, **options: object) -> L.Trainer:
     defaults: dict[str, object] = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu", logger=False, enable_checkpointing=checkpointing_for(options), enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root,
     )
     return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
