@@ -62,7 +62,8 @@ def test_export_from_factory_then_inspect(digits_artifacts: Path) -> None:
     result = run("inspect", digits_artifacts, cwd=digits_artifacts.parent)
     assert "input float32 [batch, 64]" in result.stdout
     assert "labels int64 [batch]" in result.stdout
-    assert re.search(r"^loss: +cross_entropy$", result.stdout, re.MULTILINE)
+    loss_row = r"^loss: +cross_entropy reduction=mean ignore_index=-100 label_smoothing=0.0$"  # torch's defaults
+    assert re.search(loss_row, result.stdout, re.MULTILINE)
     assert "onnx::" not in result.stdout
     # 64*64 + 64 + 64*10 + 10 parameters in the digits MLP, counted independently here.
     assert f"{64 * 64 + 64 + 64 * 10 + 10:,} values" in result.stdout
