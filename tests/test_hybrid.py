@@ -181,7 +181,7 @@ def test_two_ddp_ranks_match_torch_with_the_double_batch(mlp_adamw: Exported, tm
     assert result.returncode == 0, result.stderr[-4000:]
     reference = mlp_adamw.reference()
     optimizer = ddp_run.sgd_nesterov(reference.parameters())
-    x, y = ddp_run.dataset("mlp", 2 * steps * batch * 2)
+    x, y = ddp_run.dataset("mlp", steps * batch * 2)  # what ddp_run.train draws: one epoch of the steps
     for step in range(steps):
         window = slice(step * 2 * batch, (step + 1) * 2 * batch)
         torch.nn.functional.cross_entropy(reference(x[window]), y[window]).backward()
