@@ -204,18 +204,7 @@ def add_log_prob_outputs(proto: onnx.ModelProto) -> int:
     the node without it (``F.cross_entropy`` inside a model's forward), so building the gradient
     graph fails. ORT's own CrossEntropyLoss block writes both outputs, as done here.
     """
-    taken = {name for node in proto.graph.node for name in node.output}
-    changed = 0
-    for index, node in enumerate(proto.graph.node):
-        is_loss = node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
-        if is_loss and len(node.output) == 1:
-            name = f"{node.name or 'SoftmaxCrossEntropyLoss'}_{index}_log_prob"
-            while name in taken:
-                name += "_"
-            taken.add(name)
-            node.output.append(name)
-            changed += 1
-    return changed
+    return _add_second_output(proto, "SoftmaxCrossEntropyLoss", "log_prob")
 
 
 def add_dropout_masks(proto: onnx.ModelProto) -> int:
@@ -225,11 +214,16 @@ def add_dropout_masks(proto: onnx.ModelProto) -> int:
     attention dropout of Hugging Face models) with one output, and ORT's Dropout gradient reads
     the mask, so building the gradient graph fails.
     """
+    return _add_second_output(proto, "Dropout", "mask")
+
+
+def _add_second_output(proto: onnx.ModelProto, op_type: str, suffix: str) -> int:
+    """Name the optional second output of every ai.onnx `op_type` node written with one output."""
     taken = {name for node in proto.graph.node for name in node.output}
     changed = 0
     for index, node in enumerate(proto.graph.node):
-        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-            name = f"{node.name or 'Dropout'}_{index}_mask"
+        if node.op_type == op_type and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            name = f"{node.name or op_type}_{index}_{suffix}"
             while name in taken:
                 name += "_"
             taken.add(name)
