@@ -36,7 +36,11 @@ def _bind(arrays: Any, count: int) -> Any:
     vector = _ort.OrtValueVector()
     tensors = [torch.from_numpy(np.ascontiguousarray(arrays[f"i{index}"])) for index in range(count)]
     for tensor in tensors:
-        vector.push_back(_ort.OrtValue.from_dlpack(tensor.__dlpack__(), tensor.dtype is torch.bool))
+        is_bool = tensor.dtype is torch.bool
+        # NOTE: ORT 1.19.2's DLPack import refuses torch's bool code (kDLBool, "Unsupported code 6");
+        # it takes the same bytes as uint8 with its is_bool flag set, as the bridge does.
+        shared = tensor.view(torch.uint8) if is_bool else tensor
+        vector.push_back(_ort.OrtValue.from_dlpack(shared.__dlpack__(), is_bool))
     # NOTE: the OrtValues borrow the tensors' memory; the caller keeps them alive for the step.
     return vector, tensors
 
