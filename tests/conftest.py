@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -121,3 +122,21 @@ def checkpointing_for(options: dict[str, object]) -> bool:
 
     callbacks = options.get("callbacks") or ()
     return any(isinstance(callback, ModelCheckpoint) for callback in callbacks)  # type: ignore[attr-defined]
+
+
+#: Set in this process by in-process Trainer runs under ort_ddp (Lightning's launcher writes them into
+#: os.environ); a child process that inherits them takes itself for an already launched rank and never
+#: starts its other ranks, so a later test that launches a DDP run would wait until its timeout.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_restored() -> Iterator[None]:
+    """Give every test the process environment's launch variables as they were before it."""
+    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -16,18 +16,15 @@ import torch.nn.functional as F
 
 from tests import ddp_nonfinite_run as run
 from tests import ddp_run
-from tests.conftest import Exported
+from tests.conftest import LAUNCH_VARIABLES, Exported
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Set in this process by in-process Trainer runs under ort_ddp; a child that inherits them takes itself for
-#: an already launched rank and never starts its second rank.
-_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")
 
 
 def _launch(exported: Exported, out: Path, policy: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "tests.ddp_nonfinite_run", str(exported.artifacts.directory), str(out),
                f"--policy={policy}"]
-    env = {name: value for name, value in os.environ.items() if name not in _LAUNCH_VARIABLES}
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
     # NOTE: a rank left waiting in a collective would hang; the timeout turns that into a failure.
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
 
