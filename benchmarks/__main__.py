@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per model")
     parser.add_argument("--steps", type=int, default=None, help="steps per runner per round")
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this Markdown file")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS probes (minutes on big models)")
     parser.add_argument("--memory-child", nargs=3, metavar=("CASE", "RUNNER", "STEPS"), help=argparse.SUPPRESS)
     return parser
 
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> str:
         for name in names:
             case = CASES[name]
             times = measure_case(case, rounds, steps, Path(folder))
-            memory = None if quick else {key: _probes.peak_rss_mb(name, key, 200) for key in ORDER}
+            memory = None if quick or args.no_memory else {key: _probes.peak_rss_mb(name, key, 200) for key in ORDER}
             lines += _case_rows(case, times, peak, memory)
             ratios.append(_ratio_row(case, times))
             medians[name] = {key: statistics.median(values) * 1e3 for key, values in times.items()}
