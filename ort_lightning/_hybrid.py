@@ -35,7 +35,7 @@ import torch
 
 from ort_lightning._ort import TrainingSession
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.optim import linear_lr_factor
+from ort_lightning.optim import linear_lr_factor, run_closure
 
 __all__ = ["OptimizerFactory", "TorchOverORT", "check_optimizer", "describe_optimizer", "linear_schedule"]
 
@@ -99,12 +99,9 @@ class TorchOverORT(torch.optim.Optimizer):
         A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf loss
         is skipped) skips the update. The gradient reset after it belongs to the step path.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            if loss is None:
-                return None
+        ran, loss = run_closure(closure)
+        if not ran:
+            return None
         self.optimizer.step()
         if self._cuda_device is not None:
             # NOTE: the update ran on torch's stream; ORT's next train step reads the parameters

@@ -23,7 +23,22 @@ import torch
 from ort_lightning._ort import TrainingSession
 from ort_lightning.errors import ConfigurationError
 
-__all__ = ["LinearLRSchedule", "ORTOptimizer", "linear_lr_factor"]
+__all__ = ["LinearLRSchedule", "ORTOptimizer", "linear_lr_factor", "run_closure"]
+
+
+def run_closure(closure: Callable[[], Any] | None) -> tuple[bool, Any]:
+    """Run an optimizer's `closure` with autograd on; ``(False, None)`` when it returned None (skip the update).
+
+    Example::
+
+        >>> run_closure(None), run_closure(lambda: None), run_closure(lambda: 1.5)
+        ((True, None), (False, None), (True, 1.5))
+    """
+    if closure is None:
+        return True, None
+    with torch.enable_grad():
+        loss = closure()
+    return loss is not None, loss
 
 
 class ORTOptimizer(torch.optim.Optimizer):
@@ -58,12 +73,9 @@ class ORTOptimizer(torch.optim.Optimizer):
         A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf
         loss is skipped) skips the update.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            if loss is None:
-                return None
+        ran, loss = run_closure(closure)
+        if not ran:
+            return None
         if self._cuda_device is not None:
             torch.cuda.current_stream(self._cuda_device).synchronize()
         self.session.set_lr(self.param_groups[0]["lr"])
