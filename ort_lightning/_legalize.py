@@ -84,7 +84,12 @@ RULES: dict[str, Rule] = {
     "ConvTranspose": Rule(_layers.conv_transpose, "no CPU ConvTransposeGrad kernel; becomes zero insertion + Conv"),
     "LSTM": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two LSTMs"),
     "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
-    "Gather": Rule(_layers.embedding_padding, "nn.Embedding(padding_idx) exports as a Gather training the padding row"),
+    "Gather": Rule(
+        _layers.gather,
+        "ORT's CPU GatherGrad (nn.Embedding's, MultiheadAttention's) locks a mutex per gradient element; a "
+        "constant index becomes Slice, others along axis 0 GatherND; with padding_idx the padding row gets no "
+        "gradient, as in torch",
+    ),
     "RNN": Rule(_layers.vanilla_rnn, f"{_NO_GRADIENT} (nn.RNN); unrolled over its fixed length: MatMul, Tanh/Relu"),
     "Einsum": Rule(_layers.einsum, f"{_NO_GRADIENT}; becomes aligned operands, Mul and ReduceSum"),
     "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),

@@ -14,7 +14,7 @@ from ort_lightning._rewrites_spatial import along_axis
 from ort_lightning._rewriting import Graph, attr, where
 from ort_lightning.errors import ExportError
 
-__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "embedding_padding", "pad", "vanilla_rnn"]
+__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "gather", "pad", "vanilla_rnn"]
 
 _I64 = np.int64
 _NUMPY_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
@@ -157,7 +157,56 @@ def bidirectional_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto
     return graph.take()
 
 
-def embedding_padding(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def gather(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """A Gather on the gradient path as ops whose CPU gradients are fast: Slice, or GatherND.
+
+    Same values, same negative-index rule. ORT 1.19.2's CPU GatherGrad takes a mutex for every
+    element of the incoming gradient (a third of a BERT-tiny step: the embeddings, and
+    MultiheadAttention's split of its packed q/k/v projection). A constant index that is one
+    position or an ascending run becomes a Slice (SliceGrad copies); any other index along axis 0
+    (nn.Embedding) becomes GatherND (its gradient adds rows in one plain loop). Other Gathers are
+    left as they are. With ``padding_idx`` the padding row also gets no gradient (`_padded_lookup`).
+    """
+    data, indices = node.input[0], node.input[1]
+    weight = graph.is_weight(data)
+    if not weight and not graph.is_float(data):
+        return None  # shape arithmetic and integer data: no gradient, and shape inference reads Gathers
+    axis = int(attr(node, "axis", 0))
+    if weight and data in graph.padding_rows and axis == 0:
+        return _padded_lookup(graph, node)
+    index = graph.value(indices)
+    if index is not None and _slice_of(graph, node, index, axis):
+        return graph.take()
+    if axis != 0:
+        return None
+    graph.emit("GatherND", [data, _nd_positions(graph, node)], node, output=node.output[0])
+    return graph.take()
+
+
+def _slice_of(graph: Graph, node: onnx.NodeProto, index: np.ndarray, axis: int) -> bool:
+    """Emit a Slice (and Squeeze, for a scalar index) equal to the Gather of the constant `index`; False if none is."""
+    flat = index.reshape(-1).astype(_I64)
+    if index.ndim > 1 or flat.size == 0 or (index.ndim == 1 and not (flat.min() >= 0 and (np.diff(flat) == 1).all())):
+        return False
+    first = int(flat[0])
+    # NOTE: a slice ending at -1 + 1 = 0 would be empty; the last position ends at the axis' end.
+    stop = first + flat.size if first + flat.size != 0 else np.iinfo(_I64).max
+    bounds = [graph.const(np.array([value], _I64), node) for value in (first, stop, axis)]
+    axes = bounds[2]
+    if index.ndim == 1:
+        graph.emit("Slice", [node.input[0], *bounds], node, output=node.output[0])
+    else:
+        graph.emit("Squeeze", [graph.emit("Slice", [node.input[0], *bounds], node), axes], node, output=node.output[0])
+    return True
+
+
+def _nd_positions(graph: Graph, node: onnx.NodeProto) -> str:
+    """Gather's indices as GatherND's: int64 (all GatherND takes), with a trailing axis of one."""
+    ids = graph.emit("Cast", [node.input[1]], node, to=onnx.TensorProto.INT64)
+    return graph.emit("Unsqueeze", [ids, graph.const(np.array([-1], _I64), node)], node)
+
+
+def _padded_lookup(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """nn.Embedding(padding_idx=p): the padding row gets no gradient, as in torch.
 
     The exporter writes a plain Gather, which would train the padding row. Here the looked-up rows
@@ -165,16 +214,13 @@ def embedding_padding(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto
     NOTE: torch's AdamW still decays the padding row; the row stays as exported here, which is the
     same for the usual all-zero padding row.
     """
-    row = graph.padding_rows.get(node.input[0])
-    weight = graph.value(node.input[0]) if row is not None else None
-    if row is None or weight is None or int(attr(node, "axis", 0)) != 0:
-        return None
-    gathered = graph.emit("Gather", list(node.input), node)
-    hit = graph.emit("Equal", [node.input[1], graph.const(np.array(row, _I64), node)], node)
-    last = graph.const(np.array([-1], _I64), node)
-    is_pad = graph.emit("Unsqueeze", [graph.emit("Cast", [hit], node, to=onnx.TensorProto.FLOAT), last], node)
+    weight, row = node.input[0], graph.padding_rows[node.input[0]]
+    positions = _nd_positions(graph, node)
+    gathered = graph.emit("GatherND", [weight, positions], node)
+    hit = graph.emit("Equal", [positions, graph.const(np.array(row, _I64), node)], node)
+    is_pad = graph.emit("Cast", [hit], node, to=onnx.TensorProto.FLOAT)
     keep = graph.emit("Sub", [graph.const(np.array(1.0, np.float32), node), is_pad], node)
-    padding = graph.emit("Mul", [is_pad, graph.const(weight[row].astype(np.float32), node)], node)
+    padding = graph.emit("Mul", [is_pad, graph.const(graph.value(weight)[row].astype(np.float32), node)], node)
     graph.emit("Add", [graph.emit("Mul", [gathered, keep], node), padding], node, output=node.output[0])
     return graph.take()
 

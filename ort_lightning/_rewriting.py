@@ -34,6 +34,7 @@ class Graph:
         self._shapes: dict[str, list[int | str | None]] | None = None
         self._floats: set[str] = set()
         self._constants = {t.name: t for t in proto.graph.initializer}
+        self._initializers = set(self._constants)
         for node in proto.graph.node:
             if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
                 self._constants[node.output[0]] = node.attribute[0].t
@@ -104,6 +105,11 @@ class Graph:
             name = f"{base}_{suffix}"
         self._taken.add(name)
         return name
+
+    def is_weight(self, name: str) -> bool:
+        """Whether `name` is a floating-point initializer: a weight ORT may train."""
+        tensor = self._constants.get(name)
+        return tensor is not None and name in self._initializers and tensor.data_type in _FLOAT_TYPES
 
     def is_float(self, value: str) -> bool:
         """Whether shape inference says `value` is a floating-point tensor (one gradients flow through)."""
