@@ -4,7 +4,7 @@
 returns the nodes that replace one node (or None when that node needs no change); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
 `_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing) and
-`_rewrites_layers` (padding, transposed convolution, RNNs, embeddings, einsum).
+`_rewrites_layers` (padding, transposed convolution, RNNs, einsum) and `_rewrites_gather` (Gathers).
 
 Example::
 
@@ -31,6 +31,7 @@ import onnx
 import torch
 
 from ort_lightning import _rewrites
+from ort_lightning import _rewrites_gather as _gather
 from ort_lightning import _rewrites_layers as _layers
 from ort_lightning import _rewrites_spatial as _spatial
 from ort_lightning._rewriting import Graph, where
@@ -85,7 +86,7 @@ RULES: dict[str, Rule] = {
     "LSTM": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two LSTMs"),
     "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
     "Gather": Rule(
-        _layers.gather,
+        _gather.gather,
         "ORT's CPU GatherGrad (nn.Embedding's, MultiheadAttention's) locks a mutex per gradient element; a "
         "constant index becomes Slice, others along axis 0 GatherND; with padding_idx the padding row gets no "
         "gradient, as in torch",

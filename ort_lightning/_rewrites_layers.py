@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from ort_lightning._rewrites_gather import take
 from ort_lightning._rewrites_spatial import along_axis
 from ort_lightning._rewriting import Graph, attr, where
 from ort_lightning.errors import ExportError
 
-__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "gather", "pad", "vanilla_rnn"]
+__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "pad", "vanilla_rnn"]
 
 _I64 = np.int64
 _NUMPY_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
@@ -50,7 +51,7 @@ def pad(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     for position, (axis, before, after) in enumerate(padded):
         index = np.pad(np.arange(int(shape[axis] or 0)), (before, after), mode=_NUMPY_PAD_MODES[mode])  # type: ignore[call-overload]
         output = node.output[0] if position == len(padded) - 1 else None
-        current = graph.emit("Gather", [current, graph.const(index.astype(_I64), node)], node, output=output, axis=axis)
+        current = take(graph, node, current, index.astype(_I64), axis, rank, output)
     if not padded:
         graph.emit("Identity", [current], node, output=node.output[0])
     return graph.take()
@@ -65,8 +66,7 @@ def _transposed_weight(graph: Graph, node: onnx.NodeProto, weight: str, shape: l
     current = graph.emit("Reshape", [swapped, graph.const(np.array([groups * c_out_g, c_in // groups, *kernel], _I64),
                                                           node)], node)
     for axis, size in enumerate(kernel, start=2):
-        flipped = graph.const(np.arange(size)[::-1].astype(_I64), node)
-        current = graph.emit("Gather", [current, flipped], node, axis=axis)
+        current = take(graph, node, current, np.arange(size)[::-1].astype(_I64), axis, len(shape))
     return current
 
 
@@ -137,91 +137,23 @@ def bidirectional_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto
             f"split in two (sequence_lens, peepholes, layout=1 or a sequence length not fixed at export: input "
             f"shape {shape}); export with a fixed sequence length and without packed sequences."
         )
-    reverse = graph.const(np.arange(length)[::-1].astype(_I64), node)
+    reverse = np.arange(length)[::-1].astype(_I64)
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name != "direction"}
     state_count = 3 if node.op_type == "LSTM" else 2
     halves = []
     for direction in (0, 1):
-        sequence = inputs[0] if direction == 0 else graph.emit("Gather", [inputs[0], reverse], node, axis=0)
+        sequence = inputs[0] if direction == 0 else take(graph, node, inputs[0], reverse, 0, 3)
         parts = [_one_direction(graph, node, name, direction) for name in inputs[1:4]]
         states = [_one_direction(graph, node, name, direction) for name in inputs[5:4 + state_count]]
         outputs = [graph.name(f"{node.name}/{direction}_{index}") for index in range(state_count)]
         graph.emitted.append(onnx.helper.make_node(node.op_type, [sequence, *parts, "", *states], outputs,
                                                    name=graph.name(f"{node.name}/{node.op_type}"), **attributes))
         if direction == 1:
-            outputs[0] = graph.emit("Gather", [outputs[0], reverse], node, axis=0)
+            outputs[0] = take(graph, node, outputs[0], reverse, 0, 4)
         halves.append(outputs)
     for index, output in enumerate(node.output):
         if output:
             graph.emit("Concat", [halves[0][index], halves[1][index]], node, output=output, axis=1 if index == 0 else 0)
-    return graph.take()
-
-
-def gather(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """A Gather on the gradient path as ops whose CPU gradients are fast: Slice, or GatherND.
-
-    Same values, same negative-index rule. ORT 1.19.2's CPU GatherGrad takes a mutex for every
-    element of the incoming gradient (a third of a BERT-tiny step: the embeddings, and
-    MultiheadAttention's split of its packed q/k/v projection). A constant index that is one
-    position or an ascending run becomes a Slice (SliceGrad copies); any other index along axis 0
-    (nn.Embedding) becomes GatherND (its gradient adds rows in one plain loop). Other Gathers are
-    left as they are. With ``padding_idx`` the padding row also gets no gradient (`_padded_lookup`).
-    """
-    data, indices = node.input[0], node.input[1]
-    weight = graph.is_weight(data)
-    if not weight and not graph.is_float(data):
-        return None  # shape arithmetic and integer data: no gradient, and shape inference reads Gathers
-    axis = int(attr(node, "axis", 0))
-    if weight and data in graph.padding_rows and axis == 0:
-        return _padded_lookup(graph, node)
-    index = graph.value(indices)
-    if index is not None and _slice_of(graph, node, index, axis):
-        return graph.take()
-    if axis != 0:
-        return None
-    graph.emit("GatherND", [data, _nd_positions(graph, node)], node, output=node.output[0])
-    return graph.take()
-
-
-def _slice_of(graph: Graph, node: onnx.NodeProto, index: np.ndarray, axis: int) -> bool:
-    """Emit a Slice (and Squeeze, for a scalar index) equal to the Gather of the constant `index`; False if none is."""
-    flat = index.reshape(-1).astype(_I64)
-    if index.ndim > 1 or flat.size == 0 or (index.ndim == 1 and not (flat.min() >= 0 and (np.diff(flat) == 1).all())):
-        return False
-    first = int(flat[0])
-    # NOTE: a slice ending at -1 + 1 = 0 would be empty; the last position ends at the axis' end.
-    stop = first + flat.size if first + flat.size != 0 else np.iinfo(_I64).max
-    bounds = [graph.const(np.array([value], _I64), node) for value in (first, stop, axis)]
-    axes = bounds[2]
-    if index.ndim == 1:
-        graph.emit("Slice", [node.input[0], *bounds], node, output=node.output[0])
-    else:
-        graph.emit("Squeeze", [graph.emit("Slice", [node.input[0], *bounds], node), axes], node, output=node.output[0])
-    return True
-
-
-def _nd_positions(graph: Graph, node: onnx.NodeProto) -> str:
-    """Gather's indices as GatherND's: int64 (all GatherND takes), with a trailing axis of one."""
-    ids = graph.emit("Cast", [node.input[1]], node, to=onnx.TensorProto.INT64)
-    return graph.emit("Unsqueeze", [ids, graph.const(np.array([-1], _I64), node)], node)
-
-
-def _padded_lookup(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """nn.Embedding(padding_idx=p): the padding row gets no gradient, as in torch.
-
-    The exporter writes a plain Gather, which would train the padding row. Here the looked-up rows
-    are kept where the index is not ``p``, and the padding row's value at export is used where it is.
-    NOTE: torch's AdamW still decays the padding row; the row stays as exported here, which is the
-    same for the usual all-zero padding row.
-    """
-    weight, row = node.input[0], graph.padding_rows[node.input[0]]
-    positions = _nd_positions(graph, node)
-    gathered = graph.emit("GatherND", [weight, positions], node)
-    hit = graph.emit("Equal", [positions, graph.const(np.array(row, _I64), node)], node)
-    is_pad = graph.emit("Cast", [hit], node, to=onnx.TensorProto.FLOAT)
-    keep = graph.emit("Sub", [graph.const(np.array(1.0, np.float32), node), is_pad], node)
-    padding = graph.emit("Mul", [is_pad, graph.const(graph.value(weight)[row].astype(np.float32), node)], node)
-    graph.emit("Add", [graph.emit("Mul", [gathered, keep], node), padding], node, output=node.output[0])
     return graph.take()
 
 
@@ -281,7 +213,7 @@ def _rnn_direction(graph: Graph, node: onnx.NodeProto, inputs: list[str], direct
     states = []
     for step in range(length):
         t = step if direction == 0 else length - 1 - step
-        total = graph.emit("Gather", [projected, graph.const(np.array(t, _I64), node)], node, axis=0)
+        total = take(graph, node, projected, np.array(t, _I64), 0, 3)
         if state:
             total = graph.emit("Add", [total, graph.emit("MatMul", [state, recurrent], node)], node)
         state = graph.emit(activation, [total], node)

@@ -14,6 +14,7 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from ort_lightning._rewrites_gather import take
 from ort_lightning._rewriting import Graph, attr
 from ort_lightning.errors import ExportError
 
@@ -129,8 +130,7 @@ def reversed_slice(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] |
     for position, (start, end, axis, step) in enumerate(zip(starts, ends, axes, steps, strict=True)):
         index = np.arange(int(sizes[position] or 0))[slice(int(start), int(end), int(step))].astype(_I64)
         last = position == len(starts) - 1
-        current = graph.emit("Gather", [current, graph.const(index, node)], node,
-                             output=node.output[0] if last else None, axis=int(axis) % rank)
+        current = take(graph, node, current, index, int(axis) % rank, rank, node.output[0] if last else None)
     return graph.take()
 
 
