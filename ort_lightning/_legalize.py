@@ -3,8 +3,9 @@
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
 returns the nodes that replace one node (or None when that node needs no change); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
-`_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing) and
-`_rewrites_layers` (padding, transposed convolution, RNNs, einsum) and `_rewrites_gather` (Gathers).
+`_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing),
+`_rewrites_layers` (padding, transposed convolution, RNNs, einsum), `_rewrites_gather` (Gathers)
+and `_rewrites_lstm` (LSTM).
 
 Example::
 
@@ -33,6 +34,7 @@ import torch
 from ort_lightning import _rewrites
 from ort_lightning import _rewrites_gather as _gather
 from ort_lightning import _rewrites_layers as _layers
+from ort_lightning import _rewrites_lstm as _lstm
 from ort_lightning import _rewrites_spatial as _spatial
 from ort_lightning._rewriting import Graph, where
 from ort_lightning.errors import ExportError
@@ -83,7 +85,12 @@ RULES: dict[str, Rule] = {
     "CumSum": Rule(_spatial.cumsum, f"{_NO_GRADIENT}; becomes a MatMul with a triangular ones matrix"),
     "Pad": Rule(_layers.pad, "the Pad gradient takes constant mode only (reflect, replicate); becomes Gathers"),
     "ConvTranspose": Rule(_layers.conv_transpose, "no CPU ConvTransposeGrad kernel; becomes zero insertion + Conv"),
-    "LSTM": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two LSTMs"),
+    "LSTM": Rule(
+        _lstm.lstm,
+        "the CPU LSTMGrad takes one sample at a time (matrix-vector products): a fixed length up to 256 is unrolled "
+        "into MatMul/Sigmoid/Tanh per step; otherwise, the training kernel being forward-only, bidirectional becomes "
+        "two LSTMs",
+    ),
     "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
     "Gather": Rule(
         _gather.gather,

@@ -62,6 +62,22 @@ class _Gathers(nn.Module):
         return picked * rows
 
 
+class _LSTMState(nn.Module):
+    """Two LSTM layers from learned initial states; the output, last hidden and last cell states all count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 5, num_layers=2, batch_first=True)
+        self.h0 = nn.Parameter(torch.randn(2, 1, 5))
+        self.c0 = nn.Parameter(torch.randn(2, 1, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        state = (self.h0.expand(-1, batch, -1).contiguous(), self.c0.expand(-1, batch, -1).contiguous())
+        out, (h, c) = self.rnn(x, state)
+        return out + h[-1].unsqueeze(1) + c[-1].unsqueeze(1)
+
+
 class _Einsum(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -121,7 +137,9 @@ REWRITES = [
     ("replication-pad", ["Pad"], lambda: nn.Sequential(nn.Conv1d(2, 3, 1), nn.ReplicationPad1d(2)), _randn(2, 4)),
     ("conv-transpose", ["ConvTranspose"], lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1,
                                                                     groups=2, dilation=2), _randn(4, 4, 3)),
-    ("bidirectional-lstm", [], lambda: _lstm_last(True, nn.LSTM), _randn(3, 4)),
+    ("lstm", ["LSTM"], lambda: _lstm_last(False, nn.LSTM), _randn(3, 4)),
+    ("bidirectional-lstm", ["LSTM"], lambda: _lstm_last(True, nn.LSTM), _randn(3, 4)),
+    ("lstm-2layer-initial-state", ["LSTM"], _LSTMState, _randn(3, 4)),
     ("bidirectional-gru", [], lambda: _lstm_last(True, nn.GRU), _randn(3, 4)),
     ("embedding-padding-idx", [], lambda: nn.Embedding(6, 3, padding_idx=0), _tokens),
     ("gathers", [], _Gathers, _tokens),
@@ -301,6 +319,13 @@ def test_bidirectional_lstm_with_sequence_lengths_is_refused() -> None:
                        r"without packed sequences"):
         legalize(_single_node_model(node, [_float("x", [3, "n", 4]), lengths],
                                     [_ones("w", 2, 8, 4), _ones("r", 2, 8, 2)]))
+
+
+def test_lstm_of_unknown_length_keeps_orts_kernel() -> None:
+    node = helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="/rnn/LSTM", hidden_size=2)
+    proto = _single_node_model(node, [_float("x", ["t", "n", 4])], [_ones("w", 1, 8, 4), _ones("r", 1, 8, 2)])
+    assert legalize(proto) == []
+    assert [n.op_type for n in proto.graph.node] == ["LSTM"]
 
 
 def test_rnn_of_unknown_length_is_refused() -> None:
