@@ -5,7 +5,7 @@ returns the nodes that replace one node (or None when that node needs no change)
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
 `_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing),
 `_rewrites_layers` (padding, transposed convolution, RNNs, einsum), `_rewrites_gather` (Gathers)
-and `_rewrites_lstm` (LSTM).
+and `_rewrites_recurrent` (LSTM, GRU).
 
 Example::
 
@@ -34,7 +34,7 @@ import torch
 from ort_lightning import _rewrites
 from ort_lightning import _rewrites_gather as _gather
 from ort_lightning import _rewrites_layers as _layers
-from ort_lightning import _rewrites_lstm as _lstm
+from ort_lightning import _rewrites_recurrent as _recurrent
 from ort_lightning import _rewrites_spatial as _spatial
 from ort_lightning._rewriting import Graph, where
 from ort_lightning.errors import ExportError
@@ -86,12 +86,12 @@ RULES: dict[str, Rule] = {
     "Pad": Rule(_layers.pad, "the Pad gradient takes constant mode only (reflect, replicate); becomes Gathers"),
     "ConvTranspose": Rule(_layers.conv_transpose, "no CPU ConvTransposeGrad kernel; becomes zero insertion + Conv"),
     "LSTM": Rule(
-        _lstm.lstm,
+        _recurrent.lstm,
         "the CPU LSTMGrad takes one sample at a time (matrix-vector products): a fixed length up to 256 is unrolled "
         "into MatMul/Sigmoid/Tanh per step; otherwise, the training kernel being forward-only, bidirectional becomes "
         "two LSTMs",
     ),
-    "GRU": Rule(_layers.bidirectional_rnn, "training kernel is forward-only: bidirectional becomes two GRUs"),
+    "GRU": Rule(_recurrent.gru, "as LSTM (GRUGrad also takes one sample at a time)"),
     "Gather": Rule(
         _gather.gather,
         "ORT's CPU GatherGrad (nn.Embedding's, MultiheadAttention's) locks a mutex per gradient element; a "

@@ -62,19 +62,22 @@ class _Gathers(nn.Module):
         return picked * rows
 
 
-class _LSTMState(nn.Module):
-    """Two LSTM layers from learned initial states; the output, last hidden and last cell states all count."""
+class _InitialState(nn.Module):
+    """Two LSTM (or GRU) layers from learned initial states; the output and the last states all count."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell: type[nn.LSTM] | type[nn.GRU]) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(4, 5, num_layers=2, batch_first=True)
+        self.rnn = cell(4, 5, num_layers=2, batch_first=True)
         self.h0 = nn.Parameter(torch.randn(2, 1, 5))
         self.c0 = nn.Parameter(torch.randn(2, 1, 5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
-        state = (self.h0.expand(-1, batch, -1).contiguous(), self.c0.expand(-1, batch, -1).contiguous())
-        out, (h, c) = self.rnn(x, state)
+        h0, c0 = (s.expand(-1, batch, -1).contiguous() for s in (self.h0, self.c0))
+        if isinstance(self.rnn, nn.GRU):
+            out, h = self.rnn(x, h0)
+            return out + h[-1].unsqueeze(1)
+        out, (h, c) = self.rnn(x, (h0, c0))
         return out + h[-1].unsqueeze(1) + c[-1].unsqueeze(1)
 
 
@@ -139,8 +142,13 @@ REWRITES = [
                                                                     groups=2, dilation=2), _randn(4, 4, 3)),
     ("lstm", ["LSTM"], lambda: _lstm_last(False, nn.LSTM), _randn(3, 4)),
     ("bidirectional-lstm", ["LSTM"], lambda: _lstm_last(True, nn.LSTM), _randn(3, 4)),
-    ("lstm-2layer-initial-state", ["LSTM"], _LSTMState, _randn(3, 4)),
-    ("bidirectional-gru", [], lambda: _lstm_last(True, nn.GRU), _randn(3, 4)),
+    ("lstm-2layer-initial-state", ["LSTM"], lambda: _InitialState(nn.LSTM), _randn(3, 4)),
+    ("gru", ["GRU"], lambda: _lstm_last(False, nn.GRU), _randn(3, 4)),
+    ("gru-2layer-initial-state", ["GRU"], lambda: _InitialState(nn.GRU), _randn(3, 4)),
+    ("gru-lstm-without-bias", ["GRU", "LSTM"], lambda: nn.Sequential(
+        _lstm_last(False, lambda *a, **k: nn.GRU(*a, bias=False, **k)), nn.Linear(5, 4),
+        _lstm_last(True, lambda *a, **k: nn.LSTM(*a, bias=False, **k))), _randn(3, 4)),
+    ("bidirectional-gru", ["GRU"], lambda: _lstm_last(True, nn.GRU), _randn(3, 4)),
     ("embedding-padding-idx", [], lambda: nn.Embedding(6, 3, padding_idx=0), _tokens),
     ("gathers", [], _Gathers, _tokens),
     ("rnn-bidirectional-2layer", ["RNN"],

@@ -1,0 +1,196 @@
+"""nn.LSTM and nn.GRU unrolled over their fixed sequence length: the `LSTM` and `GRU` rules of `_legalize.RULES`.
+
+ORT 1.19.2's CPU LSTMGrad and GRUGrad walk the batch one sample and one step at a time with
+matrix-vector products: 91% of the benchmarks' LSTM step, 14x torch's backward. The same
+recurrence spelled out per step (one MatMul for the input projection of all steps, then per step
+a MatMul, Split, Sigmoid, Tanh and Mul) takes the whole batch in each matrix product, and its
+gradient is built from ops ORT differentiates well. Exact: ONNX's equations with the default
+activations::
+
+    LSTM: i, o, f = sigmoid(x_t W^T + h_{t-1} R^T + Wb + Rb)[i, o, f];  g = tanh(...)[c]
+          c_t = f * c_{t-1} + i * g;  h_t = o * tanh(c_t)
+    GRU:  z, r = sigmoid(x_t W^T + Wb + h_{t-1} R^T + Rb)[z, r]
+          n = tanh((x_t W^T + Wb)[h] + r * (h_{t-1} R^T + Rb)[h])   (linear_before_reset, as torch exports)
+          h_t = n + z * (h_{t-1} - n)
+
+A layer that cannot be unrolled (a sequence length not fixed at export or above `MAX_STEPS`,
+packed sequences, peepholes, clip, other activations, a GRU without linear_before_reset) keeps
+ORT's kernel; a bidirectional one is then split in two forward layers
+(`_rewrites_layers.bidirectional_rnn`), as ORT trains the forward direction only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ort_lightning._rewrites_gather import take
+from ort_lightning._rewrites_layers import bidirectional_rnn
+from ort_lightning._rewriting import Graph, attr
+
+__all__ = ["MAX_STEPS", "gru", "lstm"]
+
+#: Longest sequence unrolled: each step adds about 15 nodes to the forward graph and 30 to its gradient.
+MAX_STEPS = 256
+
+_I64 = np.int64
+_DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"]}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _unrollable(graph: Graph, node: onnx.NodeProto, inputs: list[str]) -> int | None:
+    """The fixed sequence length of an LSTM/GRU that can be unrolled, else None."""
+    shape = graph.shape(inputs[0])
+    length = shape[0] if shape else None
+    count = 2 if _text(attr(node, "direction", "forward")) == "bidirectional" else 1
+    activations = [_text(a) for a in attr(node, "activations", [])]
+    gru_reset = node.op_type == "GRU" and not int(attr(node, "linear_before_reset", 0))
+    if (
+        not isinstance(length, int)
+        or not 0 < length <= MAX_STEPS
+        or inputs[4]  # sequence_lens: packed sequences
+        or (node.op_type == "LSTM" and inputs[7])  # peepholes
+        or int(attr(node, "layout", 0))
+        or int(attr(node, "input_forget", 0))
+        or attr(node, "clip", None) is not None
+        or activations not in ([], _DEFAULT_ACTIVATIONS[node.op_type] * count)
+        or gru_reset
+    ):
+        return None
+    return length
+
+
+def lstm(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """The LSTM unrolled when its length is fixed and small enough; otherwise `bidirectional_rnn`'s answer."""
+    inputs = [*node.input, *[""] * (8 - len(node.input))]
+    length = _unrollable(graph, node, inputs)
+    if length is None:
+        return bidirectional_rnn(graph, node)
+    return _unroll(graph, node, [
+        _lstm_direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
+    ])
+
+
+def gru(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """The GRU unrolled when its length is fixed and small enough; otherwise `bidirectional_rnn`'s answer."""
+    inputs = [*node.input, *[""] * (6 - len(node.input))]
+    length = _unrollable(graph, node, inputs)
+    if length is None:
+        return bidirectional_rnn(graph, node)
+    return _unroll(graph, node, [
+        _gru_direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
+    ])
+
+
+def _directions(node: onnx.NodeProto) -> list[tuple[int, bool]]:
+    """(index, runs backwards in time) of each direction of the layer."""
+    direction = _text(attr(node, "direction", "forward"))
+    if direction == "bidirectional":
+        return [(0, False), (1, True)]
+    return [(0, direction == "reverse")]
+
+
+def _unroll(graph: Graph, node: onnx.NodeProto, directions: list[tuple[list[str], list[str]]]) -> list[onnx.NodeProto]:
+    """Write the layer's outputs from each direction's (hidden states in time order, [last h, last c])."""
+    zero, one = graph.const(np.array([0], _I64), node), graph.const(np.array([1], _I64), node)
+    ys, lasts = [], []
+    for states, finals in directions:
+        stacked = graph.emit("Concat", [graph.emit("Unsqueeze", [s, zero], node) for s in states], node, axis=0)
+        ys.append(graph.emit("Unsqueeze", [stacked, one], node))
+        lasts.append([graph.emit("Unsqueeze", [final, zero], node) for final in finals])
+    outputs = [ys, *([last[i] for last in lasts] for i in range(len(lasts[0])))]
+    for position, parts in enumerate(outputs):
+        if len(node.output) > position and node.output[position]:
+            graph.emit("Concat", parts, node, output=node.output[position], axis=1 if position == 0 else 0)
+    return graph.take()
+
+
+def _part(graph: Graph, node: onnx.NodeProto, name: str, index: int) -> str:
+    """Direction `index` of a (D, ...) tensor, without its leading axis."""
+    bounds = [graph.const(np.array([bound], _I64), node) for bound in (index, index + 1, 0)]
+    return graph.emit("Squeeze", [graph.emit("Slice", [name, *bounds], node), bounds[2]], node)
+
+
+def _halves(graph: Graph, node: onnx.NodeProto, bias: str, width: int) -> tuple[str, str]:
+    """The input and recurrent halves (Wb, Rb) of a direction's (2 * width) bias."""
+    bounds = [graph.const(np.array([v], _I64), node) for v in (0, width, 2 * width)]
+    return (graph.emit("Slice", [bias, bounds[0], bounds[1]], node),
+            graph.emit("Slice", [bias, bounds[1], bounds[2]], node))
+
+
+def _lstm_direction(
+    graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, length: int, backwards: bool
+) -> tuple[list[str], list[str]]:
+    """Unroll direction `index` of an LSTM: its hidden states in time order, the last hidden and cell states."""
+    hidden = int(attr(node, "hidden_size", 0))
+    x, w, r, b, h0, c0 = (inputs[i] for i in (0, 1, 2, 3, 5, 6))
+    weight = graph.emit("Transpose", [_part(graph, node, w, index)], node, perm=[1, 0])
+    projected = graph.emit("MatMul", [x, weight], node)  # (T, B, 4H)
+    if b:
+        projected = graph.emit("Add", [projected, graph.emit("Add", list(_halves(
+            graph, node, _part(graph, node, b, index), 4 * hidden)), node)], node)
+    recurrent = graph.emit("Transpose", [_part(graph, node, r, index)], node, perm=[1, 0])  # (H, 4H)
+    h = _part(graph, node, h0, index) if h0 else ""
+    c = _part(graph, node, c0, index) if c0 else ""
+    states = []
+    for step in range(length):
+        t = length - 1 - step if backwards else step
+        gates = take(graph, node, projected, np.array(t, _I64), 0, 3)
+        if h:
+            gates = graph.emit("Add", [gates, graph.emit("MatMul", [h, recurrent], node)], node)
+        i, o, f, g = _split(graph, node, gates, 4)
+        i, o, f = (graph.emit("Sigmoid", [gate], node) for gate in (i, o, f))
+        fresh = graph.emit("Mul", [i, graph.emit("Tanh", [g], node)], node)
+        c = graph.emit("Add", [graph.emit("Mul", [f, c], node), fresh], node) if c else fresh
+        h = graph.emit("Mul", [o, graph.emit("Tanh", [c], node)], node)
+        states.append(h)
+    return (states[::-1] if backwards else states), [h, c]
+
+
+def _gru_direction(
+    graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, length: int, backwards: bool
+) -> tuple[list[str], list[str]]:
+    """Unroll direction `index` of a GRU (linear_before_reset): its hidden states in time order, the last one."""
+    hidden = int(attr(node, "hidden_size", 0))
+    x, w, r, b, h0 = (inputs[i] for i in (0, 1, 2, 3, 5))
+    weight = graph.emit("Transpose", [_part(graph, node, w, index)], node, perm=[1, 0])
+    projected = graph.emit("MatMul", [x, weight], node)  # (T, B, 3H)
+    recurrent_bias = ""
+    if b:
+        input_bias, recurrent_bias = _halves(graph, node, _part(graph, node, b, index), 3 * hidden)
+        projected = graph.emit("Add", [projected, input_bias], node)
+    recurrent = graph.emit("Transpose", [_part(graph, node, r, index)], node, perm=[1, 0])  # (H, 3H)
+    h = _part(graph, node, h0, index) if h0 else ""
+    states = []
+    for step in range(length):
+        t = length - 1 - step if backwards else step
+        xz, xr, xn = _split(graph, node, take(graph, node, projected, np.array(t, _I64), 0, 3), 3)
+        carried = graph.emit("MatMul", [h, recurrent], node) if h else ""
+        if carried and recurrent_bias:
+            carried = graph.emit("Add", [carried, recurrent_bias], node)
+        hz, hr, hn = _split(graph, node, carried or recurrent_bias, 3) if carried or recurrent_bias else ("", "", "")
+        z = graph.emit("Sigmoid", [_add(graph, node, xz, hz)], node)
+        reset = graph.emit("Sigmoid", [_add(graph, node, xr, hr)], node)
+        n = graph.emit("Tanh", [_add(graph, node, xn, graph.emit("Mul", [reset, hn], node) if hn else "")], node)
+        if h:
+            h = graph.emit("Add", [n, graph.emit("Mul", [z, graph.emit("Sub", [h, n], node)], node)], node)
+        else:
+            h = graph.emit("Sub", [n, graph.emit("Mul", [z, n], node)], node)  # h_{-1} = 0
+        states.append(h)
+    return (states[::-1] if backwards else states), [h]
+
+
+def _add(graph: Graph, node: onnx.NodeProto, value: str, other: str) -> str:
+    """``value + other``, or `value` alone when `other` is absent ('')."""
+    return graph.emit("Add", [value, other], node) if other else value
+
+
+def _split(graph: Graph, node: onnx.NodeProto, gates: str, count: int) -> list[str]:
+    """The `count` equal blocks of the last axis of `gates` (ONNX's gate order)."""
+    outputs = [graph.name(f"{node.name or node.op_type}/Split_out") for _ in range(count)]
+    graph.emitted.append(helper.make_node("Split", [gates], outputs, name=graph.name(f"{node.name}/Split"), axis=-1))
+    return outputs
