@@ -58,6 +58,11 @@ RULES: dict[str, Rule] = {
         _rewrites.layer_norm_outputs,
         "ORT's gradient reads the optional Mean and InvStdDev outputs, which the torch exporter leaves out",
     ),
+    "Relu": Rule(
+        _rewrites.relu,
+        "the CPU ReluGrad is single-threaded and scalar (a fifth of a ResNet step); becomes x * (x > 0), whose "
+        "gradient is one vectorized Mul (-inf gives NaN there, 0 in torch)",
+    ),
     "HardSigmoid": Rule(_rewrites.hard_sigmoid, f"{_NO_GRADIENT}; becomes Clip(alpha*x + beta, 0, 1)"),
     "HardSwish": Rule(_rewrites.hard_swish, f"{_NO_GRADIENT}; becomes x * Clip(x/6 + 1/2, 0, 1)"),
     "Elu": Rule(_rewrites.elu, f"{_NO_GRADIENT}; becomes relu(x) + alpha*(exp(min(x, 0)) - 1)"),
@@ -80,10 +85,10 @@ RULES: dict[str, Rule] = {
         "its gradient reads the static graph shape: a dynamic batch dies with SIGFPE; becomes a ones-kernel Conv",
     ),
     "Resize": Rule(_spatial.resize, "no CPU ResizeGrad kernel (nn.Upsample, F.interpolate); becomes a MatMul per axis"),
-    "Slice": Rule(_spatial.reversed_slice, "SliceGrad fails on negative steps (torch.flip); becomes Gather"),
+    "Slice": Rule(_spatial.reversed_slice, "SliceGrad fails on negative steps (torch.flip); becomes GatherND"),
     "DepthToSpace": Rule(_spatial.depth_to_space, f"{_NO_GRADIENT} (nn.PixelShuffle); becomes Reshape/Transpose"),
     "CumSum": Rule(_spatial.cumsum, f"{_NO_GRADIENT}; becomes a MatMul with a triangular ones matrix"),
-    "Pad": Rule(_layers.pad, "the Pad gradient takes constant mode only (reflect, replicate); becomes Gathers"),
+    "Pad": Rule(_layers.pad, "the Pad gradient takes constant mode only (reflect, replicate); becomes GatherNDs"),
     "ConvTranspose": Rule(_layers.conv_transpose, "no CPU ConvTransposeGrad kernel; becomes zero insertion + Conv"),
     "LSTM": Rule(
         _recurrent.lstm,

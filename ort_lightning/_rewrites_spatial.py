@@ -110,7 +110,7 @@ def average_pool(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | N
 
 
 def reversed_slice(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """A Slice with a negative step (``torch.flip``, ``x[::-1]``) as Gathers of constant indices.
+    """A Slice with a negative step (``torch.flip``, ``x[::-1]``) as gathers of constant indices (`take`).
 
     ORT 1.19.2's SliceGrad fails on negative steps (``narrowing_error`` at the first step).
     """

@@ -105,6 +105,7 @@ def _lstm_last(bidirectional: bool, cell: Callable[..., nn.Module]) -> nn.Module
 #: One model per rewrite of the RULES table: (id, the ONNX ops it must remove, model factory, inputs).
 REWRITES = [
     ("layer-norm", [], lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8)), _randn(6)),
+    ("relu", ["Relu"], lambda: nn.Sequential(nn.Conv1d(3, 4, 1), nn.ReLU()), _randn(3, 6)),
     ("hardswish", ["HardSwish"], lambda: nn.Sequential(nn.Linear(6, 8), nn.Hardswish()), _randn(6)),
     ("hardsigmoid", ["HardSigmoid"], lambda: nn.Sequential(nn.Linear(6, 8), nn.Hardsigmoid()), _randn(6)),
     ("elu", ["Elu"], lambda: nn.Sequential(nn.Linear(6, 8), nn.ELU(0.7)), _randn(6)),
