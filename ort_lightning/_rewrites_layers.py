@@ -26,7 +26,7 @@ def _text(value: object) -> str:
 
 
 def pad(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """Pad in reflect/edge/wrap mode as one gather of constant indices per padded axis (`take`) (constant mode is left).
+    """Pad in reflect/edge/wrap mode as one gather of constant indices (`take`) per padded axis; constant mode is left.
 
     ORT 1.19.2's Pad gradient exists for constant mode only.
     """

@@ -99,8 +99,9 @@ def _unroll(graph: Graph, node: onnx.NodeProto, directions: list[tuple[list[str]
     zero, one = graph.const(np.array([0], _I64), node), graph.const(np.array([1], _I64), node)
     ys, lasts = [], []
     for states, finals in directions:
-        stacked = graph.emit("Concat", [graph.emit("Unsqueeze", [s, zero], node) for s in states], node, axis=0)
-        ys.append(graph.emit("Unsqueeze", [stacked, one], node))
+        if node.output[0]:  # NOTE: no stacked states when only the last ones are read
+            stacked = graph.emit("Concat", [graph.emit("Unsqueeze", [s, zero], node) for s in states], node, axis=0)
+            ys.append(graph.emit("Unsqueeze", [stacked, one], node))
         lasts.append([graph.emit("Unsqueeze", [final, zero], node) for final in finals])
     outputs = [ys, *([last[i] for last in lasts] for i in range(len(lasts[0])))]
     for position, parts in enumerate(outputs):
