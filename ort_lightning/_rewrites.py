@@ -56,9 +56,20 @@ def hard_swish(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
 
 
 def _relu_parts(graph: Graph, node: onnx.NodeProto, x: str) -> tuple[str, str]:
-    """``(max(x, 0), min(x, 0))``: a Relu and a one-sided Clip, both with gradients."""
-    zero = graph.const(np.array(0.0, _F32), node)
-    return graph.emit("Relu", [x], node), graph.emit("Clip", [x, "", zero], node)
+    """``(max(x, 0), min(x, 0))`` as ``x * (x > 0)`` and ``x - that``: vectorized Mul/Sub gradients (see `relu`).
+
+    ELU, SELU, CELU and PReLU are built on it (1.53x -> 1.20x a ReLU CNN's step for ELU, against a
+    Relu and a one-sided Clip); as for `relu`, an input of -inf gives NaN.
+    """
+    positive = _masked_relu(graph, node, x)
+    return positive, graph.emit("Sub", [x, positive], node)
+
+
+def _masked_relu(graph: Graph, node: onnx.NodeProto, x: str, output: str | None = None) -> str:
+    """``x * (x > 0)``; the comparison carries no gradient."""
+    zero = graph.const(np.array(0, dtype=_F32), node)
+    mask = graph.emit("Cast", [graph.emit("Greater", [x, zero], node)], node, to=onnx.TensorProto.FLOAT)
+    return graph.emit("Mul", [x, mask], node, output=output)
 
 
 def _exp_minus_one(graph: Graph, node: onnx.NodeProto, x: str, alpha: float) -> str:
@@ -124,9 +135,7 @@ def relu(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     Mul runs vectorized on every intra-op thread. The only value that differs is ``x = -inf``
     (``-inf * 0`` is NaN; torch gives 0).
     """
-    zero = graph.const(np.array(0, dtype=_F32), node)
-    mask = graph.emit("Cast", [graph.emit("Greater", [node.input[0], zero], node)], node, to=onnx.TensorProto.FLOAT)
-    graph.emit("Mul", [node.input[0], mask], node, output=node.output[0])
+    _masked_relu(graph, node, node.input[0], node.output[0])
     return graph.take()
 
 
