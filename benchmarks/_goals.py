@@ -55,7 +55,6 @@ class Goal:
             met += " (out of reach: ORT's own step)"
         return f"| {case} | {self.text} | {value:.2f}x | >= {target:.2f}x | {bound:.2f}x | {met} |"
 
-
     def _spread(self, rounds: list[Medians] | None) -> str:
         """The middle half of the rounds' excess (measured - target): how far noise moves the verdict."""
         if not rounds or len(rounds) < 4:

@@ -173,8 +173,8 @@ def test_rewrite_matches_torch(
 
 
 def test_no_gather_gradient_locks_per_element(tmp_path: Path) -> None:
-    """ORT's CPU GatherGrad locks a mutex per element (a third of a BERT-tiny step): embeddings and
-    MultiheadAttention's q/k/v split, flips must reach ORT as GatherND and Slice, whose gradients do not."""
+    """ORT's CPU GatherGrad locks a mutex per element (most of a BERT-tiny step): embeddings,
+    MultiheadAttention's q/k/v split and flips must reach ORT as GatherND and Slice, whose gradients do not."""
 
     class Encoder(nn.Module):
         def __init__(self) -> None:
