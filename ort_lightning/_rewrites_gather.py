@@ -74,7 +74,8 @@ def take(graph: Graph, node: onnx.NodeProto, data: str, index: np.ndarray, axis:
     dimensions is taken along axis 0 only.
     """
     flat = index.reshape(-1).astype(_I64)
-    if index.ndim <= 1 and flat.size and flat.min() >= 0 and (np.diff(flat) == 1).all() or index.ndim == 0:
+    ascending_run = index.ndim == 1 and flat.size > 0 and flat.min() >= 0 and bool((np.diff(flat) == 1).all())
+    if index.ndim == 0 or ascending_run:
         return _slice(graph, node, data, index, axis, output)
     if axis == 0:
         return graph.emit("GatherND", [data, graph.const(index.astype(_I64)[..., None], node)], node, output=output)

@@ -21,6 +21,8 @@ ORT's kernel; a bidirectional one is then split in two forward layers
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -66,23 +68,24 @@ def _unrollable(graph: Graph, node: onnx.NodeProto, inputs: list[str]) -> int | 
 
 def lstm(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """The LSTM unrolled when its length is fixed and small enough; otherwise `bidirectional_rnn`'s answer."""
-    inputs = [*node.input, *[""] * (8 - len(node.input))]
-    length = _unrollable(graph, node, inputs)
-    if length is None:
-        return bidirectional_rnn(graph, node)
-    return _unroll(graph, node, [
-        _lstm_direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
-    ])
+    return _unrolled(graph, node, _lstm_direction, input_count=8)
 
 
 def gru(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """The GRU unrolled when its length is fixed and small enough; otherwise `bidirectional_rnn`'s answer."""
-    inputs = [*node.input, *[""] * (6 - len(node.input))]
+    return _unrolled(graph, node, _gru_direction, input_count=6)
+
+
+def _unrolled(
+    graph: Graph, node: onnx.NodeProto, direction: Callable[..., tuple[list[str], list[str]]], *, input_count: int
+) -> list[onnx.NodeProto] | None:
+    """Unroll every direction of the layer with `direction`, or leave the layer to `bidirectional_rnn`."""
+    inputs = [*node.input, *[""] * (input_count - len(node.input))]
     length = _unrollable(graph, node, inputs)
     if length is None:
         return bidirectional_rnn(graph, node)
     return _unroll(graph, node, [
-        _gru_direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
+        direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
     ])
 
 
