@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from onnxruntime.training import onnxblock
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import TrainingArtifacts, export_artifacts
@@ -25,6 +26,17 @@ def _quiet_lightning() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
         yield
+
+
+class SummedMSE(onnxblock.Block):
+    """A custom loss block: MSE summed over every element against the input "target" (torch has no module for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse = onnxblock.loss.MSELoss(reduction="sum")
+
+    def build(self, output_name: str) -> str:
+        return self.mse(output_name, "target")
 
 
 class MLP(torch.nn.Module):

@@ -14,12 +14,11 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from onnxruntime.training import onnxblock
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.errors import ExportError
-from tests.conftest import MLP, Exported
+from tests.conftest import MLP, Exported, SummedMSE
 
 GRAPHS = ("training_model", "eval_model", "optimizer_model")
 FILES = (*GRAPHS, "checkpoint")
@@ -119,17 +118,6 @@ class ReturnsLoss(torch.nn.Module):
         logits = self.fc(x)
         loss = self.loss(logits, target)
         return (loss, logits) if self.with_logits else loss
-
-
-class SumMSE(onnxblock.Block):
-    """A custom loss: MSE summed over every element, not averaged."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.mse = onnxblock.loss.MSELoss(reduction="sum")
-
-    def build(self, output_name: str) -> str:
-        return self.mse(output_name, "target")
 
 
 # --- sources: torch module, ONNX file, ModelProto -------------------------------------------
@@ -248,7 +236,7 @@ _LOSSES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[torch.Generator]
 def loss_export(
     request: pytest.FixtureRequest, source_mlp: MLP, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, TrainingArtifacts]:
-    loss = SumMSE() if request.param == "custom" else request.param
+    loss = SummedMSE() if request.param == "custom" else request.param
     folder = tmp_path_factory.mktemp(f"loss_{request.param}")
     return request.param, export_artifacts(copy.deepcopy(source_mlp), torch.zeros(2, 4), folder, loss=loss)
 

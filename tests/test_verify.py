@@ -14,14 +14,13 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from onnxruntime.training import onnxblock
 
 from ort_lightning import TrainingArtifacts, _export, _ort, _verify, export_artifacts
 from ort_lightning._verify_compare import ATOL, RTOL, compare, mismatch_message
 from ort_lightning._verify_reference import Reference
 from ort_lightning.cli import main as cli_main
 from ort_lightning.errors import ArtifactError, ExportError
-from tests.conftest import MLP, Exported
+from tests.conftest import MLP, Exported, SummedMSE
 
 
 class AvgPoolNet(torch.nn.Module):
@@ -224,17 +223,6 @@ def test_onnx_runtime_error_at_another_batch_size_becomes_an_export_error(tmp_pa
     path = _onnx_file(FixedBatchView(), torch.zeros(2, 2, 2), tmp_path / "fixed_view.onnx")
     with pytest.raises(ExportError, match=r"ONNX Runtime failed one training step .* at batch size 3: "):
         export_artifacts(path, None, tmp_path / "fixed_view")
-
-
-class SummedMSE(onnxblock.Block):
-    """A custom loss block: torch has no reference for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.mse = onnxblock.loss.MSELoss(reduction="sum")
-
-    def build(self, output_name: str) -> str:
-        return self.mse(output_name, "target")
 
 
 def test_a_custom_loss_block_is_checked_without_a_torch_reference(tmp_path: Path) -> None:
