@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ort_lightning import ORTLightningModule, export_artifacts
-from ort_lightning._buckets import CoalescedTensors
+from ort_lightning.strategies.buckets import CoalescedTensors
 
 
 def _model() -> torch.nn.Module:

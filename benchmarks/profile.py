@@ -27,8 +27,9 @@ from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 from benchmarks._models import CASES, Case
 from benchmarks._runners import LR, export, torch_adamw
-from ort_lightning import TrainingArtifacts, _ort
+from ort_lightning import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder
+from ort_lightning.ort import runtime as _ort
 
 TOP = 8
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ort_lightning.artifacts import TrainingArtifacts, export_artifacts
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.callbacks import ORTCheckpoint
-from ort_lightning.module import ORTLightningModule
-from ort_lightning.optim import ORTOptimizer
+from ort_lightning.export import export_artifacts
 from ort_lightning.strategies import ORTDDPStrategy
+from ort_lightning.training import ORTLightningModule, ORTOptimizer
 
 __all__ = [
     "ORTCheckpoint",

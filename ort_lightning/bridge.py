@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ort_lightning._ort import OrtValue, OrtValueVector, TrainingSession
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.errors import BatchError
+from ort_lightning.ort.runtime import OrtValue, OrtValueVector, TrainingSession
 
 __all__ = ["BatchBinder", "ParameterView", "label_placeholder", "parameter_views", "to_torch", "torch_device"]
 

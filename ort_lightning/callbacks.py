@@ -34,9 +34,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from ort_lightning._atomic import check_writable, remove_stale_temps, remove_with_digest
-from ort_lightning._checkpointing import CheckpointingMixin
 from ort_lightning.errors import CheckpointError, ConfigurationError
+from ort_lightning.training.atomic import check_writable, remove_stale_temps, remove_with_digest
+from ort_lightning.training.checkpoints import CheckpointingMixin
 
 __all__ = ["ORTCheckpoint"]
 

@@ -35,9 +35,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
-from ort_lightning._atomic import TEMP_SUFFIX
-from ort_lightning._checkpointing import _read_checkpoint
 from ort_lightning.errors import CheckpointError
+from ort_lightning.training.atomic import TEMP_SUFFIX
+from ort_lightning.training.checkpoints import _read_checkpoint
 
 STEPS = 300
 BATCH = 16

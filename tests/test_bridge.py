@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_lightning import _ort, export_artifacts
+from ort_lightning import export_artifacts
 from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, ParameterView, parameter_views, to_torch
 from ort_lightning.errors import BatchError
+from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP, Exported, blobs
 
 _CPU = torch.device("cpu")

@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from ort_lightning import ORTLightningModule
-from ort_lightning._ort import checkpoint_summary
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort.runtime import checkpoint_summary
 from tests import ddp_run
 from tests.conftest import Exported
 from tests.test_parity import _assert_same_parameters, _linear, _loader, _torch_train, _trainer

@@ -19,8 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from ort_lightning import export_artifacts
-from ort_lightning._legalize import RULES, legalize
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.engine import RULES, legalize
 from tools._step import compare_step
 
 FORWARD_TOLERANCE = 1e-6

@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, export_artifacts
-from ort_lightning._ort import checkpoint_summary
 from ort_lightning.cli import main
+from ort_lightning.ort.runtime import checkpoint_summary
 from tests.conftest import blobs
 
 STEPS, LR = 10, 0.05

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ort_lightning import _ort
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, parameter_views, to_torch, torch_device
 from ort_lightning.errors import ArtifactError, DeviceError
+from ort_lightning.ort import runtime as _ort
 from tests.conftest import Exported, blobs
 
 _HAS_CUDA_BUILD = "CUDAExecutionProvider" in onnxruntime.get_available_providers()

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ort_lightning._factory_export import export_factory, parse_shape
-from ort_lightning._inspect import describe, format_rows
-from ort_lightning._lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
-from ort_lightning._usage import OneLineParser, UsageError, one_line_argument_error
+from ort_lightning.cli.describe import describe, format_rows
+from ort_lightning.cli.factory import export_factory, parse_shape
+from ort_lightning.cli.lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
+from ort_lightning.cli.usage import OneLineParser, UsageError, one_line_argument_error
 from tests.test_cli import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[1]

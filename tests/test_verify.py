@@ -15,11 +15,15 @@ import onnx
 import pytest
 import torch
 
-from ort_lightning import TrainingArtifacts, _export, _ort, _verify, export_artifacts
-from ort_lightning._verify_compare import ATOL, RTOL, compare, mismatch_message
-from ort_lightning._verify_reference import Reference
+from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.cli import main as cli_main
 from ort_lightning.errors import ArtifactError, ExportError
+from ort_lightning.export import after_generation
+from ort_lightning.export import source as _export
+from ort_lightning.export.verify import verifier as _verify
+from ort_lightning.export.verify.compare import ATOL, RTOL, compare, mismatch_message
+from ort_lightning.export.verify.reference import Reference
+from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP, Exported, SummedMSE
 
 
@@ -149,8 +153,10 @@ def _unlegalized(model: torch.nn.Module, example: torch.Tensor, folder: Path) ->
         proto, trainable=list(exported.manifest.trainable), frozen=[], loss="cross_entropy", optimizer="sgd",
         optimizer_options={}, directory=folder, extra_outputs=["logits"], loss_inputs=["logits"],
     )
-    _export.fix_eval_graph(exported.eval_model)
-    _export.lower_ir_versions([exported.training_model, exported.optimizer_model])
+    after_generation.finish(
+        {"training_model": exported.training_model, "eval_model": exported.eval_model,
+         "optimizer_model": exported.optimizer_model}, optimizer="sgd",
+    )
     return exported
 
 

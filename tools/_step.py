@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ort_lightning import _ort, export_artifacts
+from ort_lightning import export_artifacts
 from ort_lightning.bridge import BatchBinder, to_torch
+from ort_lightning.ort import runtime as _ort
 
 __all__ = ["StepResult", "compare_step"]
 

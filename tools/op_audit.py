@@ -107,7 +107,7 @@ def _matches(row: Row, tolerance: float) -> str:
 
 def render(rows: list[Row], *, tolerance: float = 1e-5) -> str:
     """docs/ops.md from the audit rows."""
-    from ort_lightning._legalize import RULES
+    from ort_lightning.export.legalize.engine import RULES
 
     trained = sum(r.trains for r in rows)
     lines = [

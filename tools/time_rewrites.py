@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ort_lightning import TrainingArtifacts, _ort, export_artifacts
+from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.bridge import BatchBinder
+from ort_lightning.ort import runtime as _ort
 
 BATCH, STEPS, ROUNDS = 32, 20, 7
 

@@ -74,7 +74,7 @@ class Manifest:
     frozen: tuple[str, ...]
     buffers: tuple[str, ...]
     versions: dict[str, str] = field(default_factory=dict)
-    #: Export-time verification report (`ort_lightning._verify`); None in manifests written before it.
+    #: Export-time verification report (`ort_lightning.export.verify.verifier`); None in manifests written before it.
     verification: dict[str, Any] | None = None
     #: The loss's options (``reduction``, ``ignore_index``, ``weight`` ...); empty for a custom or model loss.
     loss_options: dict[str, Any] = field(default_factory=dict)

@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from ort_lightning._usage import OneLineParser, UsageError
+from ort_lightning.cli.usage import OneLineParser, UsageError
 from ort_lightning.errors import ORTLightningError
 
 __all__ = ["main"]
@@ -142,8 +142,8 @@ def _accuracy(module: Any, loader: Any) -> float:
 # ----------------------------------------------------------------------------- export
 def _export(args: argparse.Namespace) -> None:
     from ort_lightning import export_artifacts
-    from ort_lightning._factory_export import export_factory, parse_shape
-    from ort_lightning._inspect import describe
+    from ort_lightning.cli.describe import describe
+    from ort_lightning.cli.factory import export_factory, parse_shape
 
     loss = None if args.loss == "none" else args.loss
     options = dict(_option(text) for text in args.optimizer_option)
@@ -173,14 +173,14 @@ def _option(text: str) -> tuple[str, Any]:
 
 # ----------------------------------------------------------------------------- inspect
 def _inspect(args: argparse.Namespace) -> None:
-    from ort_lightning._inspect import describe
+    from ort_lightning.cli.describe import describe
 
     print(describe(args.path))
 
 
 # ----------------------------------------------------------------------------- LightningCLI
 def _lightning_cli(args: list[str]) -> None:
-    from ort_lightning._lightning_cli import run_lightning_cli
+    from ort_lightning.cli.lightning_cli import run_lightning_cli
 
     run_lightning_cli(args)
 

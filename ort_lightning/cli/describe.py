@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ort_lightning._usage import UsageError
+from ort_lightning.cli.usage import UsageError
 
 __all__ = ["describe", "format_rows"]
 
@@ -52,7 +52,7 @@ def describe(path: Path) -> str:
 def artifacts_rows(directory: Path) -> Rows:
     """Rows for an artifacts folder: inputs, labels, outputs, loss, optimizer, parameters, versions."""
     from ort_lightning import TrainingArtifacts
-    from ort_lightning._verify import report_rows
+    from ort_lightning.export.verify.verifier import report_rows
 
     artifacts = TrainingArtifacts.load(directory)
     manifest = artifacts.manifest
@@ -87,8 +87,8 @@ def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
 
 def checkpoint_rows(path: Path) -> Rows:
     """Rows for an ORT checkpoint file: parameter counts and the stored properties, explained."""
-    from ort_lightning import _ort
-    from ort_lightning._atomic import verify_digest
+    from ort_lightning.ort import runtime as _ort
+    from ort_lightning.training.atomic import verify_digest
 
     verify_digest(path)  # a sidecar written by ORTCheckpoint guards against silent corruption
     try:

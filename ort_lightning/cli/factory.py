@@ -7,7 +7,7 @@ Example::
     >>> parse_shape("3x32x32")
     Traceback (most recent call last):
     ...
-    ort_lightning._usage.UsageError: bad --input-shape '3x32x32': expected the dimensions without the batch ...
+    ort_lightning.cli.usage.UsageError: bad --input-shape '3x32x32': expected the dimensions without the batch ...
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ort_lightning._usage import UsageError
+from ort_lightning.cli.usage import UsageError
 
 __all__ = ["example_inputs", "export_factory", "load_factory", "parse_shape"]
 

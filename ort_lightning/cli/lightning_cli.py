@@ -28,10 +28,10 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 
-from ort_lightning._factory_export import export_factory
-from ort_lightning._usage import UsageError, did_you_mean, one_line_argument_error
-from ort_lightning.module import ORTLightningModule
+from ort_lightning.cli.factory import export_factory
+from ort_lightning.cli.usage import UsageError, did_you_mean, one_line_argument_error
 from ort_lightning.strategies import ORTDDPStrategy, check_strategy
+from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["ExportSection", "PredictionWriter", "run_lightning_cli"]
 

@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import onnx
@@ -129,13 +128,12 @@ def _rewrite_node(node: onnx.NodeProto, state: set[str]) -> list[onnx.NodeProto]
     return build.nodes
 
 
-def torch_running_statistics(path: Path) -> int:
-    """Rewrite the BatchNorm updates of a training graph file to torch's rule; return how many.
+def torch_running_statistics(proto: onnx.ModelProto) -> int:
+    """Rewrite, in place, the BatchNorm updates of a training graph to torch's rule; return how many.
 
     Only nodes whose running statistics are inputs of the graph (tensors of the checkpoint
     state) are rewritten; the eval graph needs nothing, as it only reads the statistics.
     """
-    proto = onnx.load(path)
     state = {info.name for info in proto.graph.input}
     added: list[onnx.NodeProto] = []
     rewritten = 0
@@ -144,7 +142,5 @@ def torch_running_statistics(path: Path) -> int:
             nodes = _rewrite_node(node, state)
             rewritten += bool(nodes)
             added.extend(nodes)
-    if rewritten:
-        proto.graph.node.extend(added)
-        onnx.save(proto, path)
+    proto.graph.node.extend(added)
     return rewritten

@@ -1,8 +1,15 @@
-"""Training artifacts: `export_artifacts` writes them, `TrainingArtifacts.load` validates them.
+"""`export_artifacts`: a torch module or an ONNX model becomes ONNX Runtime training artifacts.
 
-A set of artifacts is a folder with ``training_model.onnx``, ``eval_model.onnx``,
-``optimizer_model.onnx``, ``checkpoint`` and the manifest ``ort_lightning.json`` that says
-which inputs, labels and outputs the graphs have and how they were made.
+The pipeline, stage by stage (each a module of this package):
+
+1. `source`: the forward graph, from a torch module (exported) or an ONNX model (copied);
+2. `before_generation`: passes on the forward graph, legalization last (`legalize/`);
+3. generation: ONNX Runtime's ``generate_artifacts`` builds the training, eval and optimizer
+   graphs and the checkpoint (`ort_lightning.ort`), with the loss of `losses/`;
+4. `after_generation`: passes on the generated graphs, each file loaded and saved once;
+5. `verify/`: one training step in a child process against torch autograd;
+6. the manifest ``ort_lightning.json`` is written, and the folder read back by
+   `TrainingArtifacts.load`.
 
 Example::
 
@@ -20,139 +27,29 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import onnx
 import torch
 
-from ort_lightning import _batchnorm, _export, _legalize, _ort, _weights
-from ort_lightning._losses import LossSpec, check_class_axis, resolve_loss
-from ort_lightning._manifest import MANIFEST_NAME, Manifest, TensorSpec
-from ort_lightning._model_io import plan_io, strip_prefix
-from ort_lightning._verify import verify_export
-from ort_lightning.errors import ArtifactError, ExportError
+from ort_lightning.artifacts import FILES, MANIFEST_NAME, Manifest, TensorSpec, TrainingArtifacts
+from ort_lightning.errors import ExportError
+from ort_lightning.export import after_generation, before_generation
+from ort_lightning.export.legalize import engine as _legalize
+from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
+from ort_lightning.export.source import ModelSource, check_opset, describe_source, load_source
+from ort_lightning.export.verify.verifier import verify_export
+from ort_lightning.ort import runtime as _ort
 
-__all__ = ["MANIFEST_NAME", "Manifest", "TensorSpec", "TrainingArtifacts", "export_artifacts"]
+__all__ = ["export_artifacts"]
 
-_FILES = {
-    "training_model": "training_model.onnx",
-    "eval_model": "eval_model.onnx",
-    "optimizer_model": "optimizer_model.onnx",
-    "checkpoint": "checkpoint",
-}
 _OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     # torch.optim.AdamW's defaults, so that a PyTorch user gets what they expect.
     "adamw": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
     # ORT's SGDOptimizerV2 is plain `w -= lr * g`: no momentum, no weight decay.
     "sgd": {},
 }
-
-ModelSource = Union[torch.nn.Module, onnx.ModelProto, str, "os.PathLike[str]"]
-
-
-@dataclass(frozen=True)
-class TrainingArtifacts:
-    """A validated artifacts folder: the paths of its four files and its manifest."""
-
-    directory: Path
-    manifest: Manifest
-
-    @property
-    def training_model(self) -> Path:
-        """Forward, loss and gradient graph."""
-        return self.directory / _FILES["training_model"]
-
-    @property
-    def eval_model(self) -> Path:
-        """Forward and loss graph in inference mode (Dropout off, BatchNorm running statistics)."""
-        return self.directory / _FILES["eval_model"]
-
-    @property
-    def optimizer_model(self) -> Path:
-        """Optimizer update graph."""
-        return self.directory / _FILES["optimizer_model"]
-
-    @property
-    def checkpoint(self) -> Path:
-        """Initial parameters as an ORT CheckpointState file."""
-        return self.directory / _FILES["checkpoint"]
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> TrainingArtifacts:
-        """Validate an artifacts folder and read its manifest.
-
-        Raises:
-            ArtifactError: for a missing folder or file, a missing or foreign manifest, or a graph
-                whose ONNX IR version ORT 1.19.2 cannot read.
-        """
-        folder = _check_folder(Path(directory))
-        manifest_path = folder / MANIFEST_NAME
-        if not manifest_path.is_file():
-            raise ArtifactError(
-                f"{folder} has no {MANIFEST_NAME}, so it was not written by export_artifacts(); export the "
-                "model with export_artifacts() (it also accepts an ONNX file)."
-            )
-        manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8"), manifest_path)
-        _check_versions(manifest, manifest_path)
-        artifacts = cls(folder, manifest)
-        for name in _FILES:
-            path = getattr(artifacts, name)
-            if not path.is_file():
-                raise ArtifactError(
-                    f"Artifact {path} is missing; re-export the folder with export_artifacts() rather than "
-                    "copying files by hand."
-                )
-        for name in ("training_model", "eval_model", "optimizer_model"):
-            _check_ir_version(getattr(artifacts, name))
-        return artifacts
-
-
-def _check_folder(folder: Path) -> Path:
-    if folder.is_dir():
-        return folder
-    if folder.exists():
-        raise ArtifactError(
-            f"{folder} is not a folder; pass the folder that export_artifacts() wrote (here perhaps "
-            f"{folder.parent}), not one of its files."
-        )
-    raise ArtifactError(
-        f"Artifacts folder {folder} does not exist; create it with "
-        "export_artifacts(model, example_inputs, output_dir)."
-    )
-
-
-def _release(version: str) -> tuple[str, ...]:
-    """Major and minor of a version string: ``"1.19.2" -> ("1", "19")``."""
-    return tuple(version.split("+")[0].split(".")[:2])
-
-
-def _check_versions(manifest: Manifest, source: Path) -> None:
-    """Refuse artifacts whose graphs another ONNX Runtime release generated."""
-    written = manifest.versions.get("onnxruntime")
-    installed = _ort.versions()["onnxruntime"]
-    if written is not None and _release(written) != _release(installed):
-        raise ArtifactError(
-            f"{source} says these artifacts were generated by onnxruntime {written}, but {installed} is "
-            f"installed, and training graphs are only read by the release that wrote them; re-export the "
-            f"model with export_artifacts() here, or install onnxruntime-training=={written}."
-        )
-
-
-def _check_ir_version(path: Path) -> None:
-    try:
-        ir_version = onnx.load(path, load_external_data=False).ir_version
-    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-        raise ArtifactError(
-            f"{path} is not a readable ONNX model ({error}); re-export the artifacts."
-        ) from error
-    if ir_version > _export.MAX_IR_VERSION:
-        raise ArtifactError(
-            f"{path} has ONNX IR version {ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
-            f"{_export.MAX_IR_VERSION}; re-export with export_artifacts() (it lowers the IR version) or "
-            "install onnx==1.17.0 before generating artifacts."
-        )
 
 
 def _normalize_optimizer(optimizer: str, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -187,61 +84,6 @@ def _check_loss(loss: object) -> tuple[str, LossSpec | None]:
     return spec.kind, spec
 
 
-def _source_proto(
-    model: ModelSource,
-    example_inputs: Any,
-    input_names: Sequence[str] | None,
-    model_returns_loss: bool,
-    output: str | None = None,
-) -> tuple[onnx.ModelProto, set[str], set[str]]:
-    """Return the forward graph, its parameter initializers and its buffer initializers."""
-    if isinstance(model, torch.nn.Module):
-        plan = plan_io(
-            model, example_inputs, input_names=input_names, output=output, model_returns_loss=model_returns_loss
-        )
-        names = plan.input_names or _export.default_input_names(len(plan.inputs))
-        proto = _export.torch_to_onnx(
-            plan.module, plan.inputs, input_names=names, model_returns_loss=model_returns_loss,
-            output_names=plan.output_names,
-        )
-        if plan.prefix:
-            strip_prefix(proto, plan.prefix)
-        initializers = {tensor.name for tensor in proto.graph.initializer}
-        parameters = {name for name, _ in model.named_parameters()} & initializers
-        buffers = {name for name, _ in model.named_buffers()} & initializers
-        return proto, parameters, buffers
-    if isinstance(model, onnx.ModelProto):
-        proto = onnx.ModelProto()
-        proto.CopyFrom(model)
-    elif isinstance(model, (str, os.PathLike)):
-        if not Path(model).is_file():
-            raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
-        try:
-            proto = onnx.load(os.fspath(model))
-        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-            raise ExportError(
-                f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
-                "or onnx.save."
-            ) from error
-    else:
-        raise ExportError(
-            "Expected `model` to be a torch.nn.Module, an onnx.ModelProto or the path of an ONNX file, "
-            f"but got {type(model).__name__}."
-        )
-    buffers = _export.buffer_inputs_of(proto)
-    weights, _ = _weights.split_initializers(proto, buffers=buffers)
-    return proto, set(weights), buffers
-
-
-def _describe(model: ModelSource) -> str:
-    """Name a model source in messages: a class name, a file path, or the ONNX graph's name."""
-    if isinstance(model, torch.nn.Module):
-        return type(model).__name__
-    if isinstance(model, onnx.ModelProto):
-        return f"ONNX model (graph {model.graph.name!r})"
-    return os.fspath(model)
-
-
 def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list[str], list[str]]:
     unknown = sorted(set(frozen) - parameters)
     if unknown:
@@ -266,10 +108,9 @@ def _frozen_in_torch(model: ModelSource, parameters: set[str], frozen: Sequence[
 
 
 def _graph_io(
-    path: Path, state: set[str], model_inputs: Sequence[str]
+    proto: onnx.ModelProto, state: set[str], model_inputs: Sequence[str]
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Split the user inputs of the training graph into model inputs and labels."""
-    proto = onnx.load(path, load_external_data=False)
     user = [
         TensorSpec.from_value_info(info)
         for info in proto.graph.input
@@ -328,7 +169,7 @@ def export_artifacts(
         The validated `TrainingArtifacts`.
 
     Before ORT builds the training graphs, every node it cannot differentiate is rewritten into
-    an exact equivalent it can (``_legalize.RULES``; docs/ops.md lists what trains).
+    an exact equivalent it can (``export.legalize.RULES``; docs/ops.md lists what trains).
 
     Raises:
         ExportError: for an unknown loss, loss option, optimizer, option or frozen name, logits whose
@@ -338,18 +179,17 @@ def export_artifacts(
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
-    proto, parameters, buffers = _source_proto(model, example_inputs, input_names, loss is None, output)
-    _export.check_opset(proto, _describe(model))
-    _export.lower_ir_version(proto)
-    _export.add_log_prob_outputs(proto)
-    _export.add_dropout_masks(proto)
-    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
+    # 1. source
+    proto, parameters, buffers = load_source(model, example_inputs, input_names, loss is None, output)
+    check_opset(proto, describe_source(model))
+    # 2. passes before generation
+    before_generation.prepare(proto, model=model)
     trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
-
+    model_inputs = [info.name for info in proto.graph.input]
     model_outputs = [info.name for info in proto.graph.output]
     if loss_spec is not None:
         check_class_axis(loss_spec, proto, model_outputs[0])
-    model_inputs = [info.name for info in proto.graph.input]
+    # 3. generation
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     _generate(
@@ -363,21 +203,17 @@ def export_artifacts(
         extra_outputs=[] if loss is None else model_outputs,
         loss_inputs=None if loss is None else model_outputs[:1],
     )
-    _batchnorm.torch_running_statistics(folder / _FILES["training_model"])
-    _export.fix_eval_graph(folder / _FILES["eval_model"])
-    if optimizer == "adamw":
-        _export.set_torch_adamw_mode(folder / _FILES["optimizer_model"])
-    _export.lower_ir_versions([folder / _FILES["training_model"], folder / _FILES["optimizer_model"]])
-
+    # 4. passes after generation
+    training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
+    # 5. verification, 6. the manifest
     state = set(trainable) | set(frozen_names) | buffers
-    inputs, labels = _graph_io(folder / _FILES["training_model"], state, model_inputs)
-    training_outputs = [o.name for o in onnx.load(folder / _FILES["training_model"]).graph.output]
+    inputs, labels = _graph_io(training_graph, state, model_inputs)
     manifest = Manifest(
         inputs=tuple(inputs),
         labels=tuple(labels),
         loss=loss_kind,
         loss_options=loss_spec.options if loss_spec is not None else {},
-        loss_output=training_outputs[0],
+        loss_output=training_graph.graph.output[0].name,
         outputs=tuple(model_outputs[1:] if loss is None else model_outputs),
         optimizer=optimizer,
         optimizer_options=options,

@@ -1,4 +1,4 @@
-"""torch -> ONNX details: the exporter's settings and the graph fixes ORT 1.19.2 needs.
+"""The source stage of export: a torch module or an ONNX model becomes the forward graph.
 
 Pure functions over `onnx.ModelProto`s and files; no ONNX Runtime import here.
 
@@ -14,39 +14,39 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Union
 
 import onnx
 import torch
 
-from ort_lightning import _symbolics
 from ort_lightning.errors import ExportError
+from ort_lightning.export import symbolics as _symbolics
+from ort_lightning.export.model_io import plan_io, strip_prefix
+from ort_lightning.export.onnx_nodes import is_ai_onnx
+from ort_lightning.export.weights import split_initializers
+from ort_lightning.ort import limits
+
+#: What `export_artifacts` takes as a model.
+ModelSource = Union[torch.nn.Module, onnx.ModelProto, str, "os.PathLike[str]"]
 
 __all__ = [
-    "MAX_IR_VERSION",
-    "MAX_OPSET",
     "OPSET",
-    "add_dropout_masks",
-    "add_log_prob_outputs",
+    "ModelSource",
+    "describe_source",
+    "load_source",
     "buffer_inputs_of",
     "check_opset",
     "default_input_names",
     "default_output_names",
-    "fix_eval_graph",
-    "lower_ir_version",
-    "set_torch_adamw_mode",
     "torch_to_onnx",
 ]
 
-#: The newest ONNX IR version and ai.onnx opset that ONNX Runtime 1.19.2 loads.
-MAX_IR_VERSION = 10
-MAX_OPSET = 21
-#: The opset the torch exporter writes: new enough for every op we use, within MAX_OPSET.
+#: The opset the torch exporter writes: new enough for every op we use, within limits.MAX_OPSET.
 OPSET = 17
-
-_TRAINING_ONLY_OUTPUTS = ("BatchNormalization", "Dropout")
 
 
 def default_input_names(count: int) -> list[str]:
@@ -189,102 +189,68 @@ def check_opset(proto: onnx.ModelProto, source: str) -> None:
         ExportError: naming the opset found and the limit.
     """
     for opset in proto.opset_import:
-        if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
+        if is_ai_onnx(opset) and opset.version > limits.MAX_OPSET:
             raise ExportError(
                 f"{source} uses ai.onnx opset {opset.version}, but ONNX Runtime 1.19.2 reads opset <= "
-                f"{MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it "
+                f"{limits.MAX_OPSET}; re-export it with opset_version={OPSET} (torch.onnx.export) or convert it "
                 "with onnx.version_converter."
             )
 
 
-def add_log_prob_outputs(proto: onnx.ModelProto) -> int:
-    """Give every SoftmaxCrossEntropyLoss its optional ``log_prob`` output; return how many changed.
+def load_source(
+    model: ModelSource,
+    example_inputs: Any,
+    input_names: Sequence[str] | None,
+    model_returns_loss: bool,
+    output: str | None = None,
+) -> tuple[onnx.ModelProto, set[str], set[str]]:
+    """The source stage: the forward graph, its parameter initializers and its buffer initializers.
 
-    ORT's gradient of SoftmaxCrossEntropyLoss reads that second output, and the exporter emits
-    the node without it (``F.cross_entropy`` inside a model's forward), so building the gradient
-    graph fails. ORT's own CrossEntropyLoss block writes both outputs, as done here.
+    A torch module is exported (`torch_to_onnx`); an ONNX model or file is copied, and its real
+    weights told from its constants (`weights.split_initializers`).
     """
-    return _add_second_output(proto, "SoftmaxCrossEntropyLoss", "log_prob")
+    if isinstance(model, torch.nn.Module):
+        plan = plan_io(
+            model, example_inputs, input_names=input_names, output=output, model_returns_loss=model_returns_loss
+        )
+        names = plan.input_names or default_input_names(len(plan.inputs))
+        proto = torch_to_onnx(
+            plan.module, plan.inputs, input_names=names, model_returns_loss=model_returns_loss,
+            output_names=plan.output_names,
+        )
+        if plan.prefix:
+            strip_prefix(proto, plan.prefix)
+        initializers = {tensor.name for tensor in proto.graph.initializer}
+        parameters = {name for name, _ in model.named_parameters()} & initializers
+        buffers = {name for name, _ in model.named_buffers()} & initializers
+        return proto, parameters, buffers
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    elif isinstance(model, (str, os.PathLike)):
+        if not Path(model).is_file():
+            raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
+        try:
+            proto = onnx.load(os.fspath(model))
+        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+            raise ExportError(
+                f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
+                "or onnx.save."
+            ) from error
+    else:
+        raise ExportError(
+            "Expected `model` to be a torch.nn.Module, an onnx.ModelProto or the path of an ONNX file, "
+            f"but got {type(model).__name__}."
+        )
+    buffers = buffer_inputs_of(proto)
+    weights, _ = split_initializers(proto, buffers=buffers)
+    return proto, set(weights), buffers
 
 
-def add_dropout_masks(proto: onnx.ModelProto) -> int:
-    """Give every Dropout its optional ``mask`` output; return how many changed.
-
-    The exporter writes the Dropout of ``F.scaled_dot_product_attention(dropout_p=...)`` (the
-    attention dropout of Hugging Face models) with one output, and ORT's Dropout gradient reads
-    the mask, so building the gradient graph fails.
-    """
-    return _add_second_output(proto, "Dropout", "mask")
-
-
-def _add_second_output(proto: onnx.ModelProto, op_type: str, suffix: str) -> int:
-    """Name the optional second output of every ai.onnx `op_type` node written with one output."""
-    taken = {name for node in proto.graph.node for name in node.output}
-    changed = 0
-    for index, node in enumerate(proto.graph.node):
-        if node.op_type == op_type and node.domain in ("", "ai.onnx") and len(node.output) == 1:
-            name = f"{node.name or op_type}_{index}_{suffix}"
-            while name in taken:
-                name += "_"
-            taken.add(name)
-            node.output.append(name)
-            changed += 1
-    return changed
-
-
-def lower_ir_version(proto: onnx.ModelProto) -> bool:
-    """Stamp IR version `MAX_IR_VERSION` on a model that claims a newer one; True if changed.
-
-    Newer onnx packages stamp IR 11+ on everything they write, even graphs that use nothing
-    newer than IR 10, and ORT 1.19.2 refuses those files.
-    """
-    if proto.ir_version <= MAX_IR_VERSION:
-        return False
-    proto.ir_version = MAX_IR_VERSION
-    return True
-
-
-def _rewrite(path: Path, proto: onnx.ModelProto) -> None:
-    lower_ir_version(proto)
-    onnx.save(proto, path)
-
-
-def fix_eval_graph(path: Path) -> None:
-    """Make ``eval_model.onnx`` an inference graph that ORT can load.
-
-    ORT's generator turns training mode off in the eval graph but keeps the training-only
-    outputs (running statistics of BatchNormalization, the mask of Dropout), which ORT then
-    refuses. Those outputs are trimmed and Dropout becomes an Identity.
-    """
-    proto = onnx.load(path)
-    for node in proto.graph.node:
-        if node.op_type in _TRAINING_ONLY_OUTPUTS:
-            del node.output[1:]
-        if node.op_type == "Dropout":
-            node.op_type = "Identity"
-            del node.input[1:]
-            del node.attribute[:]
-    _rewrite(path, proto)
-
-
-def set_torch_adamw_mode(path: Path) -> None:
-    """Switch the AdamW node of an optimizer graph to torch's decoupled weight decay.
-
-    ORT's default ``adam_mode=1`` decays after the update (the Hugging Face variant);
-    ``adam_mode=0`` decays before, as ``torch.optim.AdamW`` does.
-    """
-    proto = onnx.load(path)
-    for node in proto.graph.node:
-        if node.op_type == "AdamWOptimizer":
-            for attribute in node.attribute:
-                if attribute.name == "adam_mode":
-                    attribute.i = 0
-    _rewrite(path, proto)
-
-
-def lower_ir_versions(paths: Iterable[Path]) -> None:
-    """Apply `lower_ir_version` to model files in place."""
-    for path in paths:
-        proto = onnx.load(path)
-        if lower_ir_version(proto):
-            onnx.save(proto, path)
+def describe_source(model: ModelSource) -> str:
+    """Name a model source in messages: a class name, a file path, or the ONNX graph's name."""
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__
+    if isinstance(model, onnx.ModelProto):
+        return f"ONNX model (graph {model.graph.name!r})"
+    return os.fspath(model)

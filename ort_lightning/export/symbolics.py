@@ -7,7 +7,7 @@ torch's behaviour unchanged.
 Example::
 
     >>> import torch
-    >>> from ort_lightning._export import torch_to_onnx
+    >>> from ort_lightning.export.source import torch_to_onnx
     >>> proto = torch_to_onnx(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), input_names=["x"])
     >>> sorted({node.op_type for node in proto.graph.node} & {"ReduceMean", "Sqrt"})
     ['ReduceMean', 'Sqrt']

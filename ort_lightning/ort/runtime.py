@@ -5,7 +5,7 @@ Everything else in the package goes through the small surface below, so that an 
 
 Example::
 
-    >>> from ort_lightning import _ort
+    >>> from ort_lightning.ort import runtime as _ort
     >>> _ort.parse_device("cpu")
     ('cpu', 0)
 """

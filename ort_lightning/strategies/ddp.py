@@ -33,8 +33,8 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, Strategy, StrategyRegistry
 from typing_extensions import override
 
-from ort_lightning._buckets import DEFAULT_BUCKET_BYTES, CoalescedTensors
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.strategies.buckets import DEFAULT_BUCKET_BYTES, CoalescedTensors
 
 __all__ = ["ORTDDPStrategy", "check_strategy", "thread_spinning"]
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ort_lightning import _ort
-from ort_lightning._atomic import atomic_write, verify_digest
-from ort_lightning._schedules import Progress
 from ort_lightning.errors import CheckpointError, ConfigurationError
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.atomic import atomic_write, verify_digest
+from ort_lightning.training.schedules import Progress
 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
@@ -105,12 +105,18 @@ class Checkpointable(Protocol):
         *,
         include_optimizer_state: bool = True,
         properties: dict[str, int | float | str] | None = None,
-    ) -> Path: ...
+    ) -> Path:
+        """Write an ORT checkpoint file atomically; return its path."""
+        ...
 
-    def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None = None) -> Path: ...
+    def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None = None) -> Path:
+        """Write the inference model; return its path."""
+        ...
 
     @property
-    def start_progress(self) -> dict[str, int]: ...
+    def start_progress(self) -> dict[str, int]:
+        """Where this run started: Lightning's step and epoch counters."""
+        ...
 
 
 #: The name `ORTCheckpoint` checks modules against (kept while callbacks.py still uses it).

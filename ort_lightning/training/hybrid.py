@@ -7,7 +7,7 @@ parameters: views of ORT's CheckpointState whose ``.grad`` are views of ORT's gr
 (DLPack, no copy). The torch optimizer's in-place update therefore writes ORT's weights
 directly, and the next ``train_step`` sees it. `TorchOverORT` wraps that optimizer so that
 Lightning drives it like the ORT one: it is the update of the module's one step path
-(`ort_lightning._step.StepPath`), which runs the closure (ORT's forward and backward), skips the
+(`ort_lightning.training.step.StepPath`), which runs the closure (ORT's forward and backward), skips the
 update when the closure returns None, and resets ORT's gradient buffers after each update.
 
 ORT's own optimizer graph stays the default (``optimizer=None``): it is what ships for
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ort_lightning._ort import TrainingSession
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.optim import linear_lr_factor, run_closure
+from ort_lightning.ort.runtime import TrainingSession
+from ort_lightning.training.optim import linear_lr_factor, run_closure
 
 __all__ = ["OptimizerFactory", "TorchOverORT", "check_optimizer", "describe_optimizer", "linear_schedule"]
 
@@ -94,7 +94,7 @@ class TorchOverORT(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run `closure`, then the torch optimizer's update: step 7 of `ort_lightning._step.StepPath`.
+        """Run `closure`, then the torch optimizer's update: step 7 of `ort_lightning.training.step.StepPath`.
 
         A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf loss
         is skipped) skips the update. The gradient reset after it belongs to the step path.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ort_lightning.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ort_lightning._manifest import Manifest
+    from ort_lightning.artifacts.manifest import Manifest
 
 __all__ = ["STAGES", "stage_metrics", "stage_metrics_for"]
 

@@ -24,9 +24,13 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from ort_lightning import _hybrid, _ort
-from ort_lightning._binding import GradientViews, bind_views, check_conversion
-from ort_lightning._checkpointing import (
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
+from ort_lightning.errors import BatchError, ConfigurationError
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.strategies import check_strategy, thread_spinning
+from ort_lightning.training import hybrid as _hybrid
+from ort_lightning.training.checkpoints import (
     ORT_STATE_KEY,
     PROGRESS_KEY,
     RunOrigin,
@@ -37,10 +41,11 @@ from ort_lightning._checkpointing import (
     state_bytes,
     write_ort_checkpoint,
 )
-from ort_lightning._guards import NonFiniteGuard, check_graph_inputs, label_range_of
-from ort_lightning._metrics import stage_metrics_for
-from ort_lightning._portable import DEVICE_KEY, load_values, picklable, values_of, views_attached
-from ort_lightning._schedules import (
+from ort_lightning.training.guards import NonFiniteGuard, check_graph_inputs, label_range_of
+from ort_lightning.training.metrics import stage_metrics_for
+from ort_lightning.training.optim import LinearLRSchedule, ORTOptimizer
+from ort_lightning.training.portable import DEVICE_KEY, load_values, picklable, values_of, views_attached
+from ort_lightning.training.schedules import (
     SchedulerFactory,
     check_lr_scheduler,
     check_not_finished,
@@ -51,12 +56,8 @@ from ort_lightning._schedules import (
     schedule_properties,
     total_steps_of,
 )
-from ort_lightning._step import StepPath
-from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
-from ort_lightning.errors import BatchError, ConfigurationError
-from ort_lightning.optim import LinearLRSchedule, ORTOptimizer
-from ort_lightning.strategies import check_strategy, thread_spinning
+from ort_lightning.training.step import StepPath
+from ort_lightning.training.views import GradientViews, bind_views, check_conversion
 
 __all__ = ["ORTLightningModule"]
 
@@ -351,7 +352,7 @@ class ORTLightningModule(pl.LightningModule):
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any | None = None
     ) -> None:
-        """One optimizer step, in the order `ort_lightning._step.StepPath.step` spells out.
+        """One optimizer step, in the order `ort_lightning.training.step.StepPath.step` spells out.
 
         Run the closure (the last micro-batch), mark the window, scale by ``1/accumulate_grad_batches``
         (ORT sums, Lightning averages), re-bind the gradient views, decide a NaN/inf skip on all

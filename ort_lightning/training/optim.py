@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ort_lightning._ort import TrainingSession
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort.runtime import TrainingSession
 
 __all__ = ["LinearLRSchedule", "ORTOptimizer", "linear_lr_factor", "run_closure"]
 
@@ -47,7 +47,7 @@ class ORTOptimizer(torch.optim.Optimizer):
     ``step(closure)`` runs the closure (ORT forward and backward inside ``training_step``), sends
     ``param_groups[0]["lr"]`` to ORT and runs ORT's update. Moments and the step count live in
     ORT's CheckpointState, not in ``state``. The gradient reset after the update belongs to the
-    module's step path (`ort_lightning._step.StepPath`).
+    module's step path (`ort_lightning.training.step.StepPath`).
 
     Args:
         session: the assembled ORT objects.

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ort_lightning import _ort
 from ort_lightning.bridge import parameter_views
+from ort_lightning.ort import runtime as _ort
 
 __all__ = ["DEVICE_KEY", "load_values", "picklable", "values_of", "views_attached"]
 

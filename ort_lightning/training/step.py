@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from ort_lightning import _ort
-from ort_lightning._binding import GradientViews
-from ort_lightning._guards import NonFiniteGuard
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.guards import NonFiniteGuard
+from ort_lightning.training.views import GradientViews
 
 __all__ = ["StepPath", "seed_of"]
 

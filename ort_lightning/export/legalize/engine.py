@@ -31,13 +31,14 @@ from dataclasses import dataclass
 import onnx
 import torch
 
-from ort_lightning import _rewrites
-from ort_lightning import _rewrites_gather as _gather
-from ort_lightning import _rewrites_layers as _layers
-from ort_lightning import _rewrites_recurrent as _recurrent
-from ort_lightning import _rewrites_spatial as _spatial
-from ort_lightning._rewriting import Graph, where
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.graph import Graph, where
+from ort_lightning.export.legalize.rewrites import gather as _gather
+from ort_lightning.export.legalize.rewrites import layers as _layers
+from ort_lightning.export.legalize.rewrites import pointwise as _rewrites
+from ort_lightning.export.legalize.rewrites import recurrent as _recurrent
+from ort_lightning.export.legalize.rewrites import spatial as _spatial
+from ort_lightning.export.onnx_nodes import is_ai_onnx
 
 __all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "padding_rows_of", "raise_explained"]
 
@@ -110,9 +111,6 @@ RULES: dict[str, Rule] = {
     "Scan": Rule(_rewrites.control_flow, "as If"),
 }
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
-
-
 def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None) -> list[str]:
     """Rewrite, in place, every node of `proto` that `RULES` covers; return the rewritten nodes' names.
 
@@ -125,7 +123,7 @@ def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = No
     rewritten: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(proto.graph.node):
-        rule = RULES.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
+        rule = RULES.get(node.op_type) if is_ai_onnx(node) else None
         replacement = rule.rewrite(graph, node) if rule is not None else None
         if replacement is None:
             nodes.append(node)

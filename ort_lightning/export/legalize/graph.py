@@ -18,6 +18,8 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from ort_lightning.export.onnx_nodes import ai_onnx_opset
+
 __all__ = ["Graph", "attr", "module_of", "where"]
 
 
@@ -28,7 +30,7 @@ class Graph:
         self.proto = proto
         #: Embedding weight name -> its padding_idx (from the torch model; ONNX does not say).
         self.padding_rows = dict(padding_rows or {})
-        self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 17)
+        self.opset = ai_onnx_opset(proto, default=17)
         self._taken = {name for node in proto.graph.node for name in (*node.input, *node.output)}
         self._taken |= {t.name for t in proto.graph.initializer} | {n.name for n in proto.graph.node}
         self._shapes: dict[str, list[int | str | None]] | None = None
@@ -192,6 +194,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | No
 
 
 def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    """The value of `node`'s attribute `name`, or `default` when the node does not set it."""
     for attribute in node.attribute:
         if attribute.name == name:
             return helper.get_attribute_value(attribute)

@@ -225,7 +225,7 @@ def build_loss(graph: onnx.GraphProto, kind: str, options: dict[str, Any], *, ou
         graph: the forward graph, changed in place.
         kind: a key of the builders (``"cross_entropy"``, ``"nll"``, ``"mse"``, ``"l1"``,
             ``"bce_with_logits"``, ``"smooth_l1"``, ``"huber"``).
-        options: ``reduction`` and the loss's own options, as `ort_lightning._losses` records them.
+        options: ``reduction`` and the loss's own options, as `ort_lightning.export.losses.spec` records them.
         output: the model output the loss reads (logits, log-probabilities or predictions).
         label: the label input's name; declared as an input unless the graph has it already.
     """

@@ -1,7 +1,7 @@
 """Losses as torch users write them: a loss name or a torch loss module becomes a `LossSpec`.
 
 A `LossSpec` says what the loss is (kind and options, JSON-ready for the manifest), builds
-its ONNX subgraph (`ort_lightning._loss_graphs`) and keeps the equivalent torch module, so a
+its ONNX subgraph (`ort_lightning.export.losses.graphs`) and keeps the equivalent torch module, so a
 torch reference computes the very same loss.
 
 Example::
@@ -24,8 +24,9 @@ import onnx
 import torch
 from torch import nn
 
-from ort_lightning._loss_graphs import CLASS_LOSSES, build_loss
 from ort_lightning.errors import ExportError
+from ort_lightning.export.losses.graphs import CLASS_LOSSES, build_loss
+from ort_lightning.export.onnx_nodes import ai_onnx_opset
 
 __all__ = ["LOSS_NAMES", "LossSpec", "check_class_axis", "resolve_loss"]
 
@@ -79,7 +80,7 @@ class LossSpec:
         Raises:
             ExportError: for a graph older than the opset of the loss's operators.
         """
-        opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+        opset = ai_onnx_opset(model)
         needed = self._opset()
         if opset < needed:
             raise ExportError(

@@ -1,6 +1,6 @@
 """The child process of export-time verification: one training step of new artifacts, nothing more.
 
-`ort_lightning._verify` writes a job folder (``job.json``, one ``inputs_<batch>.npz`` per batch
+`ort_lightning.export.verify.verifier` writes a job folder (``job.json``, one ``inputs_<batch>.npz`` per batch
 size) and runs this module in a fresh interpreter, because a crash inside ONNX Runtime (SIGFPE,
 SIGSEGV) cannot be caught in the process it kills. For each batch size the child prints
 ``step <batch>`` before the step (so the parent knows where a crash happened), runs one
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ort_lightning import _ort
+from ort_lightning.ort import runtime as _ort
 
 __all__ = ["EXIT_ORT_ERROR", "main"]
 

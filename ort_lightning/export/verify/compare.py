@@ -8,7 +8,7 @@ largest share of its tolerance.
 Example::
 
     >>> import numpy as np, torch
-    >>> from ort_lightning._verify_reference import Reference
+    >>> from ort_lightning.export.verify.reference import Reference
     >>> reference = Reference(1.0, {"w": torch.tensor([1.0, -2.0])})
     >>> compare(4, reference, 1.0, {"w": np.array([1.0, -2.0], dtype=np.float32)}, ["w"]).status
     'passed'
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ort_lightning._verify_reference import Reference
+from ort_lightning.export.verify.reference import Reference
 
 __all__ = ["ATOL", "RTOL", "BatchCheck", "compare", "mismatch_message"]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ort_lightning._manifest import TensorSpec
+from ort_lightning.artifacts.manifest import TensorSpec
 
 __all__ = ["Call", "Reference", "batch_inputs", "labels_for", "reference_loss", "torch_reference"]
 

@@ -2,7 +2,7 @@
 
 `export_artifacts` calls `verify_export` last. For the example's batch size and one other, the
 parent computes torch autograd's loss and gradients (`_verify_reference`), writes the same
-inputs and labels to a job folder, and runs `_verify_child` in a fresh interpreter, where ONNX
+inputs and labels to a job folder, and runs `child` in a fresh interpreter, where ONNX
 Runtime runs one ``train_step`` of a copy of the training graph with its Dropout ratios at 0.
 A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non-finite value or
 a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
@@ -32,11 +32,18 @@ import numpy as np
 import onnx
 import torch
 
-from ort_lightning._manifest import MANIFEST_NAME, Manifest
-from ort_lightning._verify_child import EXIT_ORT_ERROR
-from ort_lightning._verify_compare import ATOL, RTOL, BatchCheck, compare, mismatch_message
-from ort_lightning._verify_reference import Call, Reference, batch_inputs, labels_for, reference_loss, torch_reference
+from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest
 from ort_lightning.errors import ExportError
+from ort_lightning.export.verify.child import EXIT_ORT_ERROR
+from ort_lightning.export.verify.compare import ATOL, RTOL, BatchCheck, compare, mismatch_message
+from ort_lightning.export.verify.reference import (
+    Call,
+    Reference,
+    batch_inputs,
+    labels_for,
+    reference_loss,
+    torch_reference,
+)
 
 __all__ = ["describe", "verify_export"]
 
@@ -47,12 +54,16 @@ _ZERO_RATIO = "ort_lightning_verify_zero_dropout_ratio"
 #: Where the ratio sits among a node's inputs, per Dropout op of the training graph.
 _RATIO_INPUT = {"Dropout": 1, "DropoutGrad": 2}
 
-# NOTE: `python -m ort_lightning._verify_child` would import the package's __init__, hence
-# Lightning: 4.8 s per child instead of 1.8 s here. The child needs only `_ort` and `errors`, so
-# it gets an empty package object whose __path__ is this very folder (the same code as the parent's).
+# NOTE: `python -m ort_lightning.export.verify.child` would import the packages' __init__ files, hence
+# Lightning: 4.8 s per child instead of 1.8 s here. The child needs only `ort` and `errors`, so
+# `ort_lightning` and the two packages above the child are empty package objects whose __path__ are
+# the very folders of the parent's code.
 _BOOTSTRAP = (
-    "import sys, types; package = types.ModuleType('ort_lightning'); package.__path__ = [sys.argv[1]]; "
-    "sys.modules['ort_lightning'] = package; from ort_lightning._verify_child import main; sys.exit(main(sys.argv[2]))"
+    "import sys, types, os; root = sys.argv[1]\n"
+    "for name, path in (('ort_lightning', root), ('ort_lightning.export', os.path.join(root, 'export')),\n"
+    "                   ('ort_lightning.export.verify', os.path.join(root, 'export', 'verify'))):\n"
+    "    package = types.ModuleType(name); package.__path__ = [path]; sys.modules[name] = package\n"
+    "from ort_lightning.export.verify.child import main; sys.exit(main(sys.argv[2]))"
 )
 
 
@@ -214,7 +225,7 @@ def _write_job(job: Path, folder: Path, manifest: Manifest, batches: Sequence[in
 
 
 def _run_child(job: Path, folder: Path, batches: Sequence[int]) -> None:
-    command = [sys.executable, "-c", _BOOTSTRAP, str(Path(__file__).parent), str(job)]
+    command = [sys.executable, "-c", _BOOTSTRAP, str(Path(__file__).parents[2]), str(job)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as error:

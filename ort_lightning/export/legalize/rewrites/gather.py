@@ -19,7 +19,7 @@ Example::
 
     >>> import onnx
     >>> from onnx import helper, numpy_helper
-    >>> from ort_lightning._rewriting import Graph
+    >>> from ort_lightning.export.legalize.graph import Graph
     >>> weight = numpy_helper.from_array(np.ones((5, 3), np.float32), "embed.weight")
     >>> node = helper.make_node("Gather", ["embed.weight", "ids"], ["y"], name="/embed/Gather")
     >>> graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2])],
@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ort_lightning._rewriting import Graph, attr
+from ort_lightning.export.legalize.graph import Graph, attr
 
 __all__ = ["gather", "take"]
 

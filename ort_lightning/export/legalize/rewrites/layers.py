@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ort_lightning._rewrites_gather import take
-from ort_lightning._rewrites_spatial import along_axis
-from ort_lightning._rewriting import Graph, attr, where
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.graph import Graph, attr, where
+from ort_lightning.export.legalize.rewrites.gather import take
+from ort_lightning.export.legalize.rewrites.spatial import along_axis
 
 __all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "pad", "vanilla_rnn"]
 

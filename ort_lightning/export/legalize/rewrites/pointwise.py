@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ort_lightning._rewriting import Graph, attr, where
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.graph import Graph, attr, where
 
 __all__ = [
     "celu", "control_flow", "elu", "hard_sigmoid", "hard_swish", "instance_norm", "layer_norm_outputs", "prelu",

@@ -27,9 +27,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ort_lightning._rewrites_gather import take
-from ort_lightning._rewrites_layers import bidirectional_rnn
-from ort_lightning._rewriting import Graph, attr
+from ort_lightning.export.legalize.graph import Graph, attr
+from ort_lightning.export.legalize.rewrites.gather import take
+from ort_lightning.export.legalize.rewrites.layers import bidirectional_rnn
 
 __all__ = ["MAX_STEPS", "gru", "lstm"]
 

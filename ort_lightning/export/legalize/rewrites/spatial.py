@@ -14,9 +14,9 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from ort_lightning._rewrites_gather import take
-from ort_lightning._rewriting import Graph, attr
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.graph import Graph, attr
+from ort_lightning.export.legalize.rewrites.gather import take
 
 __all__ = ["along_axis", "average_pool", "cumsum", "depth_to_space", "resize", "reversed_slice"]
 

@@ -1,0 +1,1 @@
+"""The rewrites of `ort_lightning.export.legalize.engine.RULES`, one family per module."""
