@@ -9,8 +9,7 @@ Example::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ort_lightning._version import __version__
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.callbacks import ORTCheckpoint
 from ort_lightning.export import export_artifacts

@@ -29,7 +29,15 @@ from ort_lightning.artifacts import TensorSpec
 from ort_lightning.errors import BatchError
 from ort_lightning.ort.runtime import OrtValue, OrtValueVector, TrainingSession
 
-__all__ = ["BatchBinder", "ParameterView", "label_placeholder", "parameter_views", "to_torch", "torch_device"]
+__all__ = [
+    "BatchBinder",
+    "ParameterView",
+    "hand_over_to_ort",
+    "label_placeholder",
+    "parameter_views",
+    "to_torch",
+    "torch_device",
+]
 
 _from_dlpack = OrtValue.from_dlpack
 
@@ -37,6 +45,22 @@ _from_dlpack = OrtValue.from_dlpack
 def torch_device(device: str) -> torch.device:
     """Return the torch device of an artifacts device string (``"cpu"``, ``"cuda:0"``)."""
     return torch.device(device)
+
+
+def hand_over_to_ort(device: torch.device | None) -> None:
+    """Wait for torch's current CUDA stream on `device`, so that ORT reads what torch wrote; no-op off CUDA.
+
+    NOTE: DLPack hands ORT the memory without a stream handshake, and ORT runs on a stream of its
+    own that does not wait for torch's: batches that Lightning copied with ``non_blocking=True``,
+    gradients that torch scaled, clipped or all-reduced and parameters a torch optimizer updated
+    must be finished before ORT reads them.
+
+    Example::
+
+        >>> hand_over_to_ort(torch.device("cpu"))  # nothing to wait for on the CPU
+    """
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def to_torch(value: Any) -> torch.Tensor:
@@ -63,7 +87,7 @@ class BatchBinder:
         self.names = [spec.name for spec in self.specs]
         self.device = device
         self.graph = graph
-        self._cuda = device.type == "cuda"
+        self._device = device
         self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
         self._shapes = tuple(_enforced_shape(spec) for spec in self.specs)
 
@@ -119,11 +143,7 @@ class BatchBinder:
                 # code 6"); it takes the same bytes as uint8 with its is_bool flag set.
                 tensor = tensor.view(torch.uint8)
             vector.push_back(_from_dlpack(tensor.__dlpack__(), is_bool))
-        if self._cuda:
-            # NOTE: DLPack hands ORT the memory without a stream handshake; copies and kernels
-            # that produced the batch on torch's stream (Lightning moves batches with
-            # non_blocking=True) must finish before ORT reads them on its own stream.
-            torch.cuda.current_stream(device).synchronize()
+        hand_over_to_ort(self._device)
         return vector
 
     def check_shapes(self, tensors: Sequence[torch.Tensor], *, cause: BaseException | None = None) -> None:

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.training.atomic import check_writable, remove_stale_temps, remove_with_digest
-from ort_lightning.training.checkpoints import CheckpointingMixin
+from ort_lightning.training.checkpoints import Checkpointable
 
 __all__ = ["ORTCheckpoint"]
 
@@ -146,7 +146,7 @@ class ORTCheckpoint(ModelCheckpoint):
             ConfigurationError: for a module other than `ORTLightningModule`.
             CheckpointError: for a `dirpath` that cannot be created or written (found before any step).
         """
-        if not isinstance(pl_module, CheckpointingMixin):
+        if not isinstance(pl_module, Checkpointable):
             raise ConfigurationError(
                 f"ORTCheckpoint saves ONNX Runtime state, but the module is a {type(pl_module).__name__}; use it "
                 "with ORTLightningModule, or use lightning's ModelCheckpoint for torch modules."
@@ -244,8 +244,8 @@ def _fast_dev_run(trainer: pl.Trainer) -> bool:
     return bool(getattr(trainer, "fast_dev_run", False))
 
 
-def _module(pl_module: pl.LightningModule) -> CheckpointingMixin:
-    assert isinstance(pl_module, CheckpointingMixin)  # checked in setup
+def _module(pl_module: pl.LightningModule) -> Checkpointable:
+    assert isinstance(pl_module, Checkpointable)  # checked in setup
     return pl_module
 
 

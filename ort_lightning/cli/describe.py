@@ -76,11 +76,12 @@ def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
     """Which tensors train, which are frozen or buffers, and which float initializers stay constants."""
     import onnx
 
+    from ort_lightning.export.onnx_nodes import FLOAT_TYPES
+
     manifest = artifacts.manifest
     state = {*manifest.trainable, *manifest.frozen, *manifest.buffers}
-    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
     graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
-    constants = sorted(t.name for t in graph.initializer if t.data_type in floating and t.name not in state)
+    constants = sorted(t.name for t in graph.initializer if t.data_type in FLOAT_TYPES and t.name not in state)
     return [("trains", list(manifest.trainable)), ("frozen", list(manifest.frozen)),
             ("buffers", list(manifest.buffers)), ("constants", constants)]
 

@@ -26,17 +26,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 
 from ort_lightning.cli.factory import export_factory
 from ort_lightning.cli.usage import UsageError, did_you_mean, one_line_argument_error
-from ort_lightning.strategies import ORTDDPStrategy, check_strategy
+from ort_lightning.strategies import check_strategy, trains_ort_graphs
+from ort_lightning.training.guards import precision_supported
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["ExportSection", "PredictionWriter", "run_lightning_cli"]
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
-_PRECISIONS = (None, 32, "32", "32-true")
 _ORT_STRATEGIES = ("auto", "ort_ddp", "ort_ddp_spawn")
 _ORT_ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
@@ -137,7 +136,7 @@ class _ORTLightningCLI(LightningCLI):
 
 
 def _check_precision(precision: Any) -> None:
-    if precision not in _PRECISIONS:
+    if not precision_supported(precision):
         raise UsageError(
             f"--trainer.precision {precision!r} is not supported: ONNX Runtime training graphs run in float32; "
             "use --trainer.precision 32-true (the only supported value) or leave it unset"
@@ -167,8 +166,7 @@ def _check_strategy_name(strategy: Any) -> None:
             f"unknown --trainer.strategy {strategy!r}{did_you_mean(strategy, _ORT_STRATEGIES) or '.'} "
             f"Valid values for ORT graphs: {', '.join(_ORT_STRATEGIES)}"
         )
-    cls = StrategyRegistry[strategy]["strategy"]
-    if issubclass(cls, ParallelStrategy) and not issubclass(cls, ORTDDPStrategy):
+    if not trains_ort_graphs(StrategyRegistry[strategy]["strategy"]):
         raise UsageError(
             f"--trainer.strategy {strategy!r} cannot train ORT graphs: its wrapper hooks torch's autograd, which never "
             "sees the gradients ONNX Runtime computes; use --trainer.strategy ort_ddp (or ort_ddp_spawn), "

@@ -17,10 +17,14 @@ from typing import Protocol
 
 import onnx
 
-__all__ = ["AI_ONNX_DOMAINS", "ai_onnx_opset", "is_ai_onnx"]
+__all__ = ["AI_ONNX_DOMAINS", "FLOAT_TYPES", "ai_onnx_opset", "is_ai_onnx"]
 
 #: The names the default domain goes by: the empty string and its long form.
 AI_ONNX_DOMAINS = ("", "ai.onnx")
+#: The floating-point ONNX element types: what can be a weight, a gradient or a loss.
+FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+)
 
 
 class _HasDomain(Protocol):

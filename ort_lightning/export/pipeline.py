@@ -239,7 +239,7 @@ def _generate(proto: onnx.ModelProto, **options: Any) -> None:
 
 
 def _versions() -> dict[str, str]:
-    from ort_lightning import __version__
+    from ort_lightning._version import __version__
 
     return {
         "ort_lightning": __version__, "onnx": onnx.__version__, "torch": torch.__version__, **_ort.versions()

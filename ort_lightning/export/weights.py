@@ -6,7 +6,7 @@ AdamW's weight decay shrinking them) changes what the model computes. The rule:
 
 An initializer of an ONNX source trains when all of these hold:
 
-1. its type is floating point (float, double, float16);
+1. its type is floating point (float, double, float16, bfloat16);
 2. it has rank >= 1 (a scalar is a constant the exporter stored, such as ``x * 0.5``);
 3. it is not a BatchNormalization running statistic (those are buffers, updated by the graph);
 4. at least one node reads it at a differentiable input: not as a shape, axes, pads, indices,
@@ -36,9 +36,10 @@ from collections import defaultdict
 
 import onnx
 
+from ort_lightning.export.onnx_nodes import FLOAT_TYPES
+
 __all__ = ["NON_DIFFERENTIABLE_INPUTS", "split_initializers"]
 
-_FLOATING = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 _ALL = frozenset(range(16))
 _REDUCE_AXES = frozenset({1})
 
@@ -85,7 +86,7 @@ def split_initializers(proto: onnx.ModelProto, *, buffers: set[str]) -> tuple[li
     weights: list[str] = []
     constants: list[str] = []
     for tensor in proto.graph.initializer:
-        if tensor.data_type not in _FLOATING or tensor.name in buffers:
+        if tensor.data_type not in FLOAT_TYPES or tensor.name in buffers:
             continue
         is_weight = len(tensor.dims) >= 1 and uses.get(tensor.name, False)
         (weights if is_weight else constants).append(tensor.name)

@@ -49,7 +49,6 @@ finally:
     _root_logger.setLevel(_root_level)
 
 __all__ = [
-    "LOSS_LABEL_NAMES",
     "OrtValue",
     "OrtValueVector",
     "TrainingSession",
@@ -69,14 +68,13 @@ OrtValueVector = _C.OrtValueVector
 _SEVERITY_ERROR = 3
 onnxruntime.set_default_logger_severity(_SEVERITY_ERROR)
 
-#: Loss name -> onnxblock class; each adds a label input named as in LOSS_LABEL_NAMES.
+#: Loss name -> onnxblock class; each adds a label input: ``labels`` (cross-entropy) or ``target``.
 _LOSSES = {
     "cross_entropy": onnxblock.loss.CrossEntropyLoss,
     "mse": onnxblock.loss.MSELoss,
     "bce_with_logits": onnxblock.loss.BCEWithLogitsLoss,
     "l1": onnxblock.loss.L1Loss,
 }
-LOSS_LABEL_NAMES = {"cross_entropy": "labels", "mse": "target", "bce_with_logits": "target", "l1": "target"}
 
 _CUDA_INSTALL = 'pip uninstall -y onnxruntime-training-cpu && pip install "ort-lightning[cuda]"'
 

@@ -36,7 +36,7 @@ from typing_extensions import override
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies.buckets import DEFAULT_BUCKET_BYTES, CoalescedTensors
 
-__all__ = ["ORTDDPStrategy", "check_strategy", "thread_spinning"]
+__all__ = ["ORTDDPStrategy", "check_strategy", "thread_spinning", "trains_ort_graphs"]
 
 _SPAWN_METHODS = ("spawn", "fork", "forkserver")
 
@@ -172,6 +172,18 @@ def thread_spinning(strategy: Strategy) -> bool:
     return not (strategy.root_device.type == "cpu" and strategy.num_processes > 1)
 
 
+def trains_ort_graphs(strategy_class: type) -> bool:
+    """Tell whether a strategy class can train ORT graphs: one process, or `ORTDDPStrategy`.
+
+    Example::
+
+        >>> from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+        >>> trains_ort_graphs(SingleDeviceStrategy), trains_ort_graphs(DDPStrategy), trains_ort_graphs(ORTDDPStrategy)
+        (True, False, True)
+    """
+    return not issubclass(strategy_class, ParallelStrategy) or issubclass(strategy_class, ORTDDPStrategy)
+
+
 def check_strategy(strategy: Strategy) -> None:
     """Refuse a parallel strategy other than `ORTDDPStrategy`, before any step runs.
 
@@ -179,7 +191,7 @@ def check_strategy(strategy: Strategy) -> None:
         ConfigurationError: for DDP, FSDP, DeepSpeed and other parallel strategies, whose
             wrappers never see ONNX Runtime's gradients.
     """
-    if not isinstance(strategy, ParallelStrategy) or isinstance(strategy, ORTDDPStrategy):
+    if trains_ort_graphs(type(strategy)):
         return
     spawn = getattr(strategy, "_start_method", "popen") in _SPAWN_METHODS
     name = "ort_ddp_spawn" if spawn else "ort_ddp"

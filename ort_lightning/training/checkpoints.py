@@ -64,7 +64,7 @@ ParameterSummary = list[tuple[str, tuple[int, ...], bool]]
 
 
 def _version() -> str:
-    from ort_lightning import __version__
+    from ort_lightning._version import __version__
 
     return __version__
 
@@ -117,10 +117,6 @@ class Checkpointable(Protocol):
     def start_progress(self) -> dict[str, int]:
         """Where this run started: Lightning's step and epoch counters."""
         ...
-
-
-#: The name `ORTCheckpoint` checks modules against (kept while callbacks.py still uses it).
-CheckpointingMixin = Checkpointable
 
 
 @dataclass(frozen=True)

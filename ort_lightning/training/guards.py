@@ -37,7 +37,31 @@ from ort_lightning.errors import ArtifactError, BatchError, ConfigurationError, 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
 
-__all__ = ["POLICIES", "LabelRange", "NonFiniteGuard", "check_graph_inputs", "label_range_of"]
+__all__ = [
+    "POLICIES",
+    "SUPPORTED_PRECISION",
+    "LabelRange",
+    "NonFiniteGuard",
+    "check_graph_inputs",
+    "label_range_of",
+    "precision_supported",
+]
+
+#: The one Trainer precision that trains ORT graphs: they run in float32.
+SUPPORTED_PRECISION = "32-true"
+#: How a config or a Trainer may spell it (unset means Lightning's default, which is it).
+_PRECISION_SPELLINGS = (None, 32, "32", SUPPORTED_PRECISION)
+
+
+def precision_supported(precision: Any) -> bool:
+    """Tell whether a Trainer precision trains ORT graphs: ``"32-true"``, however it is spelled.
+
+    Example::
+
+        >>> precision_supported("32-true"), precision_supported(32), precision_supported("bf16-mixed")
+        (True, True, False)
+    """
+    return precision in _PRECISION_SPELLINGS
 
 #: What `ORTLightningModule(on_nonfinite=...)` accepts.
 POLICIES = ("raise", "skip")

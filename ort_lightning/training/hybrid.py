@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ort_lightning.bridge import hand_over_to_ort
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort.runtime import TrainingSession
 from ort_lightning.training.optim import linear_lr_factor, run_closure
@@ -103,10 +104,7 @@ class TorchOverORT(torch.optim.Optimizer):
         if not ran:
             return None
         self.optimizer.step()
-        if self._cuda_device is not None:
-            # NOTE: the update ran on torch's stream; ORT's next train step reads the parameters
-            # on its own stream.
-            torch.cuda.current_stream(self._cuda_device).synchronize()
+        hand_over_to_ort(self._cuda_device)  # the update ran on torch's stream
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

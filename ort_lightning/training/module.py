@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from typing_extensions import override
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, to_torch, torch_device
+from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy, thread_spinning
@@ -37,14 +36,18 @@ from ort_lightning.training.checkpoints import (
     export_inference,
     read_checkpoint,
     restored_state,
-    snapshot,
     state_bytes,
     write_ort_checkpoint,
 )
-from ort_lightning.training.guards import NonFiniteGuard, check_graph_inputs, label_range_of
+from ort_lightning.training.guards import (
+    SUPPORTED_PRECISION,
+    NonFiniteGuard,
+    check_graph_inputs,
+    label_range_of,
+    precision_supported,
+)
 from ort_lightning.training.metrics import stage_metrics_for
 from ort_lightning.training.optim import LinearLRSchedule, ORTOptimizer
-from ort_lightning.training.portable import DEVICE_KEY, load_values, picklable, values_of, views_attached
 from ort_lightning.training.schedules import (
     SchedulerFactory,
     check_lr_scheduler,
@@ -56,13 +59,11 @@ from ort_lightning.training.schedules import (
     schedule_properties,
     total_steps_of,
 )
+from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, picklable, values_of
 from ort_lightning.training.step import StepPath
-from ort_lightning.training.views import GradientViews, bind_views, check_conversion
+from ort_lightning.training.views import GradientViews, check_conversion
 
 __all__ = ["ORTLightningModule"]
-
-_SUPPORTED_PRECISION = "32-true"
-
 
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
@@ -149,7 +150,8 @@ class ORTLightningModule(pl.LightningModule):
         self._schedule: Any = None  # the scheduler of the current fit
         source = None if checkpoint is None else Path(checkpoint)
         self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(read_checkpoint(source, self.artifacts)))
-        self._session: _ort.TrainingSession = self._assemble(device, source)
+        self._attach(SessionViews(self, self.artifacts, device=device, checkpoint=source,
+                                  custom_op_library=self.custom_op_library))
         schedule = resolve_schedule(
             lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._origin.properties
         )
@@ -170,39 +172,27 @@ class ORTLightningModule(pl.LightningModule):
         check_graph_inputs(self.artifacts, self._session.input_names(training=True))
         self._labels = label_range_of(self.artifacts) if check_labels else None
 
-    # ----------------------------------------------------------------------------- assembly
-    def _assemble(self, device: str, checkpoint: Path | None = None, *, spinning: bool = True) -> _ort.TrainingSession:
-        """Build the ORT components from `checkpoint`, else from a snapshot of the running ones, else anew."""
-        artifacts = self.artifacts
-        with contextlib.ExitStack() as stack:
-            running: _ort.TrainingSession | None = self.__dict__.get("_session")
-            source = checkpoint
-            if source is None and running is not None:
-                # NOTE: a rebuild on another device keeps the training progress of the running session.
-                source = stack.enter_context(snapshot(running, include_optimizer_state=True))
-            if source is None:
-                source = artifacts.checkpoint
-            session = _ort.assemble(
-                training_model=artifacts.training_model,
-                eval_model=artifacts.eval_model,
-                optimizer_model=artifacts.optimizer_model,
-                checkpoint=source,
-                device=device,
-                custom_op_library=self.custom_op_library,
-                spinning=spinning,
-            )
-        target = torch_device(session.device)
-        specs = artifacts.manifest.graph_inputs
-        self._train_inputs = BatchBinder(specs, target, graph="training")
-        self._eval_inputs = BatchBinder(specs, target, graph="eval")
-        self._placeholders: dict[int, list[torch.Tensor]] = {}
-        views = parameter_views(session)
-        self._gradients: GradientViews = bind_views(self, views, self.artifacts.manifest.buffers)
-        self._ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
-        self._train_step = session.train_step
-        self._steps.attach(session, self._gradients)
-        self._eval_step = session.eval_step
-        return session
+    # ----------------------------------------------------------------------------- the ORT session
+    def _attach(self, views: SessionViews) -> None:
+        """Make `views` this module's ORT session; the step path follows it."""
+        self._ort = views
+        self._steps.attach(views.session, views.gradients)
+
+    @property
+    def _session(self) -> _ort.TrainingSession:
+        return self._ort.session
+
+    @property
+    def _gradients(self) -> GradientViews:
+        return self._ort.gradients
+
+    @property
+    def _train_inputs(self) -> BatchBinder:
+        return self._ort.train_inputs
+
+    @property
+    def _train_step(self) -> Callable[[Any], Any]:
+        return self._ort.train_step
 
     def _set_origin(self, origin: RunOrigin) -> None:
         """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
@@ -218,9 +208,7 @@ class ORTLightningModule(pl.LightningModule):
         (step 0, no moments), so a second ``fit`` warms up and decays again instead of staying at
         the end of the first one's schedule; its steps and epochs count from 0.
         """
-        session = self._session
-        with snapshot(session, include_optimizer_state=False) as path:
-            self._session = self._assemble(session.device, path, spinning=session.spinning)
+        self._attach(self._ort.rebuilt(self, include_optimizer_state=False))
         self._set_origin(RunOrigin(seed=self._steps.seed))
 
     # ----------------------------------------------------------------------------- Lightning hooks
@@ -229,10 +217,10 @@ class ORTLightningModule(pl.LightningModule):
         """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
         check_strategy(self.trainer.strategy)
         precision = str(self.trainer.precision)
-        if precision != _SUPPORTED_PRECISION:
+        if not precision_supported(precision):
             raise ConfigurationError(
                 f"ORT training graphs run in float32, but the Trainer has precision={precision!r}; "
-                f"use Trainer(precision={_SUPPORTED_PRECISION!r})."
+                f"use Trainer(precision={SUPPORTED_PRECISION!r})."
             )
 
     @override
@@ -249,13 +237,14 @@ class ORTLightningModule(pl.LightningModule):
         device = _device_string(self.trainer.strategy.root_device)
         spinning = thread_spinning(self.trainer.strategy)
         rebuild = device != self._session.device or spinning != self._session.spinning
-        if not rebuild and views_attached(self, self._session):
+        if not rebuild and self._ort.attached(self):
             return
         values = values_of(self)
         if rebuild:
-            self._session = self._assemble(device, spinning=spinning)
+            self._attach(self._ort.rebuilt(self, device=device, spinning=spinning))
         else:
-            self._gradients = bind_views(self, parameter_views(self._session), self.artifacts.manifest.buffers)
+            self._ort.reattach(self)
+            self._steps.attach(self._session, self._gradients)
         load_values(self, values)
 
     @override
@@ -264,7 +253,7 @@ class ORTLightningModule(pl.LightningModule):
 
         Labels are not needed: placeholders fill the label inputs (the loss is discarded).
         """
-        fetches = self._session.eval_step(self._eval_inputs([*inputs, *self._label_placeholders(inputs)]))
+        fetches = self._ort.eval_step(self._ort.eval_inputs([*inputs, *self._label_placeholders(inputs)]))
         outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -272,7 +261,8 @@ class ORTLightningModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
         self._steps.before_graph(self.trainer, batch_idx)
-        tensors, fetches, loss = self._run_graph(self._train_inputs, self._train_step, batch, graph="training")
+        ort = self._ort
+        tensors, fetches, loss = self._run_graph(ort.train_inputs, ort.train_step, batch, graph="training")
         self._nonfinite.observe(loss, self.trainer, batch_idx)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
         if self._metrics:
@@ -388,14 +378,14 @@ class ORTLightningModule(pl.LightningModule):
         Raises:
             ConfigurationError: for a conversion to a dtype other than float32.
         """
-        session = self.__dict__.get("_session")
-        if session is None:
+        ort: SessionViews | None = self.__dict__.get("_ort")
+        if ort is None:
             return super()._apply(fn, recurse)
-        device = torch_device(session.device)
+        device = ort.device
         try:
             check_conversion(fn, device)
             for name, child in self._modules.items():
-                if name not in self._ort_children and child is not None:
+                if name not in ort.ort_children and child is not None:
                     child._apply(fn, recurse)
         finally:
             # NOTE: Lightning's .to()/.half() record the new device and dtype before calling
@@ -486,23 +476,24 @@ class ORTLightningModule(pl.LightningModule):
         state = checkpoint.get(ORT_STATE_KEY)
         if state is None:
             return
-        session = self._session
         with restored_state(state) as path:
-            self._session = self._assemble(session.device, path, spinning=session.spinning)
+            self._attach(self._ort.rebuilt(self, checkpoint=path))
         self._state_restored = True
         self._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))
 
     @override
     def __getstate__(self) -> dict[str, Any]:
         """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
-        return picklable(super().__getstate__(), self._session)
+        state = picklable(super().__getstate__(), "_ort", self._ort)
+        state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
         device = state.pop(DEVICE_KEY)
         super().__setstate__(state)
         values = values_of(self)
-        self._session = self._assemble(device)
+        self._attach(SessionViews(self, self.artifacts, device=device, custom_op_library=self.custom_op_library))
         load_values(self, values)
 
     # ----------------------------------------------------------------------------- helpers
@@ -517,7 +508,7 @@ class ORTLightningModule(pl.LightningModule):
         return tensors, fetches, to_torch(fetches[0])
 
     def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
-        tensors, fetches, loss = self._run_graph(self._eval_inputs, self._eval_step, batch, graph="eval")
+        tensors, fetches, loss = self._run_graph(self._ort.eval_inputs, self._ort.eval_step, batch, graph="eval")
         size = tensors[0].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
         if self._metrics:
@@ -534,10 +525,4 @@ class ORTLightningModule(pl.LightningModule):
             raise BatchError(
                 f"forward() expects the model inputs {[s.name for s in self.artifacts.manifest.inputs]}, got none."
             )
-        batch = inputs[0].shape[0]
-        cached = self._placeholders.get(batch)
-        if cached is None:
-            device = torch_device(self._session.device)
-            cached = [label_placeholder(spec, batch, device) for spec in self.artifacts.manifest.labels]
-            self._placeholders[batch] = cached
-        return cached
+        return self._ort.label_placeholders(inputs[0].shape[0])

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ort_lightning.bridge import hand_over_to_ort
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort.runtime import TrainingSession
 
@@ -76,8 +77,7 @@ class ORTOptimizer(torch.optim.Optimizer):
         ran, loss = run_closure(closure)
         if not ran:
             return None
-        if self._cuda_device is not None:
-            torch.cuda.current_stream(self._cuda_device).synchronize()
+        hand_over_to_ort(self._cuda_device)
         self.session.set_lr(self.param_groups[0]["lr"])
         self.session.optimizer_step()
         return loss

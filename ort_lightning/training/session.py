@@ -1,11 +1,12 @@
-"""Pickling and re-attachment of `ORTLightningModule`'s ORT state.
+"""`SessionViews`: one module's ORT session and the torch views of its memory, built and rebuilt together.
 
-ONNX Runtime's objects do not pickle, yet Lightning's spawn launcher and ``copy.deepcopy`` copy
-a module by pickling it, and the spawn launcher on CPU also replaces every parameter's
-``.data`` with a copy. `picklable` leaves the ORT objects out of the pickle (the module rebuilds
-them from the artifacts with the pickled values, see `values_of` / `load_values`), and
-`views_attached` tells when the torch tensors are no longer views of ORT's state, so that
-``configure_model`` can attach them again.
+`ORTLightningModule` holds one `SessionViews`. Building it assembles ONNX Runtime's
+CheckpointState, Module and Optimizer, registers the ORT parameters (and buffers) on the module
+as torch tensors that share ORT's memory, and prepares the batch binders of both graphs. The
+same object answers the questions that follow the module through Lightning: is it still
+attached to ORT's memory (Lightning's spawn launcher replaces ``.data`` with copies), and what
+of it pickles (nothing: ONNX Runtime's objects do not pickle, so a module is pickled without
+it, with the device to rebuild it on, and `values_of` / `load_values` carry the values across).
 
 Example::
 
@@ -19,28 +20,121 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ort_lightning.bridge import parameter_views
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, torch_device
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.checkpoints import snapshot
+from ort_lightning.training.views import GradientViews, bind_views
 
-__all__ = ["DEVICE_KEY", "load_values", "picklable", "values_of", "views_attached"]
+__all__ = ["DEVICE_KEY", "SessionViews", "load_values", "picklable", "values_of"]
 
-#: Attributes holding ORT objects or views of them, rebuilt after unpickling (spawn, deepcopy).
-_UNPICKLED = ("_session", "_train_inputs", "_eval_inputs", "_placeholders", "_gradients", "_train_step", "_eval_step")
-#: Where the pickle says which device the ORT objects ran on.
+#: Where a module's pickle says which device its ORT objects ran on.
 DEVICE_KEY = "_ort_device"
 
 
-def picklable(state: dict[str, Any], session: _ort.TrainingSession) -> dict[str, Any]:
-    """A module's ``__dict__`` without ORT's objects, with the device to rebuild them on."""
+class SessionViews:
+    """The ORT components of one module, the torch views of their memory and the batch binders.
+
+    Args:
+        module: the module the ORT parameters are registered on, under the torch model's names.
+        artifacts: what to build from.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
+        spinning: whether ORT's worker threads spin between steps.
+        custom_op_library: a shared library of custom operators to register with ONNX Runtime.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        artifacts: TrainingArtifacts,
+        *,
+        device: str,
+        checkpoint: Path | None = None,
+        spinning: bool = True,
+        custom_op_library: str | None = None,
+    ) -> None:
+        self.artifacts = artifacts
+        self.custom_op_library = custom_op_library
+        self.session = _ort.assemble(
+            training_model=artifacts.training_model,
+            eval_model=artifacts.eval_model,
+            optimizer_model=artifacts.optimizer_model,
+            checkpoint=artifacts.checkpoint if checkpoint is None else checkpoint,
+            device=device,
+            custom_op_library=custom_op_library,
+            spinning=spinning,
+        )
+        self.device = torch_device(self.session.device)
+        specs = artifacts.manifest.graph_inputs
+        self.train_inputs = BatchBinder(specs, self.device, graph="training")
+        self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
+        self._placeholders: dict[int, list[torch.Tensor]] = {}
+        views = parameter_views(self.session)
+        #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
+        self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
+        self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)
+        # NOTE: bound once here, so that the per-step path looks nothing up.
+        self.train_step = self.session.train_step
+        self.eval_step = self.session.eval_step
+
+    def rebuilt(
+        self, module: torch.nn.Module, *, device: str | None = None, spinning: bool | None = None,
+        checkpoint: Path | None = None, include_optimizer_state: bool = True,
+    ) -> SessionViews:
+        """A new `SessionViews` from `checkpoint`, else from a snapshot of this one's current state.
+
+        Args:
+            module: the module to register the new views on.
+            device: where to build; None keeps this one's device.
+            spinning: whether ORT's threads spin; None keeps this one's choice.
+            checkpoint: the ORT checkpoint to build from; None snapshots this session.
+            include_optimizer_state: with a snapshot, keep the optimizer's step and moments.
+        """
+        with contextlib.ExitStack() as stack:
+            if checkpoint is None:
+                # NOTE: a rebuild on another device keeps the training progress of the running session.
+                kept = snapshot(self.session, include_optimizer_state=include_optimizer_state)
+                checkpoint = stack.enter_context(kept)
+            return SessionViews(
+                module, self.artifacts, checkpoint=checkpoint,
+                device=self.session.device if device is None else device,
+                spinning=self.session.spinning if spinning is None else spinning,
+                custom_op_library=self.custom_op_library,
+            )
+
+    def reattach(self, module: torch.nn.Module) -> None:
+        """Register ORT's memory on `module` again, after something replaced the views with copies."""
+        self.gradients = bind_views(module, parameter_views(self.session), self.artifacts.manifest.buffers)
+
+    def attached(self, module: torch.nn.Module) -> bool:
+        """Tell whether every parameter and buffer of `module` still shares memory with ORT's state."""
+        tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        return all(
+            view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
+            for view in parameter_views(self.session)
+        )
+
+    def label_placeholders(self, batch: int) -> list[torch.Tensor]:
+        """Labels of the right dtype and shape for `batch` rows, made once per batch size (forward needs none)."""
+        cached = self._placeholders.get(batch)
+        if cached is None:
+            cached = [label_placeholder(spec, batch, self.device) for spec in self.artifacts.manifest.labels]
+            self._placeholders[batch] = cached
+        return cached
+
+
+def picklable(state: dict[str, Any], views_key: str, session_views: SessionViews) -> dict[str, Any]:
+    """A module's ``__dict__`` without its `SessionViews` (under `views_key`), with the device to rebuild on."""
     state = dict(state)
-    for key in _UNPICKLED:
-        state.pop(key, None)
-    state[DEVICE_KEY] = session.device
-    state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
+    state.pop(views_key, None)
+    state[DEVICE_KEY] = session_views.session.device
     return state
 
 
@@ -54,12 +148,3 @@ def load_values(module: torch.nn.Module, values: list[torch.Tensor]) -> None:
     """Copy what `values_of` returned into the module's (ORT-backed) parameters and buffers."""
     for tensor, value in zip((*module.parameters(), *module.buffers()), values, strict=True):
         tensor.copy_(value)
-
-
-def views_attached(module: torch.nn.Module, session: _ort.TrainingSession) -> bool:
-    """Tell whether every parameter and buffer of `module` still shares memory with `session`'s state."""
-    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return all(
-        view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
-        for view in parameter_views(session)
-    )

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 import torch
 
@@ -53,23 +52,6 @@ class GradientViews:
         for parameter, grad in self.pairs:
             if parameter.grad is not grad:
                 parameter.grad = grad
-
-    def after_closure(self, closure: Callable[[], Any], *, scale: float) -> Callable[[], Any]:
-        """Wrap an optimizer closure: after it (ORT's forward and backward), scale and re-bind the gradients.
-
-        Args:
-            closure: Lightning's closure, running ``training_step``.
-            scale: gradient factor, ``1/N`` under ``accumulate_grad_batches=N`` (ORT sums, torch averages).
-        """
-
-        def closure_then_fix_gradients() -> Any:
-            result = closure()
-            if scale != 1.0:
-                self.scale(scale)
-            self.rebind()
-            return result
-
-        return closure_then_fix_gradients
 
     def scale(self, factor: float) -> None:
         """Multiply ORT's gradient buffers in place."""

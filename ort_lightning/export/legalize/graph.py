@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from ort_lightning.export.onnx_nodes import ai_onnx_opset
+from ort_lightning.export.onnx_nodes import FLOAT_TYPES, ai_onnx_opset
 
 __all__ = ["Graph", "attr", "module_of", "where"]
 
@@ -111,7 +111,7 @@ class Graph:
     def is_weight(self, name: str) -> bool:
         """Whether `name` is a floating-point initializer: a weight ORT may train."""
         tensor = self._constants.get(name)
-        return tensor is not None and name in self._initializers and tensor.data_type in _FLOAT_TYPES
+        return tensor is not None and name in self._initializers and tensor.data_type in FLOAT_TYPES
 
     def is_float(self, value: str) -> bool:
         """Whether shape inference says `value` is a floating-point tensor (one gradients flow through)."""
@@ -169,7 +169,6 @@ def _inputs_of(nodes: list[onnx.NodeProto]) -> set[str]:
     return {name for node in nodes for name in node.input if name}
 
 
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
 def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | None]], set[str]]:
@@ -180,7 +179,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | No
     shapes: dict[str, list[int | str | None]] = {}
     graph = inferred.graph
     infos = [*graph.input, *graph.value_info, *graph.output]
-    floats = {info.name for info in infos if info.type.tensor_type.elem_type in _FLOAT_TYPES}
+    floats = {info.name for info in infos if info.type.tensor_type.elem_type in FLOAT_TYPES}
     for info in infos:
         if not info.type.tensor_type.HasField("shape"):
             continue
@@ -188,7 +187,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | No
         shapes[info.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
     for tensor in graph.initializer:
         shapes.setdefault(tensor.name, list(tensor.dims))
-        if tensor.data_type in _FLOAT_TYPES:
+        if tensor.data_type in FLOAT_TYPES:
             floats.add(tensor.name)
     return shapes, floats
 

@@ -45,7 +45,7 @@ from ort_lightning.export.verify.reference import (
     torch_reference,
 )
 
-__all__ = ["describe", "verify_export"]
+__all__ = ["report_rows", "verify_export"]
 
 #: Seconds one verification child may take before the export gives up on it.
 TIMEOUT_S = 600.0
@@ -295,8 +295,3 @@ def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
         status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
     checks = [BatchCheck.from_report(entry) for entry in report.get("batches", [])]
     return [("verified", status), *((f"batch {check.batch_size}", check.summary()) for check in checks)]
-
-
-def describe(report: dict[str, Any] | None) -> list[str]:
-    """`report_rows` as the lines ``ort-lightning inspect`` prints."""
-    return [f"{key + ':':<11} {value}" for key, value in report_rows(report)]
