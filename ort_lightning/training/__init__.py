@@ -1,7 +1,8 @@
 """Training: `ORTLightningModule` and its collaborators.
 
-``module`` (the Lightning hooks, short, delegating), ``step`` (one optimizer step), ``views``
-(torch tensors that are views of ORT memory), ``portable`` (pickling them), ``optim``,
+``module`` (the Lightning hooks, short, delegating), ``session`` (the ORT session, the torch
+views of its memory and what pickles), ``step`` (one optimizer step), ``views`` (parameters and
+gradients as views of ORT memory), ``optim``,
 ``hybrid`` and ``schedules`` (optimizers and LR schedules), ``checkpoints`` and ``atomic``
 (checkpoint files), ``guards`` and ``metrics``.
 """
