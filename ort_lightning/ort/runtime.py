@@ -85,9 +85,9 @@ _DEVICE = re.compile(r"(?P<kind>cpu)|(?P<cuda>cuda)(?::(?P<index>[0-9]+))?", re.
 _OPTIMIZER_NODES = {"AdamWOptimizer": "adamw", "SGDOptimizerV2": "sgd"}
 
 
-def set_seed(seed: int) -> None:
-    """Seed ONNX Runtime's process-wide random generators (Dropout's among them)."""
-    onnxruntime.set_seed(seed)
+#: Seed ONNX Runtime's process-wide random generators (Dropout's among them); ORT's own function,
+#: called before every training step, so no wrapper runs there.
+set_seed: Callable[[int], None] = onnxruntime.set_seed
 
 
 def versions() -> dict[str, str]:

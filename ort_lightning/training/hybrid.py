@@ -104,7 +104,8 @@ class TorchOverORT(torch.optim.Optimizer):
         if not ran:
             return None
         self.optimizer.step()
-        hand_over_to_ort(self._cuda_device)  # the update ran on torch's stream
+        if self._cuda_device is not None:
+            hand_over_to_ort(self._cuda_device)  # the update ran on torch's stream
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -77,7 +77,8 @@ class ORTOptimizer(torch.optim.Optimizer):
         ran, loss = run_closure(closure)
         if not ran:
             return None
-        hand_over_to_ort(self._cuda_device)
+        if self._cuda_device is not None:
+            hand_over_to_ort(self._cuda_device)
         self.session.set_lr(self.param_groups[0]["lr"])
         self.session.optimizer_step()
         return loss
