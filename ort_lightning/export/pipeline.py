@@ -38,7 +38,7 @@ from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
 from ort_lightning.export.legalize import engine as _legalize
 from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
-from ort_lightning.export.source import ModelSource, check_opset, describe_source, load_source
+from ort_lightning.export.source import ModelSource, load_source
 from ort_lightning.export.verify.verifier import verify_export
 from ort_lightning.ort import runtime as _ort
 
@@ -181,27 +181,22 @@ def export_artifacts(
     options = _normalize_optimizer(optimizer, optimizer_options)
     # 1. source
     proto, parameters, buffers = load_source(model, example_inputs, input_names, loss is None, output)
-    check_opset(proto, describe_source(model))
+    trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
     # 2. passes before generation
     before_generation.prepare(proto, model=model)
-    trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
     model_inputs = [info.name for info in proto.graph.input]
     model_outputs = [info.name for info in proto.graph.output]
-    if loss_spec is not None:
-        check_class_axis(loss_spec, proto, model_outputs[0])
     # 3. generation
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     _generate(
         proto,
+        loss if loss_spec is None else loss_spec,
         trainable=trainable,
         frozen=[*frozen_names, *sorted(buffers)],
-        loss=loss_spec.build if loss_spec is not None else loss,
         optimizer=optimizer,
         optimizer_options=options,
         directory=folder,
-        extra_outputs=[] if loss is None else model_outputs,
-        loss_inputs=None if loss is None else model_outputs[:1],
     )
     # 4. passes after generation
     training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
@@ -229,10 +224,22 @@ def export_artifacts(
     return TrainingArtifacts.load(folder)
 
 
-def _generate(proto: onnx.ModelProto, **options: Any) -> None:
-    """`_ort.generate`, with a missing gradient explained by the node and torch module it comes from."""
+def _generate(proto: onnx.ModelProto, loss: LossSpec | Any | None, **options: Any) -> None:
+    """The generation stage: ORT's ``generate_artifacts`` with `loss` over the model's first output.
+
+    A `LossSpec` is checked against the model's output (the class axis) and built by `losses/`;
+    a custom block is ORT's own; None means the model returns its loss. A missing gradient is
+    explained by the node and torch module it comes from.
+    """
+    outputs = [info.name for info in proto.graph.output]
+    if isinstance(loss, LossSpec):
+        check_class_axis(loss, proto, outputs[0])
+    build = loss.build if isinstance(loss, LossSpec) else loss
     try:
-        _ort.generate(proto, **options)
+        _ort.generate(
+            proto, loss=build, extra_outputs=[] if loss is None else outputs,
+            loss_inputs=None if loss is None else outputs[:1], **options,
+        )
     except ExportError as error:
         _legalize.raise_explained(proto, error)
         raise

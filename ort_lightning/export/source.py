@@ -207,6 +207,28 @@ def load_source(
     """The source stage: the forward graph, its parameter initializers and its buffer initializers.
 
     A torch module is exported (`torch_to_onnx`); an ONNX model or file is copied, and its real
+    weights told from its constants (`weights.split_initializers`). The graph's opset is checked
+    against what ONNX Runtime 1.19.2 reads.
+
+    Raises:
+        ExportError: for a model that is not a module, a ModelProto or a readable ONNX file, or an
+            opset newer than ORT reads.
+    """
+    proto, parameters, buffers = _forward_graph(model, example_inputs, input_names, model_returns_loss, output)
+    check_opset(proto, describe_source(model))
+    return proto, parameters, buffers
+
+
+def _forward_graph(
+    model: ModelSource,
+    example_inputs: Any,
+    input_names: Sequence[str] | None,
+    model_returns_loss: bool,
+    output: str | None = None,
+) -> tuple[onnx.ModelProto, set[str], set[str]]:
+    """The forward graph, its parameter initializers and its buffer initializers.
+
+    A torch module is exported (`torch_to_onnx`); an ONNX model or file is copied, and its real
     weights told from its constants (`weights.split_initializers`).
     """
     if isinstance(model, torch.nn.Module):
