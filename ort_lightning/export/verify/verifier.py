@@ -10,10 +10,10 @@ report goes into the manifest (``verification``) and ``ort-lightning inspect`` s
 
 Example::
 
-    >>> describe({"status": "skipped"})
-    ['verified:   skipped (export_artifacts(verify=False))']
-    >>> describe({"status": "passed", "batches": [{"batch_size": 2, "status": "passed", "loss": 1.0}]})
-    ['verified:   passed', 'batch 2:    passed, loss 1']
+    >>> report_rows({"status": "skipped"})
+    [('verified', 'skipped (export_artifacts(verify=False))')]
+    >>> report_rows({"status": "passed", "batches": [{"batch_size": 2, "status": "passed", "loss": 1.0}]})
+    [('verified', 'passed'), ('batch 2', 'passed, loss 1')]
 """
 
 from __future__ import annotations
