@@ -34,8 +34,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
+
+from ort_lightning.export.onnx_nodes import NodeBuilder, graph_names
 
 __all__ = ["torch_running_statistics"]
 
@@ -65,23 +68,19 @@ def _set_kernel_momentum(node: onnx.NodeProto) -> None:
 class _Builder:
     """Appends the nodes of one BatchNorm's update under a common name prefix."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, nodes: NodeBuilder) -> None:
         self.prefix = prefix
+        self._nodes = nodes
         self.nodes: list[onnx.NodeProto] = []
 
     def constant(self, name: str, value: float | bool) -> str:
-        output = f"{self.prefix}/{name}"
-        if isinstance(value, bool):
-            tensor = helper.make_tensor(output, TensorProto.BOOL, [1], [value])
-        else:
-            tensor = helper.make_tensor(output, TensorProto.FLOAT, [], [value])
-        self.nodes.append(helper.make_node("Constant", [], [output], name=output, value=tensor))
-        return output
+        array = np.array([value], dtype=np.bool_) if isinstance(value, bool) else np.array(value, dtype=np.float32)
+        self.nodes.append(self._nodes.constant(array, scope=f"{self.prefix}/{name}"))
+        return self.nodes[-1].output[0]
 
     def op(self, op_type: str, inputs: list[str], name: str, **attributes: Any) -> str:
-        output = f"{self.prefix}/{name}"
-        self.nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
-        return output
+        self.nodes.append(self._nodes.node(op_type, inputs, name=f"{self.prefix}/{name}", **attributes))
+        return self.nodes[-1].output[0]
 
     def blend(self, running: str, batch: str, keep: str, take: str, name: str) -> str:
         """``running * keep + batch * take``."""
@@ -91,9 +90,9 @@ class _Builder:
 
     def write(self, buffer: str, value: str, overwrite: str, name: str) -> None:
         self.nodes.append(
-            helper.make_node(
-                "InPlaceAccumulatorV2", [buffer, value, overwrite], [f"{self.prefix}/{name}_written"],
-                name=f"{self.prefix}/{name}_write", domain="com.microsoft",
+            self._nodes.node(
+                "InPlaceAccumulatorV2", [buffer, value, overwrite], name=f"{self.prefix}/{name}_write",
+                domain="com.microsoft",
             )
         )
 
@@ -112,13 +111,13 @@ def _unbiased_variance(build: _Builder, node: onnx.NodeProto) -> str:
     return build.op("Mul", [variance, bessel], "var_unbiased")
 
 
-def _rewrite_node(node: onnx.NodeProto, state: set[str]) -> list[onnx.NodeProto]:
+def _rewrite_node(node: onnx.NodeProto, state: set[str], names: NodeBuilder) -> list[onnx.NodeProto]:
     running_mean, running_var = node.input[3], node.input[4]
     if running_mean not in state or running_var not in state or len(node.output) < 5:
         return []
     momentum = _torch_momentum(node)
     _set_kernel_momentum(node)
-    build = _Builder(f"{node.name or running_var}/torch_running_statistics")
+    build = _Builder(f"{node.name or running_var}/torch_running_statistics", names)
     keep, take = build.constant("keep", 1.0 - momentum), build.constant("take", momentum)
     overwrite = build.constant("overwrite", True)
     new_mean = build.blend(running_mean, node.output[3], keep, take, "running_mean")
@@ -135,11 +134,12 @@ def torch_running_statistics(proto: onnx.ModelProto) -> int:
     state) are rewritten; the eval graph needs nothing, as it only reads the statistics.
     """
     state = {info.name for info in proto.graph.input}
+    names = NodeBuilder(graph_names(proto.graph))
     added: list[onnx.NodeProto] = []
     rewritten = 0
     for node in proto.graph.node:
         if node.op_type == _KERNEL:
-            nodes = _rewrite_node(node, state)
+            nodes = _rewrite_node(node, state, names)
             rewritten += bool(nodes)
             added.extend(nodes)
     proto.graph.node.extend(added)

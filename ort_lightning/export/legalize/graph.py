@@ -18,7 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from ort_lightning.export.onnx_nodes import FLOAT_TYPES, ai_onnx_opset
+from ort_lightning.export.onnx_nodes import FLOAT_TYPES, NodeBuilder, ai_onnx_opset, graph_names
 
 __all__ = ["Graph", "attr", "module_of", "where"]
 
@@ -31,8 +31,7 @@ class Graph:
         #: Embedding weight name -> its padding_idx (from the torch model; ONNX does not say).
         self.padding_rows = dict(padding_rows or {})
         self.opset = ai_onnx_opset(proto, default=17)
-        self._taken = {name for node in proto.graph.node for name in (*node.input, *node.output)}
-        self._taken |= {t.name for t in proto.graph.initializer} | {n.name for n in proto.graph.node}
+        self._builder = NodeBuilder(graph_names(proto.graph))
         self._shapes: dict[str, list[int | str | None]] | None = None
         self._floats: set[str] = set()
         self._constants = {t.name: t for t in proto.graph.initializer}
@@ -101,12 +100,7 @@ class Graph:
 
     def name(self, base: str) -> str:
         """A value or node name not yet used in the graph, derived from `base`."""
-        name, suffix = base, 0
-        while name in self._taken:
-            suffix += 1
-            name = f"{base}_{suffix}"
-        self._taken.add(name)
-        return name
+        return self._builder.name(base)
 
     def is_weight(self, name: str) -> bool:
         """Whether `name` is a floating-point initializer: a weight ORT may train."""
@@ -128,16 +122,11 @@ class Graph:
         self, op: str, inputs: list[str], like: onnx.NodeProto, output: str | None = None, **attrs: Any
     ) -> onnx.NodeProto:
         """A new node named under `like` (so its scope survives), with a fresh output unless given."""
-        out = output or self.name(f"{like.name or like.op_type}/{op}_out")
-        return helper.make_node(op, inputs, [out], name=self.name(f"{like.name or like.op_type}/{op}"), **attrs)
+        return self._builder.node(op, inputs, name=f"{like.name or like.op_type}/{op}", output=output, **attrs)
 
     def constant(self, array: np.ndarray, like: onnx.NodeProto) -> onnx.NodeProto:
         """A Constant node (not an initializer: it must never become a parameter)."""
-        out = self.name(f"{like.name or like.op_type}/const")
-        return helper.make_node(
-            "Constant", [], [out], name=self.name(f"{like.name or like.op_type}/Constant"),
-            value=numpy_helper.from_array(array, out),
-        )
+        return self._builder.constant(array, scope=like.name or like.op_type)
 
 
 def module_of(node_name: str) -> str:

@@ -31,6 +31,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ort_lightning.export.onnx_nodes import NodeBuilder, graph_names
+
 __all__ = ["CLASS_LOSSES", "build_loss"]
 
 #: Losses whose label is a class index per position (int64), with the class axis 1 of the logits.
@@ -43,11 +45,10 @@ class _Builder:
     def __init__(self, graph: onnx.GraphProto, kind: str) -> None:
         self.graph = graph
         self.prefix = f"loss/{kind}/"
-        self._count = 0
+        self._nodes = NodeBuilder(graph_names(graph))
 
     def name(self, hint: str) -> str:
-        self._count += 1
-        return f"{self.prefix}{hint}_{self._count}"
+        return self._nodes.name(f"{self.prefix}{hint}")
 
     def const(self, hint: str, value: Any, dtype: Any = np.float32) -> str:
         name = self.name(hint)
@@ -55,10 +56,9 @@ class _Builder:
         return name
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attributes: Any) -> str:
-        output = out or self.name(op_type.lower())
-        node = helper.make_node(op_type, list(inputs), [output], name=self.name(op_type), **attributes)
+        node = self._nodes.node(op_type, inputs, name=f"{self.prefix}{op_type}", output=out, **attributes)
         self.graph.node.append(node)
-        return output
+        return node.output[0]
 
     def reduce(self, values: str, reduction: str, *, weights: str | None = None) -> str:
         """Sum or mean of `values` over every element (weighted mean: divided by the weights' sum)."""
