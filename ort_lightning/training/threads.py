@@ -212,6 +212,10 @@ class ThreadPolicy(pl.Callback):
         self._trial: _Trial | None = None
         self._optimizers: list[Any] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Leave out the fit's optimizers (they hold ONNX Runtime's objects, which do not pickle)."""
+        return {**self.__dict__, "_optimizers": [], "_trial": None}
+
     # ----------------------------------------------------------------------------- ORT's session
     def spinning(self, strategy: Any) -> bool:
         """Whether ORT's intra-op threads should spin: not where torch runs right after ORT (hybrid).
