@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import _probes
+from benchmarks import _probes, _runners
 from benchmarks._goals import goal_rows
 from benchmarks._models import CASES, Case, images
 from benchmarks._runners import RUNNERS, export
@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per model")
     parser.add_argument("--steps", type=int, default=None, help="steps per runner per round")
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this Markdown file")
+    parser.add_argument(
+        "--threads", choices=("auto", "off"), default="auto",
+        help="the adapter's thread policy in the Lightning + ORT runners (off: both thread pools as they are)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS probes (minutes on big models)")
     parser.add_argument("--memory-child", nargs=3, metavar=("CASE", "RUNNER", "STEPS"), help=argparse.SUPPRESS)
     return parser
@@ -108,6 +112,7 @@ def _ratio_row(case: Case, times: dict[str, list[float]]) -> str:
 def run(args: argparse.Namespace) -> str:
     """Measure everything the options ask for; return the report as Markdown."""
     quick = args.quick
+    _runners.THREADS = args.threads
     names = args.cases or (["mlp-small"] if quick else list(CASES))
     rounds = args.rounds or (2 if quick else 7)
     steps = args.steps or (5 if quick else 60)
@@ -116,7 +121,8 @@ def run(args: argparse.Namespace) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}; "
         f"{datetime.date.today().isoformat()}; matmul peak {peak:.1f} GFLOP/s.",
-        f"Command: python -m benchmarks{' --quick' if quick else ''}; {rounds} interleaved rounds x {steps} steps "
+        f"Command: python -m benchmarks{' --quick' if quick else ''} --threads {args.threads}; "
+        f"{rounds} interleaved rounds x {steps} steps "
         "per runner; medians of per-step times (data loading included).",
         "",
         "| model | runner | ms/step | samples/s | GFLOP/s | of peak | peak RSS added MB |",

@@ -21,6 +21,9 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts
 
 LR = 1e-3
 
+#: The adapter's thread policy in the Lightning + ORT runners (``--threads``).
+THREADS = "auto"
+
 
 def torch_adamw(params: Any) -> torch.optim.Optimizer:
     """The torch runners' and the hybrid runner's optimizer: AdamW, fused (torch's fastest on CPU)."""
@@ -76,7 +79,7 @@ class LightningORT:
 
     def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
         self.case = case
-        self.module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
+        self.module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant", threads=THREADS)
 
     def run(self, steps: int) -> list[float]:
         return _fit(self.module, self.case.loader(steps + 1))
@@ -89,7 +92,7 @@ class LightningORTHybrid(LightningORT):
 
     def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
         self.case = case
-        self.module = ORTLightningModule(artifacts, optimizer=torch_adamw, lr_scheduler="constant")
+        self.module = ORTLightningModule(artifacts, optimizer=torch_adamw, lr_scheduler="constant", threads=THREADS)
 
 
 class LightningTorch:

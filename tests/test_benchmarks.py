@@ -25,12 +25,15 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     for runner in ("Lightning + ORT", "Lightning + ORT-hybrid", "ORT loop", "Lightning + torch", "torch loop"):
         assert re.search(rf"\| mlp-small \| {re.escape(runner)} \| [\d.]+ \|", text), runner
     assert re.search(r"\| mlp-small \| [\d.]+x \| [\d.]+x \| [\d.]+x \| [\d.]+x \|", text)
-    goal_row = (r"^\| mlp-small \| (.+?) \| [-\d.]+ ?(?:ms|x) \| [<>]= [\d.]+ ?(?:ms|x) \| (?:-|[\d.]+x) \| "
+    goal_row = (r"^\| mlp-small \| (.+?) \| [-\d.]+ ?(?:ms|x) \| [<>]= -?[\d.]+ ?(?:ms|x) \| (?:-|-?[\d.]+x) \| "
                 r"(met|\*\*not met\*\*(?: \(out of reach: ORT's own step\))?) \|$")
+    # NOTE: a smoke run's noise can make a target or a ceiling negative (Lightning "adding" negative time).
     goals = re.findall(goal_row, text, re.MULTILINE)
-    assert [goal for goal, _ in goals] == [
+    # NOTE: the ORT-loop goal applies to steps over 5 ms only, which a loaded machine may reach on mlp-small.
+    assert [goal for goal, _ in goals if "ORT loop" not in goal] == [
         "ms added by adapter+Lightning <= ms added by Lightning (torch) + 0.1",
         "throughput L+ORT / L+torch >= 1.25",
+        "throughput L+ORT-hybrid / L+ORT >= 0.95 (a torch update costs no more than ORT's)",
     ]
     assert len(re.findall(r"^\| (64|4096) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", text, re.MULTILINE)) == 2
     assert text in result.stdout

@@ -95,18 +95,22 @@ def versions() -> dict[str, str]:
     return {"onnxruntime": onnxruntime.__version__}
 
 
-def session_options(custom_op_library: os.PathLike[str] | str | None = None, *, spinning: bool = True) -> Any:
+def session_options(
+    custom_op_library: os.PathLike[str] | str | None = None, *, spinning: bool = True, intra_op_threads: int = 0
+) -> Any:
     """Return `SessionOptions` that log errors only, with `custom_op_library` registered when given.
 
     Nothing is loaded unless the caller names a library: never implicitly from an artifacts folder.
     ``spinning=False`` makes ORT's idle intra-op threads sleep instead of spinning, which pays when
-    several processes share the cores (DDP ranks on one CPU).
+    several processes share the cores (DDP ranks on one CPU), or when torch runs right after ORT.
+    ``intra_op_threads`` sizes ORT's intra-op pool; 0 leaves ORT's own default.
 
     Raises:
         ConfigurationError: for a library file that is missing or that ORT cannot load.
     """
     options = _C.SessionOptions()
     options.log_severity_level = _SEVERITY_ERROR
+    options.intra_op_num_threads = intra_op_threads
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if custom_op_library is not None:
@@ -272,11 +276,13 @@ class TrainingSession:
     """
 
     def __init__(
-        self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str, spinning: bool = True
+        self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str, spinning: bool = True,
+        intra_op_threads: int = 0,
     ) -> None:
         self.device = device
         self.optimizer_kind = optimizer_kind
         self.spinning = spinning
+        self.intra_op_threads = intra_op_threads
         self._state = state
         self._module = module
         self._optimizer = optimizer
@@ -337,10 +343,12 @@ def assemble(
     device: str = "cpu",
     custom_op_library: os.PathLike[str] | str | None = None,
     spinning: bool = True,
+    intra_op_threads: int = 0,
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
 
-    `spinning` is ORT's intra-op thread spinning (see `session_options`).
+    `spinning` is ORT's intra-op thread spinning, `intra_op_threads` the size of its intra-op
+    pool, 0 for ORT's default (see `session_options`).
 
     The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
     names what ORT will actually run.
@@ -351,7 +359,7 @@ def assemble(
         ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded.
     """
     kind, index = parse_device(device)
-    options = session_options(custom_op_library, spinning=spinning)
+    options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
     optimizer_kind = _optimizer_kind_in(optimizer_model)
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
@@ -363,7 +371,10 @@ def assemble(
         session_options=options,
     )
     optimizer = Optimizer(os.fspath(optimizer_model), module)
-    return TrainingSession(state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning)
+    return TrainingSession(
+        state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
+        intra_op_threads=intra_op_threads,
+    )
 
 
 def _optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:

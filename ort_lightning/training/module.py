@@ -27,7 +27,7 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.strategies import check_strategy, thread_spinning
+from ort_lightning.strategies import check_strategy
 from ort_lightning.training import hybrid as _hybrid
 from ort_lightning.training.checkpoints import (
     ORT_STATE_KEY,
@@ -61,6 +61,7 @@ from ort_lightning.training.schedules import (
 )
 from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, picklable, values_of
 from ort_lightning.training.step import StepPath
+from ort_lightning.training.threads import ThreadPolicy
 from ort_lightning.training.views import GradientViews, check_conversion
 
 __all__ = ["ORTLightningModule"]
@@ -110,6 +111,12 @@ class ORTLightningModule(pl.LightningModule):
             ``params -> torch.optim.Optimizer`` (``lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True)``)
             makes ORT compute forward and backward and that torch optimizer update ORT's parameters
             in place (hybrid training). Its lr is the factory's; `lr` is then unused.
+        threads: ``"auto"`` (the default) makes ORT's and torch's thread pools share the cores during
+            a fit: ORT's pool sized to the cores the process may use (per rank under ``"ort_ddp"``),
+            torch's threads lowered while ORT computes and restored when the fit ends, ORT's spinning
+            off under a torch optimizer, the fastest setting measured on the first steps (see
+            `ort_lightning.training.threads`); a thread count the user set is never overridden.
+            ``"off"`` leaves both pools as they are.
 
     Raises:
         ConfigurationError: for a non-positive lr, an inconsistent schedule, an unknown `on_nonfinite`,
@@ -133,8 +140,10 @@ class ORTLightningModule(pl.LightningModule):
         check_labels: bool = True,
         custom_op_library: str | os.PathLike[str] | None = None,
         optimizer: _hybrid.OptimizerFactory | None = None,
+        threads: str = "auto",
     ) -> None:
         super().__init__()
+        self._threads = ThreadPolicy(threads, hybrid=optimizer is not None)
         check_lr_scheduler(lr_scheduler)
         _hybrid.check_optimizer(optimizer)
         self._optimizer_factory = optimizer
@@ -151,7 +160,7 @@ class ORTLightningModule(pl.LightningModule):
         source = None if checkpoint is None else Path(checkpoint)
         self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(read_checkpoint(source, self.artifacts)))
         self._attach(SessionViews(self, self.artifacts, device=device, checkpoint=source,
-                                  custom_op_library=self.custom_op_library))
+                                  custom_op_library=self.custom_op_library, **self._thread_options(None)))
         schedule = resolve_schedule(
             lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._origin.properties
         )
@@ -163,7 +172,7 @@ class ORTLightningModule(pl.LightningModule):
              "total_steps": self.total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
              "check_labels": check_labels, "custom_op_library": self.custom_op_library,
              # NOTE: not named `optimizer`: load_from_checkpoint would pass the name back as the factory.
-             "update": _hybrid.describe_optimizer(optimizer)}
+             "update": _hybrid.describe_optimizer(optimizer), "threads": threads}
         )
         self._metrics = {} if metrics is None else stage_metrics_for(metrics, self.artifacts.manifest)
         for stage, collection in self._metrics.items():
@@ -194,6 +203,11 @@ class ORTLightningModule(pl.LightningModule):
     def _train_step(self) -> Callable[[Any], Any]:
         return self._ort.train_step
 
+    def _thread_options(self, strategy: Any) -> dict[str, Any]:
+        """ORT's spinning and intra-op pool size under `strategy`, as the thread policy wants them."""
+        policy = self._threads
+        return {"spinning": policy.spinning(strategy), "intra_op_threads": policy.session_threads(strategy)}
+
     def _set_origin(self, origin: RunOrigin) -> None:
         """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
         self._origin = origin
@@ -216,6 +230,7 @@ class ORTLightningModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
         check_strategy(self.trainer.strategy)
+        self._threads.register(self.trainer)
         precision = str(self.trainer.precision)
         if not precision_supported(precision):
             raise ConfigurationError(
@@ -235,13 +250,15 @@ class ORTLightningModule(pl.LightningModule):
         if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
             return
         device = _device_string(self.trainer.strategy.root_device)
-        spinning = thread_spinning(self.trainer.strategy)
-        rebuild = device != self._session.device or spinning != self._session.spinning
+        threads = self._thread_options(self.trainer.strategy)
+        session = self._session
+        rebuild = device != session.device or (threads["spinning"], threads["intra_op_threads"]) != (
+            session.spinning, session.intra_op_threads)
         if not rebuild and self._ort.attached(self):
             return
         values = values_of(self)
         if rebuild:
-            self._attach(self._ort.rebuilt(self, device=device, spinning=spinning))
+            self._attach(self._ort.rebuilt(self, device=device, **threads))
         else:
             self._ort.reattach(self)
             self._steps.attach(self._session, self._gradients)
@@ -493,7 +510,8 @@ class ORTLightningModule(pl.LightningModule):
         device = state.pop(DEVICE_KEY)
         super().__setstate__(state)
         values = values_of(self)
-        self._attach(SessionViews(self, self.artifacts, device=device, custom_op_library=self.custom_op_library))
+        self._attach(SessionViews(self, self.artifacts, device=device, custom_op_library=self.custom_op_library,
+                                  **self._thread_options(None)))
         load_values(self, values)
 
     # ----------------------------------------------------------------------------- helpers

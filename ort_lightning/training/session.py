@@ -47,6 +47,7 @@ class SessionViews:
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
         spinning: whether ORT's worker threads spin between steps.
+        intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
         custom_op_library: a shared library of custom operators to register with ONNX Runtime.
     """
 
@@ -58,6 +59,7 @@ class SessionViews:
         device: str,
         checkpoint: Path | None = None,
         spinning: bool = True,
+        intra_op_threads: int = 0,
         custom_op_library: str | None = None,
     ) -> None:
         self.artifacts = artifacts
@@ -70,6 +72,7 @@ class SessionViews:
             device=device,
             custom_op_library=custom_op_library,
             spinning=spinning,
+            intra_op_threads=intra_op_threads,
         )
         self.device = torch_device(self.session.device)
         specs = artifacts.manifest.graph_inputs
@@ -86,7 +89,7 @@ class SessionViews:
 
     def rebuilt(
         self, module: torch.nn.Module, *, device: str | None = None, spinning: bool | None = None,
-        checkpoint: Path | None = None, include_optimizer_state: bool = True,
+        intra_op_threads: int | None = None, checkpoint: Path | None = None, include_optimizer_state: bool = True,
     ) -> SessionViews:
         """A new `SessionViews` from `checkpoint`, else from a snapshot of this one's current state.
 
@@ -94,6 +97,7 @@ class SessionViews:
             module: the module to register the new views on.
             device: where to build; None keeps this one's device.
             spinning: whether ORT's threads spin; None keeps this one's choice.
+            intra_op_threads: the size of ORT's intra-op pool; None keeps this one's.
             checkpoint: the ORT checkpoint to build from; None snapshots this session.
             include_optimizer_state: with a snapshot, keep the optimizer's step and moments.
         """
@@ -106,6 +110,7 @@ class SessionViews:
                 module, self.artifacts, checkpoint=checkpoint,
                 device=self.session.device if device is None else device,
                 spinning=self.session.spinning if spinning is None else spinning,
+                intra_op_threads=self.session.intra_op_threads if intra_op_threads is None else intra_op_threads,
                 custom_op_library=self.custom_op_library,
             )
 

@@ -1,0 +1,348 @@
+"""`ThreadPolicy`: ONNX Runtime's and torch's thread pools sharing the cores of an ORT fit.
+
+ORT computes forward, backward and (by default) the update on its own intra-op pool; torch
+runs Lightning's per-step work (logging, collation) and, in hybrid training, the optimizer
+update on OpenMP threads. Both pools spin after their last kernel, so on a machine with few
+cores each one's spinning threads take the cores the other one needs. During a fit the policy:
+
+- sizes ORT's intra-op pool to the cores this process may use (``os.sched_getaffinity``),
+  divided among the ranks that share the machine's CPU under ``"ort_ddp"``;
+- lowers torch's intra-op threads while ORT computes, and gives torch the cores back for a
+  torch optimizer's update (hybrid training), with ORT's spinning off so that ORT's idle
+  workers sleep while torch runs;
+- where no setting wins on every model, measures the candidates on the first steps of the fit
+  (a few steps each, applied between steps, the choice logged once, the same on every rank)
+  and keeps the fastest; ``fast_dev_run`` and short fits keep the first candidate;
+- restores torch's thread count when the fit ends, also after an exception.
+
+It never overrides a choice the user made: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set, or
+``torch.set_num_threads`` called with another count than torch's default, leave torch's threads
+alone; ``ORTDDPStrategy(allow_spinning=...)`` keeps its say on spinning. ``threads="off"``
+turns the policy off. Numerics do not change: thread counts and spinning move no reduction in
+ORT's kernels or in torch's element-wise update.
+
+Example::
+
+    >>> policy = ThreadPolicy("auto", hybrid=True)
+    >>> policy.spinning(None), policy.session_threads(None) == available_cores()
+    (False, True)
+    >>> ThreadPolicy("off", hybrid=True).spinning(None), ThreadPolicy("off", hybrid=True).session_threads(None)
+    (True, 0)
+    >>> [setting.name for setting in policy.candidates(4)]
+    ['torch 1 thread, 4 for the update', 'torch 1 thread', 'torch 4 threads']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.strategies import ORTDDPStrategy, thread_spinning
+
+__all__ = [
+    "THREAD_MODES",
+    "ThreadPolicy",
+    "ThreadSetting",
+    "available_cores",
+    "check_threads",
+    "torch_threads",
+    "user_torch_threads",
+]
+
+log = logging.getLogger(__name__)
+
+#: What ``ORTLightningModule(threads=...)`` takes.
+THREAD_MODES = ("auto", "off")
+
+#: Environment variables through which a user sizes torch's OpenMP/MKL pools.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+# NOTE: torch exposes no "default" thread count; the count when this package is imported is
+# the reference, so that a torch.set_num_threads(n) called later is seen as the user's choice.
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()
+
+
+def check_threads(threads: object) -> None:
+    """Refuse a `threads` option other than ``"auto"`` or ``"off"``.
+
+    Raises:
+        ConfigurationError: naming what is accepted.
+    """
+    if threads not in THREAD_MODES:
+        raise ConfigurationError(
+            f"Expected argument `threads` to be one of {THREAD_MODES}, but got {threads!r}; pass \"auto\" (the "
+            'default: ORT\'s and torch\'s thread pools share the cores) or "off" (leave both pools as they are).'
+        )
+
+
+def available_cores() -> int:
+    """The number of cores this process may run on (its CPU affinity, else the machine's count).
+
+    Example::
+
+        >>> available_cores() >= 1
+        True
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def user_torch_threads() -> tuple[bool, str]:
+    """Whether the user chose torch's thread count, and why the answer is what it is.
+
+    Example::
+
+        >>> isinstance(user_torch_threads()[0], bool)
+        True
+    """
+    for name in _THREAD_VARIABLES:
+        if os.environ.get(name):
+            return True, f"{name}={os.environ[name]} is set"
+    current = torch.get_num_threads()
+    if current != _TORCH_DEFAULT_THREADS:
+        return True, f"torch.set_num_threads({current}) was called (torch's default here: {_TORCH_DEFAULT_THREADS})"
+    return False, f"torch runs its default {current} thread(s)"
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """Run the block with torch's intra-op pool at `count` threads (None: as it is), then restore it.
+
+    Example::
+
+        >>> before = torch.get_num_threads()
+        >>> with torch_threads(1):
+        ...     torch.get_num_threads()
+        1
+        >>> torch.get_num_threads() == before
+        True
+    """
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class ThreadSetting:
+    """One way to share the cores during a fit, applied between two steps.
+
+    Attributes:
+        name: how the choice is logged.
+        torch_threads: torch's intra-op threads while ORT computes.
+        update_threads: torch's threads for a torch optimizer's update; None: `torch_threads`.
+    """
+
+    name: str
+    torch_threads: int
+    update_threads: int | None = None
+
+
+def _local_ranks(strategy: Any) -> int:
+    """How many ranks of `strategy` share this machine's CPU."""
+    if isinstance(strategy, ORTDDPStrategy) and strategy.root_device.type == "cpu":
+        return max(1, strategy.num_processes)
+    return 1
+
+
+@dataclass
+class _Trial:
+    """The tuning plan: per batch interval, the candidate it times (None: warm-up) and whether it counts."""
+
+    plan: list[tuple[int | None, bool]]
+    times: dict[int, list[float]]
+    ends: int = 0
+    last: float = 0.0
+
+    @classmethod
+    def of(cls, candidates: int, *, warmup: int, block: int, rounds: int) -> _Trial:
+        plan: list[tuple[int | None, bool]] = [(None, False)] * warmup
+        for _ in range(rounds):
+            for index in range(candidates):
+                # NOTE: the first interval after a switch pays for waking or parking threads; it is not counted.
+                plan += [(index, False)] + [(index, True)] * (block - 1)
+        return cls(plan, {index: [] for index in range(candidates)})
+
+
+class ThreadPolicy(pl.Callback):
+    """The thread policy of one `ORTLightningModule`, active during its fits.
+
+    Args:
+        mode: ``"auto"`` (share the cores, tuned on the first steps) or ``"off"`` (change nothing).
+        hybrid: whether a torch optimizer updates ORT's parameters (torch runs right after ORT).
+        warmup: batches before the first candidate is timed.
+        block: batches per candidate and round (the first of each is not timed).
+        rounds: times each candidate is visited, interleaved.
+        min_fit_steps: optimizer steps a fit needs for the candidates to be measured at all.
+
+    Attributes:
+        choice: the setting in use in the last fit (None before a fit or with the policy idle).
+        reason: why (measured, or why nothing was measured or changed).
+    """
+
+    def __init__(
+        self, mode: str = "auto", *, hybrid: bool = False, warmup: int = 3, block: int = 4, rounds: int = 2,
+        min_fit_steps: int = 100,
+    ) -> None:
+        check_threads(mode)
+        self.mode, self.hybrid = mode, hybrid
+        self.warmup, self.block, self.rounds, self.min_fit_steps = warmup, block, rounds, min_fit_steps
+        self.choice: ThreadSetting | None = None
+        self.reason = "no fit yet"
+        self._saved: int | None = None
+        self._candidates: list[ThreadSetting] = []
+        self._trial: _Trial | None = None
+        self._optimizers: list[Any] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Leave out the fit's optimizers (they hold ONNX Runtime's objects, which do not pickle)."""
+        return {**self.__dict__, "_optimizers": [], "_trial": None}
+
+    # ----------------------------------------------------------------------------- ORT's session
+    def spinning(self, strategy: Any) -> bool:
+        """Whether ORT's intra-op threads should spin: not where torch runs right after ORT (hybrid).
+
+        An explicit ``ORTDDPStrategy(allow_spinning=...)`` wins.
+        """
+        base = True if strategy is None else thread_spinning(strategy)
+        if self.mode == "off" or getattr(strategy, "allow_spinning", None) is not None:
+            return base
+        return base and not self.hybrid
+
+    def session_threads(self, strategy: Any) -> int:
+        """ORT's intra-op pool size: the available cores over the ranks sharing them; 0 (ORT's default) when off."""
+        if self.mode == "off":
+            return 0
+        return max(1, available_cores() // _local_ranks(strategy))
+
+    def candidates(self, cores: int) -> list[ThreadSetting]:
+        """The settings worth measuring, the first one the guess kept when nothing is measured."""
+        lowered = ThreadSetting("torch 1 thread", 1)
+        unchanged = ThreadSetting(f"torch {cores} threads", cores)
+        if not self.hybrid or cores == 1:
+            return [lowered, unchanged] if cores > 1 else [lowered]
+        return [ThreadSetting(f"torch 1 thread, {cores} for the update", 1, cores), lowered, unchanged]
+
+    def register(self, trainer: Any) -> None:
+        """Be this trainer's policy (once; another module's policy leaves)."""
+        others = [c for c in trainer.callbacks if not isinstance(c, ThreadPolicy)]
+        trainer.callbacks = [*others, self]
+
+    # ----------------------------------------------------------------------------- a fit
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lower torch's threads (unless the user chose them) and plan the measurements."""
+        self.choice, self._trial = None, None
+        active, self.reason = self._should_act()
+        if not active:
+            return
+        self._saved = torch.get_num_threads()
+        self._optimizers = [o for o in trainer.optimizers if hasattr(o, "update_threads")]
+        self._candidates = self.candidates(max(1, self.session_threads(trainer.strategy)))
+        skip, why = _should_skip_tuning(trainer, self.min_fit_steps)
+        if skip or len(self._candidates) == 1:
+            self._apply(self._candidates[0])
+            self.reason = why if skip else "one candidate on one core"
+            return
+        self._trial = _Trial.of(len(self._candidates), warmup=self.warmup, block=self.block, rounds=self.rounds)
+        self._apply(self._candidates[0])
+        self._trial.last = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Time the batch that ended; apply the next candidate, or the fastest once all are timed."""
+        trial = self._trial
+        if trial is None:
+            return
+        now = time.perf_counter()
+        timed, counted = trial.plan[trial.ends]
+        if timed is not None and counted:
+            trial.times[timed].append(now - trial.last)
+        trial.ends += 1
+        if trial.ends < len(trial.plan):
+            upcoming = trial.plan[trial.ends][0]
+            self._apply(self._candidates[0 if upcoming is None else upcoming])
+        else:
+            self._decide(trainer)
+        trial.last = time.perf_counter()
+
+    def _decide(self, trainer: pl.Trainer) -> None:
+        assert self._trial is not None
+        medians = torch.tensor([statistics.median(self._trial.times[i]) for i in range(len(self._candidates))])
+        # NOTE: every rank must keep the same setting: the choice is made on the ranks' mean times.
+        medians = trainer.strategy.reduce(medians, reduce_op="mean")
+        best = int(torch.argmin(medians))
+        self._trial = None
+        self._apply(self._candidates[best])
+        pairs = zip(self._candidates, medians.tolist(), strict=True)
+        timings = ", ".join(f"{setting.name}: {seconds * 1e3:.2f} ms" for setting, seconds in pairs)
+        self.reason = f"measured per step ({timings})"
+        if trainer.is_global_zero:
+            log.info("Thread policy: %s, the fastest of %s", self._candidates[best].name, timings)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Give torch its thread count back."""
+        self.restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Give torch its thread count back when the fit fails."""
+        self.restore()
+
+    def restore(self) -> None:
+        """Undo what the policy changed (idempotent)."""
+        self._trial = None
+        for optimizer in self._optimizers:
+            optimizer.update_threads = None
+        self._optimizers = []
+        if self._saved is not None:
+            torch.set_num_threads(self._saved)
+            self._saved = None
+
+    # ----------------------------------------------------------------------------- helpers
+    def _should_act(self) -> tuple[bool, str]:
+        if self.mode == "off":
+            return False, 'threads="off": the thread pools are left as they are'
+        chosen, why = user_torch_threads()
+        if chosen:
+            return False, f"torch's threads are the user's: {why}"
+        return True, why
+
+    def _apply(self, setting: ThreadSetting) -> None:
+        self.choice = setting
+        if torch.get_num_threads() != setting.torch_threads:
+            torch.set_num_threads(setting.torch_threads)
+        for optimizer in self._optimizers:
+            optimizer.update_threads = setting.update_threads
+
+
+def _should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:
+    """Whether the fit is too short to spend steps measuring (``fast_dev_run``, few steps), and why."""
+    if trainer.fast_dev_run:
+        return True, "fast_dev_run: the first candidate is kept unmeasured"
+    try:
+        steps = float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 - a loader without a length: the fit's length is unknown, so measure
+        return False, ""
+    if steps < min_fit_steps:
+        return True, f"a fit of {steps:.0f} optimizer steps (< {min_fit_steps}): the first candidate is kept unmeasured"
+    return False, ""

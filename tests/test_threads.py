@@ -1,0 +1,189 @@
+"""The thread policy: what it changes during a fit, what it gives back, what it never touches.
+
+Real artifacts, a real Trainer, real ORT; torch's own thread count (``torch.get_num_threads``)
+is the observable, read by a callback inside the fit and by the test after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from ort_lightning import ORTDDPStrategy, ORTLightningModule
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.training.threads import ThreadPolicy, available_cores, user_torch_threads
+from tests.conftest import Exported
+from tests.test_parity import _loader, _trainer
+
+STEPS = 24
+multicore = pytest.mark.skipif(available_cores() < 2, reason="the policy changes nothing torch does on one core")
+
+
+class _ThreadProbe(L.Callback):
+    """Records torch's thread count in every training batch; raises at `fail_at` when given."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.seen: list[int] = []
+        self.fail_at = fail_at
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen.append(torch.get_num_threads())
+        if self.fail_at is not None and len(self.seen) == self.fail_at:
+            raise RuntimeError("a failure inside fit")
+
+
+def _recording(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    class Recording(base):  # type: ignore[valid-type,misc]
+        seen: list[int] = []
+
+        def step(self, closure: Any = None) -> Any:
+            type(self).seen.append(torch.get_num_threads())
+            return super().step(closure)
+
+    return Recording
+
+
+@pytest.fixture
+def default_threads() -> Iterator[int]:
+    """torch at its default thread count (the policy's precondition), given back as it was after the test."""
+    chosen, why = user_torch_threads()
+    if chosen:
+        pytest.skip(f"torch's threads are set by the environment: {why}")
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def _tuned(module: ORTLightningModule) -> ORTLightningModule:
+    """Make the module's policy measure its candidates within a short fit (warm-up 1, 3 batches each)."""
+    policy = module._threads
+    policy.min_fit_steps, policy.warmup, policy.block, policy.rounds = 0, 1, 3, 1
+    return module
+
+
+@multicore
+def test_torch_threads_are_lowered_during_the_fit_and_restored_after(
+    mlp_adamw: Exported, default_threads: int
+) -> None:
+    probe = _ThreadProbe()
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
+    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    assert probe.seen == [1] * STEPS  # a short fit keeps the first candidate, unmeasured
+    assert "unmeasured" in module._threads.reason
+    assert torch.get_num_threads() == default_threads
+    assert module._session.intra_op_threads == available_cores()
+
+
+@multicore
+def test_threads_are_restored_after_an_exception_inside_fit(mlp_adamw: Exported, default_threads: int) -> None:
+    probe = _ThreadProbe(fail_at=5)
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    with pytest.raises(RuntimeError, match="a failure inside fit"):
+        _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    assert probe.seen[0] == 1
+    assert torch.get_num_threads() == default_threads
+
+
+@multicore
+def test_the_candidates_are_measured_and_the_choice_is_kept(
+    mlp_adamw: Exported, default_threads: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = _ThreadProbe()
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    with caplog.at_level("INFO", logger="ort_lightning.training.threads"):
+        _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    plan = 1 + 3 * len(module._threads.candidates(available_cores()))
+    choice = module._threads.choice
+    assert choice is not None
+    assert module._threads.reason.startswith("measured per step")
+    assert set(probe.seen[plan:]) == {choice.torch_threads}
+    logged = [r.message for r in caplog.records if r.name == "ort_lightning.training.threads"]
+    assert len(logged) == 1
+    assert logged[0].startswith(f"Thread policy: {choice.name}, the fastest of")
+    assert torch.get_num_threads() == default_threads
+
+
+@multicore
+def test_a_torch_optimizer_gets_the_cores_for_its_update_and_ort_stops_spinning(
+    mlp_adamw: Exported, default_threads: int
+) -> None:
+    optimizer = _recording(torch.optim.AdamW)
+    optimizer.seen = []
+    probe = _ThreadProbe()
+    module = ORTLightningModule(mlp_adamw.artifacts, optimizer=lambda p: optimizer(p, lr=0.01), lr_scheduler="constant")
+    assert module._session.spinning is False
+    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    assert set(optimizer.seen) == {available_cores()}
+    assert set(probe.seen) == {1}
+    assert torch.get_num_threads() == default_threads
+
+
+def _parameters_after(exported: Exported, threads: str, **options: Any) -> dict[str, torch.Tensor]:
+    module = ORTLightningModule(exported.artifacts, lr=0.01, threads=threads, **options)
+    _tuned(module)
+    _trainer(max_steps=STEPS).fit(module, _loader())
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [pytest.param({}, id="ort-adamw"),
+     pytest.param({"optimizer": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True), "lr_scheduler": "constant"},
+                  id="hybrid-fused-adamw")],
+)
+def test_the_parameters_are_bit_identical_with_the_policy_on_and_off(
+    mlp_adamw: Exported, default_threads: int, options: dict[str, Any]
+) -> None:
+    on = _parameters_after(mlp_adamw, "auto", **options)
+    off = _parameters_after(mlp_adamw, "off", **options)
+    assert on.keys() == off.keys()
+    for name, value in off.items():
+        assert torch.equal(on[name], value), name
+
+
+def test_a_thread_count_the_user_set_is_left_alone(mlp_adamw: Exported, default_threads: int) -> None:
+    mine = default_threads + 1
+    torch.set_num_threads(mine)
+    probe = _ThreadProbe()
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
+    _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
+    assert set(probe.seen) == {mine}
+    assert torch.get_num_threads() == mine
+    assert "torch.set_num_threads" in module._threads.reason
+
+
+def test_omp_num_threads_in_the_environment_is_left_alone(
+    mlp_adamw: Exported, default_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", str(default_threads))
+    probe = _ThreadProbe()
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
+    _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
+    assert set(probe.seen) == {default_threads}
+    assert "OMP_NUM_THREADS" in module._threads.reason
+
+
+def test_threads_off_changes_nothing(mlp_adamw: Exported, default_threads: int) -> None:
+    probe = _ThreadProbe()
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01, threads="off")
+    _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
+    assert set(probe.seen) == {default_threads}
+    assert (module._session.spinning, module._session.intra_op_threads) == (True, 0)
+
+
+def test_ranks_sharing_the_cpu_share_ort_threads_and_an_explicit_spinning_wins() -> None:
+    two = L.Trainer(strategy="ort_ddp", accelerator="cpu", devices=2, logger=False)
+    forced = L.Trainer(strategy=ORTDDPStrategy(allow_spinning=True), accelerator="cpu", devices=2, logger=False)
+    hybrid = ThreadPolicy("auto", hybrid=True)
+    assert ThreadPolicy().session_threads(two.strategy) == max(1, available_cores() // 2)
+    assert hybrid.spinning(forced.strategy) is True
+    assert hybrid.spinning(two.strategy) is False
+
+
+def test_an_unknown_threads_option_is_refused(mlp_adamw: Exported) -> None:
+    with pytest.raises(ConfigurationError, match=r"Expected argument `threads` to be one of \('auto', 'off'\)"):
+        ORTLightningModule(mlp_adamw.artifacts, threads="fast")
