@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, to_torch
-from ort_lightning.errors import BatchError, ConfigurationError
+from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy, thread_spinning
 from ort_lightning.training import hybrid as _hybrid
@@ -253,9 +253,7 @@ class ORTLightningModule(pl.LightningModule):
 
         Labels are not needed: placeholders fill the label inputs (the loss is discarded).
         """
-        fetches = self._ort.eval_step(self._ort.eval_inputs([*inputs, *self._label_placeholders(inputs)]))
-        outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self._outputs(self._ort.infer(inputs, entry="forward()", labels_allowed=False))
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -282,12 +280,7 @@ class ORTLightningModule(pl.LightningModule):
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
-        count = len(self.artifacts.manifest.inputs)
-        if isinstance(batch, dict):
-            return self(*(batch[spec.name] for spec in self.artifacts.manifest.inputs))
-        if isinstance(batch, torch.Tensor):
-            return self(batch)
-        return self(*batch[:count])
+        return self._outputs(self._ort.infer(batch, entry="predict_step()", labels_allowed=True))
 
     @override
     def configure_optimizers(self) -> Any:
@@ -520,9 +513,7 @@ class ORTLightningModule(pl.LightningModule):
         collection.update(to_torch(fetches[1]), tensors[self._label_index])
         self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
 
-    def _label_placeholders(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        if not inputs:
-            raise BatchError(
-                f"forward() expects the model inputs {[s.name for s in self.artifacts.manifest.inputs]}, got none."
-            )
-        return self._ort.label_placeholders(inputs[0].shape[0])
+    @staticmethod
+    def _outputs(fetches: Any) -> Any:
+        outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
+        return outputs[0] if len(outputs) == 1 else outputs

@@ -121,6 +121,18 @@ class SessionViews:
             for view in parameter_views(self.session)
         )
 
+    def infer(self, batch: Any, *, entry: str, labels_allowed: bool) -> Any:
+        """Run the eval graph on the model inputs of `batch` (labels filled in); return the fetches.
+
+        Raises:
+            BatchError: for a batch the eval graph cannot take, in one line (see
+                `ort_lightning.bridge.BatchBinder.model_inputs`).
+        """
+        count = len(self.artifacts.manifest.inputs)
+        tensors = self.eval_inputs.model_inputs(batch, count, entry=entry, labels_allowed=labels_allowed)
+        rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+        return self.eval_inputs.run(self.eval_step, [*tensors, *self.label_placeholders(rows)])
+
     def label_placeholders(self, batch: int) -> list[torch.Tensor]:
         """Labels of the right dtype and shape for `batch` rows, made once per batch size (forward needs none)."""
         cached = self._placeholders.get(batch)
