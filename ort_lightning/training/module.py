@@ -43,8 +43,10 @@ from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     NonFiniteGuard,
     check_graph_inputs,
+    check_torch_parameters,
     label_range_of,
     precision_supported,
+    updated_parameters,
 )
 from ort_lightning.training.metrics import stage_metrics_for
 from ort_lightning.training.optim import LinearLRSchedule, ORTOptimizer
@@ -214,7 +216,7 @@ class ORTLightningModule(pl.LightningModule):
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
     def setup(self, stage: str) -> None:
-        """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
+        """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters."""
         check_strategy(self.trainer.strategy)
         precision = str(self.trainer.precision)
         if not precision_supported(precision):
@@ -222,6 +224,9 @@ class ORTLightningModule(pl.LightningModule):
                 f"ORT training graphs run in float32, but the Trainer has precision={precision!r}; "
                 f"use Trainer(precision={SUPPORTED_PRECISION!r})."
             )
+        if stage == "fit" and type(self).configure_optimizers is ORTLightningModule.configure_optimizers:
+            # NOTE: before ModelSummary prints, so that it never counts an idle torch part as trainable.
+            check_torch_parameters(self, _hybrid.trainable(self._gradients.pairs))
 
     @override
     def configure_model(self) -> None:
@@ -312,8 +317,9 @@ class ORTLightningModule(pl.LightningModule):
 
     @override
     def on_train_start(self) -> None:
-        """Refuse a fit whose linear schedule is already over (every step would run at lr 0)."""
+        """Refuse a fit whose linear schedule is already over, or torch parameters no optimizer updates."""
         check_not_finished(self._schedule)
+        check_torch_parameters(self, updated_parameters(self.trainer.optimizers))
 
     @override
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
