@@ -451,6 +451,24 @@ class ORTLightningModule(pl.LightningModule):
         names = list(outputs) if outputs is not None else list(self.artifacts.manifest.outputs)
         return export_inference(self._session, path, names)
 
+    @override
+    def to_onnx(self, file_path: Any = None, input_sample: Any = None, **kwargs: Any) -> None:
+        """Write the inference model, as `export_inference_model` does (`input_sample` is not needed).
+
+        Lightning's ``to_onnx`` traces ``forward`` with ``torch.onnx``; here the graph already exists.
+
+        Raises:
+            ConfigurationError: for no file path (or a buffer), or ``torch.onnx.export`` options.
+        """
+        if not isinstance(file_path, (str, os.PathLike)) or kwargs:
+            options = f" and torch.onnx.export options {sorted(kwargs)}" if kwargs else ""
+            raise ConfigurationError(
+                f"to_onnx writes the eval graph ORT trains, with its current weights, to a file: it takes a path and "
+                f"no export options, but got file_path={file_path!r}{options}; call "
+                "module.export_inference_model(path, outputs=...) to choose the outputs."
+            )
+        self.export_inference_model(file_path)
+
     @property
     def start_progress(self) -> dict[str, int]:
         """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run.
