@@ -63,6 +63,15 @@ from ort_lightning.training.schedules import (
 )
 from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, picklable, values_of
 from ort_lightning.training.step import StepPath
+from ort_lightning.training.travel import (
+    IDENTITY_KEY,
+    check_identity,
+    check_metrics,
+    hyperparameters_of,
+    identity_of,
+    metric_names,
+    resolve_artifacts,
+)
 from ort_lightning.training.views import GradientViews, check_conversion
 
 __all__ = ["ORTLightningModule"]
@@ -486,6 +495,7 @@ class ORTLightningModule(pl.LightningModule):
         """
         checkpoint[ORT_STATE_KEY] = state_bytes(self._session, include_optimizer_state=self._optimizer_factory is None)
         checkpoint[PROGRESS_KEY] = self._origin.lightning_record(self._steps.seed_in_use())
+        checkpoint[IDENTITY_KEY] = {**identity_of(self.artifacts), "metrics": metric_names(self._metrics)}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -493,10 +503,34 @@ class ORTLightningModule(pl.LightningModule):
         state = checkpoint.get(ORT_STATE_KEY)
         if state is None:
             return
+        stored = checkpoint.get(IDENTITY_KEY)
+        if stored is not None:  # NOTE: absent from .ckpt files written before it was stored
+            source = "The Lightning checkpoint"
+            check_identity(stored, identity_of(self.artifacts), source=source, folder=self.artifacts.directory)
+            check_metrics(stored.get("metrics", {}), bool(self._metrics), source=source)
         with restored_state(state) as path:
             self._attach(self._ort.rebuilt(self, checkpoint=path))
         self._state_restored = True
         self._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))
+
+    @classmethod
+    @override
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, finding a moved artifacts folder relative to the ``.ckpt``.
+
+        The stored artifacts path is used when it exists; else the folder is looked for beside the
+        ``.ckpt`` and in its parent folders; ``artifacts=`` overrides both. The ``.ckpt``'s artifacts
+        (graph digests, parameters, optimizer kind) must be the ones it is loaded onto.
+
+        Raises:
+            CheckpointError: for artifacts found nowhere (pass ``artifacts=``), artifacts of another model
+                or optimizer, or metrics the ``.ckpt`` was trained with and that are not passed again.
+        """
+        if "artifacts" not in kwargs:
+            found = resolve_artifacts(checkpoint_path, hyperparameters_of(checkpoint_path))
+            if found is not None:
+                kwargs["artifacts"] = found
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
     def __getstate__(self) -> dict[str, Any]:
