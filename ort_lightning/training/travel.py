@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,5 +147,11 @@ def hyperparameters_of(checkpoint_path: Any) -> dict[str, Any]:
         return {}
     import torch
 
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    return dict(checkpoint.get("hyper_parameters", {}))
+    try:
+        # NOTE: weights_only: only the stored path is wanted here; a .ckpt whose hyper-parameters hold
+        # arbitrary objects is left to Lightning's own loading, unresolved.
+        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return {}
+    hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
+    return dict(hparams)
