@@ -78,3 +78,17 @@ def test_metrics_are_asked_for_again_by_name(
         ORTLightningModule.load_from_checkpoint(tmp_path / "m.ckpt")
     loaded = ORTLightningModule.load_from_checkpoint(tmp_path / "m.ckpt", metrics={"acc": MulticlassAccuracy(3)})
     assert "train_metrics" in dict(loaded.named_children())
+
+
+def test_a_checkpoint_written_before_the_identity_is_still_checked_by_its_parameters(
+    mlp_adamw: Exported, wider: TrainingArtifacts, blob_loaders: tuple[DataLoader, DataLoader], tmp_path: Path
+) -> None:
+    _trained_ckpt(mlp_adamw.artifacts, blob_loaders[0], tmp_path / "a.ckpt")
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    del checkpoint["ort_lightning_artifacts"]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    with pytest.raises(CheckpointError, match=r"does not match the artifacts in .*different \['fc1\.bias: \[8\] vs "
+                                              r"\[12\]'"):
+        ORTLightningModule.load_from_checkpoint(tmp_path / "old.ckpt", artifacts=wider.directory)
+    loaded = ORTLightningModule.load_from_checkpoint(tmp_path / "old.ckpt", artifacts=mlp_adamw.artifacts.directory)
+    assert loaded.artifacts.directory == mlp_adamw.artifacts.directory

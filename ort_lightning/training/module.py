@@ -69,6 +69,7 @@ from ort_lightning.training.travel import (
     check_metrics,
     hyperparameters_of,
     identity_of,
+    identity_of_state,
     metric_names,
     resolve_artifacts,
 )
@@ -503,12 +504,14 @@ class ORTLightningModule(pl.LightningModule):
         state = checkpoint.get(ORT_STATE_KEY)
         if state is None:
             return
-        stored = checkpoint.get(IDENTITY_KEY)
-        if stored is not None:  # NOTE: absent from .ckpt files written before it was stored
-            source = "The Lightning checkpoint"
+        stored, source = checkpoint.get(IDENTITY_KEY), "The Lightning checkpoint"
+        if stored is not None:
             check_identity(stored, identity_of(self.artifacts), source=source, folder=self.artifacts.directory)
             check_metrics(stored.get("metrics", {}), bool(self._metrics), source=source)
         with restored_state(state) as path:
+            if stored is None:  # NOTE: a .ckpt written before the identity was stored: check its parameters
+                check_identity(identity_of_state(path, self.artifacts), identity_of(self.artifacts), source=source,
+                               folder=self.artifacts.directory)
             self._attach(self._ort.rebuilt(self, checkpoint=path))
         self._state_restored = True
         self._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
 
 __all__ = [
-    "IDENTITY_KEY", "check_identity", "check_metrics", "hyperparameters_of", "identity_of", "metric_names",
+    "IDENTITY_KEY", "check_identity", "check_metrics", "hyperparameters_of", "identity_of", "identity_of_state",
+    "metric_names",
     "resolve_artifacts",
 ]
 
@@ -155,3 +156,13 @@ def hyperparameters_of(checkpoint_path: Any) -> dict[str, Any]:
         return {}
     hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     return dict(hparams)
+
+
+def identity_of_state(path: Path, artifacts: TrainingArtifacts) -> dict[str, Any]:
+    """What a ``.ckpt`` without a stored identity still tells: its ORT state's parameters (graphs unknown)."""
+    parameters, _ = _ort.checkpoint_summary(path)
+    return {
+        "graphs": {},
+        "parameters": [[name, list(shape), trainable] for name, shape, trainable in parameters],
+        "optimizer": artifacts.manifest.optimizer,
+    }
