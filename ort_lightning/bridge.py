@@ -193,6 +193,67 @@ class BatchBinder:
                 )
         return tensors
 
+    def model_inputs(self, batch: Any, count: int, *, entry: str, labels_allowed: bool) -> list[torch.Tensor]:
+        """Return the model inputs (the first `count` graph inputs) of `batch`, checked before ORT sees them.
+
+        What ``forward`` and ``predict_step`` bind: the eval graph's labels are then filled in, so a
+        batch of model inputs is checked here, in one line, instead of by ORT's multi-line error.
+
+        Args:
+            batch: a tensor, a tuple/list of tensors, or a dict keyed by input name.
+            count: how many of the graph's inputs are model inputs (the rest are labels).
+            entry: the method the batch was passed to, for error messages (``"forward()"``).
+            labels_allowed: whether a tuple/list may also hold the labels (ignored then).
+
+        Raises:
+            BatchError: for the wrong number of tensors, a missing name, a non-tensor, a wrong dtype,
+                rank or fixed dimension, or an empty tensor.
+
+        Example::
+
+            >>> from ort_lightning.artifacts import TensorSpec
+            >>> specs = (TensorSpec("input", "float32", ("batch", 3)), TensorSpec("labels", "int64", ("batch",)))
+            >>> binder = BatchBinder(specs, torch.device("cpu"), graph="eval")
+            >>> len(binder.model_inputs((torch.ones(2, 3),), 1, entry="forward()", labels_allowed=False))
+            1
+        """
+        names = self.names[:count]
+        if isinstance(batch, Mapping):
+            missing = [name for name in names if name not in batch]
+            if missing:
+                raise BatchError(
+                    f"{entry} expects the model inputs {names}, the batch dict lacks {missing} "
+                    f"(it has {sorted(map(str, batch))}); key the dict by input name."
+                )
+            tensors: Sequence[Any] = [batch[name] for name in names]
+        elif isinstance(batch, torch.Tensor):
+            tensors = (batch,)
+        elif isinstance(batch, (tuple, list)):
+            tensors = batch
+        else:
+            raise BatchError(
+                f"{entry} expects the model inputs {names} as tensors, a tuple/list or a dict keyed by "
+                f"those names, but got a {type(batch).__name__}; return tensors from your Dataset."
+            )
+        accepted = (count, len(self.names)) if labels_allowed else (count,)
+        if len(tensors) not in accepted:
+            extra = f" (or also the labels {self.names[count:]})" if labels_allowed and count < len(self.names) else ""
+            raise BatchError(
+                f"{entry} expects {count} model input{'s' if count != 1 else ''} {names}{extra}, but got "
+                f"{len(tensors)} tensor{'s' if len(tensors) != 1 else ''}; pass ({', '.join(names)}) only: the "
+                "labels are not needed."
+            )
+        tensors = list(tensors[:count])
+        for tensor, spec, shape in zip(tensors, self.specs, self._shapes, strict=False):
+            if not isinstance(tensor, torch.Tensor):
+                raise BatchError(
+                    f"Input {spec.name!r} of {entry} must be a torch.Tensor, but got {type(tensor).__name__}; "
+                    "convert it first (torch.as_tensor)."
+                )
+            if shape is not None and not _fits(tensor.shape, shape):
+                raise self._shape_error(spec, tensor)
+        return tensors
+
     def _dtype_error(self, name: str, expected: torch.dtype, tensor: torch.Tensor) -> BatchError:
         target = str(expected).replace("torch.", "")
         return BatchError(

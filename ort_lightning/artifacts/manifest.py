@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,27 @@ class Manifest:
     verification: dict[str, Any] | None = None
     #: The loss's options (``reduction``, ``ignore_index``, ``weight`` ...); empty for a custom or model loss.
     loss_options: dict[str, Any] = field(default_factory=dict)
+    #: Parameter and buffer names in the model's own order (the torch module's, else the training graph's);
+    #: empty in manifests written before it, whose parameters keep ONNX Runtime's (alphabetical) order.
+    parameter_order: tuple[str, ...] = ()
 
     @property
     def graph_inputs(self) -> tuple[TensorSpec, ...]:
         """Inputs of the training and eval graphs in order: model inputs, then labels."""
         return self.inputs + self.labels
+
+    def in_model_order(self, names: Sequence[str]) -> list[str]:
+        """Return `names` in `parameter_order`; names it does not list keep their order, after the others.
+
+        Example::
+
+            >>> order = ("b", "a")
+            >>> manifest = Manifest((), (), "mse", "loss", (), "sgd", {}, ("a", "b"), (), (), parameter_order=order)
+            >>> manifest.in_model_order(["a", "b", "c"])
+            ['b', 'a', 'c']
+        """
+        rank = {name: index for index, name in enumerate(self.parameter_order)}
+        return sorted(names, key=lambda name: rank.get(name, len(rank)))
 
     def to_json(self) -> str:
         """Serialize with the format marker that `from_json` checks."""
@@ -118,6 +135,7 @@ class Manifest:
                 **{key: _freeze(data[key]) for key in _SCALAR_FIELDS},
                 verification=data.get("verification"),
                 loss_options=dict(data.get("loss_options", {})),
+                parameter_order=tuple(data.get("parameter_order", ())),
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(

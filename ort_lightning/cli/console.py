@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ _LIGHTNING_SUBCOMMANDS = tuple(_LIGHTNING_HELP)
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the console script; return the process exit status (2 after a one-line error)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _import_from_current_folder()
     handler: Callable[[], Any]
     try:
         if args and args[0] in _LIGHTNING_SUBCOMMANDS:
@@ -60,6 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ort-lightning: error: {type(error).__name__}: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _import_from_current_folder() -> None:
+    """Put the current folder first on the import path, as ``python -m`` does.
+
+    NOTE: a console script's import path starts at its own folder, so ``mypkg.models:make_model``
+    (or ``data: mypkg.DataModule`` in a config) would not be found beside the user's code.
+    """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def _parser() -> argparse.ArgumentParser:

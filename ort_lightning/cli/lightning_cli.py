@@ -251,6 +251,7 @@ def run_lightning_cli(args: Sequence[str], *, prog: str = "ort-lightning") -> No
             # NOTE: the optimizer and schedule come from the ORT artifacts, never from CLI flags.
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False, "prog": prog},
+            # NOTE: allow_abbrev=False: --trainer.max_epoch must be an unknown key, as in a config file.
+            parser_kwargs={"exit_on_error": False, "prog": prog, "allow_abbrev": False},
             args=list(args),
         )

@@ -17,7 +17,7 @@ import argparse
 import difflib
 import re
 from collections.abc import Iterable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ort_lightning.errors import ConfigurationError
 
@@ -41,7 +41,14 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ``argparse`` parser whose errors raise `UsageError` (one line) instead of printing the usage."""
+    """An ``argparse`` parser whose errors raise `UsageError` (one line) instead of printing the usage.
+
+    Options are never abbreviated: a misspelt ``--frozn`` is an error with "did you mean", not a guess.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         """Raise `UsageError` with argparse's message and the closest valid choice."""

@@ -216,12 +216,27 @@ def export_artifacts(
         frozen=tuple(frozen_names),
         buffers=tuple(sorted(buffers)),
         versions=_versions(),
+        parameter_order=_model_order(model, training_graph, state),
     )
     manifest = verify_export(
         manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return TrainingArtifacts.load(folder)
+
+
+def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -> tuple[str, ...]:
+    """The state's names in the torch module's order (parameters, then buffers), the rest in the graph's.
+
+    NOTE: ONNX Runtime lists a checkpoint's parameters alphabetically; recorded here so that
+    ``named_parameters()`` can follow the model's own order (code zips the two lists).
+    """
+    names: list[str] = []
+    if isinstance(model, torch.nn.Module):
+        names = [name for name, _ in (*model.named_parameters(), *model.named_buffers()) if name in state]
+    listed = set(names)
+    names += [info.name for info in training_graph.graph.input if info.name in state and info.name not in listed]
+    return tuple(names)
 
 
 def _generate(proto: onnx.ModelProto, loss: LossSpec | Any | None, **options: Any) -> None:

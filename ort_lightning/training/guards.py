@@ -9,6 +9,8 @@ next optimizer update. These guards cost one cheap reduction per step on the hap
 - `NonFiniteGuard`: one ``math.isfinite`` on the 0-d loss; once per optimizer step, decided by all
   ranks together, ``"raise"`` stops before the update, ``"skip"`` drops the whole step and warns.
 - `check_graph_inputs`: once at assembly, the manifest's inputs against the graph's own.
+- `check_torch_parameters`: once per fit, torch parameters of a subclass that require grad but
+  that no optimizer updates (ORT gives no gradients for its graph's inputs).
 
 Example::
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -43,8 +45,10 @@ __all__ = [
     "LabelRange",
     "NonFiniteGuard",
     "check_graph_inputs",
+    "check_torch_parameters",
     "label_range_of",
     "precision_supported",
+    "updated_parameters",
 ]
 
 #: The one Trainer precision that trains ORT graphs: they run in float32.
@@ -226,3 +230,40 @@ def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str])
 
 def _describe(specs: Sequence[TensorSpec]) -> str:
     return "[" + ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}" for s in specs) + "]"
+
+
+def check_torch_parameters(module: torch.nn.Module, updated: Iterable[torch.Tensor]) -> None:
+    """Refuse parameters of `module` that require grad but are not among the `updated` ones.
+
+    A torch part in an ``ORTLightningModule`` subclass (a trunk in front of the graph) never gets
+    a gradient: ORT's artifacts give none for their inputs, so it would silently stay as it is
+    while ``ModelSummary`` counts it as trainable.
+
+    Raises:
+        ConfigurationError: naming those parameters, with how to freeze them or train them in ORT.
+
+    Example::
+
+        >>> root = torch.nn.Module()
+        >>> root.trunk = torch.nn.Linear(2, 2)
+        >>> check_torch_parameters(root.requires_grad_(False), [])
+        >>> check_torch_parameters(root.requires_grad_(True), [])
+        Traceback (most recent call last):
+        ...
+        ort_lightning.errors.ConfigurationError: Torch parameters ['trunk.weight', 'trunk.bias'] require grad, ...
+    """
+    kept = {id(tensor) for tensor in updated}
+    idle = [name for name, tensor in module.named_parameters() if tensor.requires_grad and id(tensor) not in kept]
+    if idle:
+        owners = sorted({name.rpartition(".")[0] or name for name in idle})
+        raise ConfigurationError(
+            f"Torch parameters {idle} require grad, but no optimizer updates them: ONNX Runtime trains only the "
+            "parameters inside the exported graph and gives no gradients for its inputs, so a torch part in front "
+            f"of it cannot learn from the graph's loss; freeze it (self.{owners[0]}.requires_grad_(False)), or put "
+            "that part inside the model you pass to export_artifacts so that ORT trains it."
+        )
+
+
+def updated_parameters(optimizers: Iterable[Any]) -> list[torch.Tensor]:
+    """Every parameter in the ``param_groups`` of `optimizers`."""
+    return [parameter for optimizer in optimizers for group in optimizer.param_groups for parameter in group["params"]]

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, to_torch
-from ort_lightning.errors import BatchError, ConfigurationError
+from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy
 from ort_lightning.training import hybrid as _hybrid
@@ -43,8 +43,10 @@ from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     NonFiniteGuard,
     check_graph_inputs,
+    check_torch_parameters,
     label_range_of,
     precision_supported,
+    updated_parameters,
 )
 from ort_lightning.training.metrics import stage_metrics_for
 from ort_lightning.training.optim import LinearLRSchedule, ORTOptimizer
@@ -62,6 +64,16 @@ from ort_lightning.training.schedules import (
 from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, picklable, values_of
 from ort_lightning.training.step import StepPath
 from ort_lightning.training.threads import ThreadPolicy
+from ort_lightning.training.travel import (
+    IDENTITY_KEY,
+    check_identity,
+    check_metrics,
+    hyperparameters_of,
+    identity_of,
+    identity_of_state,
+    metric_names,
+    resolve_artifacts,
+)
 from ort_lightning.training.views import GradientViews, check_conversion
 
 __all__ = ["ORTLightningModule"]
@@ -228,7 +240,7 @@ class ORTLightningModule(pl.LightningModule):
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
     def setup(self, stage: str) -> None:
-        """Refuse a Trainer precision other than ``"32-true"``, or a parallel strategy other than ``"ort_ddp"``."""
+        """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters."""
         check_strategy(self.trainer.strategy)
         self._threads.register(self.trainer)
         precision = str(self.trainer.precision)
@@ -237,6 +249,9 @@ class ORTLightningModule(pl.LightningModule):
                 f"ORT training graphs run in float32, but the Trainer has precision={precision!r}; "
                 f"use Trainer(precision={SUPPORTED_PRECISION!r})."
             )
+        if stage == "fit" and type(self).configure_optimizers is ORTLightningModule.configure_optimizers:
+            # NOTE: before ModelSummary prints, so that it never counts an idle torch part as trainable.
+            check_torch_parameters(self, _hybrid.trainable(self._gradients.pairs))
 
     @override
     def configure_model(self) -> None:
@@ -270,9 +285,7 @@ class ORTLightningModule(pl.LightningModule):
 
         Labels are not needed: placeholders fill the label inputs (the loss is discarded).
         """
-        fetches = self._ort.eval_step(self._ort.eval_inputs([*inputs, *self._label_placeholders(inputs)]))
-        outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self._outputs(self._ort.infer(inputs, entry="forward()", labels_allowed=False))
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -299,12 +312,7 @@ class ORTLightningModule(pl.LightningModule):
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
-        count = len(self.artifacts.manifest.inputs)
-        if isinstance(batch, dict):
-            return self(*(batch[spec.name] for spec in self.artifacts.manifest.inputs))
-        if isinstance(batch, torch.Tensor):
-            return self(batch)
-        return self(*batch[:count])
+        return self._outputs(self._ort.infer(batch, entry="predict_step()", labels_allowed=True))
 
     @override
     def configure_optimizers(self) -> Any:
@@ -336,8 +344,9 @@ class ORTLightningModule(pl.LightningModule):
 
     @override
     def on_train_start(self) -> None:
-        """Refuse a fit whose linear schedule is already over (every step would run at lr 0)."""
+        """Refuse a fit whose linear schedule is already over, or torch parameters no optimizer updates."""
         check_not_finished(self._schedule)
+        check_torch_parameters(self, updated_parameters(self.trainer.optimizers))
 
     @override
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
@@ -469,6 +478,24 @@ class ORTLightningModule(pl.LightningModule):
         names = list(outputs) if outputs is not None else list(self.artifacts.manifest.outputs)
         return export_inference(self._session, path, names)
 
+    @override
+    def to_onnx(self, file_path: Any = None, input_sample: Any = None, **kwargs: Any) -> None:
+        """Write the inference model, as `export_inference_model` does (`input_sample` is not needed).
+
+        Lightning's ``to_onnx`` traces ``forward`` with ``torch.onnx``; here the graph already exists.
+
+        Raises:
+            ConfigurationError: for no file path (or a buffer), or ``torch.onnx.export`` options.
+        """
+        if not isinstance(file_path, (str, os.PathLike)) or kwargs:
+            options = f" and torch.onnx.export options {sorted(kwargs)}" if kwargs else ""
+            raise ConfigurationError(
+                f"to_onnx writes the eval graph ORT trains, with its current weights, to a file: it takes a path and "
+                f"no export options, but got file_path={file_path!r}{options}; call "
+                "module.export_inference_model(path, outputs=...) to choose the outputs."
+            )
+        self.export_inference_model(file_path)
+
     @property
     def start_progress(self) -> dict[str, int]:
         """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run.
@@ -486,6 +513,7 @@ class ORTLightningModule(pl.LightningModule):
         """
         checkpoint[ORT_STATE_KEY] = state_bytes(self._session, include_optimizer_state=self._optimizer_factory is None)
         checkpoint[PROGRESS_KEY] = self._origin.lightning_record(self._steps.seed_in_use())
+        checkpoint[IDENTITY_KEY] = {**identity_of(self.artifacts), "metrics": metric_names(self._metrics)}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -493,10 +521,36 @@ class ORTLightningModule(pl.LightningModule):
         state = checkpoint.get(ORT_STATE_KEY)
         if state is None:
             return
+        stored, source = checkpoint.get(IDENTITY_KEY), "The Lightning checkpoint"
+        if stored is not None:
+            check_identity(stored, identity_of(self.artifacts), source=source, folder=self.artifacts.directory)
+            check_metrics(stored.get("metrics", {}), bool(self._metrics), source=source)
         with restored_state(state) as path:
+            if stored is None:  # NOTE: a .ckpt written before the identity was stored: check its parameters
+                check_identity(identity_of_state(path, self.artifacts), identity_of(self.artifacts), source=source,
+                               folder=self.artifacts.directory)
             self._attach(self._ort.rebuilt(self, checkpoint=path))
         self._state_restored = True
         self._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))
+
+    @classmethod
+    @override
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, finding a moved artifacts folder relative to the ``.ckpt``.
+
+        The stored artifacts path is used when it exists; else the folder is looked for beside the
+        ``.ckpt`` and in its parent folders; ``artifacts=`` overrides both. The ``.ckpt``'s artifacts
+        (graph digests, parameters, optimizer kind) must be the ones it is loaded onto.
+
+        Raises:
+            CheckpointError: for artifacts found nowhere (pass ``artifacts=``), artifacts of another model
+                or optimizer, or metrics the ``.ckpt`` was trained with and that are not passed again.
+        """
+        if "artifacts" not in kwargs:
+            found = resolve_artifacts(checkpoint_path, hyperparameters_of(checkpoint_path))
+            if found is not None:
+                kwargs["artifacts"] = found
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
     def __getstate__(self) -> dict[str, Any]:
@@ -538,9 +592,7 @@ class ORTLightningModule(pl.LightningModule):
         collection.update(to_torch(fetches[1]), tensors[self._label_index])
         self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
 
-    def _label_placeholders(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        if not inputs:
-            raise BatchError(
-                f"forward() expects the model inputs {[s.name for s in self.artifacts.manifest.inputs]}, got none."
-            )
-        return self._ort.label_placeholders(inputs[0].shape[0])
+    @staticmethod
+    def _outputs(fetches: Any) -> Any:
+        outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
+        return outputs[0] if len(outputs) == 1 else outputs

@@ -290,9 +290,13 @@ def total_steps_of(trainer: Any, total_steps: int | None) -> int:
     if total_steps is not None:
         return int(total_steps)
     estimated = trainer.estimated_stepping_batches
-    if estimated == float("inf"):
+    # NOTE: Lightning estimates inf for an infinite dataloader without max_steps, and max_steps (-1 when
+    # unset) for a dataloader without a length (an IterableDataset) under max_epochs.
+    if estimated == float("inf") or estimated < 1:
         raise ConfigurationError(
-            "The Trainer cannot estimate the number of optimizer steps (infinite dataloader and no "
-            "max_steps); pass ORTLightningModule(total_steps=...) or set Trainer(max_steps=...)."
+            "The Trainer cannot estimate the number of optimizer steps of this run (a dataloader without a length, "
+            "such as an IterableDataset, and no Trainer(max_steps=...)), and the linear lr schedule needs it to "
+            "decay to 0 at total_steps; pass ORTLightningModule(total_steps=...), set Trainer(max_steps=...), or "
+            "pass lr_scheduler='constant'."
         )
     return int(estimated)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, label_placeholder, parameter_views, torch_device
+from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, torch_device
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.checkpoints import snapshot
 from ort_lightning.training.views import GradientViews, bind_views
@@ -79,7 +79,7 @@ class SessionViews:
         self.train_inputs = BatchBinder(specs, self.device, graph="training")
         self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
         self._placeholders: dict[int, list[torch.Tensor]] = {}
-        views = parameter_views(self.session)
+        views = self._views()
         #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
         self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)
@@ -116,7 +116,7 @@ class SessionViews:
 
     def reattach(self, module: torch.nn.Module) -> None:
         """Register ORT's memory on `module` again, after something replaced the views with copies."""
-        self.gradients = bind_views(module, parameter_views(self.session), self.artifacts.manifest.buffers)
+        self.gradients = bind_views(module, self._views(), self.artifacts.manifest.buffers)
 
     def attached(self, module: torch.nn.Module) -> bool:
         """Tell whether every parameter and buffer of `module` still shares memory with ORT's state."""
@@ -125,6 +125,23 @@ class SessionViews:
             view.name not in tensors or tensors[view.name].data_ptr() == view.data.data_ptr()
             for view in parameter_views(self.session)
         )
+
+    def infer(self, batch: Any, *, entry: str, labels_allowed: bool) -> Any:
+        """Run the eval graph on the model inputs of `batch` (labels filled in); return the fetches.
+
+        Raises:
+            BatchError: for a batch the eval graph cannot take, in one line (see
+                `ort_lightning.bridge.BatchBinder.model_inputs`).
+        """
+        count = len(self.artifacts.manifest.inputs)
+        tensors = self.eval_inputs.model_inputs(batch, count, entry=entry, labels_allowed=labels_allowed)
+        rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+        return self.eval_inputs.run(self.eval_step, [*tensors, *self.label_placeholders(rows)])
+
+    def _views(self) -> list[ParameterView]:
+        """ORT's parameters in the model's own order (the manifest's), not ORT's alphabetical one."""
+        views = {view.name: view for view in parameter_views(self.session)}
+        return [views[name] for name in self.artifacts.manifest.in_model_order(list(views))]
 
     def label_placeholders(self, batch: int) -> list[torch.Tensor]:
         """Labels of the right dtype and shape for `batch` rows, made once per batch size (forward needs none)."""
