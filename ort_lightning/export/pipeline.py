@@ -33,7 +33,7 @@ from typing import Any
 import onnx
 import torch
 
-from ort_lightning.artifacts import FILES, MANIFEST_NAME, Manifest, TensorSpec, TrainingArtifacts
+from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
 from ort_lightning.export.legalize import engine as _legalize
@@ -192,6 +192,7 @@ def export_artifacts(
     # 3. generation
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / UNVERIFIED_NAME).unlink(missing_ok=True)
     _generate(
         proto,
         trainable=trainable,

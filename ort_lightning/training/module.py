@@ -42,6 +42,7 @@ from ort_lightning.training.checkpoints import (
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     NonFiniteGuard,
+    check_can_train,
     check_graph_inputs,
     label_range_of,
     precision_supported,
@@ -110,6 +111,8 @@ class ORTLightningModule(pl.LightningModule):
             ``params -> torch.optim.Optimizer`` (``lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True)``)
             makes ORT compute forward and backward and that torch optimizer update ORT's parameters
             in place (hybrid training). Its lr is the factory's; `lr` is then unused.
+        labels: for a ``generate_artifacts`` folder whose loss is a custom block: the graph inputs
+            that are labels (``[]``: none); ORT's own ``labels``/``target`` are found without it.
 
     Raises:
         ConfigurationError: for a non-positive lr, an inconsistent schedule, an unknown `on_nonfinite`,
@@ -133,6 +136,7 @@ class ORTLightningModule(pl.LightningModule):
         check_labels: bool = True,
         custom_op_library: str | os.PathLike[str] | None = None,
         optimizer: _hybrid.OptimizerFactory | None = None,
+        labels: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         check_lr_scheduler(lr_scheduler)
@@ -140,7 +144,9 @@ class ORTLightningModule(pl.LightningModule):
         self._optimizer_factory = optimizer
         self._nonfinite = NonFiniteGuard(on_nonfinite)
         self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
-        self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
+        self.artifacts = (
+            artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts, labels=labels)
+        )
         # NOTE: a subclass's training_step may run ORT's graph and then return None; under
         # accumulation that micro-batch's gradients are then kept apart until it counts.
         overridden = type(self).training_step is not ORTLightningModule.training_step
@@ -163,7 +169,7 @@ class ORTLightningModule(pl.LightningModule):
              "total_steps": self.total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
              "check_labels": check_labels, "custom_op_library": self.custom_op_library,
              # NOTE: not named `optimizer`: load_from_checkpoint would pass the name back as the factory.
-             "update": _hybrid.describe_optimizer(optimizer)}
+             "update": _hybrid.describe_optimizer(optimizer), "labels": None if labels is None else list(labels)}
         )
         self._metrics = {} if metrics is None else stage_metrics_for(metrics, self.artifacts.manifest)
         for stage, collection in self._metrics.items():
@@ -303,6 +309,7 @@ class ORTLightningModule(pl.LightningModule):
         params = _hybrid.trainable(self._gradients.pairs)
         optimizer: torch.optim.Optimizer
         if self._optimizer_factory is None:
+            check_can_train(self.artifacts)
             optimizer = ORTOptimizer(self._session, params, lr=self.lr)
         else:
             optimizer = _hybrid.build(self._optimizer_factory, self._session, params)
