@@ -9,6 +9,7 @@ would decay it; the loop keeps it unless the device schedules it, hence ``lr_sch
 from __future__ import annotations
 
 import io
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -338,3 +339,18 @@ def test_export_folder_without_manifest_is_adopted_alike(tmp_path: Path) -> None
     adopted = TrainingArtifacts.load(tmp_path / "own").manifest
     assert (adopted.inputs, adopted.labels, adopted.outputs) == (own.inputs, own.labels, own.outputs)
     assert (set(adopted.trainable), adopted.optimizer) == (set(own.trainable), own.optimizer)
+
+
+@pytest.mark.parametrize("name", ["ort-only", "prefix"])
+def test_inspect_reads_generated_folder(name: str, folders: dict[str, Path]) -> None:
+    from ort_lightning.cli.describe import describe
+
+    shown = " ".join(describe(folders[name]).split())  # one space between the columns
+    assert "written by: generate_artifacts folder" in shown
+    prefix = "mobile_" if name == "prefix" else ""
+    suffix = ".ort" if name == "ort-only" else ".onnx"
+    for file in (f"{prefix}training_model{suffix}", f"{prefix}eval_model{suffix}", f"{prefix}checkpoint"):
+        size = (folders[name] / file).stat().st_size
+        number, unit = re.search(rf"device file: {file} \(([\d.,]+) (B|kB)\)", shown).groups()  # type: ignore[union-attr]
+        assert float(number.replace(",", "")) * (1000 if unit == "kB" else 1) == pytest.approx(size, abs=50)
+    assert f"{4 * 5 + 5 + 5 * 3 + 3:,} values" in shown  # the Net's parameters, counted here

@@ -154,7 +154,9 @@ def optimizer_attributes(path: Path) -> dict[str, float | int]:
         return {}
     for node in onnx.load(path, load_external_data=False).graph.node:
         if node.op_type in ("AdamWOptimizer", "SGDOptimizerV2"):
-            return {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+            values = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+            # NOTE: float attributes are float32; 7 digits print 0.9, not 0.8999999761581421.
+            return {name: float(f"{v:.7g}") if isinstance(v, float) else v for name, v in values.items()}
     return {}
 
 
