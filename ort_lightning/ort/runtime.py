@@ -13,10 +13,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -38,6 +40,7 @@ _root_handlers, _root_level = list(_root_logger.handlers), _root_logger.level
 try:
     import onnxruntime
     from onnxruntime.capi import _pybind_state as _C
+    from onnxruntime.tools import convert_onnx_models_to_ort as _converter
     from onnxruntime.training import artifacts as _artifacts
     from onnxruntime.training import onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
@@ -61,6 +64,7 @@ __all__ = [
     "parse_device",
     "set_seed",
     "versions",
+    "write_device_files",
 ]
 
 OrtValue = _C.OrtValue
@@ -224,6 +228,38 @@ def generate(
             f"ONNX Runtime could not build training graphs for this model: {error}. Check that every "
             "operator is differentiable by ORT 1.19.2 and that `loss` matches the model's outputs."
         ) from error
+
+
+def write_device_files(
+    folder: os.PathLike[str] | str,
+    graphs: Sequence[os.PathLike[str] | str],
+    checkpoint: os.PathLike[str] | str,
+    *,
+    ort_format: bool,
+    nominal_checkpoint: bool,
+) -> None:
+    """Write what ``generate_artifacts(..., ort_format=True, nominal_checkpoint=True)`` writes, from final graphs.
+
+    ``.ort`` graphs (and ``*.required_operators.config``) beside the `graphs`, as ORT's generator
+    converts them (fixed optimization style); ``nominal_checkpoint`` beside `checkpoint`: its
+    parameters' names, shapes and trainability, no weights.
+    """
+    if ort_format:
+        # NOTE: the converter prints its progress; a library keeps the user's console quiet.
+        with contextlib.redirect_stdout(io.StringIO()), _quiet_graph_builder():
+            for graph in graphs:
+                _converter.convert_onnx_models_to_ort(
+                    Path(graph), output_dir=Path(folder), optimization_styles=[_converter.OptimizationStyle.Fixed]
+                )
+    if nominal_checkpoint:
+        state = CheckpointState.load_checkpoint(os.fspath(checkpoint))._state
+        trainable: list[bytes] = []
+        frozen: list[bytes] = []
+        for name in state.parameter_names():
+            parameter = state.get_parameter(name)
+            tensor = onnx.numpy_helper.from_array(parameter.data.numpy(), name)
+            (trainable if parameter.requires_grad else frozen).append(tensor.SerializeToString())
+        _C.save_checkpoint(trainable, frozen, os.fspath(Path(folder) / "nominal_checkpoint"), True)
 
 
 def optimizer_kind_of(nodes: Sequence[str]) -> str | None:
