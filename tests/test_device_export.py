@@ -7,6 +7,9 @@ graphs, and the loop continues a Lightning run exactly once the device sets its 
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +75,12 @@ def test_round_trip_lightning_then_device_equals_lightning(device_ready: Trainin
     lightning_fit(whole, batches)
     for name, tensor in whole.named_parameters():
         np.testing.assert_allclose(device[name], tensor.detach().numpy(), rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_readme_round_trip_runs_as_written() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## From Lightning to the device and back", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "True"
