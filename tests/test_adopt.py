@@ -354,3 +354,14 @@ def test_inspect_reads_generated_folder(name: str, folders: dict[str, Path]) -> 
         number, unit = re.search(rf"device file: {file} \(([\d.,]+) (B|kB)\)", shown).groups()  # type: ignore[union-attr]
         assert float(number.replace(",", "")) * (1000 if unit == "kB" else 1) == pytest.approx(size, abs=50)
     assert f"{4 * 5 + 5 + 5 * 3 + 3:,} values" in shown  # the Net's parameters, counted here
+
+
+def test_ort_and_onnx_graphs_that_disagree_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    def swap(folder: Path) -> None:
+        shutil.copy(folders["ort-format"] / "eval_model.ort", folder / "eval_model.ort")
+        shutil.copy(folders["head-only-constants"] / "eval_model.onnx", folder / "eval_model.onnx")
+
+    folder = _copy(folders["ort-format"], tmp_path, "disagree")
+    swap(folder)
+    with pytest.raises(ArtifactError, match=r"eval_model.ort and eval_model.onnx disagree: .* not the conversion"):
+        TrainingArtifacts.load(folder)

@@ -79,6 +79,8 @@ def adopted_files(directory: Path, prefix: str | None = None) -> dict[str, Path 
                 f"{directory} has no {found[0].name} or {found[1].name}; copy the whole folder that "
                 "generate_artifacts() wrote, or regenerate it."
             )
+        if len(present) == 2:
+            _check_formats_agree(*present)
         files[role] = present[0] if present else None
     checkpoint = directory / f"{prefix}checkpoint"
     files["checkpoint"] = checkpoint
@@ -106,7 +108,23 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[str]]:
             f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: copy it again from where the "
             "artifacts were generated, or regenerate them."
         ) from error
-    return [TensorSpec.from_value_info(info) for info in graph.input], [info.name for info in graph.output]
+    inputs = [
+        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
+        for info in graph.input
+    ]
+    return inputs, [info.name for info in graph.output]
+
+
+def _check_formats_agree(onnx_path: Path, ort_path: Path) -> None:
+    """Refuse an ``.ort`` graph that is not the conversion of the ``.onnx`` one beside it (the device would differ)."""
+    onnx_io, ort_io = graph_io(onnx_path), graph_io(ort_path)
+    if [s.name for s in onnx_io[0]] != [s.name for s in ort_io[0]] or onnx_io[1] != ort_io[1]:
+        raise ArtifactError(
+            f"{ort_path.name} and {onnx_path.name} disagree: inputs {[s.name for s in ort_io[0]]} vs "
+            f"{[s.name for s in onnx_io[0]]}, outputs {ort_io[1]} vs {onnx_io[1]}; the .ort graph is not the "
+            "conversion of the .onnx one. Copy both from one generate_artifacts(..., ort_format=True) run, or "
+            "delete the stale one."
+        )
 
 
 def adopted_manifest(
