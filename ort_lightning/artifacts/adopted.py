@@ -108,11 +108,11 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[str]]:
             f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: copy it again from where the "
             "artifacts were generated, or regenerate them."
         ) from error
-    inputs = [
+    specs = [
         TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
         for info in graph.input
     ]
-    return inputs, [info.name for info in graph.output]
+    return specs, [info.name for info in graph.output]
 
 
 def _check_formats_agree(onnx_path: Path, ort_path: Path) -> None:
