@@ -365,3 +365,9 @@ def test_ort_and_onnx_graphs_that_disagree_are_refused(folders: dict[str, Path],
     swap(folder)
     with pytest.raises(ArtifactError, match=r"eval_model.ort and eval_model.onnx disagree: .* not the conversion"):
         TrainingArtifacts.load(folder)
+
+
+def test_forward_without_model_outputs_is_refused(folders: dict[str, Path]) -> None:
+    module = ORTLightningModule(folders["ce-adamw"])  # generated without additional_output_names
+    with pytest.raises(ConfigurationError, match=r"eval_model.onnx outputs the loss only, .*additional_output_names"):
+        module(torch.zeros(2, 4))

@@ -43,6 +43,7 @@ __all__ = [
     "LabelRange",
     "NonFiniteGuard",
     "check_can_train",
+    "check_model_outputs",
     "check_graph_inputs",
     "label_range_of",
     "precision_supported",
@@ -215,6 +216,20 @@ def check_can_train(artifacts: TrainingArtifacts) -> None:
             f"{artifacts.directory} has no optimizer graph (generated with optimizer=None), so it can validate, "
             "test and predict but not fit; regenerate it with an optimizer, or pass "
             "ORTLightningModule(folder, optimizer=lambda params: torch.optim.SGD(params, lr=...))."
+        )
+
+
+def check_model_outputs(artifacts: TrainingArtifacts, fetched: int) -> None:
+    """Refuse ``forward``/``predict`` on an eval graph whose only output is the loss.
+
+    Raises:
+        ConfigurationError: naming ``additional_output_names``, which keeps the model's outputs.
+    """
+    if fetched < 2:
+        raise ConfigurationError(
+            f"{artifacts.eval_model.name} outputs the loss only, so forward() and predict have no model output to "
+            "return; generate the artifacts with generate_artifacts(..., additional_output_names=['<model output>']) "
+            "(export_artifacts() keeps them), or run validate/test for the loss."
         )
 
 

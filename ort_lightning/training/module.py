@@ -43,6 +43,7 @@ from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     NonFiniteGuard,
     check_can_train,
+    check_model_outputs,
     check_graph_inputs,
     label_range_of,
     precision_supported,
@@ -260,6 +261,7 @@ class ORTLightningModule(pl.LightningModule):
         Labels are not needed: placeholders fill the label inputs (the loss is discarded).
         """
         fetches = self._ort.eval_step(self._ort.eval_inputs([*inputs, *self._label_placeholders(inputs)]))
+        check_model_outputs(self.artifacts, len(fetches))
         outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
         return outputs[0] if len(outputs) == 1 else outputs
 
