@@ -43,8 +43,8 @@ from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     NonFiniteGuard,
     check_can_train,
-    check_model_outputs,
     check_graph_inputs,
+    check_model_outputs,
     label_range_of,
     precision_supported,
 )
