@@ -371,3 +371,20 @@ def test_forward_without_model_outputs_is_refused(folders: dict[str, Path]) -> N
     module = ORTLightningModule(folders["ce-adamw"])  # generated without additional_output_names
     with pytest.raises(ConfigurationError, match=r"eval_model.onnx outputs the loss only, .*additional_output_names"):
         module(torch.zeros(2, 4))
+
+
+def test_ort_checkpoint_callback_on_adopted_folder(folders: dict[str, Path], tmp_path: Path) -> None:
+    """ORTCheckpoint's last.ortckpt after 3 steps, continued 2 steps by ORT's loop == 5 steps of ORT's loop."""
+    from ort_lightning import ORTCheckpoint
+
+    case = next(c for c in CASES if c.name == "ce-adamw")
+    batches = _batches(case, 5)
+    expected = ort_loop(folders["ce-adamw"], batches)
+    module = ORTLightningModule(folders["ce-adamw"], lr=LR, lr_scheduler="constant")
+    data = TensorDataset(*(torch.cat(column) for column in zip(*batches[:3], strict=True)))
+    trainer = pl.Trainer(max_steps=3, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         callbacks=[ORTCheckpoint(tmp_path / "ckpts", every_n_train_steps=3)])
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    continued = ort_loop(folders["ce-adamw"], batches[3:], checkpoint=tmp_path / "ckpts" / "last.ortckpt")
+    for name, value in expected.items():
+        np.testing.assert_allclose(continued[name], value, rtol=0, atol=1e-6, err_msg=name)
