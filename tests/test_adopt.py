@@ -403,3 +403,25 @@ def test_lightning_ckpt_of_custom_loss_folder_reloads_with_its_labels(folders: d
     assert [spec.name for spec in reloaded.artifacts.manifest.labels] == ["my_target"]
     for (name, tensor), (_, original) in zip(reloaded.named_parameters(), module.named_parameters(), strict=True):
         torch.testing.assert_close(tensor, original, rtol=0, atol=0, msg=name)
+
+
+def test_ort_ddp_on_adopted_folder_equals_ort_loop_on_double_batch(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Two gloo ranks of batch 4 (strategy="ort_ddp") == ORT's loop with batch 8, the ranks' samples in order."""
+    import subprocess
+    import sys
+
+    from tests import ddp_run
+
+    steps = 4
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "tests.ddp_run", str(folders["ce-adamw"]), str(out), "--devices=2", "--batch=4",
+               f"--steps={steps}"]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    x, y = ddp_run.dataset("mlp", steps * 8)
+    expected = ort_loop(folders["ce-adamw"], [(x[i:i + 8], y[i:i + 8]) for i in range(0, steps * 8, 8)], lr=0.01)
+    for rank in (0, 1):
+        state = ddp_run.load(out, rank)["state"]
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name].numpy(), value, rtol=0, atol=1e-6, err_msg=f"rank {rank} {name}")
