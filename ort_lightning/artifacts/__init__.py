@@ -8,6 +8,6 @@ Example::
 """
 
 from ort_lightning.artifacts.folder import FILES, TrainingArtifacts
-from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest, TensorSpec
+from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec
 
-__all__ = ["FILES", "MANIFEST_NAME", "Manifest", "TensorSpec", "TrainingArtifacts"]
+__all__ = ["FILES", "MANIFEST_NAME", "UNVERIFIED_NAME", "Manifest", "TensorSpec", "TrainingArtifacts"]

@@ -13,12 +13,14 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
-from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest
+from ort_lightning.artifacts.adopted import adopted_files, adopted_manifest
+from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import limits
 from ort_lightning.ort import runtime as _ort
@@ -34,46 +36,82 @@ FILES = {
 
 @dataclass(frozen=True)
 class TrainingArtifacts:
-    """A validated artifacts folder: the paths of its four files and its manifest."""
+    """A validated artifacts folder: the paths of its four files and its manifest.
+
+    A folder that ``onnxruntime.training.artifacts.generate_artifacts`` wrote (no manifest) is
+    adopted: `files` then holds its paths (a ``prefix=``, ``.ort`` graphs, no optimizer graph).
+    """
 
     directory: Path
     manifest: Manifest
+    #: Paths by role for an adopted folder; None for `export_artifacts`' own layout (`FILES`).
+    files: dict[str, Path | None] | None = field(default=None, compare=False)
+
+    def _file(self, role: str) -> Path:
+        if self.files is None:
+            return self.directory / FILES[role]
+        path = self.files[role]
+        if path is None:
+            raise ArtifactError(f"{self.directory} has no {role}; regenerate the folder with one.")
+        return path
 
     @property
     def training_model(self) -> Path:
         """Forward, loss and gradient graph."""
-        return self.directory / FILES["training_model"]
+        return self._file("training_model")
 
     @property
     def eval_model(self) -> Path:
         """Forward and loss graph in inference mode (Dropout off, BatchNorm running statistics)."""
-        return self.directory / FILES["eval_model"]
+        return self._file("eval_model")
 
     @property
-    def optimizer_model(self) -> Path:
-        """Optimizer update graph."""
-        return self.directory / FILES["optimizer_model"]
+    def optimizer_model(self) -> Path | None:
+        """Optimizer update graph; None for a folder generated with ``optimizer=None``."""
+        if self.files is not None and self.files["optimizer_model"] is None:
+            return None
+        return self._file("optimizer_model")
 
     @property
     def checkpoint(self) -> Path:
         """Initial parameters as an ORT CheckpointState file."""
-        return self.directory / FILES["checkpoint"]
+        return self._file("checkpoint")
+
+    @property
+    def adopted(self) -> bool:
+        """Whether the folder came from ``generate_artifacts`` (no manifest) rather than `export_artifacts`."""
+        return self.files is not None
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> TrainingArtifacts:
-        """Validate an artifacts folder and read its manifest.
+    def load(
+        cls, directory: str | os.PathLike[str], *, labels: Sequence[str] | None = None, prefix: str | None = None
+    ) -> TrainingArtifacts:
+        """Validate an artifacts folder and read its manifest, or derive one from a ``generate_artifacts`` folder.
+
+        Args:
+            directory: the folder.
+            labels: for a folder without manifest whose loss is a custom block: the label inputs
+                (``[]``: none). None reads them from ORT's names (``labels``, ``target``).
+            prefix: the ``prefix=`` given to ``generate_artifacts``; None finds it.
 
         Raises:
-            ArtifactError: for a missing folder or file, a missing or foreign manifest, or a graph
-                whose ONNX IR version ORT 1.19.2 cannot read.
+            ArtifactError: for a missing folder or file, a foreign manifest, a graph whose ONNX IR
+                version ORT 1.19.2 cannot read, or a folder whose labels cannot be told.
+
+        Example::
+
+            >>> import tempfile, torch
+            >>> from ort_lightning import export_artifacts
+            >>> folder = tempfile.mkdtemp()
+            >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder)
+            >>> TrainingArtifacts.load(folder).adopted
+            False
         """
         folder = _check_folder(Path(directory))
+        _check_verified(folder)
         manifest_path = folder / MANIFEST_NAME
-        if not manifest_path.is_file():
-            raise ArtifactError(
-                f"{folder} has no {MANIFEST_NAME}, so it was not written by export_artifacts(); export the "
-                "model with export_artifacts() (it also accepts an ONNX file)."
-            )
+        if not manifest_path.is_file() or prefix is not None:
+            return cls._adopt(folder, labels=labels, prefix=prefix)
         manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8"), manifest_path)
         _check_versions(manifest, manifest_path)
         artifacts = cls(folder, manifest)
@@ -88,6 +126,14 @@ class TrainingArtifacts:
             _check_ir_version(getattr(artifacts, name))
         return artifacts
 
+    @classmethod
+    def _adopt(cls, folder: Path, *, labels: Sequence[str] | None, prefix: str | None) -> TrainingArtifacts:
+        files = adopted_files(folder, prefix)
+        for path in files.values():
+            if path is not None and path.suffix == ".onnx":
+                _check_ir_version(path)
+        return cls(folder, adopted_manifest(files, labels=labels), files)
+
 
 def _check_folder(folder: Path) -> Path:
     if folder.is_dir():
@@ -101,6 +147,16 @@ def _check_folder(folder: Path) -> Path:
         f"Artifacts folder {folder} does not exist; create it with "
         "export_artifacts(model, example_inputs, output_dir)."
     )
+
+
+def _check_verified(folder: Path) -> None:
+    marker = folder / UNVERIFIED_NAME
+    if marker.is_file():
+        raise ArtifactError(
+            f"{folder} holds graphs whose export-time verification failed ({marker.read_text(encoding='utf-8')}); "
+            "they are not loaded. Fix the model or export again with export_artifacts(..., verify=False) to "
+            "accept them."
+        )
 
 
 def _release(version: str) -> tuple[str, ...]:

@@ -24,9 +24,11 @@ import torch
 
 from ort_lightning.errors import ArtifactError
 
-__all__ = ["MANIFEST_NAME", "Manifest", "TensorSpec"]
+__all__ = ["MANIFEST_NAME", "UNVERIFIED_NAME", "Manifest", "TensorSpec"]
 
 MANIFEST_NAME = "ort_lightning.json"
+#: Left by an export whose verification failed, so that its graphs are not adopted as a foreign folder.
+UNVERIFIED_NAME = "ort_lightning.unverified"
 _FORMAT = "ort-lightning/artifacts"
 _FORMAT_VERSION = 1
 

@@ -56,7 +56,10 @@ def artifacts_rows(directory: Path) -> Rows:
 
     artifacts = TrainingArtifacts.load(directory)
     manifest = artifacts.manifest
-    rows: Rows = [("artifacts", str(artifacts.directory))]
+    adopted = "generate_artifacts folder (no manifest; read from the graphs)"
+    source = adopted if artifacts.adopted else "export_artifacts"
+    rows: Rows = [("artifacts", str(artifacts.directory)), ("written by", source)]
+    rows += device_rows(artifacts)
     for title, specs in (("input", manifest.inputs), ("label", manifest.labels)):
         rows += [(title, f"{spec.name} {spec.dtype} [{', '.join(map(str, spec.shape))}]") for spec in specs]
     rows.append(("outputs", ", ".join(manifest.outputs) or "-"))
@@ -67,9 +70,41 @@ def artifacts_rows(directory: Path) -> Rows:
     rows.append(("optimizer", f"{manifest.optimizer} {options}".rstrip()))
     rows += checkpoint_rows(artifacts.checkpoint)
     rows += [(title, ", ".join(names) or "-") for title, names in _initializer_roles(artifacts)]
-    rows += report_rows(manifest.verification)
-    rows.append(("versions", ", ".join(f"{name} {version}" for name, version in manifest.versions.items())))
+    if not artifacts.adopted:  # ORT's generator records neither a verification nor versions
+        rows += report_rows(manifest.verification)
+        rows.append(("versions", ", ".join(f"{name} {version}" for name, version in manifest.versions.items())))
     return rows
+
+
+#: What a device running ONNX Runtime's training API loads: ``.ort`` graphs (mobile builds), else ``.onnx``.
+_DEVICE_FILES = ("training_model", "eval_model", "optimizer_model")
+
+
+def device_rows(artifacts: Any) -> Rows:
+    """Rows naming each file a device needs (``.ort`` graphs preferred, the checkpoint) and its size."""
+    folder: Path = artifacts.directory
+    name = artifacts.training_model.name
+    prefix = name[: name.rindex("training_model")]
+    rows: Rows = []
+    for role in _DEVICE_FILES:
+        found = [folder / f"{prefix}{role}{suffix}" for suffix in (".ort", ".onnx")]
+        present = [path for path in found if path.is_file()]
+        if present:
+            rows.append(("device file", f"{present[0].name} ({_size(present[0])})"))
+    for name in ("checkpoint", "nominal_checkpoint"):
+        path = folder / f"{prefix}{name}"
+        if path.is_file():
+            rows.append(("device file", f"{path.name} ({_size(path)})"))
+    return rows
+
+
+def _size(path: Path) -> str:
+    size = float(path.stat().st_size)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1000
+    return f"{size:,.1f} GB"
 
 
 def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
@@ -80,6 +115,8 @@ def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
 
     manifest = artifacts.manifest
     state = {*manifest.trainable, *manifest.frozen, *manifest.buffers}
+    if artifacts.eval_model.suffix != ".onnx":  # an .ort graph: ONNX Runtime's format, which onnx cannot read
+        return [("trains", list(manifest.trainable)), ("frozen", list(manifest.frozen))]
     graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
     constants = sorted(t.name for t in graph.initializer if t.data_type in FLOAT_TYPES and t.name not in state)
     return [("trains", list(manifest.trainable)), ("frozen", list(manifest.frozen)),

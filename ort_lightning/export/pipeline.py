@@ -8,8 +8,9 @@ The pipeline, stage by stage (each a module of this package):
    graphs and the checkpoint (`ort_lightning.ort`), with the loss of `losses/`;
 4. `after_generation`: passes on the generated graphs, each file loaded and saved once;
 5. `verify/`: one training step in a child process against torch autograd;
-6. the manifest ``ort_lightning.json`` is written, and the folder read back by
-   `TrainingArtifacts.load`.
+6. the manifest ``ort_lightning.json`` is written;
+7. on request, what a device ships (``.ort`` graphs, a nominal checkpoint), from the final
+   graphs; the folder is read back by `TrainingArtifacts.load`.
 
 Example::
 
@@ -33,7 +34,7 @@ from typing import Any
 import onnx
 import torch
 
-from ort_lightning.artifacts import FILES, MANIFEST_NAME, Manifest, TensorSpec, TrainingArtifacts
+from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
 from ort_lightning.export.legalize import engine as _legalize
@@ -131,6 +132,8 @@ def export_artifacts(
     input_names: Sequence[str] | None = None,
     verify: bool = True,
     output: str | None = None,
+    ort_format: bool = False,
+    nominal_checkpoint: bool = False,
 ) -> TrainingArtifacts:
     """Turn a torch module or an ONNX model into ONNX Runtime training artifacts.
 
@@ -164,6 +167,11 @@ def export_artifacts(
             kept in ``manifest.verification``. False skips it (about 2 s per export).
         output: for a model that returns a mapping (Hugging Face's ``ModelOutput``), the key of the
             output the loss reads (default ``"logits"``); with ``loss=None`` it is kept next to ``loss``.
+        ort_format: also write ``training_model.ort``, ``eval_model.ort``, ``optimizer_model.ort`` (and
+            their ``*.required_operators.config``) beside the ``.onnx`` graphs, as ORT's own
+            ``generate_artifacts(ort_format=True)`` does: what a mobile build of ONNX Runtime loads.
+        nominal_checkpoint: also write ``nominal_checkpoint``: the parameters' names and shapes
+            without weights, as ORT's ``generate_artifacts(nominal_checkpoint=True)`` does.
 
     Returns:
         The validated `TrainingArtifacts`.
@@ -189,6 +197,7 @@ def export_artifacts(
     # 3. generation
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / UNVERIFIED_NAME).unlink(missing_ok=True)
     _generate(
         proto,
         loss if loss_spec is None else loss_spec,
@@ -222,6 +231,11 @@ def export_artifacts(
         manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
     )
     (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    # 7. what a device ships, from the final graphs
+    _ort.write_device_files(
+        folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],
+        folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
+    )
     return TrainingArtifacts.load(folder)
 
 

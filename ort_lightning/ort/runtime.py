@@ -13,10 +13,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -38,6 +40,7 @@ _root_handlers, _root_level = list(_root_logger.handlers), _root_logger.level
 try:
     import onnxruntime
     from onnxruntime.capi import _pybind_state as _C
+    from onnxruntime.tools import convert_onnx_models_to_ort as _converter
     from onnxruntime.training import artifacts as _artifacts
     from onnxruntime.training import onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
@@ -55,10 +58,13 @@ __all__ = [
     "assemble",
     "generate",
     "is_block",
+    "optimizer_kind_in",
     "optimizer_kind_of",
+    "ort_graph_io",
     "parse_device",
     "set_seed",
     "versions",
+    "write_device_files",
 ]
 
 OrtValue = _C.OrtValue
@@ -228,6 +234,38 @@ def generate(
         ) from error
 
 
+def write_device_files(
+    folder: os.PathLike[str] | str,
+    graphs: Sequence[os.PathLike[str] | str],
+    checkpoint: os.PathLike[str] | str,
+    *,
+    ort_format: bool,
+    nominal_checkpoint: bool,
+) -> None:
+    """Write what ``generate_artifacts(..., ort_format=True, nominal_checkpoint=True)`` writes, from final graphs.
+
+    ``.ort`` graphs (and ``*.required_operators.config``) beside the `graphs`, as ORT's generator
+    converts them (fixed optimization style); ``nominal_checkpoint`` beside `checkpoint`: its
+    parameters' names, shapes and trainability, no weights.
+    """
+    if ort_format:
+        # NOTE: the converter prints its progress; a library keeps the user's console quiet.
+        with contextlib.redirect_stdout(io.StringIO()), _quiet_graph_builder():
+            for graph in graphs:
+                _converter.convert_onnx_models_to_ort(
+                    Path(graph), output_dir=Path(folder), optimization_styles=[_converter.OptimizationStyle.Fixed]
+                )
+    if nominal_checkpoint:
+        state = CheckpointState.load_checkpoint(os.fspath(checkpoint))._state
+        trainable: list[bytes] = []
+        frozen: list[bytes] = []
+        for name in state.parameter_names():
+            parameter = state.get_parameter(name)
+            tensor = onnx.numpy_helper.from_array(parameter.data.numpy(), name)
+            (trainable if parameter.requires_grad else frozen).append(tensor.SerializeToString())
+        _C.save_checkpoint(trainable, frozen, os.fspath(Path(folder) / "nominal_checkpoint"), True)
+
+
 def optimizer_kind_of(nodes: Sequence[str]) -> str | None:
     """Map the node types of an optimizer graph to ``"adamw"``, ``"sgd"`` or None.
 
@@ -288,8 +326,12 @@ class TrainingSession:
         self._optimizer = optimizer
         self._train = module._model.train_step_with_ort_values
         self._eval = module._model.eval_step_with_ort_values
-        self.optimizer_step = optimizer._optimizer.optimizer_step
         self.lazy_reset_grad = module._model.lazy_reset_grad
+        if optimizer is None:  # a folder without an optimizer graph: evaluation and prediction only
+            self.optimizer_step = self.set_lr = _no_optimizer
+            self.get_lr: Callable[[], float] = _no_learning_rate
+            return
+        self.optimizer_step = optimizer._optimizer.optimizer_step
         self.set_lr = optimizer._optimizer.set_learning_rate
         self.get_lr = optimizer._optimizer.get_learning_rate
 
@@ -324,6 +366,11 @@ class TrainingSession:
         """Return the outputs of the training (or eval) graph, in order."""
         return list(self._module._model.output_names(training))
 
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the artifacts had an optimizer graph (without one, the session only evaluates)."""
+        return self._optimizer is not None
+
     def linear_scheduler(self, *, warmup_steps: int, total_steps: int, lr: float) -> Any:
         """Create ORT's LinearLRScheduler; its lr applies to the optimizer at once.
 
@@ -334,11 +381,23 @@ class TrainingSession:
         return _C.LinearLRScheduler(self._optimizer._optimizer, total_steps, warmup_steps, lr)
 
 
+def _no_optimizer(*_: Any) -> None:
+    raise ConfigurationError(
+        "These artifacts have no optimizer graph (generate_artifacts(..., optimizer=None)), so they can "
+        "evaluate and predict but not train; regenerate them with an optimizer, or pass "
+        "ORTLightningModule(..., optimizer=lambda params: torch.optim.SGD(params, lr=...))."
+    )
+
+
+def _no_learning_rate() -> float:
+    return 0.0
+
+
 def assemble(
     *,
     training_model: os.PathLike[str] | str,
     eval_model: os.PathLike[str] | str,
-    optimizer_model: os.PathLike[str] | str,
+    optimizer_model: os.PathLike[str] | str | None,
     checkpoint: os.PathLike[str] | str,
     device: str = "cpu",
     custom_op_library: os.PathLike[str] | str | None = None,
@@ -361,7 +420,7 @@ def assemble(
     kind, index = parse_device(device)
     options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
-    optimizer_kind = _optimizer_kind_in(optimizer_model)
+    optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     module = Module(
         os.fspath(training_model),
@@ -370,16 +429,20 @@ def assemble(
         device=target,
         session_options=options,
     )
-    optimizer = Optimizer(os.fspath(optimizer_model), module)
+    optimizer = None if optimizer_model is None else Optimizer(os.fspath(optimizer_model), module)
     return TrainingSession(
         state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
         intra_op_threads=intra_op_threads,
     )
 
 
-def _optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
-    graph = onnx.load(os.fspath(optimizer_model), load_external_data=False).graph
-    nodes = [node.op_type for node in graph.node]
+def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
+    """Read ``"adamw"`` or ``"sgd"`` from an optimizer graph (``.onnx`` or ``.ort``).
+
+    Raises:
+        ArtifactError: for a graph with neither optimizer node.
+    """
+    nodes = _optimizer_nodes(os.fspath(optimizer_model))
     kind = optimizer_kind_of(nodes)
     if kind is None:
         raise ArtifactError(
@@ -389,6 +452,49 @@ def _optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
         )
     return kind
 
+
+def _optimizer_nodes(path: str) -> list[str]:
+    """Node types of an optimizer graph; for an ``.ort`` graph, what its inputs and operator list say."""
+    if not path.endswith(".ort"):
+        return [node.op_type for node in onnx.load(path, load_external_data=False).graph.node]
+    config = path[: -len(".ort")] + ".required_operators.config"
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as stream:
+            return [op for line in stream if not line.startswith("#") for op in line.strip().split(";")[-1].split(",")]
+    # NOTE: without the operator list, the inputs tell: only AdamW keeps second-order moments.
+    inputs, _ = ort_graph_io(path)
+    return ["AdamWOptimizer" if any(name == "second_order_moments" for name, _, _ in inputs) else "SGDOptimizerV2"]
+
+
+def ort_graph_io(path: os.PathLike[str] | str) -> tuple[list[tuple[str, str, tuple[int | str, ...]]], list[str]]:
+    """Inputs ``(name, numpy dtype name, shape)`` and output names of a graph ONNX Runtime loads (``.ort`` too).
+
+    Raises:
+        ArtifactError: for a file ONNX Runtime cannot load as a graph.
+    """
+    try:
+        session = onnxruntime.InferenceSession(
+            os.fspath(path), sess_options=session_options(), providers=["CPUExecutionProvider"]
+        )
+    except (RuntimeError, _C.Fail, _C.InvalidArgument, _C.InvalidGraph, _C.InvalidProtobuf) as error:
+        raise ArtifactError(
+            f"ONNX Runtime cannot load {os.fspath(path)} ({' '.join(str(error).split())[:200]}); the file is "
+            "damaged or truncated: copy it again from where the artifacts were generated, or regenerate them."
+        ) from error
+    inputs = []
+    for arg in session.get_inputs():
+        dtype = _ORT_TYPES.get(arg.type, arg.type)
+        shape = tuple(dim if isinstance(dim, int | str) else "?" for dim in arg.shape or ())
+        inputs.append((arg.name, dtype, shape))
+    return inputs, [arg.name for arg in session.get_outputs()]
+
+
+#: ONNX Runtime's type strings -> numpy dtype names (what `TensorSpec` records).
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
+    "tensor(int8)": "int8",
+}
 
 
 def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:

@@ -74,8 +74,22 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the OS allows (Linux)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it, briefly
+    os.umask(mask)
+    return mask
+
+
 def _temp_path(path: Path) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    # NOTE: mkstemp creates the file 0600 and the rename keeps it; a serving process or a sync
+    # job of another user must read the model it is handed, as it reads torch.save's files.
+    os.chmod(name, 0o666 & ~_umask())
     os.close(fd)
     return Path(name)
 

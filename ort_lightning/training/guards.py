@@ -44,6 +44,8 @@ __all__ = [
     "SUPPORTED_PRECISION",
     "LabelRange",
     "NonFiniteGuard",
+    "check_can_train",
+    "check_model_outputs",
     "check_graph_inputs",
     "check_torch_parameters",
     "label_range_of",
@@ -193,6 +195,8 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
     manifest = artifacts.manifest
     if manifest.loss not in ("cross_entropy", "nll") or not manifest.labels or not manifest.outputs:
         return None
+    if artifacts.eval_model.suffix != ".onnx":  # an .ort graph: ONNX Runtime's format, not onnx's
+        return None
     graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
     logits = {output.name: output for output in graph.output}.get(manifest.outputs[0])
     if logits is None:
@@ -205,6 +209,34 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
     return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index)
 
 
+def check_can_train(artifacts: TrainingArtifacts) -> None:
+    """Refuse to fit artifacts without an optimizer graph (``generate_artifacts(..., optimizer=None)``).
+
+    Raises:
+        ConfigurationError: naming the folder and the two ways to train it.
+    """
+    if artifacts.optimizer_model is None:
+        raise ConfigurationError(
+            f"{artifacts.directory} has no optimizer graph (generated with optimizer=None), so it can validate, "
+            "test and predict but not fit; regenerate it with an optimizer, or pass "
+            "ORTLightningModule(folder, optimizer=lambda params: torch.optim.SGD(params, lr=...))."
+        )
+
+
+def check_model_outputs(artifacts: TrainingArtifacts, fetched: int) -> None:
+    """Refuse ``forward``/``predict`` on an eval graph whose only output is the loss.
+
+    Raises:
+        ConfigurationError: naming ``additional_output_names``, which keeps the model's outputs.
+    """
+    if fetched < 2:
+        raise ConfigurationError(
+            f"{artifacts.eval_model.name} outputs the loss only, so forward() and predict have no model output to "
+            "return; generate the artifacts with generate_artifacts(..., additional_output_names=['<model output>']) "
+            "(export_artifacts() keeps them), or run validate/test for the loss."
+        )
+
+
 def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str]) -> None:
     """Refuse a manifest whose inputs are not the training graph's (a manifest of another model).
 
@@ -215,6 +247,8 @@ def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str])
     Raises:
         ArtifactError: naming what the manifest says and what the graph takes.
     """
+    if artifacts.adopted:  # the manifest was read from this very graph
+        return
     graph = onnx.load(artifacts.training_model, load_external_data=False).graph
     found = {info.name: TensorSpec.from_value_info(info) for info in graph.input}
     actual = [found[name] for name in user_inputs if name in found]

@@ -42,7 +42,9 @@ from ort_lightning.training.checkpoints import (
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     NonFiniteGuard,
+    check_can_train,
     check_graph_inputs,
+    check_model_outputs,
     check_torch_parameters,
     label_range_of,
     precision_supported,
@@ -123,6 +125,8 @@ class ORTLightningModule(pl.LightningModule):
             ``params -> torch.optim.Optimizer`` (``lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True)``)
             makes ORT compute forward and backward and that torch optimizer update ORT's parameters
             in place (hybrid training). Its lr is the factory's; `lr` is then unused.
+        labels: for a ``generate_artifacts`` folder whose loss is a custom block: the graph inputs
+            that are labels (``[]``: none); ORT's own ``labels``/``target`` are found without it.
         threads: ``"auto"`` (the default) makes ORT's and torch's thread pools share the cores during
             a fit: ORT's pool sized to the cores the process may use (per rank under ``"ort_ddp"``),
             torch's threads lowered while ORT computes and restored when the fit ends, ORT's spinning
@@ -152,6 +156,7 @@ class ORTLightningModule(pl.LightningModule):
         check_labels: bool = True,
         custom_op_library: str | os.PathLike[str] | None = None,
         optimizer: _hybrid.OptimizerFactory | None = None,
+        labels: Sequence[str] | None = None,
         threads: str = "auto",
     ) -> None:
         super().__init__()
@@ -161,7 +166,9 @@ class ORTLightningModule(pl.LightningModule):
         self._optimizer_factory = optimizer
         self._nonfinite = NonFiniteGuard(on_nonfinite)
         self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
-        self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
+        self.artifacts = (
+            artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts, labels=labels)
+        )
         # NOTE: a subclass's training_step may run ORT's graph and then return None; under
         # accumulation that micro-batch's gradients are then kept apart until it counts.
         overridden = type(self).training_step is not ORTLightningModule.training_step
@@ -184,7 +191,8 @@ class ORTLightningModule(pl.LightningModule):
              "total_steps": self.total_steps, "lr_scheduler": describe(lr_scheduler), "on_nonfinite": on_nonfinite,
              "check_labels": check_labels, "custom_op_library": self.custom_op_library,
              # NOTE: not named `optimizer`: load_from_checkpoint would pass the name back as the factory.
-             "update": _hybrid.describe_optimizer(optimizer), "threads": threads}
+             "update": _hybrid.describe_optimizer(optimizer), "threads": threads,
+             "labels": None if labels is None else list(labels)}
         )
         self._metrics = {} if metrics is None else stage_metrics_for(metrics, self.artifacts.manifest)
         for stage, collection in self._metrics.items():
@@ -328,6 +336,7 @@ class ORTLightningModule(pl.LightningModule):
         params = _hybrid.trainable(self._gradients.pairs)
         optimizer: torch.optim.Optimizer
         if self._optimizer_factory is None:
+            check_can_train(self.artifacts)
             optimizer = ORTOptimizer(self._session, params, lr=self.lr)
         else:
             optimizer = _hybrid.build(self._optimizer_factory, self._session, params)
@@ -592,7 +601,8 @@ class ORTLightningModule(pl.LightningModule):
         collection.update(to_torch(fetches[1]), tensors[self._label_index])
         self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
 
-    @staticmethod
-    def _outputs(fetches: Any) -> Any:
+    def _outputs(self, fetches: Any) -> Any:
+        """The model outputs of an eval step (its first output is the loss), as torch tensors."""
+        check_model_outputs(self.artifacts, len(fetches))
         outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
         return outputs[0] if len(outputs) == 1 else outputs

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import torch
 
-from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest
+from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest
 from ort_lightning.errors import ExportError
 from ort_lightning.export.verify.child import EXIT_ORT_ERROR
 from ort_lightning.export.verify.compare import ATOL, RTOL, BatchCheck, compare, mismatch_message
@@ -90,9 +90,11 @@ def verify_export(
         return dataclasses.replace(manifest, verification={"status": "skipped"})
     try:
         report = _check(manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output)
-    except ExportError:
-        # NOTE: a manifest left by an earlier export would make these unverified graphs loadable.
+    except ExportError as error:
+        # NOTE: a manifest left by an earlier export would make these unverified graphs loadable,
+        # and without one the folder would be adopted as generate_artifacts' own: mark it.
         (folder / MANIFEST_NAME).unlink(missing_ok=True)
+        (folder / UNVERIFIED_NAME).write_text(str(error).split(";")[0][:300], encoding="utf-8")
         raise
     return dataclasses.replace(manifest, verification=report)
 

@@ -1,0 +1,251 @@
+"""Read a folder that ONNX Runtime's ``generate_artifacts`` wrote (no ``ort_lightning.json``) into a `Manifest`.
+
+What the manifest records for `export_artifacts`' own folders is read here from the graphs and
+the checkpoint (ORT 1.19.2's conventions, measured): the training graph's inputs are the user
+inputs, then the parameters, then ``<p>_grad.accumulation.buffer``, then ``lazy_reset_grad``;
+labels are named ``labels`` (CrossEntropyLoss) or ``target`` (MSE, L1, BCEWithLogits); the first
+output is the loss, the others up to the ``<p>_grad.accumulation.out`` are extra model outputs; the
+optimizer kind is the optimizer graph's node; trainable vs frozen is each checkpoint parameter's
+``requires_grad``. Nothing is written into the folder; ``.ort`` graphs are read through ONNX Runtime.
+
+Example::
+
+    >>> locate_prefix(Path("."), ["pre_training_model.onnx", "pre_checkpoint"])
+    'pre_'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import onnx
+
+from ort_lightning.artifacts.manifest import Manifest, TensorSpec
+from ort_lightning.errors import ArtifactError
+from ort_lightning.ort import runtime as _ort
+
+__all__ = ["GRAPHS", "adopted_files", "adopted_manifest", "locate_prefix"]
+
+#: The graphs of a folder, by role; each is ``<prefix><role>.onnx`` or ``<prefix><role>.ort``.
+GRAPHS = ("training_model", "eval_model", "optimizer_model")
+#: Label input names that ORT's built-in losses add, and the loss each stands for.
+_BUILTIN_LABELS = {"labels": "cross_entropy", "target": "mse|l1|bce_with_logits"}
+_GRAD_BUFFER = "_grad.accumulation.buffer"
+_GRAD_OUT = "_grad.accumulation.out"
+_RESET = "lazy_reset_grad"
+#: How onnxblock names the outputs it adds (``onnx::loss::2``); a model that returns its own loss keeps its name.
+_BLOCK_OUTPUT = re.compile(r"onnx::\w+::\d+")
+
+
+def locate_prefix(directory: Path, names: Iterable[str]) -> str:
+    """The one ``prefix=`` of the training graphs among `names` (files of `directory`).
+
+    Raises:
+        ArtifactError: when no training graph, or training graphs of several prefixes, are there.
+    """
+    prefixes = sorted({name[: -len(suffix)] for name in names
+                       for suffix in ("training_model.onnx", "training_model.ort") if name.endswith(suffix)})
+    if len(prefixes) == 1:
+        return prefixes[0]
+    if not prefixes:
+        raise ArtifactError(
+            f"{directory} holds no training_model.onnx or training_model.ort (with or without a prefix), so it "
+            "is not a training artifacts folder; pass the folder that generate_artifacts() or export_artifacts() wrote."
+        )
+    raise ArtifactError(
+        f"{directory} holds training graphs of several prefixes {prefixes}; pass TrainingArtifacts.load(folder, "
+        "prefix=...) (the prefix= given to generate_artifacts) to choose one."
+    )
+
+
+def adopted_files(directory: Path, prefix: str | None = None) -> dict[str, Path | None]:
+    """The paths of a ``generate_artifacts`` folder's graphs and checkpoint (``.onnx`` preferred to ``.ort``).
+
+    ``optimizer_model`` is None when the folder has no optimizer graph (``optimizer=None``).
+
+    Raises:
+        ArtifactError: for a missing training or eval graph, or a missing checkpoint.
+    """
+    if prefix is None:
+        prefix = locate_prefix(directory, (path.name for path in directory.iterdir()))
+    files: dict[str, Path | None] = {}
+    for role in GRAPHS:
+        found = [directory / f"{prefix}{role}{suffix}" for suffix in (".onnx", ".ort")]
+        present = [path for path in found if path.is_file()]
+        if not present and role != "optimizer_model":
+            raise ArtifactError(
+                f"{directory} has no {found[0].name} or {found[1].name}; copy the whole folder that "
+                "generate_artifacts() wrote, or regenerate it."
+            )
+        if len(present) == 2:
+            _check_formats_agree(*present)
+        files[role] = present[0] if present else None
+    checkpoint = directory / f"{prefix}checkpoint"
+    files["checkpoint"] = checkpoint
+    if not checkpoint.is_file():
+        raise ArtifactError(
+            f"{directory} has no {prefix}checkpoint (a nominal_checkpoint holds no weights to train); copy the "
+            "checkpoint that generate_artifacts() wrote beside the graphs."
+        )
+    return files
+
+
+def graph_io(path: Path) -> tuple[list[TensorSpec], list[str]]:
+    """The inputs and output names of a graph, ``.onnx`` read by onnx, ``.ort`` through ONNX Runtime.
+
+    Raises:
+        ArtifactError: for a file that cannot be read as a graph.
+    """
+    if path.suffix == ".ort":
+        inputs, outputs = _ort.ort_graph_io(path)
+        return [TensorSpec(name, dtype, shape) for name, dtype, shape in inputs], outputs
+    try:
+        graph = onnx.load(path, load_external_data=False).graph
+    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+        raise ArtifactError(
+            f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: copy it again from where the "
+            "artifacts were generated, or regenerate them."
+        ) from error
+    specs = [
+        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
+        for info in graph.input
+    ]
+    return specs, [info.name for info in graph.output]
+
+
+def _check_formats_agree(onnx_path: Path, ort_path: Path) -> None:
+    """Refuse an ``.ort`` graph that is not the conversion of the ``.onnx`` one beside it (the device would differ)."""
+    onnx_io, ort_io = graph_io(onnx_path), graph_io(ort_path)
+    if [s.name for s in onnx_io[0]] != [s.name for s in ort_io[0]] or onnx_io[1] != ort_io[1]:
+        raise ArtifactError(
+            f"{ort_path.name} and {onnx_path.name} disagree: inputs {[s.name for s in ort_io[0]]} vs "
+            f"{[s.name for s in onnx_io[0]]}, outputs {ort_io[1]} vs {onnx_io[1]}; the .ort graph is not the "
+            "conversion of the .onnx one. Copy both from one generate_artifacts(..., ort_format=True) run, or "
+            "delete the stale one."
+        )
+
+
+def adopted_manifest(
+    files: dict[str, Path | None], *, labels: Sequence[str] | None = None
+) -> Manifest:
+    """Derive the `Manifest` of a ``generate_artifacts`` folder from its graphs and checkpoint.
+
+    Args:
+        files: what `adopted_files` returned.
+        labels: the label inputs, for a graph whose loss is a custom block (the graph cannot tell);
+            ``[]`` for a model that computes its own loss from inputs only. None reads them from
+            ORT's conventions.
+
+    Raises:
+        ArtifactError: when the checkpoint is of another model, `labels` names an input the graph
+            lacks, or the labels cannot be told apart from the model inputs.
+    """
+    training = _path(files, "training_model")
+    inputs, outputs = graph_io(training)
+    parameters, _ = _ort_checkpoint(_path(files, "checkpoint"))
+    trainable = tuple(name for name, _, grad in parameters if grad)
+    frozen = tuple(name for name, _, grad in parameters if not grad)
+    _check_same_model(training, inputs, trainable, frozen, _path(files, "checkpoint"))
+    state = {*trainable, *frozen}
+    user = [spec for spec in inputs if spec.name not in state and not _is_training_input(spec.name)]
+    label_names = _label_names(training, user, labels, own_loss=not _BLOCK_OUTPUT.fullmatch(outputs[0]))
+    optimizer = files.get("optimizer_model")
+    return Manifest(
+        inputs=tuple(spec for spec in user if spec.name not in label_names),
+        labels=tuple(spec for spec in user if spec.name in label_names),
+        loss=_loss_name(label_names, labels),
+        loss_output=outputs[0],
+        outputs=tuple(name for name in outputs[1:] if not name.endswith(_GRAD_OUT)),
+        optimizer="none" if optimizer is None else _ort.optimizer_kind_in(optimizer),
+        optimizer_options={} if optimizer is None else optimizer_attributes(optimizer),
+        trainable=trainable,
+        frozen=frozen,
+        buffers=(),
+    )
+
+
+def optimizer_attributes(path: Path) -> dict[str, float | int]:
+    """The hyper-parameters of an optimizer graph's node, as ORT runs them (``.ort``: not readable, empty)."""
+    if path.suffix == ".ort":
+        return {}
+    for node in onnx.load(path, load_external_data=False).graph.node:
+        if node.op_type in ("AdamWOptimizer", "SGDOptimizerV2"):
+            values = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+            # NOTE: float attributes are float32; 7 digits print 0.9, not 0.8999999761581421.
+            return {name: float(f"{v:.7g}") if isinstance(v, float) else v for name, v in values.items()}
+    return {}
+
+
+def _path(files: dict[str, Path | None], role: str) -> Path:
+    path = files[role]
+    assert path is not None, role  # adopted_files always finds the training graph and the checkpoint
+    return path
+
+
+def _ort_checkpoint(path: Path) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, object]]:
+    try:
+        return _ort.checkpoint_summary(path)
+    except _ort.CHECKPOINT_READ_ERRORS as error:
+        raise ArtifactError(
+            f"ONNX Runtime cannot read the checkpoint {path} ({' '.join(str(error).split())[:160]}); if it is a "
+            "nominal checkpoint (no weights), pass the complete checkpoint generate_artifacts() wrote; otherwise copy "
+            "it again or regenerate the artifacts."
+        ) from error
+
+
+def _is_training_input(name: str) -> bool:
+    return name.endswith(_GRAD_BUFFER) or name == _RESET
+
+
+def _check_same_model(
+    training: Path, inputs: list[TensorSpec], trainable: tuple[str, ...], frozen: tuple[str, ...], checkpoint: Path
+) -> None:
+    """Refuse a checkpoint whose parameters are not the ones the training graph trains and reads."""
+    names = {spec.name for spec in inputs}
+    graph_trainable = {name[: -len(_GRAD_BUFFER)] for name in names if name.endswith(_GRAD_BUFFER)}
+    missing = sorted((set(trainable) ^ graph_trainable) | (set(frozen) - names))
+    if missing:
+        raise ArtifactError(
+            f"The checkpoint {checkpoint} does not fit {training.name}: the graph trains {sorted(graph_trainable)}, "
+            f"the checkpoint holds trainable {sorted(trainable)} and frozen {sorted(frozen)} (mismatched: {missing}); "
+            "it belongs to another model. Use the checkpoint generated with these graphs."
+        )
+
+
+def _label_names(
+    training: Path, user: list[TensorSpec], labels: Sequence[str] | None, *, own_loss: bool
+) -> tuple[str, ...]:
+    """The label inputs: as named, else ORT's ``labels``/``target``, else none for a model that returns its loss."""
+    names = [spec.name for spec in user]
+    if labels is not None:
+        unknown = [name for name in labels if name not in names]
+        if unknown:
+            raise ArtifactError(
+                f"labels={list(labels)} names {unknown}, but {training.name} takes the inputs {names}; pass labels= "
+                "with names among those inputs."
+            )
+        if list(labels) != names[len(names) - len(labels):]:
+            raise ArtifactError(
+                f"labels={list(labels)}, but {training.name} takes the inputs {names}, and labels come after the "
+                f"model inputs; pass the last inputs as labels= (e.g. labels={names[-len(labels):]})."
+            )
+        return tuple(labels)
+    builtin = [name for name in names if name in _BUILTIN_LABELS]
+    if builtin or own_loss or len(names) <= 1:
+        return tuple(builtin)
+    raise ArtifactError(
+        f"{training.name} takes the inputs {names}, and the graph cannot tell which are labels (no 'labels' or "
+        "'target' input, as ORT's built-in losses name them: a custom loss block); pass "
+        f"ORTLightningModule(folder, labels=[...]) (e.g. labels={names[-1:]}), or labels=[] when the model "
+        "computes its loss from inputs alone."
+    )
+
+
+def _loss_name(label_names: tuple[str, ...], labels: Sequence[str] | None) -> str:
+    if labels is not None:
+        return "custom" if label_names else "model"
+    if not label_names:
+        return "model"
+    return _BUILTIN_LABELS[label_names[0]]

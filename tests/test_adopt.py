@@ -1,0 +1,427 @@
+"""Folders written by ONNX Runtime's own ``generate_artifacts`` train under a Trainer exactly as ORT's documented loop.
+
+The reference is ONNX Runtime's loop from its on-device training tutorials, run on a copy of the
+folder: ``CheckpointState.load_checkpoint`` / ``Module`` / ``Optimizer`` / ``optimizer.step()`` /
+``lazy_reset_grad()``, at the same constant learning rate (ort-lightning's default linear schedule
+would decay it; the loop keeps it unless the device schedules it, hence ``lr_scheduler="constant"``).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnxruntime.training import artifacts as ort_artifacts
+from onnxruntime.training import onnxblock
+from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from torch.utils.data import DataLoader, TensorDataset
+
+from ort_lightning import ORTLightningModule, TrainingArtifacts
+from ort_lightning.errors import ArtifactError, ConfigurationError
+
+LR = 0.05
+STEPS = 3
+BATCH = 4
+
+
+class Net(torch.nn.Module):
+    """4 -> 5 -> 3, the size of ORT's tutorial models scaled down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 5)
+        self.fc2 = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class OwnLoss(torch.nn.Module):
+    """A model that returns its own loss (``generate_artifacts(..., loss=None)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.net(x) - y) ** 2).mean()
+
+
+class MyTargetL1(onnxblock.Block):
+    """A custom loss block whose label input is named ``my_target``: the graph cannot tell it is a label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = onnxblock.loss.L1Loss()
+
+    def build(self, output_name: str) -> str:
+        return self.l1(output_name, target_name="my_target")
+
+
+def _onnx_model(model: torch.nn.Module, example: tuple[torch.Tensor, ...], names: list[str], output: str) -> Any:
+    """Export as ORT's tutorials do: opset 17, no constant folding, training mode."""
+    buffer = io.BytesIO()
+    axes = {name: {0: "batch"} for name in names}
+    if output != "loss":
+        axes[output] = {0: "batch"}
+    torch.onnx.export(
+        model, example, buffer, input_names=names, output_names=[output], opset_version=17,
+        do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING, dynamic_axes=axes, dynamo=False,
+    )
+    return onnx.load_from_string(buffer.getvalue())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of calling ``generate_artifacts``, the batch its graphs take, and what to tell ORTLightningModule."""
+
+    name: str
+    options: dict[str, Any]
+    label: str = "labels"  # "labels" int64 classes, "target" floats like the output, "" none
+    labels_arg: list[str] | None = None
+    own_loss: bool = False
+    onnx_removed: bool = False
+    files: dict[str, str] = field(default_factory=dict)
+
+
+_ALL = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+_HEAD = ["fc2.weight", "fc2.bias"]
+_LOSSES = {
+    "ce": (ort_artifacts.LossType.CrossEntropyLoss, "labels"),
+    "mse": (ort_artifacts.LossType.MSELoss, "target"),
+    "l1": (ort_artifacts.LossType.L1Loss, "target"),
+    "bce": (ort_artifacts.LossType.BCEWithLogitsLoss, "target"),
+}
+_OPTIMIZERS = {"adamw": ort_artifacts.OptimType.AdamW, "sgd": ort_artifacts.OptimType.SGD}
+
+CASES = [
+    *(Case(f"{loss}-{opt}", {"loss": _LOSSES[loss][0], "optimizer": _OPTIMIZERS[opt]}, label=_LOSSES[loss][1])
+      for loss in _LOSSES for opt in _OPTIMIZERS),
+    Case("head-only-constants", {"requires_grad": _HEAD, "loss": _LOSSES["mse"][0]}, label="target"),
+    Case("head-only-frozen", {"requires_grad": _HEAD, "frozen_params": _ALL[:2]}),
+    Case("logits", {"additional_output_names": ["logits"]}),
+    Case("ort-format", {"ort_format": True, "additional_output_names": ["logits"]}),
+    Case("ort-only", {"ort_format": True}, onnx_removed=True),
+    Case("prefix", {"prefix": "mobile_", "optimizer": _OPTIMIZERS["sgd"]}),
+    Case("custom-loss", {"loss": MyTargetL1()}, label="my_target", labels_arg=["my_target"]),
+    Case("own-loss", {"loss": None}, label="", own_loss=True),
+]
+
+
+def _generate(case: Case, folder: Path) -> Path:
+    torch.manual_seed(0)
+    options = {"requires_grad": _ALL, "optimizer": ort_artifacts.OptimType.AdamW,
+               "loss": ort_artifacts.LossType.CrossEntropyLoss, **case.options}
+    if case.own_loss:
+        model = _onnx_model(OwnLoss(), (torch.randn(2, 4), torch.randn(2, 3)), ["input", "y"], "loss")
+        options["requires_grad"] = [f"net.{name}" for name in _ALL]
+    else:
+        model = _onnx_model(Net(), (torch.randn(2, 4),), ["input"], "logits")
+    folder.mkdir()
+    ort_artifacts.generate_artifacts(model, artifact_directory=str(folder), **options)
+    if case.onnx_removed:
+        for path in folder.glob("*.onnx"):
+            path.unlink()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("generated")
+    return {case.name: _generate(case, root / case.name) for case in CASES}
+
+
+def _batches(case: Case, count: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(1)
+    result = []
+    for _ in range(count):
+        x = torch.randn(BATCH, 4, generator=generator)
+        if case.label == "labels":
+            result.append((x, torch.randint(0, 3, (BATCH,), generator=generator)))
+        elif case.label == "target" and "BCE" in str(case.options.get("loss")):
+            result.append((x, torch.rand(BATCH, 3, generator=generator)))
+        elif case.label or case.own_loss:
+            result.append((x, torch.randn(BATCH, 3, generator=generator)))
+        else:
+            result.append((x,))
+    return result
+
+
+def _graph(folder: Path, prefix: str, role: str) -> str:
+    onnx_path = folder / f"{prefix}{role}.onnx"
+    return str(onnx_path if onnx_path.is_file() else folder / f"{prefix}{role}.ort")
+
+
+def ort_loop(folder: Path, batches: list[tuple[torch.Tensor, ...]], *, lr: float = LR,
+             checkpoint: Path | None = None, prefix: str = "") -> dict[str, np.ndarray]:
+    """ONNX Runtime's documented training loop; returns the parameters after it."""
+    state = CheckpointState.load_checkpoint(str(checkpoint or folder / f"{prefix}checkpoint"))
+    module = Module(_graph(folder, prefix, "training_model"), state, _graph(folder, prefix, "eval_model"))
+    optimizer = Optimizer(_graph(folder, prefix, "optimizer_model"), module)
+    optimizer.set_learning_rate(lr)
+    module.train()
+    for batch in batches:
+        module(*(tensor.numpy() for tensor in batch))
+        optimizer.step()
+        module.lazy_reset_grad()
+    return {name: np.array(parameter.data) for name, parameter in state.parameters}
+
+
+def _trainer(steps: int, **options: Any) -> pl.Trainer:
+    return pl.Trainer(max_steps=steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, **options)
+
+
+def lightning_fit(module: ORTLightningModule, batches: list[tuple[torch.Tensor, ...]]) -> None:
+    data = TensorDataset(*(torch.cat(column) for column in zip(*batches, strict=True)))
+    _trainer(len(batches)).fit(module, DataLoader(data, batch_size=BATCH, shuffle=False))
+
+
+def _params(module: ORTLightningModule) -> dict[str, np.ndarray]:
+    return {name: tensor.detach().numpy().copy() for name, tensor in module.named_parameters()}
+
+
+def _copy(folder: Path, tmp_path: Path, name: str) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / name))
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {path.name: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_trainer_equals_ort_loop(case: Case, folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = folders[case.name]
+    before = _listing(folder)
+    batches = _batches(case, STEPS)
+    prefix = case.options.get("prefix", "")
+    expected = ort_loop(_copy(folder, tmp_path, "reference"), batches, prefix=prefix)
+    module = ORTLightningModule(folder, lr=LR, lr_scheduler="constant", labels=case.labels_arg)
+    lightning_fit(module, batches)
+    got = _params(module)
+    assert sorted(got) == sorted(expected)
+    moved = {name: float(np.abs(got[name] - ort_loop_start(folder, prefix)[name]).max()) for name in got}
+    assert max(moved.values()) > 1e-4, "the run did not train at all"
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-6, err_msg=name)
+    assert _listing(folder) == before, "adopting a folder must not write into it"
+
+
+def ort_loop_start(folder: Path, prefix: str) -> dict[str, np.ndarray]:
+    state = CheckpointState.load_checkpoint(str(folder / f"{prefix}checkpoint"))
+    return {name: np.array(parameter.data) for name, parameter in state.parameters}
+
+
+def test_manifest_read_from_graphs(folders: dict[str, Path]) -> None:
+    manifest = TrainingArtifacts.load(folders["head-only-frozen"]).manifest
+    assert (manifest.trainable, manifest.frozen) == (("fc2.bias", "fc2.weight"), ("fc1.bias", "fc1.weight"))
+    assert [s.name for s in manifest.inputs] == ["input"]
+    assert [s.name for s in manifest.labels] == ["labels"]
+    assert manifest.optimizer == "adamw"
+    assert manifest.optimizer_options["epsilon"] == pytest.approx(1e-6)
+    assert manifest.optimizer_options["adam_mode"] == 1
+    assert TrainingArtifacts.load(folders["mse-sgd"]).manifest.optimizer == "sgd"
+    assert TrainingArtifacts.load(folders["ort-only"]).manifest.optimizer == "adamw"
+    assert TrainingArtifacts.load(folders["logits"]).manifest.outputs == ("logits",)
+    assert TrainingArtifacts.load(folders["own-loss"]).manifest.labels == ()
+
+
+def test_forward_gives_model_output(folders: dict[str, Path]) -> None:
+    torch.manual_seed(0)
+    reference = Net()  # the same seed made the exported model
+    x = torch.randn(6, 4)
+    module = ORTLightningModule(folders["logits"])
+    torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
+    predicted = _trainer(1).predict(module, DataLoader(TensorDataset(x), batch_size=3))
+    torch.testing.assert_close(torch.cat(predicted), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_custom_loss_without_labels_is_refused(folders: dict[str, Path]) -> None:
+    with pytest.raises(ArtifactError, match=r"cannot tell which are labels .*labels=\['my_target'\]"):
+        ORTLightningModule(folders["custom-loss"])
+
+
+def test_labels_not_in_graph_are_refused(folders: dict[str, Path]) -> None:
+    with pytest.raises(ArtifactError, match=r"labels=\['target'\] names \['target'\], but training_model.onnx takes"):
+        ORTLightningModule(folders["custom-loss"], labels=["target"])
+
+
+def test_folder_without_optimizer_evaluates_but_does_not_fit(tmp_path: Path) -> None:
+    case = Case("no-optimizer", {"optimizer": None, "additional_output_names": ["logits"]})
+    folder = _generate(case, tmp_path / "no-optimizer")
+    module = ORTLightningModule(folder)
+    batches = _batches(case, 2)
+    data = DataLoader(TensorDataset(*(torch.cat(c) for c in zip(*batches, strict=True))), batch_size=BATCH)
+    (result,) = _trainer(1).validate(module, data)
+    assert np.isfinite(result["val_loss"])
+    with pytest.raises(ConfigurationError, match=r"has no optimizer graph .* but not fit"):
+        _trainer(1).fit(module, data)
+
+
+def test_hybrid_optimizer_on_adopted_folder(folders: dict[str, Path]) -> None:
+    """ORT's gradients, torch's SGD: equals ORT's own SGD graph, which is plain ``w -= lr * g``."""
+    case = next(c for c in CASES if c.name == "ce-sgd")
+    batches = _batches(case, STEPS)
+    expected = ort_loop(folders["ce-sgd"], batches)
+    module = ORTLightningModule(folders["ce-adamw"], lr_scheduler="constant",
+                                optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    lightning_fit(module, batches)
+    for name, value in _params(module).items():
+        np.testing.assert_allclose(value, expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_resume_from_ort_checkpoint(folders: dict[str, Path], tmp_path: Path) -> None:
+    """3 steps, an ORT checkpoint with optimizer state, 2 more steps == 5 steps of ORT's loop."""
+    case = next(c for c in CASES if c.name == "ce-adamw")
+    batches = _batches(case, 5)
+    expected = ort_loop(folders["ce-adamw"], batches)
+    first = ORTLightningModule(folders["ce-adamw"], lr=LR, lr_scheduler="constant")
+    lightning_fit(first, batches[:3])
+    saved = first.save_ort_checkpoint(tmp_path / "last.ortckpt")
+    second = ORTLightningModule(folders["ce-adamw"], lr=LR, lr_scheduler="constant", checkpoint=saved)
+    lightning_fit(second, batches[3:])
+    for name, value in _params(second).items():
+        np.testing.assert_allclose(value, expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def _bad(folders: dict[str, Path], tmp_path: Path, edit: Callable[[Path], None]) -> Path:
+    folder = _copy(folders["ce-adamw"], tmp_path, "bad")
+    edit(folder)
+    return folder
+
+
+def test_checkpoint_of_another_model_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    other = folders["head-only-constants"] / "checkpoint"
+    folder = _bad(folders, tmp_path, lambda f: shutil.copy(other, f / "checkpoint"))
+    with pytest.raises(ArtifactError, match=r"does not fit training_model.onnx: .* belongs to another model"):
+        TrainingArtifacts.load(folder)
+
+
+def test_truncated_graph_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    def truncate(folder: Path) -> None:
+        path = folder / "training_model.onnx"
+        path.write_bytes(path.read_bytes()[:100])
+
+    with pytest.raises(ArtifactError, match=r"training_model.onnx is not a readable ONNX model"):
+        TrainingArtifacts.load(_bad(folders, tmp_path, truncate))
+
+
+def test_missing_graph_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _bad(folders, tmp_path, lambda f: (f / "eval_model.onnx").unlink())
+    with pytest.raises(ArtifactError, match=r"has no eval_model.onnx or eval_model.ort; copy the whole folder"):
+        TrainingArtifacts.load(folder)
+
+
+def test_nominal_checkpoint_is_refused(tmp_path: Path) -> None:
+    folder = _generate(Case("nominal", {"nominal_checkpoint": True}), tmp_path / "nominal")
+    (folder / "checkpoint").unlink()
+    (folder / "nominal_checkpoint").rename(folder / "checkpoint")
+    with pytest.raises(ArtifactError, match=r"cannot read the checkpoint .* nominal checkpoint \(no weights\)"):
+        TrainingArtifacts.load(folder)
+
+
+def test_export_folder_without_manifest_is_adopted_alike(tmp_path: Path) -> None:
+    from ort_lightning import export_artifacts
+    from ort_lightning.artifacts import MANIFEST_NAME
+
+    own = export_artifacts(Net(), torch.zeros(2, 4), tmp_path / "own", verify=False).manifest
+    (tmp_path / "own" / MANIFEST_NAME).unlink()
+    adopted = TrainingArtifacts.load(tmp_path / "own").manifest
+    assert (adopted.inputs, adopted.labels, adopted.outputs) == (own.inputs, own.labels, own.outputs)
+    assert (set(adopted.trainable), adopted.optimizer) == (set(own.trainable), own.optimizer)
+
+
+@pytest.mark.parametrize("name", ["ort-only", "prefix"])
+def test_inspect_reads_generated_folder(name: str, folders: dict[str, Path]) -> None:
+    from ort_lightning.cli.describe import describe
+
+    shown = " ".join(describe(folders[name]).split())  # one space between the columns
+    assert "written by: generate_artifacts folder" in shown
+    prefix = "mobile_" if name == "prefix" else ""
+    suffix = ".ort" if name == "ort-only" else ".onnx"
+    for file in (f"{prefix}training_model{suffix}", f"{prefix}eval_model{suffix}", f"{prefix}checkpoint"):
+        size = (folders[name] / file).stat().st_size
+        number, unit = re.search(rf"device file: {file} \(([\d.,]+) (B|kB)\)", shown).groups()  # type: ignore[union-attr]
+        assert float(number.replace(",", "")) * (1000 if unit == "kB" else 1) == pytest.approx(size, abs=50)
+    assert f"{4 * 5 + 5 + 5 * 3 + 3:,} values" in shown  # the Net's parameters, counted here
+
+
+def test_ort_and_onnx_graphs_that_disagree_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    def swap(folder: Path) -> None:
+        shutil.copy(folders["ort-format"] / "eval_model.ort", folder / "eval_model.ort")
+        shutil.copy(folders["head-only-constants"] / "eval_model.onnx", folder / "eval_model.onnx")
+
+    folder = _copy(folders["ort-format"], tmp_path, "disagree")
+    swap(folder)
+    with pytest.raises(ArtifactError, match=r"eval_model.ort and eval_model.onnx disagree: .* not the conversion"):
+        TrainingArtifacts.load(folder)
+
+
+def test_forward_without_model_outputs_is_refused(folders: dict[str, Path]) -> None:
+    module = ORTLightningModule(folders["ce-adamw"])  # generated without additional_output_names
+    with pytest.raises(ConfigurationError, match=r"eval_model.onnx outputs the loss only, .*additional_output_names"):
+        module(torch.zeros(2, 4))
+
+
+def test_ort_checkpoint_callback_on_adopted_folder(folders: dict[str, Path], tmp_path: Path) -> None:
+    """ORTCheckpoint's last.ortckpt after 3 steps, continued 2 steps by ORT's loop == 5 steps of ORT's loop."""
+    from ort_lightning import ORTCheckpoint
+
+    case = next(c for c in CASES if c.name == "ce-adamw")
+    batches = _batches(case, 5)
+    expected = ort_loop(folders["ce-adamw"], batches)
+    module = ORTLightningModule(folders["ce-adamw"], lr=LR, lr_scheduler="constant")
+    data = TensorDataset(*(torch.cat(column) for column in zip(*batches[:3], strict=True)))
+    trainer = pl.Trainer(max_steps=3, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         callbacks=[ORTCheckpoint(tmp_path / "ckpts", every_n_train_steps=3)])
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    continued = ort_loop(folders["ce-adamw"], batches[3:], checkpoint=tmp_path / "ckpts" / "last.ortckpt")
+    for name, value in expected.items():
+        np.testing.assert_allclose(continued[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_lightning_ckpt_of_custom_loss_folder_reloads_with_its_labels(folders: dict[str, Path], tmp_path: Path) -> None:
+    case = next(c for c in CASES if c.name == "custom-loss")
+    batches = _batches(case, 2)
+    module = ORTLightningModule(folders["custom-loss"], lr=LR, lr_scheduler="constant", labels=["my_target"])
+    data = TensorDataset(*(torch.cat(column) for column in zip(*batches, strict=True)))
+    trainer = pl.Trainer(max_steps=2, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    (saved,) = tmp_path.rglob("*.ckpt")
+    reloaded = ORTLightningModule.load_from_checkpoint(saved)
+    assert [spec.name for spec in reloaded.artifacts.manifest.labels] == ["my_target"]
+    for (name, tensor), (_, original) in zip(reloaded.named_parameters(), module.named_parameters(), strict=True):
+        torch.testing.assert_close(tensor, original, rtol=0, atol=0, msg=name)
+
+
+def test_ort_ddp_on_adopted_folder_equals_ort_loop_on_double_batch(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Two gloo ranks of batch 4 (strategy="ort_ddp") == ORT's loop with batch 8, the ranks' samples in order."""
+    import subprocess
+    import sys
+
+    from tests import ddp_run
+
+    steps = 4
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "tests.ddp_run", str(folders["ce-adamw"]), str(out), "--devices=2", "--batch=4",
+               f"--steps={steps}"]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    x, y = ddp_run.dataset("mlp", steps * 8)
+    expected = ort_loop(folders["ce-adamw"], [(x[i:i + 8], y[i:i + 8]) for i in range(0, steps * 8, 8)], lr=0.01)
+    for rank in (0, 1):
+        state = ddp_run.load(out, rank)["state"]
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name].numpy(), value, rtol=0, atol=1e-6, err_msg=f"rank {rank} {name}")
