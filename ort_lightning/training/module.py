@@ -505,6 +505,17 @@ class ORTLightningModule(pl.LightningModule):
         self._session = self._assemble(device)
         load_values(self, values)
 
+    @torch.no_grad()
+    def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """Run the eval graph on one labelled batch, outside any Trainer; return ``(loss, *model_outputs)``.
+
+        Args:
+            batch: a tuple/list in the order of the graph's inputs (model inputs, then labels), or a
+                dict keyed by input name, as for ``validation_step``.
+        """
+        _, fetches, loss = self._run_graph(self._eval_inputs, self._eval_step, batch, graph="eval")
+        return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
+
     # ----------------------------------------------------------------------------- helpers
     def _run_graph(
         self, binder: BatchBinder, step: Callable[[Any], Any], batch: Any, *, graph: str
