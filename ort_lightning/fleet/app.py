@@ -10,7 +10,6 @@ Example::
 
     >>> import tempfile, torch
     >>> from pathlib import Path
-from typing import Any
     >>> from flwr.serverapp.strategy import FedAvg
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> from ort_lightning import export_artifacts
@@ -55,6 +54,8 @@ class RoundRecord:
         evaluation: the global values' loss and accuracy on the server's test data, if any.
         train_metrics: the clients' training metrics, aggregated by the strategy.
         checkpoint: the round's ORT checkpoint, or None when no client answered.
+        devices: clients whose training replies arrived without error.
+        examples: their training examples, together (FedAvg's total weight).
     """
 
     server_round: int
@@ -62,6 +63,8 @@ class RoundRecord:
     evaluation: dict[str, Any] = field(default_factory=dict)
     train_metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint: Path | None = None
+    devices: int = 0
+    examples: int = 0
 
 
 class FleetServer:
@@ -129,6 +132,8 @@ class FleetServer:
         else:
             number = server_round + self.strategy.round_offset
             written = next((p for p in self.strategy.written if p == round_path(p.parent, number)), None)
-            self.history.append(RoundRecord(number, now - self._clock, evaluation, checkpoint=written))
+            devices, examples = self.strategy.answers.get(number, (0, 0))
+            self.history.append(RoundRecord(number, now - self._clock, evaluation, checkpoint=written,
+                                            devices=devices, examples=examples))
         self._clock = now
         return MetricRecord(evaluation) if evaluation else None

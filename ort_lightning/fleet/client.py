@@ -46,7 +46,6 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.parameters import get_values, set_values
-from ort_lightning.training.checkpoints import state_bytes
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["ARRAYS_KEY", "METRICS_KEY", "OPTIMIZER_STATES", "ClientData", "FleetClient", "evaluate_module"]
@@ -131,8 +130,7 @@ class FleetClient:
             trainer = self._trainer(max_epochs=self.epochs)
             trainer.fit(module, train_dataloaders=data.train)
             if self.optimizer_state == "keep":
-                state = state_bytes(module._session, include_optimizer_state=True)
-                context.state[_STATE_KEY] = ArrayRecord({"checkpoint": state})
+                context.state[_STATE_KEY] = _kept_state(module)
             loss = trainer.callback_metrics.get("train_loss")
             metrics: dict[str, Any] = {
                 WEIGHT_KEY: _examples(data.train), "train_loss": float("nan") if loss is None else float(loss)
@@ -180,6 +178,14 @@ class FleetClient:
             "enable_progress_bar": False, "enable_model_summary": False, **self.trainer_options, **overrides,
         }
         return pl.Trainer(**options)
+
+
+def _kept_state(module: ORTLightningModule) -> ArrayRecord:
+    """The device's ORT state with its optimizer step and moments, and its own step count as properties."""
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-fleet-") as folder:
+        path = module.save_ort_checkpoint(Path(folder) / "client.ortckpt", include_optimizer_state=True)
+        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    return ArrayRecord({"checkpoint": data})
 
 
 def _examples(loader: DataLoader) -> int:

@@ -65,6 +65,10 @@ class LocalGrid(Grid):
         self._replies: dict[str, Message] = {}
         self._ids = count()
 
+    def context(self, node_id: int) -> Context:
+        """The Context of node `node_id` (its ``state`` is what the node keeps between rounds)."""
+        return self._contexts[node_id]
+
     def set_run(self, run: Run) -> None:
         """Adopt `run` (the grid serves one run at a time)."""
         self._run = run

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.fleet.client import evaluate_module
+from ort_lightning.fleet.client import WEIGHT_KEY, evaluate_module
 from ort_lightning.fleet.parameters import get_values, set_values
 from ort_lightning.training.module import ORTLightningModule
 
@@ -97,6 +97,15 @@ class GlobalModel:
         return evaluate
 
 
+def _answers(replies: list[Message]) -> tuple[int, int]:
+    valid = [reply for reply in replies if not reply.has_error()]
+    examples = 0
+    for reply in valid:
+        for record in reply.content.metric_records.values():
+            examples += int(cast(float, record.get(WEIGHT_KEY, 0)))
+    return len(valid), examples
+
+
 class CheckpointEachRound(Strategy):
     """Any Flower strategy, plus a complete ORT checkpoint of the global values after each round.
 
@@ -115,6 +124,8 @@ class CheckpointEachRound(Strategy):
         self.directory = Path(directory)
         self.round_offset = round_offset
         self.written: list[Path] = []
+        #: Per round: (devices that answered, their examples), counted from the replies.
+        self.answers: dict[int, tuple[int, int]] = {}
 
     def summary(self) -> None:
         """Log the wrapped strategy's summary."""
@@ -131,6 +142,8 @@ class CheckpointEachRound(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate with the wrapped strategy, then write the round's checkpoint (when it aggregated anything)."""
         server_round += self.round_offset
+        replies = list(replies)
+        self.answers[server_round] = _answers(replies)
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if arrays is not None:
             self.model.load(arrays, server_round=server_round)
