@@ -56,6 +56,8 @@ class RoundRecord:
         checkpoint: the round's ORT checkpoint, or None when no client answered.
         devices: clients whose training replies arrived without error.
         examples: their training examples, together (FedAvg's total weight).
+        aggregate_seconds: the strategy's aggregation.
+        checkpoint_seconds: writing the round's checkpoint files.
     """
 
     server_round: int
@@ -65,6 +67,8 @@ class RoundRecord:
     checkpoint: Path | None = None
     devices: int = 0
     examples: int = 0
+    aggregate_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
 
 
 class FleetServer:
@@ -133,7 +137,9 @@ class FleetServer:
             number = server_round + self.strategy.round_offset
             written = next((p for p in self.strategy.written if p == round_path(p.parent, number)), None)
             devices, examples = self.strategy.answers.get(number, (0, 0))
+            aggregate, save = self.strategy.seconds.get(number, (0.0, 0.0))
             self.history.append(RoundRecord(number, now - self._clock, evaluation, checkpoint=written,
-                                            devices=devices, examples=examples))
+                                            devices=devices, examples=examples, aggregate_seconds=aggregate,
+                                            checkpoint_seconds=save))
         self._clock = now
         return MetricRecord(evaluation) if evaluation else None

@@ -3,9 +3,10 @@
 Each ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor
 name, in the training graph's order). The client builds an `ORTLightningModule` from the
 artifacts, copies the values into ORT's state through the module's views, fits `epochs` local
-epochs on its own data, and replies with its values and ``num-examples`` (the size of its
-training set: FedAvg's weight). ``evaluate`` messages run the eval graph on the client's test
-data and reply with ``eval_loss``, ``eval_accuracy`` and ``num-examples``.
+epochs on its own data, and replies with its values, ``num-examples`` (the size of its
+training set: FedAvg's weight), ``train_loss`` and ``fit_seconds`` (the wall time of its
+fit). ``evaluate`` messages run the eval graph on the client's test data and reply with
+``eval_loss``, ``eval_accuracy`` and ``num-examples``.
 
 Optimizer state, as a device would handle it (`FleetClient.optimizer_state`):
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,12 +130,15 @@ class FleetClient:
         with self._module(context) as module:
             set_values(module, message.content.array_records[ARRAYS_KEY].to_torch_state_dict())
             trainer = self._trainer(max_epochs=self.epochs)
+            started = time.perf_counter()
             trainer.fit(module, train_dataloaders=data.train)
+            seconds = time.perf_counter() - started
             if self.optimizer_state == "keep":
                 context.state[_STATE_KEY] = _kept_state(module)
             loss = trainer.callback_metrics.get("train_loss")
             metrics: dict[str, Any] = {
-                WEIGHT_KEY: _examples(data.train), "train_loss": float("nan") if loss is None else float(loss)
+                WEIGHT_KEY: _examples(data.train), "train_loss": float("nan") if loss is None else float(loss),
+                "fit_seconds": seconds,
             }
             reply = RecordDict({ARRAYS_KEY: ArrayRecord(get_values(module)), METRICS_KEY: MetricRecord(metrics)})
         return Message(reply, reply_to=message)

@@ -182,13 +182,18 @@ def _print(server: FleetServer, config: FleetConfig, total: float) -> None:
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
     for record in server.history:
+        fit = record.train_metrics.get("fit_seconds", float("nan"))
         print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
-              f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s)")
+              f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; "
+              f"{record.devices} devices, {fit:.2f} s mean local fit, {record.aggregate_seconds * 1e3:.1f} ms "
+              f"aggregate, {record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
     print(f"total: {total:.1f} s")
 
 
 def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: float) -> None:
-    rounds = [{"round": r.server_round, "seconds": r.seconds, **r.evaluation, "train": r.train_metrics,
+    rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
+               "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
+               **r.evaluation, "train": r.train_metrics,
                "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
     payload = {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
     (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -126,6 +127,8 @@ class CheckpointEachRound(Strategy):
         self.written: list[Path] = []
         #: Per round: (devices that answered, their examples), counted from the replies.
         self.answers: dict[int, tuple[int, int]] = {}
+        #: Per round: (seconds aggregating, seconds writing the checkpoints).
+        self.seconds: dict[int, tuple[float, float]] = {}
 
     def summary(self) -> None:
         """Log the wrapped strategy's summary."""
@@ -144,12 +147,15 @@ class CheckpointEachRound(Strategy):
         server_round += self.round_offset
         replies = list(replies)
         self.answers[server_round] = _answers(replies)
+        started = time.perf_counter()
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        aggregated = time.perf_counter()
         if arrays is not None:
             self.model.load(arrays, server_round=server_round)
             path = self.model.save(round_path(self.directory, server_round))
             self.model.save(self.directory / LAST_NAME)
             self.written.append(path)
+        self.seconds[server_round] = (aggregated - started, time.perf_counter() - aggregated)
         return arrays, metrics
 
     def configure_evaluate(
