@@ -8,6 +8,8 @@ float64, weighted by each device's example count.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -231,3 +233,34 @@ def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, tmp_path
     ((average, _),) = _reference(mlp_adamw, iid_data, [[0, 1]], tmp_path)
     assert [(r.devices, r.examples) for r in server.history] == [(2, SIZES[0] + SIZES[1])]
     _assert_close(_values_in(mlp_adamw, round_path(tmp_path / "rounds", 1)), average)
+
+
+def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path: Path) -> None:
+    from .test_cli import run
+
+    config = tmp_path / "fleet.yaml"
+    config.write_text(f"out: {tmp_path / 'run'}\ndevices: 3\nrounds: 2\nhidden: 16\nepochs: 1\n", encoding="utf-8")
+    shown = run("fleet", "--config", config, cwd=tmp_path).stdout
+    accuracies = [float(a) for a in re.findall(r"^round +\d: accuracy ([\d.]+)%", shown, re.MULTILINE)]
+    assert len(accuracies) == 3, shown
+    assert accuracies[2] > accuracies[0], shown
+    assert verify_digest(tmp_path / "run" / "rounds" / "round-0002.ortckpt")
+    history = json.loads((tmp_path / "run" / "history.json").read_text(encoding="utf-8"))
+    assert [r["devices"] for r in history["rounds"]] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"split": "dirichlet"}, r"Expected `split` to be one of \['iid', 'label'\], but got 'dirichlet'"),
+        ({"strategy": "fedsgd"}, r"Expected `strategy` to be one of \['fedavg'.*but got 'fedsgd'"),
+        ({"devices": 0}, r"Expected devices, rounds and epochs >= 1, but got 0, 5, 1"),
+        ({"device": 10}, r"Unknown fleet config keys \['device'\]"),
+    ],
+    ids=["split", "strategy", "devices", "unknown-key"],
+)
+def test_fleet_config_mistakes_are_named(values: dict[str, Any], message: str) -> None:
+    from ort_lightning.fleet.experiment import FleetConfig
+
+    with pytest.raises(ValueError, match=message):
+        FleetConfig.from_dict(values)
