@@ -188,14 +188,20 @@ def _inspect(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- fleet
 def _fleet(args: argparse.Namespace) -> None:
     import logging
+    import warnings
 
     from ort_lightning.fleet.experiment import FleetConfig, run_experiment
 
     config = FleetConfig.from_yaml(args.config)
-    # NOTE: one Trainer per device and round; their start-up lines and Flower's round log would bury the accuracy.
+    # NOTE: one Trainer per device and round; their start-up lines, their warning that devices do not
+    # validate, and Flower's round log would bury the accuracy per round.
     for name in ("lightning.pytorch", "lightning.fabric", "flwr"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    run_experiment(config, _digits_artifacts(Path(config.out) / "artifacts", hidden=config.hidden, seed=config.seed))
+        logging.getLogger(name).setLevel(logging.ERROR)
+    artifacts = _digits_artifacts(Path(config.out) / "artifacts", hidden=config.hidden, seed=config.seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        run_experiment(config, artifacts)
 
 
 def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:

@@ -111,7 +111,7 @@ class LocalGrid(Grid):
             return Message(Error(CLIENT_ERROR_CODE, f"no node {message.metadata.dst_node_id}"), reply_to=message)
         try:
             return self._app(message, context)
-        except Exception as error:  # noqa: BLE001 - any client failure becomes an error reply, as in Flower
+        except Exception as error:  # any device failure becomes an error reply, as in Flower's runtimes
             reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
             return Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message)
 
