@@ -18,6 +18,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'ort_lightning.fleet needs Flower; install it with pip install "ort-lightning[fleet]".'
     ) from error
 
+from ort_lightning.fleet.app import FleetServer, RoundRecord
 from ort_lightning.fleet.client import ClientData, FleetClient, evaluate_module
 from ort_lightning.fleet.local import LocalGrid, run_local
 from ort_lightning.fleet.parameters import get_values, set_values, state_order
@@ -27,8 +28,10 @@ __all__ = [
     "CheckpointEachRound",
     "ClientData",
     "FleetClient",
+    "FleetServer",
     "GlobalModel",
     "LocalGrid",
+    "RoundRecord",
     "evaluate_module",
     "get_values",
     "round_path",
