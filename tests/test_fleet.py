@@ -264,3 +264,16 @@ def test_fleet_config_mistakes_are_named(values: dict[str, Any], message: str) -
 
     with pytest.raises(ValueError, match=message):
         FleetConfig.from_dict(values)
+
+
+def test_evaluation_through_the_eval_graph_matches_torch(mlp_adamw: Exported) -> None:
+    from ort_lightning.fleet import evaluate_module
+
+    x, y = blobs(50, seed=9)
+    result = evaluate_module(ORTLightningModule(mlp_adamw.artifacts), DataLoader(TensorDataset(x, y), batch_size=16))
+    model = mlp_adamw.reference()
+    with torch.no_grad():
+        logits = model(x)
+    assert result["examples"] == 50
+    assert result["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert result["accuracy"] == pytest.approx(float((logits.argmax(1) == y).float().mean()))

@@ -512,6 +512,16 @@ class ORTLightningModule(pl.LightningModule):
         Args:
             batch: a tuple/list in the order of the graph's inputs (model inputs, then labels), or a
                 dict keyed by input name, as for ``validation_step``.
+
+        Example::
+
+            >>> import tempfile
+            >>> from ort_lightning import export_artifacts
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> module = ORTLightningModule(artifacts)
+            >>> loss, logits = module.evaluate_batch((torch.zeros(2, 4), torch.tensor([0, 2])))
+            >>> tuple(loss.shape), tuple(logits.shape)
+            ((), (2, 3))
         """
         _, fetches, loss = self._run_graph(self._eval_inputs, self._eval_step, batch, graph="eval")
         return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
