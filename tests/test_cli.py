@@ -93,7 +93,7 @@ CNN_CONFIG = ROOT / "examples" / "stripes_cnn.yaml"
 
 def test_help_lists_every_subcommand(tmp_path: Path) -> None:
     shown = run("--help", cwd=tmp_path).stdout
-    for command in ("demo", "export", "inspect", "fit", "validate", "test", "predict"):
+    for command in ("demo", "export", "inspect", "fleet", "fit", "validate", "test", "predict"):
         assert re.search(rf"^ +{command} +\S", shown, re.MULTILINE), shown
 
 
@@ -188,7 +188,7 @@ MISTAKES = {
     "misspelled-option": Mistake((*FACTORY, "--input-shape", "64", "--frozn", "a"),
                                  r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
     "misspelled-command": Mistake(("fitt",), r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', "
-                                             r"'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
+                                             r"'fleet', 'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
     "inspect-missing": Mistake(("inspect", "missing"), r"missing does not exist"),
     "inspect-junk": Mistake(("inspect", "junk"), r"junk is not an ONNX Runtime checkpoint; inspect reads",
                             {"junk": b"not a checkpoint"}),

@@ -7,6 +7,8 @@ Subcommands:
 - ``fit | validate | test | predict --config cfg.yaml``: LightningCLI over `ORTLightningModule`
   and any ``LightningDataModule``.
 - ``inspect DIR | CHECKPOINT``: what a set of artifacts or an ORT checkpoint holds.
+- ``fleet --config fleet.yaml``: federated training of the digits artifacts on simulated
+  devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
 
 Errors print one line, without a traceback, and exit with status 2.
 
@@ -110,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe an artifacts folder or an ORT checkpoint file")
     inspect.add_argument("path", type=Path)
     inspect.set_defaults(handler=_inspect)
+
+    fleet = commands.add_parser("fleet", help="federated training of the digits artifacts on simulated devices")
+    fleet.add_argument("--config", type=Path, required=True,
+                       help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
+    fleet.set_defaults(handler=_fleet)
     for name, text in _LIGHTNING_HELP.items():
         # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
         commands.add_parser(name, help=text)
@@ -188,6 +195,37 @@ def _inspect(args: argparse.Namespace) -> None:
     from ort_lightning.cli.describe import describe
 
     print(describe(args.path))
+
+
+# ----------------------------------------------------------------------------- fleet
+def _fleet(args: argparse.Namespace) -> None:
+    import logging
+    import warnings
+
+    from ort_lightning.fleet.experiment import FleetConfig, run_experiment
+
+    config = FleetConfig.from_yaml(args.config)
+    # NOTE: one Trainer per device and round; their start-up lines, their warning that devices do not
+    # validate, and Flower's round log would bury the accuracy per round.
+    for name in ("lightning.pytorch", "lightning.fabric", "flwr"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    artifacts = _digits_artifacts(Path(config.out) / "artifacts", hidden=config.hidden, seed=config.seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        run_experiment(config, artifacts)
+
+
+def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:
+    """The digits MLP's artifacts in `folder`, exported on first use."""
+    import torch
+
+    from ort_lightning import TrainingArtifacts, export_artifacts
+    from ort_lightning.demo import FEATURES, digits_mlp
+
+    if (folder / "ort_lightning.json").exists():
+        return TrainingArtifacts.load(folder).directory
+    return export_artifacts(digits_mlp(hidden, seed=seed), torch.zeros(2, FEATURES), folder).directory
 
 
 # ----------------------------------------------------------------------------- LightningCLI

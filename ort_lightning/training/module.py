@@ -577,6 +577,27 @@ class ORTLightningModule(pl.LightningModule):
                                   **self._thread_options(None)))
         load_values(self, values)
 
+    @torch.no_grad()
+    def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """Run the eval graph on one labelled batch, outside any Trainer; return ``(loss, *model_outputs)``.
+
+        Args:
+            batch: a tuple/list in the order of the graph's inputs (model inputs, then labels), or a
+                dict keyed by input name, as for ``validation_step``.
+
+        Example::
+
+            >>> import tempfile
+            >>> from ort_lightning import export_artifacts
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> module = ORTLightningModule(artifacts)
+            >>> loss, logits = module.evaluate_batch((torch.zeros(2, 4), torch.tensor([0, 2])))
+            >>> tuple(loss.shape), tuple(logits.shape)
+            ((), (2, 3))
+        """
+        _, fetches, loss = self._run_graph(self._ort.eval_inputs, self._ort.eval_step, batch, graph="eval")
+        return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
+
     # ----------------------------------------------------------------------------- helpers
     def _run_graph(
         self, binder: BatchBinder, step: Callable[[Any], Any], batch: Any, *, graph: str

@@ -1,0 +1,220 @@
+"""A Flower ``ClientApp`` that trains the artifacts with a ``lightning.Trainer``, as a device trains them.
+
+Each ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor
+name, in the training graph's order). The client builds an `ORTLightningModule` from the
+artifacts, copies the values into ORT's state through the module's views, fits `epochs` local
+epochs on its own data, and replies with its values, ``num-examples`` (the size of its
+training set: FedAvg's weight), ``train_loss`` and ``fit_seconds`` (the wall time of its
+fit). ``evaluate`` messages run the eval graph on the client's test data and reply with
+``eval_loss``, ``eval_accuracy`` and ``num-examples``.
+
+Optimizer state, as a device would handle it (`FleetClient.optimizer_state`):
+
+- ``"fresh"`` (default): every round starts ORT's optimizer anew (step 0, no moments) from the
+  global weights; a learning rate schedule then counts this round's local steps.
+- ``"keep"``: the client keeps its ORT optimizer state (step and AdamW moments) between rounds
+  in its Flower ``Context.state`` (it never leaves the client); a schedule counts every local
+  step the client has made since its first round.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from ort_lightning import export_artifacts
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> def data(partition: int, partitions: int) -> ClientData:
+    ...     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    ...     return ClientData(train=DataLoader(TensorDataset(x, y), batch_size=4))
+    >>> client = FleetClient(artifacts.directory, data, epochs=1, lr=0.1)
+    >>> app = client.client_app()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch.utils.data import DataLoader
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.parameters import get_values, set_values
+from ort_lightning.training.module import ORTLightningModule
+
+__all__ = ["ARRAYS_KEY", "METRICS_KEY", "OPTIMIZER_STATES", "ClientData", "FleetClient", "evaluate_module"]
+
+#: Record keys, as Flower's strategies name them by default.
+ARRAYS_KEY = "arrays"
+METRICS_KEY = "metrics"
+WEIGHT_KEY = "num-examples"
+#: Where a client keeps its ORT optimizer state between rounds (``optimizer_state="keep"``).
+_STATE_KEY = "ort_lightning_state"
+OPTIMIZER_STATES = ("fresh", "keep")
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One device's data: training batches, and optionally evaluation batches.
+
+    Attributes:
+        train: batches in the order of the training graph's inputs (model inputs, then labels).
+        test: batches for ``evaluate`` messages; None means the device does not evaluate.
+    """
+
+    train: DataLoader
+    test: DataLoader | None = None
+
+
+#: ``(partition_id, num_partitions) -> ClientData``: a device's data, from Flower's node config.
+DataFn = Callable[[int, int], ClientData]
+
+
+@dataclass(frozen=True)
+class FleetClient:
+    """What every simulated device runs: its data, the local epochs, the module's options.
+
+    Args:
+        artifacts: the artifacts folder (the same files every device trains).
+        data: ``(partition_id, num_partitions) -> ClientData``; it must pickle (a top-level
+            function or a `functools.partial` of one) for Flower's Ray simulation.
+        epochs: local epochs per round.
+        lr: the module's peak learning rate.
+        lr_scheduler: the module's ``lr_scheduler`` (``"constant"`` by default: a fleet usually
+            sets its learning rate per round).
+        optimizer_state: ``"fresh"`` or ``"keep"`` (see the module docstring).
+        module_options: other `ORTLightningModule` options (``warmup_steps``, ``total_steps``, ...).
+        trainer_options: `lightning.Trainer` options replacing the quiet CPU defaults.
+
+    Raises:
+        ConfigurationError: for an unknown `optimizer_state` or a non-positive `epochs`.
+    """
+
+    artifacts: str | os.PathLike[str]
+    data: DataFn
+    epochs: int = 1
+    lr: float = 1e-3
+    lr_scheduler: Any = "constant"
+    optimizer_state: str = "fresh"
+    module_options: dict[str, Any] = field(default_factory=dict)
+    trainer_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ConfigurationError(
+                f"Expected `optimizer_state` to be one of {OPTIMIZER_STATES}, but got {self.optimizer_state!r}; "
+                'pass "fresh" (a new optimizer every round) or "keep" (each client keeps its own).'
+            )
+        if self.epochs < 1:
+            raise ConfigurationError(f"Expected `epochs` >= 1, but got {self.epochs}; pass the local epochs per round.")
+
+    def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
+        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers (and Flower `mods`, if any)."""
+        app = ClientApp(mods=mods)
+        app.train()(self.train)
+        app.evaluate()(self.evaluate)
+        return app
+
+    # ----------------------------------------------------------------------------- handlers
+    def train(self, message: Message, context: Context) -> Message:
+        """Fit the global values for `epochs` local epochs; reply with the new values and the example count."""
+        data = self._data(context)
+        with self._module(context) as module:
+            set_values(module, message.content.array_records[ARRAYS_KEY].to_torch_state_dict())
+            trainer = self._trainer(max_epochs=self.epochs)
+            started = time.perf_counter()
+            trainer.fit(module, train_dataloaders=data.train)
+            seconds = time.perf_counter() - started
+            if self.optimizer_state == "keep":
+                context.state[_STATE_KEY] = _kept_state(module)
+            loss = trainer.callback_metrics.get("train_loss")
+            metrics: dict[str, Any] = {
+                WEIGHT_KEY: _examples(data.train), "train_loss": float("nan") if loss is None else float(loss),
+                "fit_seconds": seconds,
+            }
+            reply = RecordDict({ARRAYS_KEY: ArrayRecord(get_values(module)), METRICS_KEY: MetricRecord(metrics)})
+        return Message(reply, reply_to=message)
+
+    def evaluate(self, message: Message, context: Context) -> Message:
+        """Run the eval graph on the client's test data with the global values; reply with loss and accuracy."""
+        data = self._data(context)
+        if data.test is None:
+            raise ConfigurationError(
+                "This client has no test data (ClientData.test is None) but was asked to evaluate; return test "
+                "batches from `data`, or set the strategy's fraction_evaluate=0."
+            )
+        module = ORTLightningModule(self.artifacts, lr=self.lr, lr_scheduler=self.lr_scheduler, **self.module_options)
+        set_values(module, message.content.array_records[ARRAYS_KEY].to_torch_state_dict())
+        result = evaluate_module(module, data.test)
+        metrics: dict[str, Any] = {
+            WEIGHT_KEY: result["examples"], "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]
+        }
+        return Message(RecordDict({METRICS_KEY: MetricRecord(metrics)}), reply_to=message)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _data(self, context: Context) -> ClientData:
+        config = context.node_config
+        return self.data(int(config["partition-id"]), int(config["num-partitions"]))
+
+    @contextlib.contextmanager
+    def _module(self, context: Context) -> Iterator[ORTLightningModule]:
+        """A module over the artifacts; under ``"keep"``, over the client's stored ORT state."""
+        options: dict[str, Any] = {"lr": self.lr, "lr_scheduler": self.lr_scheduler, **self.module_options}
+        stored = context.state.array_records.get(_STATE_KEY) if self.optimizer_state == "keep" else None
+        if stored is None:
+            yield ORTLightningModule(self.artifacts, **options)
+            return
+        with tempfile.TemporaryDirectory(prefix="ort-lightning-fleet-") as folder:
+            path = Path(folder) / "client.ortckpt"
+            path.write_bytes(stored.to_torch_state_dict()["checkpoint"].numpy().tobytes())
+            yield ORTLightningModule(self.artifacts, checkpoint=path, **options)
+
+    def _trainer(self, **overrides: Any) -> pl.Trainer:
+        options: dict[str, Any] = {
+            "accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+            "enable_progress_bar": False, "enable_model_summary": False, **self.trainer_options, **overrides,
+        }
+        return pl.Trainer(**options)
+
+
+def _kept_state(module: ORTLightningModule) -> ArrayRecord:
+    """The device's ORT state with its optimizer step and moments, and its own step count as properties."""
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-fleet-") as folder:
+        path = module.save_ort_checkpoint(Path(folder) / "client.ortckpt", include_optimizer_state=True)
+        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    return ArrayRecord({"checkpoint": data})
+
+
+def _examples(loader: DataLoader) -> int:
+    return len(loader.dataset)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def evaluate_module(module: ORTLightningModule, loader: DataLoader) -> dict[str, float]:
+    """Loss and accuracy of the eval graph over `loader`, averaged over samples.
+
+    The loss is the eval graph's own (its first output); the accuracy compares the argmax of its
+    first model output (the logits) along axis 1 with the labels.
+
+    Returns:
+        ``{"loss": ..., "accuracy": ..., "examples": n}``.
+    """
+    total_loss = correct = seen = 0.0
+    for batch in loader:
+        inputs, labels = batch[:-1], batch[-1]
+        loss, logits = module.evaluate_batch([*inputs, labels])
+        size = labels.shape[0]
+        total_loss += float(loss) * size
+        correct += float((logits.argmax(dim=1) == labels).sum())
+        seen += size
+    if not seen:
+        raise ConfigurationError("The evaluation data is empty; give every evaluating client at least one sample.")
+    return {"loss": total_loss / seen, "accuracy": correct / seen, "examples": int(seen)}

@@ -1,0 +1,223 @@
+"""The fleet experiment people run: N simulated devices on the digits, R rounds, accuracy per round.
+
+`FleetConfig` is the YAML file's content (``ort-lightning fleet --config fleet.yaml``);
+`run_experiment` trains a digits classifier's artifacts on `devices` simulated
+devices for `rounds` rounds with a Flower strategy, prints the global accuracy after each
+round, and writes each round's ORT checkpoint, ``history.json`` and (with matplotlib)
+``accuracy.png`` under `out`.
+
+``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
+cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
+to many machines.
+
+Example::
+
+    >>> config = FleetConfig.from_dict({"devices": 3, "rounds": 1, "out": "runs/fleet"})
+    >>> config.devices, config.strategy, config.split
+    (3, 'fedavg', 'iid')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.app import FleetServer
+from ort_lightning.fleet.client import OPTIMIZER_STATES, FleetClient
+from ort_lightning.fleet.digits import SPLITS, DigitsPartitions, digits_test_loader
+from ort_lightning.fleet.local import run_local
+from ort_lightning.fleet.server import GlobalModel
+
+__all__ = ["ENGINES", "STRATEGIES", "FleetConfig", "run_experiment"]
+
+#: Flower strategies by name (any other works through the Python API).
+STRATEGIES: dict[str, type[Strategy]] = {
+    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedprox": FedProx, "fedadam": FedAdam, "fedyogi": FedYogi,
+    "fedadagrad": FedAdagrad,
+}
+ENGINES = ("local", "simulation")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One fleet experiment (the keys of the YAML file).
+
+    Attributes:
+        out: output folder (round checkpoints, history.json, accuracy.png; the console script's artifacts).
+        devices: simulated devices (each one partition of the digits' training split).
+        rounds: federated rounds.
+        epochs: local epochs per round.
+        lr: devices' learning rate (AdamW, constant).
+        batch_size: devices' batch size.
+        split: ``"iid"`` or ``"label"`` (non-IID: each device holds one or two digits).
+        strategy: a key of `STRATEGIES`.
+        strategy_options: keyword arguments of that Flower strategy (``fraction_train``, ``eta``...).
+        optimizer_state: ``"fresh"`` or ``"keep"`` (see `FleetClient`).
+        engine: ``"local"`` or ``"simulation"`` (Flower's Ray engine).
+        cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
+        hidden: hidden units of the digits MLP (when the console script exports it).
+        seed: seed of the model, the split and the shuffles.
+        resume: a round checkpoint to continue from (its round number continues too).
+    """
+
+    out: str = "fleet-digits"
+    devices: int = 10
+    rounds: int = 5
+    epochs: int = 1
+    lr: float = 0.01
+    batch_size: int = 16
+    split: str = "iid"
+    strategy: str = "fedavg"
+    strategy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    optimizer_state: str = "fresh"
+    engine: str = "local"
+    cpus_per_device: float = 1.0
+    hidden: int = 64
+    seed: int = 0
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
+                  ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)]
+        for key, value, allowed in checks:
+            if value not in allowed:
+                raise ConfigurationError(
+                    f"Expected `{key}` to be one of {list(allowed)}, but got {value!r}; fix that key of the fleet "
+                    "config."
+                )
+        if self.devices < 1 or self.rounds < 1 or self.epochs < 1:
+            raise ConfigurationError(
+                f"Expected devices, rounds and epochs >= 1, but got {self.devices}, {self.rounds}, {self.epochs}; "
+                "fix those keys of the fleet config."
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> FleetConfig:
+        """Build from a mapping (the parsed YAML).
+
+        Raises:
+            ConfigurationError: for a key that is not a `FleetConfig` field.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"Unknown fleet config keys {unknown}; the keys are {sorted(known)}."
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> FleetConfig:
+        """Read a YAML file of `FleetConfig` keys."""
+        import yaml
+
+        values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        if not isinstance(values, dict):
+            raise ConfigurationError(f"Fleet config {path} must be a mapping of keys to values, got {type(values)}.")
+        return cls.from_dict(values)
+
+
+def _strategy(config: FleetConfig) -> Strategy:
+    options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, config.devices),
+               "min_train_nodes": min(2, config.devices), **config.strategy_options}
+    if config.strategy == "fedprox":
+        options.setdefault("proximal_mu", 0.0)
+    return STRATEGIES[config.strategy](**options)
+
+
+def _run(server: FleetServer, client: FleetClient, config: FleetConfig) -> None:
+    if config.engine == "local":
+        run_local(server.server_app(), client.client_app(), nodes=config.devices)
+        return
+    from flwr.simulation import run_simulation
+
+    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.cpus_per_device, "num_gpus": 0.0}}
+    run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices, backend_config=backend)
+
+
+def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, echo: bool = True) -> FleetServer:
+    """Run the experiment; print accuracy per round (when `echo`); write history.json and accuracy.png.
+
+    Args:
+        config: the experiment.
+        artifacts: artifacts of a digits classifier (64 float inputs, 10 classes), e.g. from
+            ``export_artifacts(digits_mlp(), torch.zeros(2, 64), folder)``.
+        echo: print the accuracy per round.
+
+    Returns:
+        The `FleetServer`, whose ``history`` holds each round's record.
+    """
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = Path(artifacts)
+    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+    client = FleetClient(folder, data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state)
+    model = GlobalModel(folder, checkpoint=config.resume)
+    server = FleetServer(model, _strategy(config), rounds=config.rounds, directory=out / "rounds",
+                         test=digits_test_loader(config.seed))
+    started = time.perf_counter()
+    _run(server, client, config)
+    total = time.perf_counter() - started
+    if echo:
+        _print(server, config, total)
+    _write_history(server, config, out, total)
+    plot = _plot(server, config, out)
+    if echo:
+        print(f"round checkpoints: {out / 'rounds'}")
+        print(f"history:           {out / 'history.json'}")
+        print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
+    return server
+
+
+def _print(server: FleetServer, config: FleetConfig, total: float) -> None:
+    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {config.engine} engine")
+    if server.initial:
+        print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
+    for record in server.history:
+        fit = record.train_metrics.get("fit_seconds", float("nan"))
+        print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
+              f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; "
+              f"{record.devices} devices, {fit:.2f} s mean local fit, {record.aggregate_seconds * 1e3:.1f} ms "
+              f"aggregate, {record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
+    print(f"total: {total:.1f} s")
+
+
+def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: float) -> None:
+    rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
+               "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
+               **r.evaluation, "train": r.train_metrics,
+               "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
+    payload = {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
+    (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+
+
+def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    points = [(0, server.initial.get("accuracy"))] + [(r.server_round, r.evaluation.get("accuracy"))
+                                                     for r in server.history]
+    xs = [x for x, y in points if y is not None]
+    ys = [y for _, y in points if y is not None]
+    figure, axes = plt.subplots(figsize=(5, 3.5))
+    axes.plot(xs, ys, marker="o")
+    axes.set(xlabel="round", ylabel="global accuracy (held-out digits)", ylim=(0, 1),
+             title=f"{config.devices} devices, {config.split}, {config.strategy}")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path = out / "accuracy.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,133 @@
+"""Run Flower apps in this process: the same `ServerApp`, `ClientApp` and strategies, without Ray.
+
+`LocalGrid` is a Flower ``Grid`` that hands each message to the `ClientApp` of its node at
+once, in the calling thread, with a `Context` per node that lives as long as the grid (as a
+SuperNode's does across rounds). A client that raises is answered with an error reply, the
+way Flower's runtimes answer it, so strategies see the same replies. Use it for exact,
+repeatable experiments and tests; use ``flwr.simulation`` or a deployment for scale.
+
+Example::
+
+    >>> from flwr.app import Context, Message, RecordDict
+    >>> from flwr.clientapp import ClientApp
+    >>> app = ClientApp()
+    >>> @app.query()
+    ... def echo(message: Message, context: Context) -> Message:
+    ...     return Message(RecordDict(), reply_to=message)
+    >>> grid = LocalGrid(app, nodes=2)
+    >>> replies = grid.send_and_receive([Message(RecordDict(), dst_node_id=n, message_type="query")
+    ...                                   for n in grid.get_node_ids()])
+    >>> [reply.has_error() for reply in replies]
+    [False, False]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import count
+from uuid import uuid4
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+__all__ = ["CLIENT_ERROR_CODE", "LocalGrid", "run_local"]
+
+#: Error code of the reply to a message whose ClientApp raised (Flower's ClientApp exception code).
+CLIENT_ERROR_CODE = 1
+_RUN_ID = 1
+
+
+class LocalGrid(Grid):
+    """A Flower ``Grid`` whose nodes run `client_app` in this process, one message after another.
+
+    Args:
+        client_app: the ClientApp every node runs.
+        nodes: number of nodes; node ``i`` gets ``node_config={"partition-id": i, "num-partitions": nodes}``
+            as in Flower's simulation.
+        run_config: the run config every node's Context carries.
+    """
+
+    def __init__(self, client_app: ClientApp, *, nodes: int, run_config: dict | None = None) -> None:
+        if nodes < 1:
+            raise ValueError(f"Expected `nodes` >= 1, but got {nodes}; pass the number of simulated devices.")
+        _claim_identity()
+        self._app = client_app
+        self._run = Run.create_empty(_RUN_ID)
+        config = dict(run_config or {})
+        self._contexts = {
+            node_id: Context(_RUN_ID, node_id, {"partition-id": i, "num-partitions": nodes}, RecordDict(), config)
+            for i, node_id in enumerate(range(1, nodes + 1))
+        }
+        self._replies: dict[str, Message] = {}
+        self._ids = count()
+
+    def context(self, node_id: int) -> Context:
+        """The Context of node `node_id` (its ``state`` is what the node keeps between rounds)."""
+        return self._contexts[node_id]
+
+    def set_run(self, run: Run) -> None:
+        """Adopt `run` (the grid serves one run at a time)."""
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        """The run this grid serves."""
+        return self._run
+
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
+        """A message to `dst_node_id` (Flower deprecates this in favour of the Message constructor)."""
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The ids of the nodes, in order."""
+        return list(self._contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Run each message's node on it now; keep the replies for `pull_messages`."""
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = f"{next(self._ids)}-{uuid4().hex}"
+            self._replies[message.metadata.message_id] = self._deliver(message)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies to `message_ids` (each is handed out once)."""
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Run every message and return the replies (there is nothing to wait for)."""
+        return self.pull_messages(self.push_messages(messages))
+
+    def _deliver(self, message: Message) -> Message:
+        context = self._contexts.get(message.metadata.dst_node_id)
+        if context is None:
+            return Message(Error(CLIENT_ERROR_CODE, f"no node {message.metadata.dst_node_id}"), reply_to=message)
+        try:
+            return self._app(message, context)
+        except Exception as error:  # any device failure becomes an error reply, as in Flower's runtimes
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
+            return Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message)
+
+
+def _claim_identity() -> None:
+    """Say, as Flower's runtimes do, which task this process runs: Messages are stamped with it."""
+    # NOTE: Flower reads the run id from a process-wide identity when a Message is created;
+    # its runtimes set it at start-up, and a process that already has one keeps it.
+    if TaskIdentity._run_id is None:
+        TaskIdentity.task_id = 1
+        TaskIdentity.run_id = _RUN_ID
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+
+
+def run_local(server_app: ServerApp, client_app: ClientApp, *, nodes: int, run_config: dict | None = None) -> None:
+    """Run `server_app` against `nodes` in-process nodes running `client_app` (see `LocalGrid`)."""
+    grid = LocalGrid(client_app, nodes=nodes, run_config=run_config)
+    context = Context(_RUN_ID, 0, {}, RecordDict(), dict(run_config or {}))
+    server_app(grid, context)

@@ -1,0 +1,120 @@
+"""The values a fleet exchanges: every tensor of ORT's state, in the training graph's order.
+
+A client sends the values of its CheckpointState (trainable and frozen parameters, and
+buffers such as BatchNorm running statistics) in the order the training graph takes them as
+inputs, which is the order of ORT's contiguous parameter buffer, not the alphabetical order in
+which the CheckpointState lists them. Setting values copies them into the torch views of ORT's
+memory (``tensor.copy_``): ORT's state is updated in place and no ORT object is rebuilt.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from ort_lightning import ORTLightningModule, export_artifacts
+    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> state_order(module.artifacts)
+    ['weight', 'bias']
+    >>> values = get_values(module)
+    >>> set_values(module, {name: torch.zeros_like(value) for name, value in values.items()})
+    >>> float(module.weight.detach().abs().sum())
+    0.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+
+import numpy as np
+import onnx
+import torch
+
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.errors import ConfigurationError
+
+__all__ = ["get_values", "set_values", "state_order", "state_tensors"]
+
+
+@lru_cache(maxsize=32)
+def _graph_inputs(path: str, mtime_ns: int) -> tuple[str, ...]:
+    # NOTE: the graph's structure only; weights stay on disk.
+    return tuple(value.name for value in onnx.load(path, load_external_data=False).graph.input)
+
+
+def state_order(artifacts: TrainingArtifacts) -> list[str]:
+    """Names of ORT's state tensors in the order the training graph takes them.
+
+    Args:
+        artifacts: the artifacts whose training graph sets the order.
+
+    Returns:
+        Parameter and buffer names, as ``named_parameters()`` / ``named_buffers()`` spell them.
+    """
+    path = artifacts.training_model
+    inputs = _graph_inputs(str(path), path.stat().st_mtime_ns)
+    skip = {spec.name for spec in artifacts.manifest.graph_inputs}
+    return [name for name in inputs if name not in skip and not name.endswith(".buffer") and name != "lazy_reset_grad"]
+
+
+def state_tensors(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
+    """The module's views of ORT's state tensors, keyed by name, in `state_order`.
+
+    Raises:
+        ConfigurationError: when the module lacks a tensor the training graph takes.
+    """
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    order = state_order(artifacts)
+    missing = [name for name in order if name not in tensors]
+    if missing:
+        raise ConfigurationError(
+            f"The training graph of {artifacts.directory} takes state tensors {missing} that the module does not "
+            "have; build the module from these artifacts (ORTLightningModule(artifacts))."
+        )
+    return {name: tensors[name] for name in order}
+
+
+def get_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the values of ORT's state, keyed by name, in the training graph's order.
+
+    Args:
+        module: an `ORTLightningModule` (its ``artifacts`` set the order).
+    """
+    artifacts: TrainingArtifacts = module.artifacts  # type: ignore[assignment]
+    return {name: tensor.detach().cpu().clone() for name, tensor in state_tensors(module, artifacts).items()}
+
+
+def _as_tensor(value: object) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+
+
+@torch.no_grad()
+def set_values(module: torch.nn.Module, values: Mapping[str, object]) -> None:
+    """Copy `values` into ORT's state through the module's views (no ORT object is rebuilt).
+
+    Args:
+        module: an `ORTLightningModule`.
+        values: name -> tensor or numpy array, for every state tensor of the training graph.
+
+    Raises:
+        ConfigurationError: for missing, unexpected or misshapen values.
+    """
+    artifacts: TrainingArtifacts = module.artifacts  # type: ignore[assignment]
+    targets = state_tensors(module, artifacts)
+    _check_names(set(values), list(targets))
+    for name, target in targets.items():
+        value = _as_tensor(values[name])
+        if tuple(value.shape) != tuple(target.shape):
+            raise ConfigurationError(
+                f"Expected value {name!r} of shape {tuple(target.shape)}, but got {tuple(value.shape)}; send the "
+                "values of the same artifacts to every client."
+            )
+        target.copy_(value)
+
+
+def _check_names(given: set[str], expected: list[str]) -> None:
+    missing = [name for name in expected if name not in given]
+    unexpected = sorted(given - set(expected))
+    if missing or unexpected:
+        raise ConfigurationError(
+            f"Expected values for exactly the state tensors {expected}, but {missing} are missing and "
+            f"{unexpected} unexpected; send the values of the same artifacts (get_values of a module built from them)."
+        )

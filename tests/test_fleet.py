@@ -1,0 +1,279 @@
+"""Fleet experiments on Flower: FedAvg of ORT-trained devices against the same rounds computed by hand.
+
+The reference never goes through ort_lightning.fleet: each device is an independent Lightning fit
+of an ORTLightningModule started from an ORT checkpoint file, and the average is taken here, in
+float64, weighted by each device's example count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ort_lightning import ORTLightningModule
+from ort_lightning.training.atomic import verify_digest
+
+from .conftest import Exported, blobs
+
+flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
+
+from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from ort_lightning.fleet import (  # noqa: E402
+    ClientData,
+    FleetClient,
+    GlobalModel,
+    LocalGrid,
+    get_values,
+    round_path,
+    run_local,
+    set_values,
+    state_order,
+)
+from ort_lightning.fleet.app import FleetServer  # noqa: E402
+
+LR = 0.05
+EPOCHS = 2
+SIZES = (12, 20, 8)  # unequal, so that weighting by example count matters
+
+
+def iid_data(partition: int, partitions: int) -> ClientData:
+    x, y = blobs(sum(SIZES), seed=7)
+    start = sum(SIZES[:partition])
+    part = slice(start, start + SIZES[partition])
+    return ClientData(train=DataLoader(TensorDataset(x[part], y[part]), batch_size=4))
+
+
+def label_data(partition: int, partitions: int) -> ClientData:
+    """Non-IID: device i holds only label i (and a different number of samples each)."""
+    x, y = blobs(120, seed=8)
+    mine = torch.nonzero(y == partition).flatten()[: SIZES[partition]]
+    return ClientData(train=DataLoader(TensorDataset(x[mine], y[mine]), batch_size=4))
+
+
+# ----------------------------------------------------------------------------- the reference
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+
+def _trainer() -> pl.Trainer:
+    return pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+
+
+def _fit(exported: Exported, start: Path | None, data: ClientData) -> tuple[dict[str, torch.Tensor], int]:
+    module = ORTLightningModule(exported.artifacts, lr=LR, lr_scheduler="constant", checkpoint=start)
+    _trainer().fit(module, train_dataloaders=data.train)
+    return _state(module), len(data.train.dataset)  # type: ignore[arg-type]
+
+
+def _average(fits: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
+    total = sum(count for _, count in fits)
+    return {name: sum(values[name].double() * count for values, count in fits) / total for name in fits[0][0]}
+
+
+@torch.no_grad()
+def _checkpoint_of(exported: Exported, values: dict[str, torch.Tensor], path: Path) -> Path:
+    module = ORTLightningModule(exported.artifacts)
+    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+        tensor.copy_(values[name].float())
+    return module.save_ort_checkpoint(path, include_optimizer_state=False)
+
+
+def _reference(
+    exported: Exported, data: Callable[[int, int], ClientData], rounds: list[list[int]], folder: Path
+) -> list[tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]]:
+    """Per round: the example-weighted average of the listed devices' fits, and the fits themselves."""
+    start: Path | None = None
+    results = []
+    for number, devices in enumerate(rounds, start=1):
+        fits = [_fit(exported, start, data(device, len(SIZES))) for device in devices]
+        average = _average(fits)
+        start = _checkpoint_of(exported, average, folder / f"reference-{number}.ortckpt")
+        results.append((average, [values for values, _ in fits]))
+    return results
+
+
+def _values_in(exported: Exported, path: Path) -> dict[str, torch.Tensor]:
+    return _state(ORTLightningModule(exported.artifacts, checkpoint=path))
+
+
+def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(actual[name].double(), expected[name], rtol=0, atol=2e-6, msg=name)
+
+
+def _run(exported: Exported, data: Any, folder: Path, *, rounds: int, mods: list[Any] | None = None) -> FleetServer:
+    client = FleetClient(exported.artifacts.directory, data, epochs=EPOCHS, lr=LR)
+    server = FleetServer(GlobalModel(exported.artifacts), FedAvg(fraction_evaluate=0.0), rounds=rounds,
+                         directory=folder)
+    run_local(server.server_app(), client.client_app(mods=mods), nodes=len(SIZES))
+    return server
+
+
+# ----------------------------------------------------------------------------- tests
+def test_values_follow_the_training_graph_and_land_in_ort_memory(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    assert state_order(mlp_adamw.artifacts) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    address = module.fc1.weight.data_ptr()
+    reference = mlp_adamw.reference().state_dict()
+    set_values(module, {name: torch.full_like(value, 0.5) for name, value in reference.items()})
+    assert module.fc1.weight.data_ptr() == address
+    x = torch.randn(5, 4)
+    model = mlp_adamw.reference()
+    for parameter in model.parameters():
+        torch.nn.init.constant_(parameter, 0.5)
+    torch.testing.assert_close(module(x), model(x))
+    assert list(get_values(module)) == list(reference)
+
+
+def test_set_values_refuses_values_of_other_artifacts(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts)
+    values = get_values(module)
+    with pytest.raises(ValueError, match=r"\['fc2.bias'\] are missing"):
+        set_values(module, {k: v for k, v in values.items() if k != "fc2.bias"})
+    with pytest.raises(ValueError, match=r"Expected value 'fc1.bias' of shape \(8,\), but got \(3,\)"):
+        set_values(module, {**values, "fc1.bias": torch.zeros(3)})
+
+
+def test_fedavg_rounds_match_independent_fits_averaged_by_example_count(mlp_adamw: Exported, tmp_path: Path) -> None:
+    server = _run(mlp_adamw, iid_data, tmp_path / "rounds", rounds=2)
+    expected = _reference(mlp_adamw, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
+
+    for number, (average, fits) in enumerate(expected, start=1):
+        path = round_path(tmp_path / "rounds", number)
+        assert verify_digest(path)
+        _assert_close(_values_in(mlp_adamw, path), average)
+        # the test can fail: the devices moved apart, and the plain mean is not the weighted one
+        assert max(float((fit["fc1.weight"] - average["fc1.weight"].float()).abs().max()) for fit in fits) > 1e-3
+        plain = sum(fit["fc1.weight"].double() for fit in fits) / len(fits)
+        assert float((plain - average["fc1.weight"]).abs().max()) > 1e-4
+    assert [r.server_round for r in server.history] == [1, 2]
+    assert [(r.devices, r.examples) for r in server.history] == [(3, sum(SIZES))] * 2
+    last = tmp_path / "rounds" / "last.ortckpt"
+    assert last.read_bytes() == round_path(tmp_path / "rounds", 2).read_bytes()
+
+
+def _fail(rounds_to_devices: dict[int, set[int]]) -> Callable[..., Message]:
+    """A Flower mod: the listed devices raise in the listed rounds (a device lost mid-round)."""
+
+    def mod(message: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        server_round = int(message.content.config_records["config"]["server-round"])
+        if int(context.node_config["partition-id"]) in rounds_to_devices.get(server_round, set()):
+            raise RuntimeError(f"device lost in round {server_round}")
+        return call_next(message, context)
+
+    return mod
+
+
+def test_non_iid_round_survives_a_failing_device_and_keeps_earlier_checkpoints(
+    mlp_adamw: Exported, tmp_path: Path
+) -> None:
+    folder = tmp_path / "rounds"
+    # round 2: device 1 fails; round 3: every device fails
+    server = _run(mlp_adamw, label_data, folder, rounds=3, mods=[_fail({2: {1}, 3: {0, 1, 2}})])
+    expected = _reference(mlp_adamw, label_data, [[0, 1, 2], [0, 2]], tmp_path)
+
+    for number, (average, _) in enumerate(expected, start=1):
+        assert verify_digest(round_path(folder, number))
+        _assert_close(_values_in(mlp_adamw, round_path(folder, number)), average)
+    assert [(r.devices, r.examples) for r in server.history] == [(3, sum(SIZES)), (2, SIZES[0] + SIZES[2]), (0, 0)]
+    assert server.history[2].checkpoint is None
+    assert not round_path(folder, 3).exists()
+    digest = hashlib.sha256(round_path(folder, 2).read_bytes()).hexdigest()
+    assert hashlib.sha256((folder / "last.ortckpt").read_bytes()).hexdigest() == digest
+    assert verify_digest(folder / "last.ortckpt")
+
+
+def test_resumed_server_continues_round_numbers_from_the_checkpoint(mlp_adamw: Exported, tmp_path: Path) -> None:
+    first = _run(mlp_adamw, iid_data, tmp_path / "a", rounds=1)
+    resumed = GlobalModel(mlp_adamw.artifacts, checkpoint=first.history[0].checkpoint)
+    assert resumed.server_round == 1
+    written = _values_in(mlp_adamw, round_path(tmp_path / "a", 1))
+    _assert_close(_state(resumed.module), {name: value.double() for name, value in written.items()})
+
+
+def test_kept_optimizer_state_continues_the_devices_adamw_step(mlp_adamw: Exported, tmp_path: Path) -> None:
+    """optimizer_state="keep": a device's second round starts at its own AdamW step, not at step 0."""
+    client = FleetClient(mlp_adamw.artifacts.directory, iid_data, epochs=1, lr=LR, optimizer_state="keep")
+    server = FleetServer(GlobalModel(mlp_adamw.artifacts), FedAvg(fraction_evaluate=0.0), rounds=2,
+                         directory=tmp_path / "keep")
+    grid = LocalGrid(client.client_app(), nodes=len(SIZES))
+    server.main(grid, Context(1, 0, {}, RecordDict(), {}))
+    steps = []
+    for context in map(grid.context, grid.get_node_ids()):
+        stored = context.state.array_records["ort_lightning_state"].to_torch_state_dict()["checkpoint"]
+        path = tmp_path / f"device-{context.node_id}.ortckpt"
+        path.write_bytes(stored.numpy().tobytes())
+        steps.append(ORTLightningModule(mlp_adamw.artifacts, checkpoint=path).start_progress["global_step"])
+    assert steps == [2 * (size // 4) for size in SIZES]
+
+
+def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, tmp_path: Path) -> None:
+    """One true run on Flower's simulation engine (Ray): 2 devices, 1 round, the same numbers as by hand."""
+    from flwr.simulation import run_simulation
+
+    client = FleetClient(mlp_adamw.artifacts.directory, iid_data, epochs=EPOCHS, lr=LR)
+    server = FleetServer(GlobalModel(mlp_adamw.artifacts), FedAvg(fraction_evaluate=0.0), rounds=1,
+                         directory=tmp_path / "rounds")
+    backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}}
+    run_simulation(server.server_app(), client.client_app(), num_supernodes=2, backend_config=backend)
+
+    ((average, _),) = _reference(mlp_adamw, iid_data, [[0, 1]], tmp_path)
+    assert [(r.devices, r.examples) for r in server.history] == [(2, SIZES[0] + SIZES[1])]
+    _assert_close(_values_in(mlp_adamw, round_path(tmp_path / "rounds", 1)), average)
+
+
+def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path: Path) -> None:
+    from .test_cli import run
+
+    config = tmp_path / "fleet.yaml"
+    config.write_text(f"out: {tmp_path / 'run'}\ndevices: 3\nrounds: 2\nhidden: 16\nepochs: 1\n", encoding="utf-8")
+    shown = run("fleet", "--config", config, cwd=tmp_path).stdout
+    accuracies = [float(a) for a in re.findall(r"^round +\d: accuracy ([\d.]+)%", shown, re.MULTILINE)]
+    assert len(accuracies) == 3, shown
+    assert accuracies[2] > accuracies[0], shown
+    assert verify_digest(tmp_path / "run" / "rounds" / "round-0002.ortckpt")
+    history = json.loads((tmp_path / "run" / "history.json").read_text(encoding="utf-8"))
+    assert [r["devices"] for r in history["rounds"]] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"split": "dirichlet"}, r"Expected `split` to be one of \['iid', 'label'\], but got 'dirichlet'"),
+        ({"strategy": "fedsgd"}, r"Expected `strategy` to be one of \['fedavg'.*but got 'fedsgd'"),
+        ({"devices": 0}, r"Expected devices, rounds and epochs >= 1, but got 0, 5, 1"),
+        ({"device": 10}, r"Unknown fleet config keys \['device'\]"),
+    ],
+    ids=["split", "strategy", "devices", "unknown-key"],
+)
+def test_fleet_config_mistakes_are_named(values: dict[str, Any], message: str) -> None:
+    from ort_lightning.fleet.experiment import FleetConfig
+
+    with pytest.raises(ValueError, match=message):
+        FleetConfig.from_dict(values)
+
+
+def test_evaluation_through_the_eval_graph_matches_torch(mlp_adamw: Exported) -> None:
+    from ort_lightning.fleet import evaluate_module
+
+    x, y = blobs(50, seed=9)
+    result = evaluate_module(ORTLightningModule(mlp_adamw.artifacts), DataLoader(TensorDataset(x, y), batch_size=16))
+    model = mlp_adamw.reference()
+    with torch.no_grad():
+        logits = model(x)
+    assert result["examples"] == 50
+    assert result["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert result["accuracy"] == pytest.approx(float((logits.argmax(1) == y).float().mean()))
