@@ -1,0 +1,95 @@
+"""Files ONNX Runtime reads and writes: checkpoints, properties, inference models, graph inputs.
+
+Checkpoint summaries and saves, stored properties, inference exports, and the inputs and outputs
+of a graph file (``.ort`` included).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ort_lightning.errors import ArtifactError
+from ort_lightning.ort._api import (
+    CheckpointState,
+    onnxruntime,
+)
+from ort_lightning.ort._api import capi as _C
+
+if TYPE_CHECKING:
+    from ort_lightning.ort.session import TrainingSession
+
+from ort_lightning.ort.options import session_options
+
+__all__ = [
+    "CHECKPOINT_READ_ERRORS",
+    "checkpoint_summary",
+    "export_for_inferencing",
+    "ort_graph_io",
+    "save_checkpoint",
+    "set_properties",
+]
+
+
+def ort_graph_io(path: os.PathLike[str] | str) -> tuple[list[tuple[str, str, tuple[int | str, ...]]], list[str]]:
+    """Inputs ``(name, numpy dtype name, shape)`` and output names of a graph ONNX Runtime loads (``.ort`` too).
+
+    Raises:
+        ArtifactError: for a file ONNX Runtime cannot load as a graph.
+    """
+    try:
+        session = onnxruntime.InferenceSession(
+            os.fspath(path), sess_options=session_options(), providers=["CPUExecutionProvider"]
+        )
+    except (RuntimeError, _C.Fail, _C.InvalidArgument, _C.InvalidGraph, _C.InvalidProtobuf) as error:
+        raise ArtifactError(
+            f"ONNX Runtime cannot load {os.fspath(path)} ({' '.join(str(error).split())[:200]}); the file is "
+            "damaged or truncated: copy it again from where the artifacts were generated, or regenerate them."
+        ) from error
+    inputs = []
+    for arg in session.get_inputs():
+        dtype = _ORT_TYPES.get(arg.type, arg.type)
+        shape = tuple(dim if isinstance(dim, int | str) else "?" for dim in arg.shape or ())
+        inputs.append((arg.name, dtype, shape))
+    return inputs, [arg.name for arg in session.get_outputs()]
+
+
+#: ONNX Runtime's type strings -> numpy dtype names (what `TensorSpec` records).
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
+    "tensor(int8)": "int8",
+}
+
+
+def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
+    """Read a CheckpointState file: ``(name, shape, requires_grad)`` per parameter, and its properties."""
+    state = CheckpointState.load_checkpoint(os.fspath(path))._state
+    parameters = []
+    for name in state.parameter_names():
+        parameter = state.get_parameter(name)
+        parameters.append((name, tuple(parameter.data.shape()), bool(parameter.requires_grad)))
+    properties = {name: state.get_property(name) for name in state.property_names()}
+    return parameters, properties
+
+
+#: What ONNX Runtime raises for a checkpoint file it cannot parse.
+CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, _C.Fail, _C.InvalidArgument, _C.NoSuchFile)
+
+
+def save_checkpoint(session: TrainingSession, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:
+    """Write the session's CheckpointState (and optionally the optimizer's step and moments) to `path`."""
+    _C.save_checkpoint(session._state._state, os.fspath(path), include_optimizer_state)
+
+
+def set_properties(session: TrainingSession, properties: dict[str, int | float | str]) -> None:
+    """Store int, float or str properties in the session's CheckpointState (saved with it)."""
+    state = session._state._state
+    for name, value in properties.items():
+        state.add_property(name, value)
+
+
+def export_for_inferencing(session: TrainingSession, path: os.PathLike[str] | str, outputs: Sequence[str]) -> None:
+    """Write the eval graph with the current parameters as an inference model producing `outputs`."""
+    session._module._model.export_model_for_inferencing(os.fspath(path), list(outputs))

@@ -1,0 +1,235 @@
+"""The ORT objects that train one set of artifacts: `assemble` builds a `TrainingSession`.
+
+A CheckpointState, a Module and an Optimizer over that one state, on a device, with the session
+options.
+
+Example::
+
+    >>> parse_device("cpu")
+    ('cpu', 0)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import onnx
+
+from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError
+from ort_lightning.ort._api import (
+    CheckpointState,
+    Module,
+    Optimizer,
+    onnxruntime,
+)
+from ort_lightning.ort._api import capi as _C
+from ort_lightning.ort.files import ort_graph_io
+from ort_lightning.ort.generate import OPTIMIZER_NODES as _OPTIMIZER_NODES
+from ort_lightning.ort.generate import optimizer_kind_of
+from ort_lightning.ort.options import session_options
+
+__all__ = [
+    "OrtValueVector",
+    "TrainingSession",
+    "assemble",
+    "optimizer_kind_in",
+    "parse_device",
+    "session_options",
+]
+
+OrtValueVector = _C.OrtValueVector
+
+_CUDA_INSTALL = 'pip uninstall -y onnxruntime-training-cpu && pip install "ort-lightning[cuda]"'
+
+
+#: "cpu", "cuda" or "cuda:N" with ASCII digits; a bare ":" or an index on "cpu" is a typo.
+_DEVICE = re.compile(r"(?P<kind>cpu)|(?P<cuda>cuda)(?::(?P<index>[0-9]+))?", re.ASCII)
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """Split ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into a kind and an index, checking the build.
+
+    Raises:
+        DeviceError: for another spelling, or for CUDA without the CUDA build of ORT.
+
+    Example::
+
+        >>> parse_device("cpu")
+        ('cpu', 0)
+    """
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
+        raise DeviceError(
+            f"Expected a device 'cpu', 'cuda' or 'cuda:N', but got {device!r}; pass one of those spellings."
+        )
+    kind, index = match.group("kind") or match.group("cuda"), match.group("index")
+    if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise DeviceError(
+            f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build "
+            f"offers {onnxruntime.get_available_providers()}; run `{_CUDA_INSTALL}`, or train on \"cpu\"."
+        )
+    return kind, int(index or 0)
+
+
+class TrainingSession:
+    """The ORT objects that train one set of artifacts: state, module, optimizer.
+
+    The module and the optimizer share `state`, so an optimizer update is visible to the next
+    step at once. Hot-path methods are bound C functions; nothing is looked up per step.
+    `optimizer_kind` (``"adamw"`` or ``"sgd"``) is what the optimizer graph itself runs.
+    """
+
+    def __init__(
+        self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str, spinning: bool = True,
+        intra_op_threads: int = 0,
+    ) -> None:
+        self.device = device
+        self.optimizer_kind = optimizer_kind
+        self.spinning = spinning
+        self.intra_op_threads = intra_op_threads
+        self._state = state
+        self._module = module
+        self._optimizer = optimizer
+        self._train = module._model.train_step_with_ort_values
+        self._eval = module._model.eval_step_with_ort_values
+        self.lazy_reset_grad = module._model.lazy_reset_grad
+        if optimizer is None:  # a folder without an optimizer graph: evaluation and prediction only
+            self.optimizer_step = self.set_lr = _no_optimizer
+            self.get_lr: Callable[[], float] = _no_learning_rate
+            return
+        self.optimizer_step = optimizer._optimizer.optimizer_step
+        self.set_lr = optimizer._optimizer.set_learning_rate
+        self.get_lr = optimizer._optimizer.get_learning_rate
+
+    def train_step(self, inputs: Any) -> Any:
+        """Run forward and backward; gradients are added to ORT's buffers. Returns the fetches."""
+        # NOTE: a fresh fetch vector per step; a reused one makes ORT overwrite the previous
+        # step's outputs in place, under tensors Lightning may still hold.
+        fetches = OrtValueVector()
+        self._train(inputs, fetches)
+        return fetches
+
+    def eval_step(self, inputs: Any) -> Any:
+        """Run the eval graph. Returns the fetches."""
+        fetches = OrtValueVector()
+        self._eval(inputs, fetches)
+        return fetches
+
+    def parameters(self) -> list[tuple[str, Any, Any | None, bool]]:
+        """Return ``(name, data, grad or None, requires_grad)`` OrtValues of the checkpoint state."""
+        result = []
+        for name in self._state._state.parameter_names():
+            parameter = self._state._state.get_parameter(name)
+            grad = parameter.grad if parameter.requires_grad and parameter.grad.has_value() else None
+            result.append((name, parameter.data, grad, bool(parameter.requires_grad)))
+        return result
+
+    def input_names(self, *, training: bool = True) -> list[str]:
+        """Return the user inputs of the training (or eval) graph, in order."""
+        return list(self._module._model.input_names(training))
+
+    def output_names(self, *, training: bool = True) -> list[str]:
+        """Return the outputs of the training (or eval) graph, in order."""
+        return list(self._module._model.output_names(training))
+
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the artifacts had an optimizer graph (without one, the session only evaluates)."""
+        return self._optimizer is not None
+
+    def linear_scheduler(self, *, warmup_steps: int, total_steps: int, lr: float) -> Any:
+        """Create ORT's LinearLRScheduler; its lr applies to the optimizer at once.
+
+        Returns an object whose ``scheduler_step()`` recomputes the lr from the optimizer's step.
+        """
+        # NOTE: the 1.19.2 Python wrapper passes (warmup, total) to a C binding that takes
+        # (total, warmup); calling the binding directly with the right order avoids the swap.
+        return _C.LinearLRScheduler(self._optimizer._optimizer, total_steps, warmup_steps, lr)
+
+
+def _no_optimizer(*_: Any) -> None:
+    raise ConfigurationError(
+        "These artifacts have no optimizer graph (generate_artifacts(..., optimizer=None)), so they can "
+        "evaluate and predict but not train; regenerate them with an optimizer, or pass "
+        "ORTLightningModule(..., optimizer=lambda params: torch.optim.SGD(params, lr=...))."
+    )
+
+
+def _no_learning_rate() -> float:
+    return 0.0
+
+
+def assemble(
+    *,
+    training_model: os.PathLike[str] | str,
+    eval_model: os.PathLike[str] | str,
+    optimizer_model: os.PathLike[str] | str | None,
+    checkpoint: os.PathLike[str] | str,
+    device: str = "cpu",
+    custom_op_library: os.PathLike[str] | str | None = None,
+    spinning: bool = True,
+    intra_op_threads: int = 0,
+) -> TrainingSession:
+    """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
+
+    `spinning` is ORT's intra-op thread spinning, `intra_op_threads` the size of its intra-op
+    pool, 0 for ORT's default (see `session_options`).
+
+    The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
+    names what ORT will actually run.
+
+    Raises:
+        DeviceError: for a device this build cannot use.
+        ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
+        ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded.
+    """
+    kind, index = parse_device(device)
+    options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
+    target = f"{kind}:{index}" if kind == "cuda" else "cpu"
+    optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
+    state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
+    module = Module(
+        os.fspath(training_model),
+        state,
+        os.fspath(eval_model),
+        device=target,
+        session_options=options,
+    )
+    optimizer = None if optimizer_model is None else Optimizer(os.fspath(optimizer_model), module)
+    return TrainingSession(
+        state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
+        intra_op_threads=intra_op_threads,
+    )
+
+
+def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
+    """Read ``"adamw"`` or ``"sgd"`` from an optimizer graph (``.onnx`` or ``.ort``).
+
+    Raises:
+        ArtifactError: for a graph with neither optimizer node.
+    """
+    nodes = _optimizer_nodes(os.fspath(optimizer_model))
+    kind = optimizer_kind_of(nodes)
+    if kind is None:
+        raise ArtifactError(
+            f"Optimizer graph {os.fspath(optimizer_model)} has nodes {sorted(set(nodes))} but no "
+            f"{' or '.join(_OPTIMIZER_NODES)} node; re-export the artifacts with "
+            "export_artifacts(..., optimizer='adamw' or 'sgd')."
+        )
+    return kind
+
+
+def _optimizer_nodes(path: str) -> list[str]:
+    """Node types of an optimizer graph; for an ``.ort`` graph, what its inputs and operator list say."""
+    if not path.endswith(".ort"):
+        return [node.op_type for node in onnx.load(path, load_external_data=False).graph.node]
+    config = path[: -len(".ort")] + ".required_operators.config"
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as stream:
+            return [op for line in stream if not line.startswith("#") for op in line.strip().split(";")[-1].split(",")]
+    # NOTE: without the operator list, the inputs tell: only AdamW keeps second-order moments.
+    inputs, _ = ort_graph_io(path)
+    return ["AdamWOptimizer" if any(name == "second_order_moments" for name, _, _ in inputs) else "SGDOptimizerV2"]
