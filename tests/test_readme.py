@@ -44,3 +44,4 @@ def test_every_readme_python_block_runs_as_written(tmp_path: Path, monkeypatch: 
         assert result.returncode == 0, f"README block {index} ({script}):\n{result.stderr[-3000:]}"
     assert (tmp_path / "checkpoints" / "last.ortckpt").is_file()
     assert (tmp_path / "model.onnx").is_file()
+    assert (tmp_path / "rounds" / "last.ortckpt").is_file()
