@@ -150,7 +150,7 @@ class TorchTransformer(nn.Module):
 
 
 class Attention(nn.Module):
-    """A bare nn.MultiheadAttention(dropout=0.1) returning its weights (its dropout runs inside F.multi_head_attention_forward)."""
+    """A bare nn.MultiheadAttention(dropout=0.1); its dropout runs inside F.multi_head_attention_forward."""
 
     def __init__(self) -> None:
         super().__init__()
