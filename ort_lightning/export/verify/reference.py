@@ -2,7 +2,8 @@
 
 Inputs for a batch size are the example's own rows: the example itself at its batch size,
 its rows repeated in order at any other (``rows[i % n]``, the same rows for every input), so that
-BatchNorm and LayerNorm see the statistics of real data and ids and masks stay valid. Only ONNX
+BatchNorm and LayerNorm see the statistics of real data and ids and masks stay valid. A float
+example whose rows are all alike (``torch.zeros``) has no statistics and is replaced by random rows. Only ONNX
 sources, which come without an example, get random inputs from the graph's input specs, at
 batch sizes and symbolic sizes of `NO_EXAMPLE_BATCH`, so that no normalization runs on a
 handful of values. Labels follow the training graph: integer labels are class indices in
@@ -97,10 +98,22 @@ def _from_spec(spec: TensorSpec, batch: int, generator: torch.Generator) -> torc
     return torch.zeros(shape, dtype=spec.torch_dtype)
 
 
-def _resized(example: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The example's `rows` (its batch axis resampled); a scalar stays as it is."""
+def _constant_rows(example: torch.Tensor) -> bool:
+    """Whether a float example's rows are all alike (``torch.zeros(2, 4)``): no statistics to verify on."""
+    return example.dtype.is_floating_point and example.dim() > 0 and bool((example == example[:1]).all())
+
+
+def _resized(example: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The example's `rows` (its batch axis resampled); a scalar stays as it is.
+
+    NOTE: a float example whose rows are all alike (zeros, ones) makes every BatchNorm divide
+    rounding noise by sqrt(eps), and gradients meaningless on both sides; it is replaced by
+    standard normal rows, as if there were no example.
+    """
     if example.dim() == 0:
         return example.clone()
+    if _constant_rows(example):
+        return torch.randn((len(rows), *example.shape[1:]), generator=generator).to(example.dtype)
     return example[rows % example.shape[0]].clone()
 
 
@@ -118,7 +131,7 @@ def batch_inputs(
     if examples is None:
         return [_from_spec(spec, batch, generator) for spec in specs]
     rows = torch.arange(batch)
-    return [_resized(example.detach().cpu(), rows) for example in examples]
+    return [_resized(example.detach().cpu(), rows, generator) for example in examples]
 
 
 def labels_for(
@@ -200,6 +213,9 @@ class _Pass:
     def loss(self, output: torch.Tensor, labels: Sequence[torch.Tensor], loss_fn: LossFn | None) -> torch.Tensor:
         if loss_fn is None:
             return output
+        if isinstance(loss_fn, torch.nn.Module):
+            # NOTE: a loss module's class weights are float32 buffers; they follow the pass's dtype.
+            loss_fn = copy.deepcopy(loss_fn).to(self.device, self.dtype)
         return loss_fn(output, *(_cast(label, self.dtype, self.device) for label in labels))
 
     def gradients(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
