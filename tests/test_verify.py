@@ -21,7 +21,7 @@ from ort_lightning.errors import ArtifactError, ExportError
 from ort_lightning.export import after_generation
 from ort_lightning.export import source as _export
 from ort_lightning.export.verify import verifier as _verify
-from ort_lightning.export.verify.compare import ATOL, RTOL, compare, mismatch_message
+from ort_lightning.export.verify.compare import compare, mismatch_message
 from ort_lightning.export.verify.reference import Reference
 from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP, Exported, SummedMSE
@@ -101,11 +101,13 @@ def test_a_good_model_passes_and_the_report_is_in_the_manifest_and_inspect(
     for check in report["batches"]:
         assert check["status"] == "passed"
         assert check["worst_parameter"] in mlp_adamw.artifacts.manifest.trainable
-        assert check["loss_diff"] <= ATOL + RTOL * check["loss"]
-        assert check["grad_rel_diff"] < RTOL
+        assert check["loss_diff"] <= check["loss_tolerance"]
+        assert check["grad_abs_diff"] <= check["grad_tolerance"]
+        assert check["grad_float32_noise"] is not None
         assert 0 <= check["tolerance_used"] <= 1
     out = _inspect(capsys, mlp_adamw.artifacts.directory)
-    assert re.search(r"verified:\s+passed", out)
+    assert re.search(r"verified:\s+passed \(worst margin .*float32 noise", out)
+    assert re.search(r"allowed .*float32 noise", out)
     assert re.search(r"batch 3:\s+passed, loss", out)
 
 
@@ -182,7 +184,7 @@ def test_verify_false_skips_the_check(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_a_torch_model_whose_graph_computes_other_gradients_names_the_worst_parameter(tmp_path: Path) -> None:
-    expected = r"disagrees with torch autograd.*gradient of 'fc1\.(weight|bias)' differs by"
+    expected = r"disagrees with torch autograd.*gradient of 'fc1\.(weight|bias)' differs from float64 torch by"
     with pytest.raises(ExportError, match=expected):
         export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "tripled")
 
@@ -205,7 +207,7 @@ def test_a_tampered_training_graph_gives_export_error_naming_the_parameter(tmp_p
     pristine = copy.deepcopy(model)
     artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "tampered", verify=False)
     _scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
-    with pytest.raises(ExportError, match=r"gradient of 'fc2\.bias' differs by .*relative 0\.5 "):
+    with pytest.raises(ExportError, match=r"gradient of 'fc2\.bias' differs from float64 torch by .*relative 0\.5 "):
         _verify.verify_export(
             artifacts.manifest, artifacts.directory, model=pristine, example_inputs=torch.zeros(2, 4),
             loss="cross_entropy",
@@ -227,7 +229,8 @@ def test_onnx_file_source_is_checked_without_a_torch_reference(
 
 def test_onnx_runtime_error_at_another_batch_size_becomes_an_export_error(tmp_path: Path) -> None:
     path = _onnx_file(FixedBatchView(), torch.zeros(2, 2, 2), tmp_path / "fixed_view.onnx")
-    with pytest.raises(ExportError, match=r"ONNX Runtime failed one training step .* at batch size 3: "):
+    # Without an example, random inputs at batch size 8 (then 9): the view(2, -1) fails at the first.
+    with pytest.raises(ExportError, match=r"ONNX Runtime failed one training step .* at batch size 8: "):
         export_artifacts(path, None, tmp_path / "fixed_view")
 
 

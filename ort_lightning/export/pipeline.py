@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,24 @@ def _check_loss(loss: object) -> tuple[str, LossSpec | None]:
     return spec.kind, spec
 
 
-def _split_parameters(parameters: set[str], frozen: Sequence[str]) -> tuple[list[str], list[str]]:
+def _torch_names(model: ModelSource) -> set[str]:
+    """Every ``named_parameters()`` name of a torch model, read by its forward or not (none for ONNX)."""
+    return {name for name, _ in model.named_parameters()} if isinstance(model, torch.nn.Module) else set()
+
+
+def _split_parameters(
+    parameters: set[str], frozen: Sequence[str], unused: Collection[str] = ()
+) -> tuple[list[str], list[str]]:
+    """Trainable and frozen graph parameters; frozen names in `unused` (never read by the forward) are dropped.
+
+    Example::
+
+        >>> _split_parameters({"a", "b"}, ["b", "old.weight"], {"old.weight"})
+        (['a'], ['b'])
+    """
+    # NOTE: peft keeps the replaced head as classifier.original_module.* beside the trained copy; the
+    # forward never reads it, so the graph has no such tensor, yet the natural frozen= list names it.
+    frozen = [name for name in frozen if name in parameters or name not in unused]
     unknown = sorted(set(frozen) - parameters)
     if unknown:
         raise ExportError(
@@ -189,7 +206,9 @@ def export_artifacts(
     options = _normalize_optimizer(optimizer, optimizer_options)
     # 1. source
     proto, parameters, buffers = load_source(model, example_inputs, input_names, loss is None, output)
-    trainable, frozen_names = _split_parameters(parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)])
+    trainable, frozen_names = _split_parameters(
+        parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
+    )
     # 2. passes before generation
     before_generation.prepare(proto, model=model)
     model_inputs = [info.name for info in proto.graph.input]

@@ -1,9 +1,16 @@
-"""Comparing one ORT training step with torch autograd: tolerances, the per-batch check, the messages.
+"""Comparing one ORT training step with torch autograd: the noise model, the per-batch check, the messages.
 
-A gradient passes when ``max|ort - torch| <= ATOL + RTOL * max|torch|``, per parameter: the
-tolerance follows the scale of that parameter's gradient, not of the whole model. The loss passes
-under the same rule with its own magnitude. The worst parameter is the one that uses the
-largest share of its tolerance.
+The reference is torch in float64. What float32 itself does on that model and batch bounds
+the difference, per parameter::
+
+    allowed = NOISE_FACTOR * (|torch32 - torch64| + kinks) + FLOOR * max|torch64| + ATOL
+
+``|torch32 - torch64|`` is the largest difference between torch's float32 and float64 gradients
+of that parameter on the same inputs; ``kinks`` the spread of that gradient over the ReLU
+elements that float32 rounding may put on either side of 0 (`forward_mode`); ``FLOOR`` keeps a
+parameter whose float32 noise happens to be tiny from being judged to the last bit. A gradient
+passes when ``max|ort - torch64| <= allowed``; the loss under the same rule with its own
+noise. The worst parameter is the one that uses the largest share of its tolerance (its margin).
 
 Example::
 
@@ -28,17 +35,26 @@ import numpy as np
 
 from ort_lightning.export.verify.reference import Reference
 
-__all__ = ["ATOL", "RTOL", "BatchCheck", "compare", "mismatch_message"]
+__all__ = ["ATOL", "FLOOR", "NOISE_FACTOR", "BatchCheck", "compare", "mismatch_message", "rule"]
 
-# NOTE: measured on MLPs (cross-entropy, mse, frozen layers, a model returning its own loss), a
-# BatchNorm+Dropout CNN, a BatchNorm1d MLP (bce_with_logits, l1), an embedding LSTM and a GRU, at
-# two batch sizes each (float32, CPU): gradients agree with torch to 4e-7 of their largest value,
-# losses to 2.4e-7. Biases right before a BatchNorm have a true gradient of 0 and show rounding
-# noise up to 6.7e-8 on both sides, which ATOL absorbs. Wrong graphs are off by 0.5 (one gradient
-# scaled by 1.5) and 0.67 (a custom autograd.Function): RTOL 1e-3 leaves 2500x margin above the
-# noise and 500x below the smallest error seen.
-RTOL = 1e-3
+# NOTE: measured (float32, CPU, ORT 1.19.2): ORT's gradients lie within 1-3x torch float32's own
+# distance from float64 on MLPs, CNNs with BatchNorm, transformers and LSTMs; ORT's convolutions
+# round up to ~10x more than torch's on single activations, which matters only at ReLU kinks
+# (their spread is measured apart). Wrong graphs differ by 1e-2 (a gradient scaled by 1.01) or
+# more; 8x the noise plus 1e-4 of the gradient's scale sits between the two.
+NOISE_FACTOR = 8.0
+FLOOR = 1e-4
+#: Absolute floor: biases right before a BatchNorm have a true gradient of 0 and show rounding noise only.
 ATOL = 1e-6
+
+
+def rule() -> str:
+    """The tolerance rule, as the manifest and ``inspect`` state it."""
+    return f"|ort - torch64| <= {NOISE_FACTOR:g} x (float32 noise + ReLU kinks) + {FLOOR:g} x scale + {ATOL:g}"
+
+
+def _allowed(noise: float, kinks: float, scale: float) -> float:
+    return NOISE_FACTOR * (noise + kinks) + FLOOR * scale + ATOL
 
 
 @dataclass(frozen=True)
@@ -57,8 +73,15 @@ class BatchCheck:
     worst_parameter: str | None = None
     grad_abs_diff: float | None = None
     grad_rel_diff: float | None = None
-    #: ``grad_abs_diff / (ATOL + RTOL * max|torch gradient|)`` of the worst parameter: above 1 fails.
+    #: ``grad_abs_diff / grad_tolerance`` of the worst parameter (its margin): above 1 fails.
     tolerance_used: float | None = None
+    #: What the worst parameter was allowed, and the float32 noise and ReLU-kink spread it came from.
+    grad_tolerance: float | None = None
+    grad_float32_noise: float | None = None
+    grad_kinks: float | None = None
+    loss_tolerance: float | None = None
+    #: ReLU elements within float32 rounding of their kink, on this batch.
+    ambiguous_relus: int | None = None
 
     def summary(self) -> str:
         """One line: status and the differences (the batch size is the caller's label)."""
@@ -70,6 +93,9 @@ class BatchCheck:
                 f", worst gradient {self.worst_parameter}: abs diff {self.grad_abs_diff:.2g}, "
                 f"rel diff {self.grad_rel_diff:.2g}"
             )
+            if self.grad_tolerance is not None:
+                text += f", allowed {self.grad_tolerance:.2g} (float32 noise {self.grad_float32_noise:.2g}"
+                text += f", kinks {self.grad_kinks:.2g})" if self.grad_kinks else ")"
             if self.tolerance_used is not None:
                 text += f" ({self.tolerance_used:.0%} of its tolerance)"
         return text
@@ -79,11 +105,6 @@ class BatchCheck:
         """Read one entry of a manifest's report, ignoring fields this version does not know."""
         known = {field.name for field in fields(cls)}
         return cls(**{key: value for key, value in entry.items() if key in known})
-
-
-def _within(diff: float, scale: float) -> float:
-    """Share of the tolerance that `diff` uses (<= 1 passes)."""
-    return diff / (ATOL + RTOL * scale)
 
 
 def _nonfinite(loss: float, gradients: dict[str, np.ndarray], trainable: Sequence[str]) -> str | None:
@@ -105,18 +126,24 @@ def compare(
     if reference is None:
         return BatchCheck(batch, "no torch reference", loss)
     loss_diff = abs(loss - reference.loss)
-    worst, worst_share, worst_abs, worst_scale = None, -1.0, 0.0, 0.0
+    loss_allowed = _allowed(reference.loss_noise, 0.0, abs(reference.loss))
+    worst, worst_share, worst_abs, worst_scale, worst_allowed = None, -1.0, 0.0, 0.0, 0.0
     for name in trainable:
         expected = reference.gradients[name].numpy().astype(np.float64)
         diff = float(np.max(np.abs(gradients[name].astype(np.float64) - expected), initial=0.0))
         scale = float(np.max(np.abs(expected), initial=0.0))
-        share = _within(diff, scale)
-        if share > worst_share:
-            worst, worst_share, worst_abs, worst_scale = name, share, diff, scale
-    passed = worst_share <= 1.0 and _within(loss_diff, abs(reference.loss)) <= 1.0
+        allowed = _allowed(reference.noise.get(name, 0.0), reference.kinks.get(name, 0.0), scale)
+        if diff / allowed > worst_share:
+            worst, worst_share, worst_abs, worst_scale, worst_allowed = name, diff / allowed, diff, scale, allowed
+    passed = worst_share <= 1.0 and loss_diff <= loss_allowed
     relative = worst_abs / worst_scale if worst_scale > 0 else (0.0 if worst_abs == 0 else math.inf)
     return BatchCheck(
-        batch, "passed" if passed else "mismatch", loss, loss_diff, worst, worst_abs, relative, worst_share
+        batch, "passed" if passed else "mismatch", loss, loss_diff, worst, worst_abs, relative, worst_share,
+        grad_tolerance=worst_allowed,
+        grad_float32_noise=reference.noise.get(worst, 0.0) if worst else None,
+        grad_kinks=reference.kinks.get(worst, 0.0) if worst else None,
+        loss_tolerance=loss_allowed,
+        ambiguous_relus=reference.ambiguous,
     )
 
 
@@ -137,8 +164,10 @@ def mismatch_message(check: BatchCheck, batches: Sequence[int], folder: Path) ->
         )
     return (
         f"One training step of {where} disagrees with torch autograd on the same inputs: the gradient of "
-        f"{check.worst_parameter!r} differs by {check.grad_abs_diff:.3g} (relative {check.grad_rel_diff:.3g} of its "
-        f"largest value; allowed {ATOL:g} + {RTOL:g} x that value), the loss by {check.loss_diff:.3g}. The training "
+        f"{check.worst_parameter!r} differs from float64 torch by {check.grad_abs_diff:.3g} (relative "
+        f"{check.grad_rel_diff:.3g} of its largest value), {check.tolerance_used:.3g} times what float32 rounding "
+        f"explains (allowed {check.grad_tolerance:.3g}: {rule()}, float32 noise {check.grad_float32_noise:.3g}); "
+        f"the loss by {check.loss_diff:.3g} (allowed {check.loss_tolerance:.3g}). The training "
         "graph does not compute what the torch model computes: look for a custom autograd.Function, an operation "
         "the ONNX exporter translates differently, or randomness other than dropout (torch.rand, torch.bernoulli), "
         f"{skip}."

@@ -1,14 +1,20 @@
 """The torch side of export-time verification: inputs, labels and torch autograd's loss and gradients.
 
-Inputs for a batch size are made from the example inputs (floats drawn at random, integers
-tiled from the example, so token ids and labels stay valid) or, for ONNX sources, from the
-graph's input specs. Labels follow the training graph: integer labels are class indices in
+Inputs for a batch size are the example's own rows: the example itself at its batch size,
+its rows repeated in order at any other (``rows[i % n]``, the same rows for every input), so that
+BatchNorm and LayerNorm see the statistics of real data and ids and masks stay valid. A float
+example whose rows are all alike (``torch.zeros``) has no statistics and is replaced by random rows. Only ONNX
+sources, which come without an example, get random inputs from the graph's input specs, at
+batch sizes and symbolic sizes of `NO_EXAMPLE_BATCH`, so that no normalization runs on a
+handful of values. Labels follow the training graph: integer labels are class indices in
 ``[0, C)`` with ``C`` the size of the output's axis 1, floating targets are shaped like the
 output, drawn in ``[0, 1)`` (valid for every built-in loss, BCE included).
 
 The reference runs a copy of the model in training mode (BatchNorm on batch statistics, as in
-the training graph) with dropout off (``nn.Dropout`` and ``F.dropout`` alike); the graph's
-Dropout ratios are set to 0 on the ORT side, so both sides compute the same deterministic step.
+the training graph) with dropout off everywhere (`forward_mode`); the graph's Dropout ratios
+are set to 0 on the ORT side, so both sides compute the same deterministic step. It runs twice:
+in float64, the reference, and in float32, whose distance from float64 measures the rounding
+noise of that model on that batch; ReLU kinks that float32 rounding may flip add their spread.
 
 Example::
 
@@ -21,14 +27,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ort_lightning.artifacts.manifest import TensorSpec
+from ort_lightning.export.verify.forward_mode import Kinks, ReferenceMode, without_dropout
 
 __all__ = ["Call", "Reference", "batch_inputs", "labels_for", "reference_loss", "torch_reference"]
 
@@ -42,24 +48,27 @@ _TORCH_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "smooth_l1": F.smooth_l1_loss,
     "huber": F.huber_loss,
 }
-#: Position of ``dropout_p`` in ``F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p)``.
-_SDPA_DROPOUT_ARG = 4
-#: Functions a torch forward drops out with; the graph's Dropout nodes run at ratio 0 instead.
-_DROPOUTS = frozenset(
-    {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
-)
-#: Size given to a symbolic dimension other than the batch (ONNX sources only).
-_OTHER_DIM = 3
+#: Batch size, and size of every other symbolic dimension, of random inputs (ONNX sources only).
+NO_EXAMPLE_BATCH = 8
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Reference:
-    """Torch autograd's loss and the gradient of every trainable parameter, for one batch."""
+    """Torch autograd's loss and the gradient of every trainable parameter, for one batch.
+
+    ``noise`` (per parameter) and ``loss_noise``: how far float32 torch lies from these float64
+    values on the same batch (max abs difference); ``kinks``: the spread of each gradient over
+    the ReLU elements float32 rounding may flip. Empty or 0 when unknown.
+    """
 
     loss: float
     gradients: dict[str, torch.Tensor]
+    noise: dict[str, float] = field(default_factory=dict)
+    kinks: dict[str, float] = field(default_factory=dict)
+    loss_noise: float = 0.0
+    ambiguous: int = 0
 
 
 def reference_loss(loss: object) -> LossFn | None:
@@ -79,7 +88,7 @@ def reference_loss(loss: object) -> LossFn | None:
 def _size(dim: int | str, batch: int, first: bool) -> int:
     if isinstance(dim, int) and dim > 0:
         return dim
-    return batch if first or dim == "batch" else _OTHER_DIM
+    return batch if first or dim == "batch" else NO_EXAMPLE_BATCH
 
 
 def _from_spec(spec: TensorSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -89,23 +98,40 @@ def _from_spec(spec: TensorSpec, batch: int, generator: torch.Generator) -> torc
     return torch.zeros(shape, dtype=spec.torch_dtype)
 
 
-def _resized(example: torch.Tensor, batch: int, generator: torch.Generator) -> torch.Tensor:
+def _constant_rows(example: torch.Tensor) -> bool:
+    """Whether a float example's rows are all alike (``torch.zeros(2, 4)``): no statistics to verify on."""
+    return example.dtype.is_floating_point and example.dim() > 0 and bool((example == example[:1]).all())
+
+
+def _resized(example: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The example's `rows` (its batch axis resampled); a scalar stays as it is.
+
+    NOTE: a float example whose rows are all alike (zeros, ones) makes every BatchNorm divide
+    rounding noise by sqrt(eps), and gradients meaningless on both sides; it is replaced by
+    standard normal rows, as if there were no example.
+    """
     if example.dim() == 0:
         return example.clone()
-    if example.dtype.is_floating_point:
-        return torch.randn((batch, *example.shape[1:]), generator=generator).to(example.dtype)
-    # NOTE: integers are ids, masks or labels whose valid range only the example knows.
-    return example[torch.arange(batch) % example.shape[0]].clone()
+    if _constant_rows(example):
+        return torch.randn((len(rows), *example.shape[1:]), generator=generator).to(example.dtype)
+    return example[rows % example.shape[0]].clone()
 
 
 def batch_inputs(
     specs: Sequence[TensorSpec], examples: Sequence[torch.Tensor] | None, batch: int, *, seed: int
 ) -> list[torch.Tensor]:
-    """Model inputs for one step at `batch`: from the examples when given, else from the specs."""
+    """Model inputs for one step at `batch`: the examples' rows when given, else random ones from the specs.
+
+    Example::
+
+        >>> batch_inputs([], [torch.tensor([[1.0], [2.0]])], 3, seed=0)[0].flatten().tolist()
+        [1.0, 2.0, 1.0]
+    """
     generator = torch.Generator().manual_seed(seed)
     if examples is None:
         return [_from_spec(spec, batch, generator) for spec in specs]
-    return [_resized(example.detach().cpu(), batch, generator) for example in examples]
+    rows = torch.arange(batch)
+    return [_resized(example.detach().cpu(), rows, generator) for example in examples]
 
 
 def labels_for(
@@ -148,28 +174,10 @@ def _select(outputs: Any, call: Call, *, returns_loss: bool) -> torch.Tensor:
     return outputs[0]
 
 
-class _WithoutDropout(TorchFunctionMode):
-    """Dropout functions return their input: ``nn.Dropout`` modules and ``F.dropout`` calls alike.
-
-    ``F.scaled_dot_product_attention`` drops out inside the function (Hugging Face attention passes
-    ``dropout_p``); it runs with ``dropout_p=0``, as the graph's Dropout after its Softmax does.
-    """
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            return args[0] if args else kwargs["input"]
-        if func is F.scaled_dot_product_attention:
-            if len(args) > _SDPA_DROPOUT_ARG:
-                args = (*args[:_SDPA_DROPOUT_ARG], 0.0, *args[_SDPA_DROPOUT_ARG + 1 :])
-            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
-        return func(*args, **kwargs)
 
 
-def _training_copy(model: torch.nn.Module, trainable: Sequence[str]) -> torch.nn.Module:
-    copied = copy.deepcopy(model).train()
+def _training_copy(model: torch.nn.Module, trainable: Sequence[str], dtype: torch.dtype) -> torch.nn.Module:
+    copied = without_dropout(copy.deepcopy(model).to(dtype).train())
     wanted = set(trainable)
     for name, parameter in copied.named_parameters():
         parameter.requires_grad_(name in wanted)
@@ -185,6 +193,45 @@ def model_output(
     return _select(outputs, call, returns_loss=returns_loss)
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return tensor.to(device, dtype) if tensor.dtype.is_floating_point else tensor.to(device)
+
+
+class _Pass:
+    """One forward of the reference copy in `dtype`, whose backward may run more than once."""
+
+    def __init__(self, model: torch.nn.Module, trainable: Sequence[str], dtype: torch.dtype) -> None:
+        self.model = _training_copy(model, trainable, dtype)
+        self.dtype = dtype
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self.trainable = trainable
+
+    def output(self, inputs: Sequence[torch.Tensor], call: Call, *, returns_loss: bool) -> torch.Tensor:
+        cast = [_cast(t, self.dtype, self.device) for t in inputs]
+        return model_output(self.model, cast, call, returns_loss=returns_loss)
+
+    def loss(self, output: torch.Tensor, labels: Sequence[torch.Tensor], loss_fn: LossFn | None) -> torch.Tensor:
+        if loss_fn is None:
+            return output
+        if isinstance(loss_fn, torch.nn.Module):
+            # NOTE: a loss module's class weights are float32 buffers; they follow the pass's dtype.
+            loss_fn = copy.deepcopy(loss_fn).to(self.device, self.dtype)
+        return loss_fn(output, *(_cast(label, self.dtype, self.device) for label in labels))
+
+    def gradients(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        parameters = dict(self.model.named_parameters())
+        wanted = [parameters[name] for name in self.trainable]
+        grads = torch.autograd.grad(loss, wanted, retain_graph=True, allow_unused=True)
+        return {
+            name: (torch.zeros_like(p) if g is None else g.detach()).cpu().to(torch.float64)
+            for name, p, g in zip(self.trainable, wanted, grads, strict=True)
+        }
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
 def torch_reference(
     model: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -195,27 +242,36 @@ def torch_reference(
     trainable: Sequence[str],
     seed: int,
 ) -> tuple[Reference, list[torch.Tensor]]:
-    """Run one step in torch: loss and gradients of `trainable`, and the labels it used.
+    """Run one step in torch: float64 loss and gradients of `trainable`, their float32 noise, and the labels.
 
     `loss_fn` None means the model's first output is the loss (``export_artifacts(loss=None)``).
+    The reference runs where the model lives (a CUDA model stays there); inputs, labels and
+    gradients travel on the CPU, where the verification child runs ORT.
     """
-    copied = _training_copy(model, trainable)
-    # NOTE: the reference runs where the model lives (a CUDA model stays there); inputs, labels and
-    # gradients travel on the CPU, where the verification child runs ORT.
-    device = next((parameter.device for parameter in copied.parameters()), torch.device("cpu"))
-    with _WithoutDropout():
-        output = model_output(copied, [t.to(device) for t in inputs], call, returns_loss=loss_fn is None)
-    if loss_fn is None:
-        labels: list[torch.Tensor] = []
-        loss = output
-    else:
-        labels = labels_for(label_specs, tuple(output.shape), inputs[0].shape[0], seed=seed)
-        loss = loss_fn(output, *(label.to(device) for label in labels))
-    loss.backward()
-    parameters = dict(copied.named_parameters())
-    gradients = {}
-    for name in trainable:
-        grad = parameters[name].grad
-        gradients[name] = torch.zeros_like(parameters[name]) if grad is None else grad.detach()
-        gradients[name] = gradients[name].cpu().clone()
-    return Reference(float(loss.detach()), gradients), labels
+    single, double, kinks = _Pass(model, trainable, torch.float32), _Pass(model, trainable, torch.float64), Kinks()
+    returns_loss = loss_fn is None
+    with ReferenceMode(kinks):
+        output32 = single.output(inputs, call, returns_loss=returns_loss)
+    labels = [] if returns_loss else labels_for(label_specs, tuple(output32.shape), inputs[0].shape[0], seed=seed)
+    loss32 = single.loss(output32, labels, loss_fn)
+    grads32 = single.gradients(loss32)
+    with ReferenceMode(kinks, replay=True):
+        output64 = double.output(inputs, call, returns_loss=returns_loss)
+    loss64 = double.loss(output64, labels, loss_fn)
+    grads64 = double.gradients(loss64)
+    spread = {name: 0.0 for name in trainable}
+    if kinks.ambiguous:
+        kinks.side = -1
+        low = double.gradients(loss64)
+        kinks.side = 1
+        high = double.gradients(loss64)
+        spread = {name: _max_abs(high[name], low[name]) for name in trainable}
+    reference = Reference(
+        float(loss64.detach()),
+        grads64,
+        noise={name: _max_abs(grads32[name], grads64[name]) for name in trainable},
+        kinks=spread,
+        loss_noise=abs(float(loss32.detach()) - float(loss64.detach())),
+        ambiguous=kinks.ambiguous,
+    )
+    return reference, labels

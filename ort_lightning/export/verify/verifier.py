@@ -1,9 +1,10 @@
 """Export-time verification: one training step of new artifacts in a child process vs torch autograd.
 
-`export_artifacts` calls `verify_export` last. For the example's batch size and one other, the
-parent computes torch autograd's loss and gradients (`_verify_reference`), writes the same
-inputs and labels to a job folder, and runs `child` in a fresh interpreter, where ONNX
-Runtime runs one ``train_step`` of a copy of the training graph with its Dropout ratios at 0.
+`export_artifacts` calls `verify_export` last. For the example's batch size and one other (the
+example's rows repeated), the parent computes torch autograd's loss and gradients in float64
+and their float32 noise (`reference`), writes the same inputs and labels to a job folder, and
+runs `child` in a fresh interpreter, where ONNX Runtime runs one ``train_step`` of a copy of the
+training graph with its Dropout ratios at 0 (the only difference from the graph a Trainer runs).
 A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non-finite value or
 a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
 report goes into the manifest (``verification``) and ``ort-lightning inspect`` shows it.
@@ -35,8 +36,9 @@ import torch
 from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest
 from ort_lightning.errors import ExportError
 from ort_lightning.export.verify.child import EXIT_ORT_ERROR
-from ort_lightning.export.verify.compare import ATOL, RTOL, BatchCheck, compare, mismatch_message
+from ort_lightning.export.verify.compare import ATOL, FLOOR, NOISE_FACTOR, BatchCheck, compare, mismatch_message, rule
 from ort_lightning.export.verify.reference import (
+    NO_EXAMPLE_BATCH,
     Call,
     Reference,
     batch_inputs,
@@ -126,8 +128,11 @@ def _check(
         raise ExportError(mismatch_message(failed[0], batches, folder))
     return {
         "status": "passed" if referenced else "no torch reference",
-        "rtol": RTOL,
+        "rule": rule(),
+        "noise_factor": NOISE_FACTOR,
+        "floor": FLOOR,
         "atol": ATOL,
+        "margin": max((check.tolerance_used or 0.0 for check in checks), default=0.0),
         "seconds": round(time.perf_counter() - started, 2),
         "batches": [dataclasses.asdict(check) for check in checks],
     }
@@ -180,11 +185,14 @@ def _examples(example_inputs: Any) -> tuple[list[torch.Tensor], tuple[str, ...] 
 
 
 def _batch_sizes(manifest: Manifest, examples: Sequence[torch.Tensor] | None) -> list[int]:
-    """The example's batch size and one more; only one when the graph fixes the batch dimension."""
+    """The example's batch size and one more; only one when the graph fixes the batch dimension.
+
+    Without an example (ONNX sources), `NO_EXAMPLE_BATCH` and one more.
+    """
     first = manifest.inputs[0].shape[0] if manifest.inputs and manifest.inputs[0].shape else "batch"
     if isinstance(first, int) and first > 0:
         return [first]
-    example = int(examples[0].shape[0]) if examples and examples[0].dim() > 0 else 2
+    example = int(examples[0].shape[0]) if examples and examples[0].dim() > 0 else NO_EXAMPLE_BATCH
     return [example, example + 1]
 
 
@@ -195,7 +203,9 @@ def _output_shape(folder: Path, manifest: Manifest, batch: int) -> tuple[int, ..
     for output in graph.output:
         if output.name == wanted:
             dims = output.type.tensor_type.shape.dim
-            return tuple(d.dim_value if d.dim_value > 0 else (batch if i == 0 else 3) for i, d in enumerate(dims))
+            return tuple(
+                d.dim_value if d.dim_value > 0 else (batch if i == 0 else NO_EXAMPLE_BATCH) for i, d in enumerate(dims)
+            )
     return (batch,)
 
 
@@ -293,7 +303,9 @@ def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
     if report.get("status") == "skipped":
         return [("verified", "skipped (export_artifacts(verify=False))")]
     status = str(report.get("status", "unknown"))
-    if "rtol" in report and "atol" in report:
+    if "rule" in report:
+        status += f" (worst margin {report.get('margin', 0.0):.2g} of the tolerance; {report['rule']})"
+    elif "rtol" in report and "atol" in report:
         status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
     checks = [BatchCheck.from_report(entry) for entry in report.get("batches", [])]
     return [("verified", status), *((f"batch {check.batch_size}", check.summary()) for check in checks)]
