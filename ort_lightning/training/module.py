@@ -129,8 +129,8 @@ class ORTLightningModule(pl.LightningModule):
             that are labels (``[]``: none); ORT's own ``labels``/``target`` are found without it.
         threads: ``"auto"`` (the default) makes ORT's and torch's thread pools share the cores during
             a fit: ORT's pool sized to the cores the process may use (per rank under ``"ort_ddp"``),
-            torch's threads lowered while ORT computes and restored when the fit ends, ORT's spinning
-            off under a torch optimizer, the fastest setting measured on the first steps (see
+            torch's threads lowered while ORT computes (a torch optimizer's update included) and
+            restored when the fit ends, the fastest setting measured on the first steps (see
             `ort_lightning.training.threads`); a thread count the user set is never overridden.
             ``"off"`` leaves both pools as they are.
 
