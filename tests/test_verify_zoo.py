@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.errors import ExportError
 from ort_lightning.export.verify import verifier as _verify
-from ort_lightning.export.verify.reference import Call, reference_loss
+from ort_lightning.export.verify.reference import Call, labels_for, reference_loss
 from tests.test_verify import _scale_gradient
 
 CLASSES = 10
@@ -382,3 +382,31 @@ def test_the_verification_step_is_the_training_step(tmp_path: Path) -> None:
         for name, grad in trained.items():
             assert torch.equal(grad, torch.from_numpy(child[name])), (batch, name)
     assert json.loads((job / "job.json").read_text())["batches"] == batches
+
+
+@pytest.mark.parametrize("case", CORRECT, ids=[case.name for case in CORRECT])
+def test_a_correct_model_trains_under_a_trainer(tmp_path: Path, case: Correct) -> None:
+    """Each zoo model's artifacts train: two AdamW steps move the weights and keep the loss finite."""
+    torch.manual_seed(0)
+    model = case.build()
+    names = list(case.input_names) if case.input_names else None
+    example = case.example(case.batch)
+    artifacts = export_artifacts(model, example, tmp_path / case.name, input_names=names, frozen=_frozen(model),
+                                 verify=False)
+    module = ORTLightningModule(artifacts, lr=1e-3, lr_scheduler="constant")
+    output = module(example)
+    output = output[0] if isinstance(output, tuple) else output
+    labels = labels_for(artifacts.manifest.labels, tuple(output.shape), case.batch, seed=0)
+    before = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+    losses: list[float] = []
+
+    class _Losses(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *_: Any) -> None:
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[_Losses()])
+    trainer.fit(module, DataLoader([(example, *labels)], batch_size=None))
+    assert len(losses) == 2
+    assert all(np.isfinite(losses))
+    assert any(not torch.equal(before[name], p) for name, p in module.named_parameters() if name in before)
