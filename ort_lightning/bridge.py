@@ -4,7 +4,10 @@ A `BatchBinder` turns a DataLoader batch into the input vector of one graph: eac
 moved to the artifacts' device only when it is elsewhere, made contiguous only when it is
 not, checked against the graph's dtype, and wrapped by DLPack (same memory, no copy).
 `to_torch` goes back the same way, and `parameter_views` gives torch tensors that share
-memory with the parameters and gradients held by ORT's CheckpointState.
+memory with the parameters and gradients held by ORT's CheckpointState. `BatchBinder.step` is
+one graph step on one batch: order, check the labels (`LabelRange`, for cross-entropy
+artifacts: ORT 1.19.2 trains on labels outside ``[0, C)`` with a wrong loss), bind, run, and
+the loss back as a torch tensor.
 
 Example::
 
@@ -31,6 +34,7 @@ from ort_lightning.ort.runtime import OrtValue, OrtValueVector, TrainingSession
 
 __all__ = [
     "BatchBinder",
+    "LabelRange",
     "ParameterView",
     "hand_over_to_ort",
     "label_placeholder",
@@ -102,6 +106,20 @@ class BatchBinder:
                 than the graph's.
         """
         return self.bind(self.ordered(batch))
+
+    def step(
+        self, run: Callable[[Any], Any], batch: Any, labels: LabelRange | None = None
+    ) -> tuple[Sequence[torch.Tensor], Any, torch.Tensor]:
+        """One graph step on `batch`: order it, check its `labels`, run `run`; return the tensors, fetches and loss.
+
+        Raises:
+            BatchError: for a batch the graph refuses (see `ordered`, `run`), or labels out of range.
+        """
+        tensors = self.ordered(batch)
+        if labels is not None:
+            labels(tensors, graph=self.graph)
+        fetches = self.run(run, tensors)
+        return tensors, fetches, to_torch(fetches[0])
 
     def run(self, step: Callable[[Any], Any], tensors: Sequence[torch.Tensor]) -> Any:
         """Bind `tensors` (from `ordered`) and run `step` on them; return its fetches.
@@ -277,6 +295,62 @@ class BatchBinder:
             f"{tuple(tensor.shape)}; reshape it in your Dataset or collate_fn (named dimensions are free, "
             "numbers must match)."
         )
+
+
+class LabelRange:
+    """Refuse cross-entropy labels outside ``[0, classes)`` (ORT trains on them with a wrong loss).
+
+    Args:
+        name: the label input's name.
+        index: its position among the graph's inputs.
+        classes: the number of classes (the class axis of the logits).
+        ignore_index: a label value the loss skips (torch's ``ignore_index``, -100 by default;
+            Hugging Face pads labels with it); None when every label counts.
+
+    Example::
+
+        >>> guard = LabelRange("labels", index=1, classes=3)
+        >>> guard((torch.zeros(2, 4), torch.tensor([0, 2])), graph="training")
+        >>> guard((torch.zeros(2, 4), torch.tensor([0, 3])), graph="training")
+        Traceback (most recent call last):
+        ...
+        ort_lightning.errors.BatchError: Labels 'labels' of the training graph must be class indices in [0, 3), ...
+    """
+
+    def __init__(self, name: str, *, index: int, classes: int, ignore_index: int | None = None) -> None:
+        self.name = name
+        self.index = index
+        self.classes = classes
+        self.ignore_index = ignore_index
+
+    def __call__(self, tensors: Sequence[torch.Tensor], *, graph: str) -> None:
+        """Check the labels among `tensors` (in graph-input order).
+
+        Raises:
+            BatchError: naming the labels, the range found and the range expected.
+        """
+        labels = tensors[self.index]
+        if labels.numel() == 0 or labels.is_floating_point():
+            return  # the binder refuses empty batches and other dtypes with messages of their own
+        low, high = (int(value) for value in torch.aminmax(labels))
+        if self.ignore_index is not None and self.ignore_index in (low, high):
+            # NOTE: only batches that hold ignored labels pay for the second, masked reduction.
+            low, high = self._counted_range(labels, low, high)
+        if low < 0 or high >= self.classes:
+            ignored = f" besides ignore_index={self.ignore_index}" if self.ignore_index is not None else ""
+            raise BatchError(
+                f"Labels {self.name!r} of the {graph} graph must be class indices in [0, {self.classes}){ignored}, but "
+                f"the batch has values in [{low}, {high}] (ORT would train on them silently with a wrong loss); fix "
+                f"the labels in your Dataset, re-export the model with as many classes as the labels need, or pass "
+                "ORTLightningModule(check_labels=False) to skip this check."
+            )
+
+    def _counted_range(self, labels: torch.Tensor, low: int, high: int) -> tuple[int, int]:
+        """The range of the labels other than `ignore_index` (``(0, 0)`` when all are ignored)."""
+        counted = labels[labels != self.ignore_index]
+        if counted.numel() == 0:
+            return 0, 0
+        return tuple(int(value) for value in torch.aminmax(counted))  # type: ignore[return-value]
 
 
 def _enforced_shape(spec: TensorSpec) -> tuple[int, tuple[tuple[int, int], ...]] | None:

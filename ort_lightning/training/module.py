@@ -41,7 +41,6 @@ from ort_lightning.training.checkpoints import (
 )
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
-    NonFiniteGuard,
     check_can_train,
     check_graph_inputs,
     check_model_outputs,
@@ -64,7 +63,7 @@ from ort_lightning.training.schedules import (
     total_steps_of,
 )
 from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, picklable, values_of
-from ort_lightning.training.step import StepPath
+from ort_lightning.training.step import NonFiniteGuard, StepPath
 from ort_lightning.training.threads import ThreadPolicy
 from ort_lightning.training.travel import (
     IDENTITY_KEY,
@@ -298,10 +297,7 @@ class ORTLightningModule(pl.LightningModule):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
-        self._steps.before_graph(self.trainer, batch_idx)
-        ort = self._ort
-        tensors, fetches, loss = self._run_graph(ort.train_inputs, ort.train_step, batch, graph="training")
-        self._nonfinite.observe(loss, self.trainer, batch_idx)
+        tensors, fetches, loss = self._steps.train(self._ort.train_inputs, batch, self.trainer, batch_idx, self._labels)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
         if self._metrics:
             self._update_metrics("train", fetches, tensors)
@@ -595,22 +591,12 @@ class ORTLightningModule(pl.LightningModule):
             >>> tuple(loss.shape), tuple(logits.shape)
             ((), (2, 3))
         """
-        _, fetches, loss = self._run_graph(self._ort.eval_inputs, self._ort.eval_step, batch, graph="eval")
+        _, fetches, loss = self._ort.eval_inputs.step(self._ort.eval_step, batch, self._labels)
         return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
 
     # ----------------------------------------------------------------------------- helpers
-    def _run_graph(
-        self, binder: BatchBinder, step: Callable[[Any], Any], batch: Any, *, graph: str
-    ) -> tuple[Any, Any, torch.Tensor]:
-        """Bind `batch`, check its labels, run one graph step; return the tensors, fetches and loss."""
-        tensors = binder.ordered(batch)
-        if self._labels is not None:
-            self._labels(tensors, graph=graph)
-        fetches = binder.run(step, tensors)
-        return tensors, fetches, to_torch(fetches[0])
-
     def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
-        tensors, fetches, loss = self._run_graph(self._ort.eval_inputs, self._ort.eval_step, batch, graph="eval")
+        tensors, fetches, loss = self._ort.eval_inputs.step(self._ort.eval_step, batch, self._labels)
         size = tensors[0].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
         if self._metrics:

@@ -17,9 +17,12 @@ hands it to `StepPath.step`, which runs, in order:
    optimizer graph for `ORTOptimizer`, or any torch optimizer over the same views;
 8. **reset**: ORT's gradient buffers restart at the next micro-batch.
 
-Per micro-batch, `StepPath.before_graph` seeds ORT's random stream (dropout) from the run's
-seed and the micro-batch's place in training, so that a resumed run draws what the
-uninterrupted one would have drawn.
+Per micro-batch, `StepPath.train` seeds ORT's random stream (dropout) from the run's seed and
+the micro-batch's place in training, so that a resumed run draws what the uninterrupted one
+would have drawn, runs the training graph (`ort_lightning.bridge.BatchBinder.step`) and lets
+`NonFiniteGuard` look at the loss (one ``math.isfinite`` on the 0-d loss; once per optimizer
+step, decided by all ranks together, ``"raise"`` stops before the update, ``"skip"`` drops the
+whole step and warns).
 
 Example::
 
@@ -31,17 +34,20 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ort_lightning.bridge import BatchBinder, LabelRange
+from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.guards import NonFiniteGuard
 from ort_lightning.training.views import GradientViews
 
-__all__ = ["StepPath", "seed_of"]
+__all__ = ["POLICIES", "NonFiniteGuard", "StepPath", "seed_of"]
 
 #: What the closure gives the optimizer when the last micro-batch was dropped but earlier ones count.
 _WINDOW_LOSS = torch.zeros(())
@@ -66,6 +72,80 @@ def lightning_seed() -> int | None:
     """The seed of Lightning's ``seed_everything`` in this process, or None."""
     seed = os.environ.get("PL_GLOBAL_SEED")
     return None if seed is None else int(seed)
+
+
+#: What `ORTLightningModule(on_nonfinite=...)` accepts.
+POLICIES = ("raise", "skip")
+
+_ADVICE = "lower the lr, check the data for NaN/inf values, or pass ORTLightningModule(on_nonfinite='skip')"
+
+
+class NonFiniteGuard:
+    """Watch each training loss; refuse or drop the optimizer step that a NaN/inf loss would poison.
+
+    The decision is made once per optimizer step, after the window's last micro-batch and
+    before the gradients are averaged across ranks or the update runs, and it is shared by all
+    ranks (``trainer.strategy.reduce_boolean_decision``): under ``ort_ddp`` every rank skips
+    together or every rank raises, so no rank waits in a collective the others left and no
+    rank's NaN gradients reach the others' parameters.
+
+    Args:
+        policy: ``"raise"`` raises `NonFiniteLossError` before ORT's update; ``"skip"`` drops the
+            optimizer update (every micro-batch of it; the gradients are reset) and warns.
+
+    Raises:
+        ConfigurationError: for another policy.
+    """
+
+    def __init__(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ConfigurationError(
+                f"Expected argument `on_nonfinite` to be one of {list(POLICIES)}, but got {policy!r}; "
+                "'raise' stops training at a NaN/inf loss, 'skip' drops that optimizer step and warns."
+            )
+        self.policy = policy
+        self.skipped = 0
+        self._pending: str | None = None
+
+    def observe(self, loss: torch.Tensor, trainer: Any, batch_idx: int) -> None:
+        """Check one micro-batch's loss; the `trainer`'s progress names the step in messages."""
+        # NOTE: the loss is a 0-d view of ORT's output; .item() reads one number (ORT's run has
+        # already finished, so this adds no wait on a GPU either).
+        value = loss.item()
+        if not math.isfinite(value) and self._pending is None:
+            self._pending = f"{value} {_where(trainer, batch_idx)}"
+
+    def decide(self, trainer: Any) -> bool:
+        """Whether this optimizer step is skipped; every rank gets the same answer.
+
+        Raises:
+            NonFiniteLossError: under ``"raise"``, on every rank, when any rank saw a NaN/inf loss.
+        """
+        pending, self._pending = self._pending, None
+        bad = pending is not None
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if not bad:
+            return False
+        where = pending or f"non-finite on another rank at global_step={trainer.global_step}"
+        if self.policy == "raise":
+            raise NonFiniteLossError(
+                f"The training loss is {where}; ORT's optimizer update has not run, so the parameters are "
+                f"still finite. To go on: {_ADVICE}."
+            )
+        self.skipped += 1
+        warnings.warn(
+            f"Skipped an optimizer step: the loss was {where}. The parameters and the optimizer state are "
+            f"unchanged and the gradients were reset ({self.skipped} step(s) skipped so far); if this repeats, "
+            "lower the lr or check the data for NaN/inf values.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return True
+
+
+def _where(trainer: Any, batch_idx: int) -> str:
+    return f"at global_step={trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
 
 
 class _Window:
@@ -126,12 +206,13 @@ class StepPath:
         self.step_offset = 0  # optimizer steps before this run (a start from an ORT checkpoint)
         self._window = _Window()
         self._session: _ort.TrainingSession | None = None
+        self._train_step: Callable[[Any], Any] | None = None
         self._gradients = GradientViews(())
 
     def __getstate__(self) -> dict[str, Any]:
         """Leave ORT's objects out of a pickle; the module attaches the rebuilt ones."""
         state = dict(self.__dict__)
-        state.update(_session=None, _gradients=GradientViews(()), _window=_Window())
+        state.update(_session=None, _train_step=None, _gradients=GradientViews(()), _window=_Window())
         return state
 
     def seed_in_use(self) -> int:
@@ -142,9 +223,23 @@ class StepPath:
     def attach(self, session: _ort.TrainingSession, gradients: GradientViews) -> None:
         """Work on a (re)built session and its gradient views."""
         self._session, self._gradients = session, gradients
+        self._train_step = session.train_step
         self._window = _Window()
 
     # ----------------------------------------------------------------------------- per micro-batch
+    def train(
+        self, binder: BatchBinder, batch: Any, trainer: Any, batch_idx: int, labels: LabelRange | None
+    ) -> tuple[Sequence[torch.Tensor], Any, torch.Tensor]:
+        """ORT's forward and backward on one micro-batch; return its tensors, fetches and loss.
+
+        The gradients land in ORT's buffers (summed over the window's micro-batches).
+        """
+        self.before_graph(trainer, batch_idx)
+        assert self._train_step is not None, "attach() a session first"
+        tensors, fetches, loss = binder.step(self._train_step, batch, labels)
+        self.nonfinite.observe(loss, trainer, batch_idx)
+        return tensors, fetches, loss
+
     def before_graph(self, trainer: Any, batch_idx: int) -> None:
         """Before ORT's forward and backward: seed ORT's random stream; keep earlier gradients apart."""
         accumulate = trainer.accumulate_grad_batches
@@ -178,9 +273,9 @@ class StepPath:
         if self.keep_apart:
             window.close(self._gradients.grads)
         accumulate = trainer.accumulate_grad_batches
-        if counted and accumulate > 1:
-            self._gradients.scale(1.0 / accumulate)  # 3. scale: ORT sums, Lightning averages
-        self._gradients.rebind()  # 4. re-bind the views of ORT's buffers
+        if counted and accumulate > 1 and self._gradients.grads:
+            torch._foreach_mul_(self._gradients.grads, 1.0 / accumulate)  # 3. scale: ORT sums, Lightning averages
+        self._rebind()  # 4. re-bind the views of ORT's buffers
         if self.nonfinite.decide(trainer):  # 5. skip, decided by all ranks together
             return None
         if result is None and counted:
@@ -191,5 +286,11 @@ class StepPath:
         """Restart ORT's gradient buffers at the next micro-batch and the window's bookkeeping."""
         if self._session is not None:
             self._session.lazy_reset_grad()
-        self._gradients.rebind()
+        self._rebind()
         self._window.restart()
+
+    def _rebind(self) -> None:
+        """Give every parameter its gradient view back where something replaced or cleared it."""
+        for parameter, grad in self._gradients.pairs:
+            if parameter.grad is not grad:
+                parameter.grad = grad

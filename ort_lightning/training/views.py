@@ -2,9 +2,10 @@
 
 `bind_views` registers the ORT parameters (and buffers) on a module under the torch model's
 own names; each trainable parameter's ``.grad`` is a view of ORT's gradient buffer. Lightning
-and torch both reach for ``.grad = None`` and ``module._apply`` at times: `GradientViews`
-re-binds the gradient views cheaply, and `check_conversion` refuses a dtype conversion that
-would copy the parameters away from the memory ORT trains.
+and torch both reach for ``.grad = None`` and ``module._apply`` at times: the step path
+(`ort_lightning.training.step`) re-binds the `GradientViews` after each step, and
+`check_conversion` refuses a dtype conversion that would copy the parameters away from the
+memory ORT trains.
 
 Example::
 
@@ -46,17 +47,6 @@ class GradientViews:
     def __init__(self, pairs: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         self.pairs = tuple(pairs)
         self.grads = [grad for _, grad in self.pairs]
-
-    def rebind(self) -> None:
-        """Give every parameter its gradient view back where something replaced or cleared it."""
-        for parameter, grad in self.pairs:
-            if parameter.grad is not grad:
-                parameter.grad = grad
-
-    def scale(self, factor: float) -> None:
-        """Multiply ORT's gradient buffers in place."""
-        if self.grads:
-            torch._foreach_mul_(self.grads, factor)
 
 
 def owner_of(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
