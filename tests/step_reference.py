@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -11,6 +11,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
+from tools._step import torch_step
+
+__all__ = ["assert_gradients_close", "ort_steps", "torch_step", "trainer"]
 
 
 class _Capture(Callback):
@@ -41,17 +44,6 @@ def ort_steps(artifacts: TrainingArtifacts, batch: Any, *, steps: int = 1,
     capture = _Capture()
     trainer(steps, [capture]).fit(module, DataLoader([batch] * steps, batch_size=None))
     return capture.losses, capture.grads, module
-
-
-def torch_step(
-    model: torch.nn.Module, compute: Callable[[torch.nn.Module], torch.Tensor]
-) -> tuple[float, dict[str, torch.Tensor]]:
-    """Step-1 loss and gradients of plain torch autograd."""
-    model.train()
-    model.zero_grad()
-    loss = compute(model)
-    loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_gradients_close(ort: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *,

@@ -1,9 +1,15 @@
-"""One training step of a torch model through real ORT artifacts, compared with torch autograd."""
+"""One training step of a torch model through real ORT artifacts, compared with torch autograd.
+
+`torch_step` is the one torch side of such comparisons (the tests' references use it too);
+the export verifier keeps its own float64 reference with a float32 noise model
+(`ort_lightning.export.verify.reference`), which judges rather than measures.
+"""
 
 from __future__ import annotations
 
 import copy
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +20,7 @@ from ort_lightning import export_artifacts
 from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.ort import runtime as _ort
 
-__all__ = ["StepResult", "compare_step"]
+__all__ = ["StepResult", "compare_step", "torch_step"]
 
 
 @dataclass(frozen=True)
@@ -31,14 +37,23 @@ class StepResult:
     eval_rel: float  # the eval graph's output vs the torch model in eval mode, relative to its largest |value|
 
 
-def _torch_step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> tuple[
-    torch.Tensor, torch.Tensor, dict[str, torch.Tensor]
-]:
-    output = model(*inputs)
-    loss = F.mse_loss(output, target)
+def torch_step(
+    model: torch.nn.Module, compute: Callable[[torch.nn.Module], torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of plain torch autograd in training mode: the loss `compute` returns and the gradients by name.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> loss, grads = torch_step(model, lambda m: m(torch.ones(3, 2)).sum())
+        >>> sorted(grads), grads["bias"].item()
+        (['bias', 'weight'], 3.0)
+    """
+    model.train()
+    model.zero_grad()
+    loss = compute(model)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), output.detach(), grads
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _ort_step(
@@ -87,7 +102,14 @@ def compare_step(
         ort_loss, ort_output, ort_grads, ort_eval = _ort_step(target_folder, [*batch, target])
     with torch.no_grad():
         torch_eval = copy.deepcopy(reference).eval()(*batch)
-    torch_loss, torch_output, torch_grads = _torch_step(reference, batch, target)
+    outputs: list[torch.Tensor] = []
+
+    def mse(module: torch.nn.Module) -> torch.Tensor:
+        outputs.append(module(*batch))
+        return F.mse_loss(outputs[0], target)
+
+    loss_value, torch_grads = torch_step(reference, mse)
+    torch_loss, torch_output = torch.tensor(loss_value), outputs[0].detach()
     grad_diff, grad_rel, worst = 0.0, 0.0, ""
     # NOTE: a parameter whose true gradient is ~0 (a conv bias before a normalization) is measured
     # against 1e-3 of the model's largest gradient, not divided by ~0.

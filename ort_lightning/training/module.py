@@ -29,16 +29,8 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy
 from ort_lightning.training import hybrid as _hybrid
-from ort_lightning.training.checkpoints import (
-    ORT_STATE_KEY,
-    PROGRESS_KEY,
-    RunOrigin,
-    export_inference,
-    read_checkpoint,
-    restored_state,
-    state_bytes,
-    write_ort_checkpoint,
-)
+from ort_lightning.training.checkpoint_connector import CheckpointConnector, find_artifacts
+from ort_lightning.training.checkpoints import RunOrigin, read_checkpoint
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     check_can_train,
@@ -59,22 +51,11 @@ from ort_lightning.training.schedules import (
     describe,
     lr_scheduler_config,
     resolve_schedule,
-    schedule_properties,
     total_steps_of,
 )
-from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, picklable, values_of
+from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, values_of
 from ort_lightning.training.step import NonFiniteGuard, StepPath
 from ort_lightning.training.threads import ThreadPolicy
-from ort_lightning.training.travel import (
-    IDENTITY_KEY,
-    check_identity,
-    check_metrics,
-    hyperparameters_of,
-    identity_of,
-    identity_of_state,
-    metric_names,
-    resolve_artifacts,
-)
 from ort_lightning.training.views import GradientViews, check_conversion
 
 __all__ = ["ORTLightningModule"]
@@ -175,6 +156,7 @@ class ORTLightningModule(pl.LightningModule):
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
         self._schedule: Any = None  # the scheduler of the current fit
+        self._checkpoints = CheckpointConnector(self)
         source = None if checkpoint is None else Path(checkpoint)
         self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(read_checkpoint(source, self.artifacts)))
         self._attach(SessionViews(self, self.artifacts, device=device, checkpoint=source,
@@ -452,16 +434,8 @@ class ORTLightningModule(pl.LightningModule):
         Returns:
             The path written.
         """
-        # NOTE: under a torch optimizer (hybrid training) ORT's optimizer state is never used;
-        # the file holds the weights, and the torch optimizer's state lives in Lightning's .ckpt.
-        include_optimizer_state = include_optimizer_state and self._optimizer_factory is None
-        values: dict[str, int | float | str] = {
-            "lr": float(self._session.get_lr()), "optimizer_state": int(include_optimizer_state),
-            "seed": self._steps.seed_in_use(), **schedule_properties(self._schedule),
-            **self._origin.progress_properties(self._trainer), **(properties or {}),
-        }
-        return write_ort_checkpoint(
-            self._session, path, include_optimizer_state=include_optimizer_state, properties=values
+        return self._checkpoints.save_ort_checkpoint(
+            path, include_optimizer_state=include_optimizer_state, properties=properties
         )
 
     def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None = None) -> Path:
@@ -480,8 +454,7 @@ class ORTLightningModule(pl.LightningModule):
         Raises:
             ConfigurationError: for an output name the eval graph does not have.
         """
-        names = list(outputs) if outputs is not None else list(self.artifacts.manifest.outputs)
-        return export_inference(self._session, path, names)
+        return self._checkpoints.export_inference_model(path, outputs)
 
     @override
     def to_onnx(self, file_path: Any = None, input_sample: Any = None, **kwargs: Any) -> None:
@@ -492,14 +465,7 @@ class ORTLightningModule(pl.LightningModule):
         Raises:
             ConfigurationError: for no file path (or a buffer), or ``torch.onnx.export`` options.
         """
-        if not isinstance(file_path, (str, os.PathLike)) or kwargs:
-            options = f" and torch.onnx.export options {sorted(kwargs)}" if kwargs else ""
-            raise ConfigurationError(
-                f"to_onnx writes the eval graph ORT trains, with its current weights, to a file: it takes a path and "
-                f"no export options, but got file_path={file_path!r}{options}; call "
-                "module.export_inference_model(path, outputs=...) to choose the outputs."
-            )
-        self.export_inference_model(file_path)
+        self._checkpoints.to_onnx(file_path, kwargs)
 
     @property
     def start_progress(self) -> dict[str, int]:
@@ -512,31 +478,22 @@ class ORTLightningModule(pl.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the full ORT state (weights, optimizer step and moments) as uint8 bytes.
+        """Store the full ORT state (weights, optimizer step and moments) as uint8 bytes, the progress and identity.
 
         Under hybrid training the weights only: the torch optimizer's state is Lightning's own entry.
         """
-        checkpoint[ORT_STATE_KEY] = state_bytes(self._session, include_optimizer_state=self._optimizer_factory is None)
-        checkpoint[PROGRESS_KEY] = self._origin.lightning_record(self._steps.seed_in_use())
-        checkpoint[IDENTITY_KEY] = {**identity_of(self.artifacts), "metrics": metric_names(self._metrics)}
+        self._checkpoints.dump(checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Rebuild the ORT components from the stored state (before ``configure_optimizers`` runs)."""
-        state = checkpoint.get(ORT_STATE_KEY)
-        if state is None:
-            return
-        stored, source = checkpoint.get(IDENTITY_KEY), "The Lightning checkpoint"
-        if stored is not None:
-            check_identity(stored, identity_of(self.artifacts), source=source, folder=self.artifacts.directory)
-            check_metrics(stored.get("metrics", {}), bool(self._metrics), source=source)
-        with restored_state(state) as path:
-            if stored is None:  # NOTE: a .ckpt written before the identity was stored: check its parameters
-                check_identity(identity_of_state(path, self.artifacts), identity_of(self.artifacts), source=source,
-                               folder=self.artifacts.directory)
-            self._attach(self._ort.rebuilt(self, checkpoint=path))
-        self._state_restored = True
-        self._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))
+        """Rebuild the ORT components from the stored state (before ``configure_optimizers`` runs).
+
+        Raises:
+            CheckpointError: for a ``.ckpt`` of other artifacts, or metrics it was trained with and that
+                are not passed again.
+        """
+        if self._checkpoints.restore(checkpoint):
+            self._state_restored = True
 
     @classmethod
     @override
@@ -551,27 +508,18 @@ class ORTLightningModule(pl.LightningModule):
             CheckpointError: for artifacts found nowhere (pass ``artifacts=``), artifacts of another model
                 or optimizer, or metrics the ``.ckpt`` was trained with and that are not passed again.
         """
-        if "artifacts" not in kwargs:
-            found = resolve_artifacts(checkpoint_path, hyperparameters_of(checkpoint_path))
-            if found is not None:
-                kwargs["artifacts"] = found
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, *args, **find_artifacts(checkpoint_path, kwargs))
 
     @override
     def __getstate__(self) -> dict[str, Any]:
         """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
-        state = picklable(super().__getstate__(), "_ort", self._ort)
-        state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
-        return state
+        return self._checkpoints.getstate(super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
         device = state.pop(DEVICE_KEY)
         super().__setstate__(state)
-        values = values_of(self)
-        self._attach(SessionViews(self, self.artifacts, device=device, custom_op_library=self.custom_op_library,
-                                  **self._thread_options(None)))
-        load_values(self, values)
+        self._checkpoints.rebuild(device)
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
