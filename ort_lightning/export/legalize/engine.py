@@ -3,9 +3,9 @@
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
 returns the nodes that replace one node (or None when that node needs no change); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
-`_rewrites` (pointwise, reductions, norms), `_rewrites_spatial` (pooling, resizing, slicing),
-`_rewrites_layers` (padding, transposed convolution, RNNs, einsum), `_rewrites_gather` (Gathers)
-and `_rewrites_recurrent` (LSTM, GRU).
+`rewrites/`: `pointwise` (activations, reductions, norms), `spatial` (pooling, resizing,
+slicing), `layers` (padding, transposed convolution, RNNs, einsum), `gather` (Gathers) and
+`recurrent` (LSTM, GRU).
 
 Example::
 
@@ -123,8 +123,8 @@ def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = No
     rewritten: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(proto.graph.node):
-        rule = RULES.get(node.op_type) if is_ai_onnx(node) else None
-        replacement = rule.rewrite(graph, node) if rule is not None else None
+        rule = RULES.get(node.op_type)  # NOTE: the domain is asked only of the ops a rule covers
+        replacement = rule.rewrite(graph, node) if rule is not None and is_ai_onnx(node) else None
         if replacement is None:
             nodes.append(node)
             continue
