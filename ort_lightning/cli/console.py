@@ -217,7 +217,7 @@ def _fleet(args: argparse.Namespace) -> None:
 
 
 def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:
-    """The digits MLP's artifacts in `folder`, exported on first use."""
+    """The digits MLP's artifacts in `folder`, with the nominal checkpoint devices start from; exported once."""
     import torch
 
     from ort_lightning import TrainingArtifacts, export_artifacts
@@ -225,7 +225,8 @@ def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:
 
     if (folder / "ort_lightning.json").exists():
         return TrainingArtifacts.load(folder).directory
-    return export_artifacts(digits_mlp(hidden, seed=seed), torch.zeros(2, FEATURES), folder).directory
+    model = digits_mlp(hidden, seed=seed)
+    return export_artifacts(model, torch.zeros(2, FEATURES), folder, nominal_checkpoint=True).directory
 
 
 # ----------------------------------------------------------------------------- LightningCLI

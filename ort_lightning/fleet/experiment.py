@@ -31,7 +31,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedPro
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.client import OPTIMIZER_STATES, FleetClient
+from ort_lightning.fleet.client import OPTIMIZER_STATES, STARTS, FleetClient
 from ort_lightning.fleet.digits import SPLITS, DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.server import GlobalModel
@@ -61,6 +61,8 @@ class FleetConfig:
         strategy: a key of `STRATEGIES`.
         strategy_options: keyword arguments of that Flower strategy (``fraction_train``, ``eta``...).
         optimizer_state: ``"fresh"`` or ``"keep"`` (see `FleetClient`).
+        start: where each device starts, ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the
+            server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
         engine: ``"local"`` or ``"simulation"`` (Flower's Ray engine).
         cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
         hidden: hidden units of the digits MLP (when the console script exports it).
@@ -78,6 +80,7 @@ class FleetConfig:
     strategy: str = "fedavg"
     strategy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     optimizer_state: str = "fresh"
+    start: str = "auto"
     engine: str = "local"
     cpus_per_device: float = 1.0
     hidden: int = 64
@@ -86,7 +89,8 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
-                  ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)]
+                  ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES),
+                  ("start", self.start, STARTS)]
         for key, value, allowed in checks:
             if value not in allowed:
                 raise ConfigurationError(
@@ -159,7 +163,8 @@ def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, ec
     out.mkdir(parents=True, exist_ok=True)
     folder = Path(artifacts)
     data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    client = FleetClient(folder, data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state)
+    client = FleetClient(folder, data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state,
+                         start=config.start)
     model = GlobalModel(folder, checkpoint=config.resume)
     server = FleetServer(model, _strategy(config), rounds=config.rounds, directory=out / "rounds",
                          test=digits_test_loader(config.seed))
