@@ -36,7 +36,7 @@ from ort_lightning.fleet.digits import SPLITS, DigitsPartitions, digits_test_loa
 from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.server import GlobalModel
 
-__all__ = ["ENGINES", "STRATEGIES", "FleetConfig", "run_experiment"]
+__all__ = ["ENGINES", "STRATEGIES", "FleetConfig", "fleet_client", "fleet_server", "report", "run_experiment"]
 
 #: Flower strategies by name (any other works through the Python API).
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -137,6 +137,20 @@ def _strategy(config: FleetConfig) -> Strategy:
     return STRATEGIES[config.strategy](**options)
 
 
+def fleet_client(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetClient:
+    """What each device of the experiment runs: the digits partition of its node, the local training options."""
+    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+    return FleetClient(Path(artifacts), data, epochs=config.epochs, lr=config.lr,
+                       optimizer_state=config.optimizer_state, start=config.start)
+
+
+def fleet_server(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetServer:
+    """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``, the test digits."""
+    model = GlobalModel(Path(artifacts), checkpoint=config.resume)
+    return FleetServer(model, _strategy(config), rounds=config.rounds, directory=Path(config.out) / "rounds",
+                       test=digits_test_loader(config.seed))
+
+
 def _run(server: FleetServer, client: FleetClient, config: FleetConfig) -> None:
     if config.engine == "local":
         run_local(server.server_app(), client.client_app(), nodes=config.devices)
@@ -159,31 +173,33 @@ def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, ec
     Returns:
         The `FleetServer`, whose ``history`` holds each round's record.
     """
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    server = fleet_server(config, artifacts)
+    started = time.perf_counter()
+    _run(server, fleet_client(config, artifacts), config)
+    report(server, config, time.perf_counter() - started, echo=echo)
+    return server
+
+
+def report(server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "") -> None:
+    """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png`` under ``out``.
+
+    `engine` names where the rounds ran in the printed header (the config's engine when empty).
+    """
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    folder = Path(artifacts)
-    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    client = FleetClient(folder, data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state,
-                         start=config.start)
-    model = GlobalModel(folder, checkpoint=config.resume)
-    server = FleetServer(model, _strategy(config), rounds=config.rounds, directory=out / "rounds",
-                         test=digits_test_loader(config.seed))
-    started = time.perf_counter()
-    _run(server, client, config)
-    total = time.perf_counter() - started
     if echo:
-        _print(server, config, total)
+        _print(server, config, total, engine or f"{config.engine} engine")
     _write_history(server, config, out, total)
     plot = _plot(server, config, out)
     if echo:
         print(f"round checkpoints: {out / 'rounds'}")
         print(f"history:           {out / 'history.json'}")
         print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
-    return server
 
 
-def _print(server: FleetServer, config: FleetConfig, total: float) -> None:
-    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {config.engine} engine")
+def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) -> None:
+    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {engine}")
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
     for record in server.history:
