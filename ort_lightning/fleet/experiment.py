@@ -222,17 +222,16 @@ def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: f
 
 def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     points = [(0, server.initial.get("accuracy"))] + [(r.server_round, r.evaluation.get("accuracy"))
                                                      for r in server.history]
     xs = [x for x, y in points if y is not None]
     ys = [y for _, y in points if y is not None]
-    figure, axes = plt.subplots(figsize=(5, 3.5))
+    # NOTE: a Figure without pyplot: the caller's matplotlib backend (a notebook's inline one) stays as it was.
+    figure = Figure(figsize=(5, 3.5))
+    axes = figure.subplots()
     axes.plot(xs, ys, marker="o")
     axes.set(xlabel="round", ylabel="global accuracy (held-out digits)", ylim=(0, 1),
              title=f"{config.devices} devices, {config.split}, {config.strategy}")
@@ -240,5 +239,4 @@ def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
     figure.tight_layout()
     path = out / "accuracy.png"
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
