@@ -13,11 +13,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
-from onnxruntime.training.api import CheckpointState
+from onnxruntime import OrtValue
+from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
+from ort_lightning.artifacts import TensorSpec
+from ort_lightning.artifacts.state import flat_values
+from ort_lightning.errors import CheckpointError, ConfigurationError
 from tests.test_adopt import BATCH, LR, Net, lightning_fit, ort_loop
 
 
@@ -75,6 +80,88 @@ def test_round_trip_lightning_then_device_equals_lightning(device_ready: Trainin
     lightning_fit(whole, batches)
     for name, tensor in whole.named_parameters():
         np.testing.assert_allclose(device[name], tensor.detach().numpy(), rtol=0, atol=1e-6, err_msg=name)
+
+
+def _received(artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
+    """Weights a device receives (a server's): the initial ones moved, so that they are not the folder's."""
+    generator = torch.Generator().manual_seed(11)
+    state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
+    return {name: torch.from_numpy(np.array(p.data)) + 0.3 * torch.randn(p.data.shape, generator=generator)
+            for name, p in state.parameters}
+
+
+def ort_device_loop(
+    folder: Path, values: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, ...]]
+) -> dict[str, np.ndarray]:
+    """ONNX Runtime's documented start of a device from a nominal checkpoint and received weights, then its loop.
+
+    ``load_checkpoint(nominal)``, ``Module``, ``copy_buffer_to_parameters`` (every state tensor, in the
+    training graph's input order, read here from the ``.onnx`` graph), ``Optimizer``, the loop.
+    """
+    graph_inputs = [value.name for value in onnx.load(str(folder / "training_model.onnx")).graph.input]
+    order = [name for name in graph_inputs if name in values]
+    state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
+    module = Module(str(folder / "training_model.ort"), state, str(folder / "eval_model.ort"))
+    buffer = np.concatenate([values[name].numpy().ravel() for name in order]).astype(np.float32)
+    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
+    # binding refuses; the binding takes the C-level one.
+    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(buffer)._ortvalue, False)
+    optimizer = Optimizer(str(folder / "optimizer_model.ort"), module)
+    optimizer.set_learning_rate(LR)
+    module.train()
+    for batch in batches:
+        module(*(tensor.numpy() for tensor in batch))
+        optimizer.step()
+        module.lazy_reset_grad()
+    return {name: np.array(parameter.data) for name, parameter in state.parameters}
+
+
+def test_nominal_checkpoint_needs_weights(device_ready: TrainingArtifacts) -> None:
+    nominal = device_ready.nominal_checkpoint
+    assert nominal is not None
+    with pytest.raises(CheckpointError, match=r"is a nominal checkpoint \(names and shapes, no weights.*pass the "
+                                              r"weights with ORTLightningModule\(\.\.\., checkpoint=nominal, values="):
+        ORTLightningModule(device_ready, checkpoint=nominal)
+    values = _received(device_ready)
+    with pytest.raises(ConfigurationError, match=r"\['fc2.bias'\] are missing"):
+        ORTLightningModule(device_ready, checkpoint=nominal, values={k: values[k] for k in values if k != "fc2.bias"})
+    with pytest.raises(ConfigurationError, match=r"Expected value 'fc1.bias' of shape \(5,\), but got \(3,\)"):
+        ORTLightningModule(device_ready, checkpoint=nominal, values={**values, "fc1.bias": torch.zeros(3)})
+
+
+def test_nominal_checkpoint_of_another_model_and_non_float_state_are_refused(
+    device_ready: TrainingArtifacts, tmp_path: Path
+) -> None:
+    other = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tmp_path / "other", verify=False,
+                             nominal_checkpoint=True)
+    assert other.nominal_checkpoint is not None
+    with pytest.raises(CheckpointError, match=r"names the parameters \['bias', 'weight'\], but the training graph"):
+        ORTLightningModule(device_ready, checkpoint=other.nominal_checkpoint, values=_received(device_ready))
+    counter = TensorSpec("num_batches_tracked", "int64", ())
+    with pytest.raises(ConfigurationError, match=r"state tensors \['num_batches_tracked \(int64\)'\] are not float32"):
+        flat_values({"num_batches_tracked": torch.tensor(3)}, [counter])
+
+
+def test_device_files_from_nominal_checkpoint_and_received_weights_equal_orts_loop(
+    device_ready: TrainingArtifacts, tmp_path: Path
+) -> None:
+    """Only .ort graphs and the weightless checkpoint, plus weights received: Lightning == ORT's loop from them."""
+    device = _only(device_ready.directory, ".ort", tmp_path)
+    values = _received(device_ready)
+    batches = _batches(3)
+    module = ORTLightningModule(device, checkpoint=device / "nominal_checkpoint", values=values, lr=LR,
+                                lr_scheduler="constant")
+    for name, tensor in module.named_parameters():
+        assert torch.equal(tensor.detach(), values[name].float()), name
+    lightning_fit(module, batches)
+    reference = ort_device_loop(device_ready.directory, values, batches)
+    for name, tensor in module.named_parameters():
+        assert not np.allclose(reference[name], values[name].numpy(), atol=1e-3), f"{name} did not train"
+        np.testing.assert_allclose(tensor.detach().numpy(), reference[name], rtol=0, atol=1e-6, err_msg=name)
+    # what it saves is a complete checkpoint: ORT reads every weight back
+    saved = CheckpointState.load_checkpoint(str(module.save_ort_checkpoint(tmp_path / "trained.ortckpt")))
+    for name, tensor in module.named_parameters():
+        np.testing.assert_array_equal(saved.parameters[name].data, tensor.detach().numpy(), err_msg=name)
 
 
 def test_readme_round_trip_runs_as_written() -> None:

@@ -7,9 +7,11 @@ float64, weighted by each device's example count.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,16 +19,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from onnxruntime.training.api import CheckpointState
 from torch.utils.data import DataLoader, TensorDataset
 
-from ort_lightning import ORTLightningModule
+from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.training.atomic import verify_digest
 
-from .conftest import Exported, blobs
+from .conftest import MLP, Exported, blobs
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import (  # noqa: E402
@@ -114,12 +117,34 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
         torch.testing.assert_close(actual[name].double(), expected[name], rtol=0, atol=2e-6, msg=name)
 
 
-def _run(exported: Exported, data: Any, folder: Path, *, rounds: int, mods: list[Any] | None = None) -> FleetServer:
-    client = FleetClient(exported.artifacts.directory, data, epochs=EPOCHS, lr=LR)
+def _run(
+    exported: Exported, data: Any, folder: Path, *, rounds: int, mods: list[Any] | None = None,
+    devices: Path | None = None, start: str = "auto",
+) -> FleetServer:
+    """`rounds` of FedAvg over `devices` (the artifacts folder each device holds; the exported one by default)."""
+    client = FleetClient(devices or exported.artifacts.directory, data, epochs=EPOCHS, lr=LR, start=start)
     server = FleetServer(GlobalModel(exported.artifacts), FedAvg(fraction_evaluate=0.0), rounds=rounds,
                          directory=folder)
     run_local(server.server_app(), client.client_app(mods=mods), nodes=len(SIZES))
     return server
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    """The MLP's artifacts with the nominal checkpoint a device ships."""
+    torch.manual_seed(0)
+    model = MLP()
+    pristine = copy.deepcopy(model)
+    folder = tmp_path_factory.mktemp("shipped") / "artifacts"
+    return Exported(export_artifacts(model, torch.zeros(2, 4), folder, verify=False, nominal_checkpoint=True), pristine)
+
+
+def _weightless(artifacts: TrainingArtifacts, folder: Path) -> Path:
+    """What a device holds: the graphs and the nominal checkpoint, also in place of the complete one (no weights)."""
+    shutil.copytree(artifacts.directory, folder)
+    assert artifacts.nominal_checkpoint is not None
+    shutil.copyfile(artifacts.nominal_checkpoint, folder / "checkpoint")
+    return folder
 
 
 # ----------------------------------------------------------------------------- tests
@@ -163,6 +188,45 @@ def test_fedavg_rounds_match_independent_fits_averaged_by_example_count(mlp_adam
     assert [(r.devices, r.examples) for r in server.history] == [(3, sum(SIZES))] * 2
     last = tmp_path / "rounds" / "last.ortckpt"
     assert last.read_bytes() == round_path(tmp_path / "rounds", 2).read_bytes()
+
+
+def test_devices_from_the_nominal_checkpoint_equal_the_complete_start_and_the_reference(
+    shipped: Exported, tmp_path: Path
+) -> None:
+    """Devices holding no weights at all (ORT's nominal start, the server's values) == the complete start == by hand."""
+    nominal = shipped.artifacts.nominal_checkpoint
+    assert nominal is not None
+    with pytest.raises(RuntimeError, match="nominal state"):  # ORT holds names and shapes, no data
+        CheckpointState.load_checkpoint(str(nominal)).parameters["fc1.weight"]  # noqa: B018 - reading is the check
+    assert 2 * nominal.stat().st_size < shipped.artifacts.checkpoint.stat().st_size
+    devices = _weightless(shipped.artifacts, tmp_path / "device")
+
+    from_nominal = _run(shipped, iid_data, tmp_path / "nominal", rounds=2, devices=devices, start="nominal")
+    from_complete = _run(shipped, iid_data, tmp_path / "complete", rounds=2, start="complete")
+    expected = _reference(shipped, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
+
+    for server in (from_nominal, from_complete):  # a device that failed would only be left out of the average
+        assert [(r.devices, r.examples) for r in server.history] == [(3, sum(SIZES))] * 2
+    for number, (average, _) in enumerate(expected, start=1):
+        started_nominal = _values_in(shipped, round_path(tmp_path / "nominal", number))
+        started_complete = _values_in(shipped, round_path(tmp_path / "complete", number))
+        # NOTE: two runs of one start differ by up to ~4e-7 (ORT's float32 sums), so equal means to 1e-6
+        for name, value in started_complete.items():
+            torch.testing.assert_close(started_nominal[name], value, rtol=0, atol=1e-6, msg=name)
+        _assert_close(started_nominal, average)
+
+
+def test_nominal_start_without_a_nominal_checkpoint_is_named(mlp_adamw: Exported) -> None:
+    with pytest.raises(ValueError, match=r"Expected `start` to be one of \('auto', 'nominal', 'complete'\)"):
+        FleetClient(mlp_adamw.artifacts.directory, iid_data, start="weightless")
+    client = FleetClient(mlp_adamw.artifacts.directory, iid_data, start="nominal")
+    grid = LocalGrid(client.client_app(), nodes=1)
+    content = RecordDict({"arrays": ArrayRecord(get_values(ORTLightningModule(mlp_adamw.artifacts))),
+                          "config": ConfigRecord({"server-round": 1})})
+    (reply,) = grid.send_and_receive([Message(content, dst_node_id=1, message_type="train")])
+    assert reply.has_error()
+    needs = r'start="nominal"\) needs a nominal checkpoint in .*export_artifacts\(\.\.\., nominal_checkpoint=True\)'
+    assert re.search(needs, reply.error.reason), reply.error.reason
 
 
 def _fail(rounds_to_devices: dict[int, set[int]]) -> Callable[..., Message]:

@@ -78,6 +78,17 @@ class TrainingArtifacts:
         return self._file("checkpoint")
 
     @property
+    def nominal_checkpoint(self) -> Path | None:
+        """ORT's weightless checkpoint beside `checkpoint` (names and shapes only), None when the folder has none.
+
+        ``export_artifacts(..., nominal_checkpoint=True)`` and ``generate_artifacts(..., nominal_checkpoint=True)``
+        write it; a device that receives its weights from elsewhere (a fleet's server) starts from it.
+        """
+        complete = self.checkpoint
+        path = complete.with_name(complete.name[: -len("checkpoint")] + "nominal_checkpoint")
+        return path if path.is_file() else None
+
+    @property
     def adopted(self) -> bool:
         """Whether the folder came from ``generate_artifacts`` (no manifest) rather than `export_artifacts`."""
         return self.files is not None

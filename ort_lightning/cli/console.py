@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--optimizer-option", action="append", default=[], metavar="KEY=VALUE",
                         help="e.g. weight_decay=0.0 or betas=0.9,0.98")
     export.add_argument("--frozen", action="append", default=[], metavar="NAME", help="parameter not to train")
+    export.add_argument("--nominal-checkpoint", action="store_true",
+                        help="also write nominal_checkpoint (no weights), what devices that receive weights start from")
+    export.add_argument("--ort-format", action="store_true", help="also write .ort graphs (mobile builds of ORT)")
     export.set_defaults(handler=_export)
 
     inspect = commands.add_parser("inspect", help="describe an artifacts folder or an ORT checkpoint file")
@@ -167,7 +170,8 @@ def _export(args: argparse.Namespace) -> None:
     loss = None if args.loss == "none" else args.loss
     options = dict(_option(text) for text in args.optimizer_option)
     common: dict[str, Any] = dict(
-        loss=loss, optimizer=args.optimizer, optimizer_options=options or None, frozen=args.frozen
+        loss=loss, optimizer=args.optimizer, optimizer_options=options or None, frozen=args.frozen,
+        nominal_checkpoint=args.nominal_checkpoint, ort_format=args.ort_format,
     )
     if args.source.endswith(".onnx"):
         artifacts = export_artifacts(args.source, None, args.out, **common)
@@ -217,7 +221,7 @@ def _fleet(args: argparse.Namespace) -> None:
 
 
 def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:
-    """The digits MLP's artifacts in `folder`, exported on first use."""
+    """The digits MLP's artifacts in `folder`, with the nominal checkpoint devices start from; exported once."""
     import torch
 
     from ort_lightning import TrainingArtifacts, export_artifacts
@@ -225,7 +229,8 @@ def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:
 
     if (folder / "ort_lightning.json").exists():
         return TrainingArtifacts.load(folder).directory
-    return export_artifacts(digits_mlp(hidden, seed=seed), torch.zeros(2, FEATURES), folder).directory
+    model = digits_mlp(hidden, seed=seed)
+    return export_artifacts(model, torch.zeros(2, FEATURES), folder, nominal_checkpoint=True).directory
 
 
 # ----------------------------------------------------------------------------- LightningCLI

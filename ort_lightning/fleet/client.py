@@ -2,11 +2,23 @@
 
 Each ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor
 name, in the training graph's order). The client builds an `ORTLightningModule` from the
-artifacts, copies the values into ORT's state through the module's views, fits `epochs` local
-epochs on its own data, and replies with its values, ``num-examples`` (the size of its
+artifacts with those values copied into ORT's state before its views are bound, fits `epochs`
+local epochs on its own data, and replies with its values, ``num-examples`` (the size of its
 training set: FedAvg's weight), ``train_loss`` and ``fit_seconds`` (the wall time of its
 fit). ``evaluate`` messages run the eval graph on the client's test data and reply with
 ``eval_loss``, ``eval_accuracy`` and ``num-examples``.
+
+Where a device starts (`FleetClient.start`), as ONNX Runtime runs a device:
+
+- ``"nominal"``: from the artifacts' nominal checkpoint (names and shapes, no weights:
+  ``export_artifacts(..., nominal_checkpoint=True)``) plus the server's values, ONNX Runtime's
+  sequence for a device that receives its weights: ``CheckpointState.load_checkpoint(nominal)``,
+  ``Module(...)``, ``Module.copy_buffer_to_parameters(values)``, then the ``Optimizer``. The
+  device never reads weights from its own folder.
+- ``"complete"``: from the artifacts' complete checkpoint, whose weights the server's values replace.
+- ``"auto"`` (default): ``"nominal"`` when the folder has a nominal checkpoint, else ``"complete"``.
+
+Both give the same numbers; the nominal start is what a device that ships without weights runs.
 
 Optimizer state, as a device would handle it (`FleetClient.optimizer_state`):
 
@@ -46,11 +58,14 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.parameters import get_values, set_values
+from ort_lightning.fleet.parameters import get_values
 from ort_lightning.training.module import ORTLightningModule
 
-__all__ = ["ARRAYS_KEY", "METRICS_KEY", "OPTIMIZER_STATES", "ClientData", "FleetClient", "evaluate_module"]
+__all__ = [
+    "ARRAYS_KEY", "METRICS_KEY", "OPTIMIZER_STATES", "STARTS", "ClientData", "FleetClient", "evaluate_module",
+]
 
 #: Record keys, as Flower's strategies name them by default.
 ARRAYS_KEY = "arrays"
@@ -59,6 +74,8 @@ WEIGHT_KEY = "num-examples"
 #: Where a client keeps its ORT optimizer state between rounds (``optimizer_state="keep"``).
 _STATE_KEY = "ort_lightning_state"
 OPTIMIZER_STATES = ("fresh", "keep")
+#: Where a device starts: its nominal checkpoint plus the server's values, or its complete checkpoint.
+STARTS = ("auto", "nominal", "complete")
 
 
 @dataclass(frozen=True)
@@ -91,11 +108,12 @@ class FleetClient:
         lr_scheduler: the module's ``lr_scheduler`` (``"constant"`` by default: a fleet usually
             sets its learning rate per round).
         optimizer_state: ``"fresh"`` or ``"keep"`` (see the module docstring).
+        start: ``"auto"``, ``"nominal"`` or ``"complete"`` (see the module docstring).
         module_options: other `ORTLightningModule` options (``warmup_steps``, ``total_steps``, ...).
         trainer_options: `lightning.Trainer` options replacing the quiet CPU defaults.
 
     Raises:
-        ConfigurationError: for an unknown `optimizer_state` or a non-positive `epochs`.
+        ConfigurationError: for an unknown `optimizer_state` or `start`, or a non-positive `epochs`.
     """
 
     artifacts: str | os.PathLike[str]
@@ -104,6 +122,7 @@ class FleetClient:
     lr: float = 1e-3
     lr_scheduler: Any = "constant"
     optimizer_state: str = "fresh"
+    start: str = "auto"
     module_options: dict[str, Any] = field(default_factory=dict)
     trainer_options: dict[str, Any] = field(default_factory=dict)
 
@@ -112,6 +131,11 @@ class FleetClient:
             raise ConfigurationError(
                 f"Expected `optimizer_state` to be one of {OPTIMIZER_STATES}, but got {self.optimizer_state!r}; "
                 'pass "fresh" (a new optimizer every round) or "keep" (each client keeps its own).'
+            )
+        if self.start not in STARTS:
+            raise ConfigurationError(
+                f"Expected `start` to be one of {STARTS}, but got {self.start!r}; pass \"nominal\" (the nominal "
+                'checkpoint plus the server\'s values), "complete" (the complete checkpoint) or "auto".'
             )
         if self.epochs < 1:
             raise ConfigurationError(f"Expected `epochs` >= 1, but got {self.epochs}; pass the local epochs per round.")
@@ -127,8 +151,7 @@ class FleetClient:
     def train(self, message: Message, context: Context) -> Message:
         """Fit the global values for `epochs` local epochs; reply with the new values and the example count."""
         data = self._data(context)
-        with self._module(context) as module:
-            set_values(module, message.content.array_records[ARRAYS_KEY].to_torch_state_dict())
+        with self._module(context, message.content.array_records[ARRAYS_KEY].to_torch_state_dict()) as module:
             trainer = self._trainer(max_epochs=self.epochs)
             started = time.perf_counter()
             trainer.fit(module, train_dataloaders=data.train)
@@ -151,8 +174,9 @@ class FleetClient:
                 "This client has no test data (ClientData.test is None) but was asked to evaluate; return test "
                 "batches from `data`, or set the strategy's fraction_evaluate=0."
             )
-        module = ORTLightningModule(self.artifacts, lr=self.lr, lr_scheduler=self.lr_scheduler, **self.module_options)
-        set_values(module, message.content.array_records[ARRAYS_KEY].to_torch_state_dict())
+        values = message.content.array_records[ARRAYS_KEY].to_torch_state_dict()
+        module = ORTLightningModule(self._artifacts(), checkpoint=self._start(), values=values,
+                                    **self._module_options())
         result = evaluate_module(module, data.test)
         metrics: dict[str, Any] = {
             WEIGHT_KEY: result["examples"], "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]
@@ -164,18 +188,41 @@ class FleetClient:
         config = context.node_config
         return self.data(int(config["partition-id"]), int(config["num-partitions"]))
 
+    def _artifacts(self) -> TrainingArtifacts:
+        return TrainingArtifacts.load(self.artifacts, labels=self.module_options.get("labels"))
+
+    def _module_options(self) -> dict[str, Any]:
+        return {"lr": self.lr, "lr_scheduler": self.lr_scheduler, **self.module_options}
+
+    def _start(self, artifacts: TrainingArtifacts | None = None) -> Path | None:
+        """The checkpoint a device starts from: the nominal one, or None for the complete one.
+
+        Raises:
+            ConfigurationError: for ``start="nominal"`` on a folder without a nominal checkpoint.
+        """
+        if self.start == "complete":
+            return None
+        nominal = (artifacts or self._artifacts()).nominal_checkpoint
+        if nominal is None and self.start == "nominal":
+            raise ConfigurationError(
+                f"FleetClient(start=\"nominal\") needs a nominal checkpoint in {self.artifacts}, but it has none; "
+                "export the artifacts with export_artifacts(..., nominal_checkpoint=True), or pass start=\"complete\"."
+            )
+        return nominal
+
     @contextlib.contextmanager
-    def _module(self, context: Context) -> Iterator[ORTLightningModule]:
-        """A module over the artifacts; under ``"keep"``, over the client's stored ORT state."""
-        options: dict[str, Any] = {"lr": self.lr, "lr_scheduler": self.lr_scheduler, **self.module_options}
+    def _module(self, context: Context, values: dict[str, torch.Tensor]) -> Iterator[ORTLightningModule]:
+        """A module of the artifacts holding `values`, over the start checkpoint or, under ``"keep"``, the client's."""
+        artifacts = self._artifacts()
         stored = context.state.array_records.get(_STATE_KEY) if self.optimizer_state == "keep" else None
         if stored is None:
-            yield ORTLightningModule(self.artifacts, **options)
+            yield ORTLightningModule(artifacts, checkpoint=self._start(artifacts), values=values,
+                                     **self._module_options())
             return
         with tempfile.TemporaryDirectory(prefix="ort-lightning-fleet-") as folder:
             path = Path(folder) / "client.ortckpt"
             path.write_bytes(stored.to_torch_state_dict()["checkpoint"].numpy().tobytes())
-            yield ORTLightningModule(self.artifacts, checkpoint=path, **options)
+            yield ORTLightningModule(artifacts, checkpoint=path, values=values, **self._module_options())
 
     def _trainer(self, **overrides: Any) -> pl.Trainer:
         options: dict[str, Any] = {

@@ -31,12 +31,12 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedPro
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.client import OPTIMIZER_STATES, FleetClient
+from ort_lightning.fleet.client import OPTIMIZER_STATES, STARTS, FleetClient
 from ort_lightning.fleet.digits import SPLITS, DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.server import GlobalModel
 
-__all__ = ["ENGINES", "STRATEGIES", "FleetConfig", "run_experiment"]
+__all__ = ["ENGINES", "STRATEGIES", "FleetConfig", "fleet_client", "fleet_server", "report", "run_experiment"]
 
 #: Flower strategies by name (any other works through the Python API).
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -61,6 +61,8 @@ class FleetConfig:
         strategy: a key of `STRATEGIES`.
         strategy_options: keyword arguments of that Flower strategy (``fraction_train``, ``eta``...).
         optimizer_state: ``"fresh"`` or ``"keep"`` (see `FleetClient`).
+        start: where each device starts, ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the
+            server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
         engine: ``"local"`` or ``"simulation"`` (Flower's Ray engine).
         cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
         hidden: hidden units of the digits MLP (when the console script exports it).
@@ -78,6 +80,7 @@ class FleetConfig:
     strategy: str = "fedavg"
     strategy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     optimizer_state: str = "fresh"
+    start: str = "auto"
     engine: str = "local"
     cpus_per_device: float = 1.0
     hidden: int = 64
@@ -86,7 +89,8 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
-                  ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)]
+                  ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES),
+                  ("start", self.start, STARTS)]
         for key, value, allowed in checks:
             if value not in allowed:
                 raise ConfigurationError(
@@ -133,6 +137,20 @@ def _strategy(config: FleetConfig) -> Strategy:
     return STRATEGIES[config.strategy](**options)
 
 
+def fleet_client(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetClient:
+    """What each device of the experiment runs: the digits partition of its node, the local training options."""
+    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+    return FleetClient(Path(artifacts), data, epochs=config.epochs, lr=config.lr,
+                       optimizer_state=config.optimizer_state, start=config.start)
+
+
+def fleet_server(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetServer:
+    """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``, the test digits."""
+    model = GlobalModel(Path(artifacts), checkpoint=config.resume)
+    return FleetServer(model, _strategy(config), rounds=config.rounds, directory=Path(config.out) / "rounds",
+                       test=digits_test_loader(config.seed))
+
+
 def _run(server: FleetServer, client: FleetClient, config: FleetConfig) -> None:
     if config.engine == "local":
         run_local(server.server_app(), client.client_app(), nodes=config.devices)
@@ -155,30 +173,33 @@ def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, ec
     Returns:
         The `FleetServer`, whose ``history`` holds each round's record.
     """
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    server = fleet_server(config, artifacts)
+    started = time.perf_counter()
+    _run(server, fleet_client(config, artifacts), config)
+    report(server, config, time.perf_counter() - started, echo=echo)
+    return server
+
+
+def report(server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "") -> None:
+    """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png`` under ``out``.
+
+    `engine` names where the rounds ran in the printed header (the config's engine when empty).
+    """
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    folder = Path(artifacts)
-    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    client = FleetClient(folder, data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state)
-    model = GlobalModel(folder, checkpoint=config.resume)
-    server = FleetServer(model, _strategy(config), rounds=config.rounds, directory=out / "rounds",
-                         test=digits_test_loader(config.seed))
-    started = time.perf_counter()
-    _run(server, client, config)
-    total = time.perf_counter() - started
     if echo:
-        _print(server, config, total)
+        _print(server, config, total, engine or f"{config.engine} engine")
     _write_history(server, config, out, total)
     plot = _plot(server, config, out)
     if echo:
         print(f"round checkpoints: {out / 'rounds'}")
         print(f"history:           {out / 'history.json'}")
         print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
-    return server
 
 
-def _print(server: FleetServer, config: FleetConfig, total: float) -> None:
-    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {config.engine} engine")
+def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) -> None:
+    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {engine}")
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
     for record in server.history:
@@ -201,17 +222,16 @@ def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: f
 
 def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     points = [(0, server.initial.get("accuracy"))] + [(r.server_round, r.evaluation.get("accuracy"))
                                                      for r in server.history]
     xs = [x for x, y in points if y is not None]
     ys = [y for _, y in points if y is not None]
-    figure, axes = plt.subplots(figsize=(5, 3.5))
+    # NOTE: a Figure without pyplot: the caller's matplotlib backend (a notebook's inline one) stays as it was.
+    figure = Figure(figsize=(5, 3.5))
+    axes = figure.subplots()
     axes.plot(xs, ys, marker="o")
     axes.set(xlabel="round", ylabel="global accuracy (held-out digits)", ylim=(0, 1),
              title=f"{config.devices} devices, {config.split}, {config.strategy}")
@@ -219,5 +239,4 @@ def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
     figure.tight_layout()
     path = out / "accuracy.png"
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path

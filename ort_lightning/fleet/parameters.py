@@ -22,22 +22,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
 
-import numpy as np
-import onnx
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts.state import check_values, state_specs
 from ort_lightning.errors import ConfigurationError
 
 __all__ = ["get_values", "set_values", "state_order", "state_tensors"]
-
-
-@lru_cache(maxsize=32)
-def _graph_inputs(path: str, mtime_ns: int) -> tuple[str, ...]:
-    # NOTE: the graph's structure only; weights stay on disk.
-    return tuple(value.name for value in onnx.load(path, load_external_data=False).graph.input)
 
 
 def state_order(artifacts: TrainingArtifacts) -> list[str]:
@@ -49,10 +41,7 @@ def state_order(artifacts: TrainingArtifacts) -> list[str]:
     Returns:
         Parameter and buffer names, as ``named_parameters()`` / ``named_buffers()`` spell them.
     """
-    path = artifacts.training_model
-    inputs = _graph_inputs(str(path), path.stat().st_mtime_ns)
-    skip = {spec.name for spec in artifacts.manifest.graph_inputs}
-    return [name for name in inputs if name not in skip and not name.endswith(".buffer") and name != "lazy_reset_grad"]
+    return [spec.name for spec in state_specs(artifacts)]
 
 
 def state_tensors(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
@@ -82,10 +71,6 @@ def get_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().cpu().clone() for name, tensor in state_tensors(module, artifacts).items()}
 
 
-def _as_tensor(value: object) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-
-
 @torch.no_grad()
 def set_values(module: torch.nn.Module, values: Mapping[str, object]) -> None:
     """Copy `values` into ORT's state through the module's views (no ORT object is rebuilt).
@@ -99,22 +84,5 @@ def set_values(module: torch.nn.Module, values: Mapping[str, object]) -> None:
     """
     artifacts: TrainingArtifacts = module.artifacts  # type: ignore[assignment]
     targets = state_tensors(module, artifacts)
-    _check_names(set(values), list(targets))
-    for name, target in targets.items():
-        value = _as_tensor(values[name])
-        if tuple(value.shape) != tuple(target.shape):
-            raise ConfigurationError(
-                f"Expected value {name!r} of shape {tuple(target.shape)}, but got {tuple(value.shape)}; send the "
-                "values of the same artifacts to every client."
-            )
-        target.copy_(value)
-
-
-def _check_names(given: set[str], expected: list[str]) -> None:
-    missing = [name for name in expected if name not in given]
-    unexpected = sorted(given - set(expected))
-    if missing or unexpected:
-        raise ConfigurationError(
-            f"Expected values for exactly the state tensors {expected}, but {missing} are missing and "
-            f"{unexpected} unexpected; send the values of the same artifacts (get_values of a module built from them)."
-        )
+    for name, value in check_values(values, state_specs(artifacts)).items():
+        targets[name].copy_(value)

@@ -26,6 +26,7 @@ __all__ = [
     "CHECKPOINT_READ_ERRORS",
     "checkpoint_summary",
     "export_for_inferencing",
+    "nominal_summary",
     "ort_graph_io",
     "save_checkpoint",
     "set_properties",
@@ -72,6 +73,28 @@ def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tu
         parameters.append((name, tuple(parameter.data.shape()), bool(parameter.requires_grad)))
     properties = {name: state.get_property(name) for name in state.property_names()}
     return parameters, properties
+
+
+def nominal_summary(path: os.PathLike[str] | str) -> tuple[list[str], dict[str, Any]] | None:
+    """The parameter names and properties of a nominal checkpoint; None for a checkpoint that holds weights.
+
+    A nominal checkpoint (``generate_artifacts(..., nominal_checkpoint=True)``) lists the parameters
+    without their data; ONNX Runtime refuses to read any parameter of it until
+    ``Module.copy_buffer_to_parameters`` has given the weights, and says so ("nominal state").
+
+    Raises:
+        RuntimeError: (one of `CHECKPOINT_READ_ERRORS`) for a file ONNX Runtime cannot read at all.
+    """
+    state = CheckpointState.load_checkpoint(os.fspath(path))._state
+    names = list(state.parameter_names())
+    try:
+        for name in names[:1]:
+            state.get_parameter(name)
+    except RuntimeError as error:
+        if "nominal state" not in str(error):
+            raise
+        return names, {name: state.get_property(name) for name in state.property_names()}
+    return None
 
 
 #: What ONNX Runtime raises for a checkpoint file it cannot parse.

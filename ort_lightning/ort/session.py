@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnx
 
 from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError
@@ -35,12 +36,14 @@ __all__ = [
     "OrtValueVector",
     "TrainingSession",
     "assemble",
+    "copy_parameters",
     "optimizer_kind_in",
     "parse_device",
     "session_options",
 ]
 
 OrtValueVector = _C.OrtValueVector
+_CPU = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
 
 _CUDA_INSTALL = 'pip uninstall -y onnxruntime-training-cpu && pip install "ort-lightning[cuda]"'
 
@@ -172,11 +175,16 @@ def assemble(
     custom_op_library: os.PathLike[str] | str | None = None,
     spinning: bool = True,
     intra_op_threads: int = 0,
+    parameters: np.ndarray | None = None,
 ) -> TrainingSession:
-    """Build CheckpointState -> Module (train + eval) -> Optimizer on `device`.
+    """Build CheckpointState -> Module (train + eval) -> [the weights in] -> Optimizer on `device`.
 
     `spinning` is ORT's intra-op thread spinning, `intra_op_threads` the size of its intra-op
-    pool, 0 for ORT's default (see `session_options`).
+    pool, 0 for ORT's default (see `session_options`). `parameters` is every state tensor in one
+    float32 buffer, in the training graph's input order; when given, it replaces the checkpoint's
+    weights before the Optimizer is built, which is how a device starts from a nominal checkpoint
+    (names and shapes, no weights): ONNX Runtime's documented sequence ``load_checkpoint(nominal)``,
+    ``Module(...)``, ``copy_buffer_to_parameters(buffer, trainable_only=False)``.
 
     The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
     names what ORT will actually run.
@@ -184,7 +192,8 @@ def assemble(
     Raises:
         DeviceError: for a device this build cannot use.
         ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
-        ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded.
+        ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded, or
+            `parameters` of another size than the state's.
     """
     kind, index = parse_device(device)
     options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
@@ -198,11 +207,33 @@ def assemble(
         device=target,
         session_options=options,
     )
+    if parameters is not None:
+        copy_parameters(module, parameters)
     optimizer = None if optimizer_model is None else Optimizer(os.fspath(optimizer_model), module)
     return TrainingSession(
         state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
         intra_op_threads=intra_op_threads,
     )
+
+
+def copy_parameters(module: Any, parameters: np.ndarray) -> None:
+    """Copy one float32 buffer into every parameter of `module`'s state, in the training graph's input order.
+
+    Works on a nominal state too: ONNX Runtime allocates the parameters then.
+
+    Raises:
+        ConfigurationError: for a buffer that is not float32 or not the size of the state.
+    """
+    expected = module.get_parameters_size(False)
+    if parameters.dtype != np.float32 or parameters.ndim != 1 or parameters.size != expected:
+        raise ConfigurationError(
+            f"Expected the parameters as one float32 buffer of {expected} values, but got {parameters.dtype} of shape "
+            f"{parameters.shape}; pass a value for every state tensor of these artifacts."
+        )
+    buffer = _C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(parameters), _CPU)
+    # NOTE: the 1.19.2 wrapper (Module.copy_buffer_to_parameters) hands the binding its Python
+    # OrtValue, which the binding refuses; the binding itself takes the C-level one.
+    module._model.copy_buffer_to_parameters(buffer, False)
 
 
 def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:

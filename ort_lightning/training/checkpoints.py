@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from ort_lightning.artifacts.state import state_specs
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.atomic import atomic_write, verify_digest
@@ -67,17 +68,6 @@ def _version() -> str:
     from ort_lightning._version import __version__
 
     return __version__
-
-
-def _read_checkpoint(path: Path) -> tuple[ParameterSummary, dict[str, Any]]:
-    verify_digest(path)
-    try:
-        return _ort.checkpoint_summary(path)
-    except _ort.CHECKPOINT_READ_ERRORS as error:
-        raise CheckpointError(
-            f"ONNX Runtime cannot read checkpoint {path} ({' '.join(str(error).split())[:160]}); it is not an "
-            "ORT checkpoint or it is damaged: resume from another checkpoint file."
-        ) from error
 
 
 def _mismatch(found: ParameterSummary, expected: ParameterSummary) -> str:
@@ -167,19 +157,64 @@ class RunOrigin:
                 "next_epoch": self.epoch + epochs.processed}
 
 
-def read_checkpoint(path: Path, artifacts: TrainingArtifacts) -> dict[str, Any]:
+def read_checkpoint(path: Path, artifacts: TrainingArtifacts, *, weights_given: bool = False) -> dict[str, Any]:
     """Verify an ORT checkpoint file (digest, readability, parameters of `artifacts`); return its properties.
 
+    Args:
+        path: the checkpoint file.
+        artifacts: the artifacts it must belong to.
+        weights_given: accept a nominal checkpoint (names, no weights), whose weights the caller
+            gives; its names are then checked against the training graph's state tensors.
+
     Raises:
-        CheckpointError: for a damaged file or one of other artifacts.
+        CheckpointError: for a damaged file, one of other artifacts, or a nominal one without weights given.
     """
-    found, properties = _read_checkpoint(path)
+    verify_digest(path)
+    try:
+        found, properties = _ort.checkpoint_summary(path)
+    except _ort.CHECKPOINT_READ_ERRORS as error:
+        return _read_nominal(path, artifacts, error, weights_given=weights_given)
     expected, _ = _ort.checkpoint_summary(artifacts.checkpoint)
     problems = _mismatch(found, expected)
     if problems:
         raise CheckpointError(
             f"Checkpoint {path} does not match the artifacts in {artifacts.directory}: its parameters are "
             f"{problems}; pass a checkpoint written while training these artifacts, or the artifacts it came from."
+        )
+    return properties
+
+
+def _read_nominal(
+    path: Path, artifacts: TrainingArtifacts, error: BaseException, *, weights_given: bool
+) -> dict[str, Any]:
+    """The properties of a checkpoint ORT could not summarize: a nominal one with weights given, else an error.
+
+    Raises:
+        CheckpointError: for a file that is not a checkpoint, a nominal one without weights given, or one whose
+            names are not the training graph's state tensors.
+    """
+    try:
+        nominal = _ort.nominal_summary(path)
+    except _ort.CHECKPOINT_READ_ERRORS:
+        nominal = None
+    if nominal is None:
+        raise CheckpointError(
+            f"ONNX Runtime cannot read checkpoint {path} ({' '.join(str(error).split())[:160]}); it is not an "
+            "ORT checkpoint or it is damaged: resume from another checkpoint file."
+        ) from error
+    if not weights_given:
+        raise CheckpointError(
+            f"Checkpoint {path} is a nominal checkpoint (names and shapes, no weights: "
+            "export_artifacts(..., nominal_checkpoint=True) writes it), so there is nothing to start from; pass the "
+            "weights with ORTLightningModule(..., checkpoint=nominal, values={name: tensor}) (e.g. a fleet server's "
+            "values), or pass a complete checkpoint."
+        ) from None
+    names, properties = nominal
+    expected = [spec.name for spec in state_specs(artifacts)]
+    if sorted(names) != sorted(expected):
+        raise CheckpointError(
+            f"Nominal checkpoint {path} names the parameters {sorted(names)}, but the training graph of "
+            f"{artifacts.directory} takes {sorted(expected)}; pass the nominal checkpoint written with these artifacts."
         )
     return properties
 

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,11 @@ class ORTLightningModule(pl.LightningModule):
         checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
             start from instead of the artifacts' initial one: weights, and the optimizer state
             when the file has it. The run continues the file's: its schedule starts at the stored
-            step, its epochs and steps count on, and ORT's random stream keeps the stored seed.
+            step, its epochs and steps count on, and ORT's random stream keeps the stored seed. A
+            nominal checkpoint (no weights, ``export_artifacts(..., nominal_checkpoint=True)``) needs `values`.
+        values: name -> tensor for every parameter and buffer (``ort_lightning.fleet.get_values`` of a
+            module of the same artifacts), copied into ORT's state in place of the `checkpoint`'s weights
+            before anything else runs, as a device starts from a nominal checkpoint and weights it received.
         on_nonfinite: what a NaN/inf training loss does, decided once per optimizer step by all ranks
             together: ``"raise"`` (`NonFiniteLossError`, before the update touches the parameters) or
             ``"skip"`` (drop that optimizer step, every micro-batch of it, reset the gradients and warn).
@@ -138,6 +142,7 @@ class ORTLightningModule(pl.LightningModule):
         optimizer: _hybrid.OptimizerFactory | None = None,
         labels: Sequence[str] | None = None,
         threads: str = "auto",
+        values: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self._threads = ThreadPolicy(threads, hybrid=optimizer is not None)
@@ -158,8 +163,9 @@ class ORTLightningModule(pl.LightningModule):
         self._schedule: Any = None  # the scheduler of the current fit
         self._checkpoints = CheckpointConnector(self)
         source = None if checkpoint is None else Path(checkpoint)
-        self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(read_checkpoint(source, self.artifacts)))
-        self._attach(SessionViews(self, self.artifacts, device=device, checkpoint=source,
+        self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(
+            read_checkpoint(source, self.artifacts, weights_given=values is not None)))
+        self._attach(SessionViews(self, self.artifacts, device=device, checkpoint=source, values=values,
                                   custom_op_library=self.custom_op_library, **self._thread_options(None)))
         schedule = resolve_schedule(
             lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._origin.properties

@@ -21,12 +21,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts.state import flat_values, state_specs
 from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, torch_device
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.checkpoints import snapshot
@@ -49,6 +51,12 @@ class SessionViews:
         spinning: whether ORT's worker threads spin between steps.
         intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
         custom_op_library: a shared library of custom operators to register with ONNX Runtime.
+        values: name -> tensor for every state tensor (`ort_lightning.artifacts.state.state_specs`),
+            copied into ORT's state before the views are bound, in place of the checkpoint's
+            weights; with a nominal `checkpoint` (no weights) they are the only weights there are.
+
+    Raises:
+        ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors.
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class SessionViews:
         spinning: bool = True,
         intra_op_threads: int = 0,
         custom_op_library: str | None = None,
+        values: Mapping[str, object] | None = None,
     ) -> None:
         self.artifacts = artifacts
         self.custom_op_library = custom_op_library
@@ -73,6 +82,7 @@ class SessionViews:
             custom_op_library=custom_op_library,
             spinning=spinning,
             intra_op_threads=intra_op_threads,
+            parameters=None if values is None else flat_values(values, state_specs(artifacts)),
         )
         self.device = torch_device(self.session.device)
         specs = artifacts.manifest.graph_inputs

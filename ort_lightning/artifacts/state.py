@@ -1,0 +1,118 @@
+"""The state tensors of a set of artifacts, as the training graph takes them, and values for them.
+
+ORT's state is every tensor of the CheckpointState (trainable and frozen parameters, and buffers
+such as BatchNorm running statistics). The training graph takes them as inputs in one order,
+which is the order of ORT's contiguous parameter buffer (``Module.copy_buffer_to_parameters``),
+not the alphabetical order in which the CheckpointState lists them. The graph also gives their
+shapes and element types, so that values can be checked without reading any checkpoint: a
+nominal checkpoint has names and nothing else.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from ort_lightning import export_artifacts
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> [(spec.name, spec.shape) for spec in state_specs(artifacts)]
+    [('weight', (3, 4)), ('bias', (3,))]
+    >>> flat_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)}, state_specs(artifacts)).shape
+    (15,)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ort_lightning.artifacts.adopted import graph_io
+from ort_lightning.artifacts.manifest import TensorSpec
+from ort_lightning.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ort_lightning.artifacts.folder import TrainingArtifacts
+
+__all__ = ["check_values", "flat_values", "state_specs"]
+
+_GRAD_BUFFER = ".buffer"
+_RESET = "lazy_reset_grad"
+
+
+@lru_cache(maxsize=32)
+def _graph_inputs(path: Path, mtime_ns: int) -> tuple[TensorSpec, ...]:
+    # NOTE: the graph's structure only; weights stay on disk.
+    return tuple(graph_io(path)[0])
+
+
+def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
+    """The state tensors of `artifacts` in the order the training graph takes them, with shapes and types.
+
+    Args:
+        artifacts: the artifacts whose training graph sets the order.
+
+    Returns:
+        One `TensorSpec` per parameter and buffer, named as ``named_parameters()`` / ``named_buffers()`` name them.
+    """
+    path = artifacts.training_model
+    skip = {spec.name for spec in artifacts.manifest.graph_inputs}
+    return [
+        spec for spec in _graph_inputs(path, path.stat().st_mtime_ns)
+        if spec.name not in skip and not spec.name.endswith(_GRAD_BUFFER) and spec.name != _RESET
+    ]
+
+
+def _as_tensor(value: object) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+
+
+def check_values(values: Mapping[str, object], specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """`values` as tensors in the order of `specs`, once every name and shape is checked.
+
+    Args:
+        values: name -> tensor or numpy array, for every state tensor.
+        specs: what `state_specs` returned.
+
+    Raises:
+        ConfigurationError: for missing, unexpected or misshapen values.
+    """
+    expected = [spec.name for spec in specs]
+    missing = [name for name in expected if name not in values]
+    unexpected = sorted(set(values) - set(expected))
+    if missing or unexpected:
+        raise ConfigurationError(
+            f"Expected values for exactly the state tensors {expected}, but {missing} are missing and "
+            f"{unexpected} unexpected; send the values of the same artifacts (get_values of a module built from them)."
+        )
+    tensors = {}
+    for spec in specs:
+        value = _as_tensor(values[spec.name])
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ConfigurationError(
+                f"Expected value {spec.name!r} of shape {tuple(spec.shape)}, but got {tuple(value.shape)}; send the "
+                "values of the same artifacts to every client."
+            )
+        tensors[spec.name] = value
+    return tensors
+
+
+def flat_values(values: Mapping[str, object], specs: Sequence[TensorSpec]) -> np.ndarray:
+    """`values` in one contiguous float32 buffer, in the order of `specs` (what ORT's parameter buffer holds).
+
+    Raises:
+        ConfigurationError: for values `check_values` refuses, or state tensors that are not float32
+            (ORT's parameter buffer is one float32 array).
+    """
+    others = [f"{spec.name} ({spec.dtype})" for spec in specs if spec.dtype != "float32"]
+    if others:
+        raise ConfigurationError(
+            f"ORT's parameter buffer holds float32 values, but the state tensors {others} are not float32; start "
+            "such artifacts from their complete checkpoint and copy the values in afterwards (set_values)."
+        )
+    tensors = check_values(values, specs)
+    if not tensors:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([t.detach().cpu().to(torch.float32).reshape(-1).numpy() for t in tensors.values()])

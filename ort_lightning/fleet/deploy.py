@@ -1,0 +1,87 @@
+"""The digits fleet as a Flower app for Flower's deployment runtime: a SuperLink, SuperNodes, ``flwr run``.
+
+`client` (a ``ClientApp``) and `server` (a ``ServerApp``) are the apps that a Flower app project
+names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and the README's
+"Fleet experiments" section gives the commands. Both read Flower's run config: the keys of a
+`FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
+plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
+is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
+digits, and it trains as in the simulation (a Lightning ``Trainer`` over ORT's graphs, starting
+from the nominal checkpoint plus the server's values). The server waits for ``devices``
+SuperNodes, writes a complete ORT checkpoint per round under ``out/rounds`` and prints the
+accuracy per round into the run's log (``flwr log``, or ``flwr run --stream``).
+
+Example::
+
+    >>> config, artifacts = read_run_config({"artifacts": "/srv/fleet/artifacts", "devices": 2, "rounds": 1})
+    >>> config.devices, config.rounds, artifacts.name
+    (2, 1, 'artifacts')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.experiment import FleetConfig, fleet_client, fleet_server, report
+
+__all__ = ["client", "read_run_config", "server"]
+
+
+def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path]:
+    """The experiment and the artifacts folder that a run config names.
+
+    Args:
+        run_config: Flower's run config (``[tool.flwr.app.config]``, with ``flwr run --run-config`` overrides).
+
+    Raises:
+        ConfigurationError: without an ``artifacts`` key, or for keys `FleetConfig` refuses.
+    """
+    values = dict(run_config)
+    artifacts = values.pop("artifacts", None)
+    if not artifacts:
+        raise ConfigurationError(
+            "The run config has no `artifacts` key; add artifacts = \"/path/to/artifacts\" under "
+            "[tool.flwr.app.config] of the app's pyproject.toml, or pass flwr run ... --run-config "
+            "\"artifacts='/path/to/artifacts'\" (a folder that every machine holds at that path)."
+        )
+    return FleetConfig.from_dict(values), Path(str(artifacts))
+
+
+# ----------------------------------------------------------------------------- the device
+client = ClientApp()
+
+
+@client.train()
+def _train(message: Message, context: Context) -> Message:
+    config, artifacts = read_run_config(context.run_config)
+    return fleet_client(config, artifacts).train(message, context)
+
+
+@client.evaluate()
+def _evaluate(message: Message, context: Context) -> Message:
+    config, artifacts = read_run_config(context.run_config)
+    return fleet_client(config, artifacts).evaluate(message, context)
+
+
+# ----------------------------------------------------------------------------- the server
+server = ServerApp()
+
+
+@server.main()
+def _main(grid: Grid, context: Context) -> None:
+    config, artifacts = read_run_config(context.run_config)
+    # NOTE: a deployment waits for all of its devices; the simulation's default waits for two.
+    waiting = {"min_available_nodes": config.devices, "min_train_nodes": config.devices}
+    config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
+    fleet = fleet_server(config, artifacts)
+    started = time.perf_counter()
+    fleet.main(grid, context)
+    report(fleet, config, time.perf_counter() - started, engine="Flower deployment runtime")
