@@ -3,7 +3,8 @@
 In order (`prepare`): the IR version ORT reads, the optional outputs whose gradients ORT reads
 (``log_prob`` of SoftmaxCrossEntropyLoss, ``mask`` of Dropout), then legalization (every node
 ORT's gradient builder cannot take, rewritten into an exact equivalent it can). All of them work
-on the in-memory `onnx.ModelProto`, in place.
+on the in-memory `onnx.ModelProto`, in place; weights kept as external data are read from their
+folder only where a rewrite needs a value (an embedding's padding row).
 
 Example::
 
@@ -16,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 
 from ort_lightning.export.legalize import engine as _legalize
@@ -25,18 +28,19 @@ from ort_lightning.ort.limits import lower_ir_version
 __all__ = ["add_dropout_masks", "add_log_prob_outputs", "prepare"]
 
 
-def prepare(proto: onnx.ModelProto, *, model: object) -> None:
+def prepare(proto: onnx.ModelProto, *, model: object, weights_dir: Path | None = None) -> None:
     """Run the passes before generation on `proto`, in place, in their order.
 
     Args:
         proto: the forward graph (model inputs to model outputs).
         model: the torch module it came from (its embeddings' ``padding_idx`` guide the gather
             rewrites), or None for an ONNX source.
+        weights_dir: where the external data of its weights lies (``export.external``), if any.
     """
     lower_ir_version(proto)
     add_log_prob_outputs(proto)
     add_dropout_masks(proto)
-    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
+    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model), weights_dir=weights_dir)
 
 
 def add_log_prob_outputs(proto: onnx.ModelProto) -> int:

@@ -9,6 +9,11 @@ A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non
 a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
 report goes into the manifest (``verification``) and ``ort-lightning inspect`` shows it.
 
+A model whose trainable parameters exceed `REFERENCE_LIMIT_BYTES` (1 GiB) gets no torch
+reference: its float64 copy and gradients would take about 7 more copies of the weights. Its
+step is still run in the child and checked for crashes, errors and non-finite values, and the
+report says why (``reason``).
+
 Example::
 
     >>> report_rows({"status": "skipped"})
@@ -51,6 +56,8 @@ __all__ = ["report_rows", "verify_export"]
 
 #: Seconds one verification child may take before the export gives up on it.
 TIMEOUT_S = 600.0
+#: Trainable parameters above this many bytes get no torch reference (`_why_no_reference`).
+REFERENCE_LIMIT_BYTES = 1 << 30
 _TRAINING_MODEL = "training_model.onnx"
 _ZERO_RATIO = "ort_lightning_verify_zero_dropout_ratio"
 #: Where the ratio sits among a node's inputs, per Dropout op of the training graph.
@@ -107,7 +114,8 @@ def _check(
     started = time.perf_counter()
     torch_model = model if isinstance(model, torch.nn.Module) else None
     loss_fn = reference_loss(loss)
-    referenced = torch_model is not None and (loss is None or loss_fn is not None)
+    why_not = _why_no_reference(torch_model, manifest.trainable)
+    referenced = torch_model is not None and (loss is None or loss_fn is not None) and why_not is None
     examples, keywords = _examples(example_inputs) if torch_model is not None else (None, None)
     call = Call(keywords, output)
     batches = _batch_sizes(manifest, examples)
@@ -128,6 +136,7 @@ def _check(
         raise ExportError(mismatch_message(failed[0], batches, folder))
     return {
         "status": "passed" if referenced else "no torch reference",
+        **({"reason": why_not} if why_not else {}),
         "rule": rule(),
         "noise_factor": NOISE_FACTOR,
         "floor": FLOOR,
@@ -136,6 +145,27 @@ def _check(
         "seconds": round(time.perf_counter() - started, 2),
         "batches": [dataclasses.asdict(check) for check in checks],
     }
+
+
+def _why_no_reference(model: torch.nn.Module | None, trainable: Sequence[str]) -> str | None:
+    """Why a torch model gets no float64 reference (None: it gets one): its trainable weights are too large.
+
+    Example::
+
+        >>> _why_no_reference(torch.nn.Linear(4, 3), ["weight", "bias"]) is None
+        True
+    """
+    if model is None:
+        return None
+    wanted = set(trainable)
+    size = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name in wanted)
+    if size <= REFERENCE_LIMIT_BYTES:
+        return None
+    return (
+        f"{size / 2**30:.1f} GiB of trainable parameters, over {REFERENCE_LIMIT_BYTES / 2**30:g} GiB: torch's "
+        "float64 reference would hold about 7 more copies of them (float32 and float64 copies and their "
+        "gradients); crashes, errors and non-finite values were checked"
+    )
 
 
 def _prepare(
@@ -303,7 +333,9 @@ def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
     if report.get("status") == "skipped":
         return [("verified", "skipped (export_artifacts(verify=False))")]
     status = str(report.get("status", "unknown"))
-    if "rule" in report:
+    if "reason" in report:
+        status += f" ({report['reason']})"
+    elif "rule" in report:
         status += f" (worst margin {report.get('margin', 0.0):.2g} of the tolerance; {report['rule']})"
     elif "rtol" in report and "atol" in report:
         status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
