@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from onnx import numpy_helper
 __all__ = [
     "AUTO_BYTES",
     "WEIGHTS_FILE",
+    "attach_weights",
     "external_data_wanted",
     "externalize",
     "is_external",
@@ -118,6 +119,46 @@ def _point(tensor: onnx.TensorProto, offset: int, length: int) -> None:
     for key, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
+
+
+def attach_weights(proto: onnx.ModelProto, tensors: Mapping[str, torch.Tensor], directory: Path) -> int:
+    """Turn the graph inputs named like `tensors` into initializers kept in ``directory / WEIGHTS_FILE``.
+
+    For a graph exported without its weights (``torch.onnx.export(..., export_params=False)``),
+    whose parameters and buffers are graph inputs: each tensor's bytes are written from torch's
+    own memory (one tensor at a time is copied, and only off a GPU), and the input becomes an
+    external initializer of the input's type and the tensor's shape. Returns the bytes written.
+
+    Example::
+
+        >>> import tempfile
+        >>> from onnx import TensorProto, helper
+        >>> inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("x", "w")]
+        >>> proto = helper.make_model(helper.make_graph([], "g", inputs, []))
+        >>> attach_weights(proto, {"w": torch.ones(2)}, Path(tempfile.mkdtemp()))
+        8
+        >>> [i.name for i in proto.graph.input], [(t.name, is_external(t)) for t in proto.graph.initializer]
+        (['x'], [('w', True)])
+    """
+    written = 0
+    kept: list[onnx.ValueInfoProto] = []
+    with open(directory / WEIGHTS_FILE, "ab") as sink:
+        for info in proto.graph.input:
+            tensor = tensors.get(info.name)
+            if tensor is None:
+                kept.append(info)
+                continue
+            data = tensor.detach().cpu().contiguous()
+            raw = data.reshape(-1).view(torch.uint8).numpy()
+            initializer = onnx.TensorProto(name=info.name, data_type=info.type.tensor_type.elem_type, dims=data.shape)
+            offset = sink.tell()
+            sink.write(raw.data)
+            _point(initializer, offset, raw.nbytes)
+            proto.graph.initializer.append(initializer)
+            written += raw.nbytes
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
+    return written
 
 
 def externalize(

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import io
 import os
 import warnings
@@ -25,8 +24,8 @@ import torch
 
 from ort_lightning.errors import ExportError
 from ort_lightning.export import symbolics as _symbolics
-from ort_lightning.export.external import externalize
-from ort_lightning.export.model_io import plan_io, strip_prefix
+from ort_lightning.export.external import attach_weights, externalize
+from ort_lightning.export.model_io import copy_sharing_parameters, plan_io, strip_prefix
 from ort_lightning.export.onnx_nodes import is_ai_onnx
 from ort_lightning.export.weights import split_initializers
 from ort_lightning.ort import limits
@@ -99,15 +98,6 @@ def _dynamic_axes(
     return axes
 
 
-def _copy_sharing_parameters(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of `model` whose parameters are the model's own tensors (buffers and the rest copied).
-
-    NOTE: a trace in training mode writes BatchNorm running statistics (buffers), never parameters;
-    sharing them keeps a model of several GB from being copied for the trace.
-    """
-    return copy.deepcopy(model, memo={id(parameter): parameter for parameter in model.parameters()})
-
-
 def torch_to_onnx(
     model: torch.nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
@@ -124,24 +114,25 @@ def torch_to_onnx(
     still updates the copy's, so the buffer initializers are reset to the model's state as it
     was before the trace. `output_names` default to `default_output_names`.
 
-    With a `directory`, the graph is written there as ``forward.onnx`` (torch writes the weights
-    of a model over 2 GB beside it as external data) and read back without its external data;
-    without one, through memory, which protobuf limits to 2 GB.
+    With a `directory`, torch exports the graph without its weights (``export_params=False``:
+    parameters and buffers become graph inputs) and `external.attach_weights` writes them to the
+    directory, straight from the module's tensors, as external data: no copy of a model over
+    protobuf's 2 GB is ever built in memory.
 
     Raises:
         ExportError: when torch cannot export the model.
     """
     # NOTE: the TorchScript exporter, not dynamo: dynamo folds BatchNorm into Conv (its
     # parameters vanish) and emits Dropout without the mask the gradient builder needs.
-    model = _copy_sharing_parameters(model).train()
+    model = copy_sharing_parameters(model).train()
     state = {name: tensor.detach().cpu().clone() for name, tensor in model.named_buffers()}
-    rows = _output_rows(_copy_sharing_parameters(model), example_inputs)
+    rows = _output_rows(copy_sharing_parameters(model), example_inputs)
     if output_names is None:
         output_names = default_output_names(len(rows), model_returns_loss=model_returns_loss)
     if model_returns_loss:  # a loss output is a scalar: it has no batch dimension to make dynamic
         rows[0] = None
     dynamic_axes = _dynamic_axes(input_names, output_names, rows, int(example_inputs[0].shape[0]))
-    target: Any = io.BytesIO() if directory is None else os.fspath(directory / "forward.onnx")
+    buffer = io.BytesIO()
     try:
         # NOTE: symbolics for layers torch's exporter refuses at this opset (RMSNorm, Dropout2d...).
         with warnings.catch_warnings(), _symbolics.registered(OPSET):
@@ -150,12 +141,12 @@ def torch_to_onnx(
                 model,
                 example_inputs,
                 # NOTE: torch types `f` as a path, but the TorchScript exporter writes to any
-                # binary file object; a buffer spares a temporary file below 2 GB.
-                target,
+                # binary file object; a buffer spares a temporary file.
+                buffer,  # type: ignore[arg-type]
                 dynamo=False,
                 training=torch.onnx.TrainingMode.TRAINING,
                 do_constant_folding=False,
-                export_params=True,
+                export_params=directory is None,
                 opset_version=OPSET,
                 input_names=list(input_names),
                 output_names=list(output_names),
@@ -166,11 +157,11 @@ def torch_to_onnx(
             f"torch.onnx.export failed for {type(model).__name__}: {error}. Check that `example_inputs` "
             "is what the model's forward takes, or export the model to ONNX yourself and pass the file."
         ) from error
+    proto = onnx.load_from_string(buffer.getvalue())
     if directory is None:
-        proto = onnx.load_from_string(target.getvalue())
+        _restore_initializers(proto, state)
     else:
-        proto = onnx.load(target, load_external_data=False)
-    _restore_initializers(proto, state)
+        attach_weights(proto, {**dict(model.named_parameters()), **state}, directory)
     return proto
 
 

@@ -134,8 +134,11 @@ def _checkpoint_from(weights_dir: Path, external: dict[str, onnx.TensorProto]) -
     """While generating, write the checkpoint's stand-ins from their external data in `weights_dir`.
 
     NOTE: ``generate_artifacts`` writes the checkpoint with ``onnxblock.save_checkpoint`` from the
-    initializers it found; swapping that function for one generation is the only hook. Each tensor
-    is read and serialized one at a time; ONNX Runtime then holds all of them once to write the file.
+    initializers it found; swapping that function for one generation is the only hook. ONNX
+    Runtime's writer reads external data itself, tensor by tensor, when the location is absolute
+    (measured: 1 GiB written with no growth of the process's memory, where the same tensors
+    serialized with their bytes took 1 GiB more), so the initializers go to it as they are, their
+    location made absolute.
     """
     original = onnxblock.save_checkpoint
 
@@ -143,8 +146,12 @@ def _checkpoint_from(weights_dir: Path, external: dict[str, onnx.TensorProto]) -
         source = external.get(tensor.name)
         if source is None:
             return tensor.SerializeToString()
-        data = onnx.numpy_helper.to_array(source, os.fspath(weights_dir))
-        return onnx.numpy_helper.from_array(data, tensor.name).SerializeToString()
+        located = onnx.TensorProto()
+        located.CopyFrom(source)
+        for entry in located.external_data:
+            if entry.key == "location":
+                entry.value = os.fspath((weights_dir / entry.value).resolve())
+        return located.SerializeToString()
 
     def save(parameters: Any, path: Any, nominal_checkpoint: bool = False) -> None:
         trainable, frozen = ([serialized(tensor) for tensor in group] for group in parameters)
