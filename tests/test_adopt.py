@@ -258,6 +258,21 @@ def test_labels_not_in_graph_are_refused(folders: dict[str, Path]) -> None:
         ORTLightningModule(folders["custom-loss"], labels=["target"])
 
 
+def test_labels_of_an_exported_folder_must_be_its_manifests(tmp_path: Path) -> None:
+    from ort_lightning import export_artifacts
+
+    artifacts = export_artifacts(Net(), torch.zeros(2, 4), tmp_path / "exported", verify=False)
+    same = TrainingArtifacts.load(artifacts.directory, labels=["labels"])
+    assert [spec.name for spec in same.manifest.labels] == ["labels"]
+    assert ORTLightningModule(artifacts, labels=["labels"]).artifacts.manifest.labels == same.manifest.labels
+    refused = (r"labels=\['target'\] disagrees with the labels of .*exported: \['labels'\], recorded in its "
+               r"ort_lightning.json \(model inputs \['input'\]\)\. Leave labels= out for an exported folder")
+    with pytest.raises(ArtifactError, match=refused):
+        ORTLightningModule(artifacts.directory, labels=["target"])
+    with pytest.raises(ArtifactError, match=r"labels=\[\] disagrees with the labels of .*: \['labels'\]"):
+        ORTLightningModule(artifacts, labels=[])
+
+
 def test_folder_without_optimizer_evaluates_but_does_not_fit(tmp_path: Path) -> None:
     case = Case("no-optimizer", {"optimizer": None, "additional_output_names": ["logits"]})
     folder = _generate(case, tmp_path / "no-optimizer")
