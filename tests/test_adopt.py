@@ -402,6 +402,21 @@ def test_inspect_reads_generated_folder(name: str, folders: dict[str, Path]) -> 
         number, unit = re.search(rf"device file: {file} \(([\d.,]+) (B|kB)\)", shown).groups()  # type: ignore[union-attr]
         assert float(number.replace(",", "")) * (1000 if unit == "kB" else 1) == pytest.approx(size, abs=50)
     assert f"{4 * 5 + 5 + 5 * 3 + 3:,} values" in shown  # the Net's parameters, counted here
+    if name == "ort-only":  # generate_artifacts' default AdamW, as the .ort graph's node says (flatbuffers)
+        expected = "epsilon=1e-06 weight_decay=0.0 correct_bias=1 beta=0.999 alpha=0.9 adam_mode=1"
+        assert f"optimizer: adamw {expected}" in shown
+
+
+def test_optimizer_attributes_of_ort_graphs_are_those_of_the_onnx_graphs(folders: dict[str, Path]) -> None:
+    from ort_lightning.artifacts.adopted import optimizer_attributes
+    from ort_lightning.ort import runtime
+
+    folder = folders["ort-format"]  # both formats, from one generate_artifacts(..., ort_format=True) run
+    from_onnx = optimizer_attributes(folder / "optimizer_model.onnx")
+    assert from_onnx
+    assert optimizer_attributes(folder / "optimizer_model.ort") == from_onnx
+    with pytest.raises(ArtifactError, match=r"training_model.onnx is not an ONNX Runtime .ort graph"):
+        runtime.ort_node_attributes(folder / "training_model.onnx", ["AdamWOptimizer"])
 
 
 def test_forward_without_model_outputs_is_refused(folders: dict[str, Path]) -> None:
