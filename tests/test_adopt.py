@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,6 +258,21 @@ def test_labels_not_in_graph_are_refused(folders: dict[str, Path]) -> None:
         ORTLightningModule(folders["custom-loss"], labels=["target"])
 
 
+def test_labels_of_an_exported_folder_must_be_its_manifests(tmp_path: Path) -> None:
+    from ort_lightning import export_artifacts
+
+    artifacts = export_artifacts(Net(), torch.zeros(2, 4), tmp_path / "exported", verify=False)
+    same = TrainingArtifacts.load(artifacts.directory, labels=["labels"])
+    assert [spec.name for spec in same.manifest.labels] == ["labels"]
+    assert ORTLightningModule(artifacts, labels=["labels"]).artifacts.manifest.labels == same.manifest.labels
+    refused = (r"labels=\['target'\] disagrees with the labels of .*exported: \['labels'\], recorded in its "
+               r"ort_lightning.json \(model inputs \['input'\]\)\. Leave labels= out for an exported folder")
+    with pytest.raises(ArtifactError, match=refused):
+        ORTLightningModule(artifacts.directory, labels=["target"])
+    with pytest.raises(ArtifactError, match=r"labels=\[\] disagrees with the labels of .*: \['labels'\]"):
+        ORTLightningModule(artifacts, labels=[])
+
+
 def test_folder_without_optimizer_evaluates_but_does_not_fit(tmp_path: Path) -> None:
     case = Case("no-optimizer", {"optimizer": None, "additional_output_names": ["logits"]})
     folder = _generate(case, tmp_path / "no-optimizer")
@@ -300,34 +317,65 @@ def _bad(folders: dict[str, Path], tmp_path: Path, edit: Callable[[Path], None])
     return folder
 
 
-def test_checkpoint_of_another_model_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
-    other = folders["head-only-constants"] / "checkpoint"
-    folder = _bad(folders, tmp_path, lambda f: shutil.copy(other, f / "checkpoint"))
-    with pytest.raises(ArtifactError, match=r"does not fit training_model.onnx: .* belongs to another model"):
-        TrainingArtifacts.load(folder)
+def _truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
 
 
-def test_truncated_graph_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
-    def truncate(folder: Path) -> None:
-        path = folder / "training_model.onnx"
-        path.write_bytes(path.read_bytes()[:100])
-
-    with pytest.raises(ArtifactError, match=r"training_model.onnx is not a readable ONNX model"):
-        TrainingArtifacts.load(_bad(folders, tmp_path, truncate))
-
-
-def test_missing_graph_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
-    folder = _bad(folders, tmp_path, lambda f: (f / "eval_model.onnx").unlink())
-    with pytest.raises(ArtifactError, match=r"has no eval_model.onnx or eval_model.ort; copy the whole folder"):
-        TrainingArtifacts.load(folder)
-
-
-def test_nominal_checkpoint_is_refused(tmp_path: Path) -> None:
+def _nominal(folders: dict[str, Path], tmp_path: Path) -> Path:
     folder = _generate(Case("nominal", {"nominal_checkpoint": True}), tmp_path / "nominal")
     (folder / "checkpoint").unlink()
     (folder / "nominal_checkpoint").rename(folder / "checkpoint")
-    with pytest.raises(ArtifactError, match=r"cannot read the checkpoint .* nominal checkpoint \(no weights\)"):
-        TrainingArtifacts.load(folder)
+    return folder
+
+
+def _disagreeing(folders: dict[str, Path], tmp_path: Path) -> Path:
+    folder = _copy(folders["ort-format"], tmp_path, "disagree")
+    shutil.copy(folders["head-only-constants"] / "eval_model.onnx", folder / "eval_model.onnx")
+    return folder
+
+
+#: What the ``ort-lightning`` console script runs (its entry point), in a child process.
+CONSOLE_SCRIPT = "import sys; from ort_lightning.cli import main; sys.exit(main(sys.argv[1:]))"
+#: Bad folders: how each is made from the session's good ones, and the one error line it must give.
+BAD_FOLDERS: dict[str, tuple[Callable[[dict[str, Path], Path], Path], str]] = {
+    "checkpoint-of-another-model": (
+        lambda f, t: _bad(f, t, lambda d: shutil.copy(f["head-only-constants"] / "checkpoint", d / "checkpoint")),
+        r"does not fit training_model.onnx: .* belongs to another model",
+    ),
+    "truncated-graph": (
+        lambda f, t: _bad(f, t, lambda d: _truncate(d / "training_model.onnx", 100)),
+        r"training_model.onnx is not a readable ONNX model",
+    ),
+    "truncated-checkpoint": (
+        lambda f, t: _bad(f, t, lambda d: _truncate(d / "checkpoint", 64)),
+        r"cannot read the checkpoint",
+    ),
+    "missing-graph": (
+        lambda f, t: _bad(f, t, lambda d: (d / "eval_model.onnx").unlink()),
+        r"has no eval_model.onnx or eval_model.ort; copy the whole folder",
+    ),
+    "nominal-checkpoint": (_nominal, r"cannot read the checkpoint .* nominal checkpoint \(no weights\)"),
+    "ort-and-onnx-disagree": (_disagreeing, r"eval_model.ort and eval_model.onnx disagree: .* not the conversion"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FOLDERS))
+def test_bad_folder_gives_one_error_line_in_a_child_process(
+    name: str, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A child process loads the folder (``ort-lightning inspect``): a native crash in ONNX Runtime would end it
+    with a signal and fail this test as a crash, not kill the test session."""
+    make, pattern = BAD_FOLDERS[name]
+    folder = make(folders, tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE_SCRIPT, "inspect", str(folder)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode >= 0, f"killed by signal {-done.returncode}: {done.stderr[-2000:]}"
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert re.match(rf"ort-lightning: error: ArtifactError: .*{pattern}", lines[0]), lines[0]
 
 
 def test_export_folder_without_manifest_is_adopted_alike(tmp_path: Path) -> None:
@@ -354,17 +402,21 @@ def test_inspect_reads_generated_folder(name: str, folders: dict[str, Path]) -> 
         number, unit = re.search(rf"device file: {file} \(([\d.,]+) (B|kB)\)", shown).groups()  # type: ignore[union-attr]
         assert float(number.replace(",", "")) * (1000 if unit == "kB" else 1) == pytest.approx(size, abs=50)
     assert f"{4 * 5 + 5 + 5 * 3 + 3:,} values" in shown  # the Net's parameters, counted here
+    if name == "ort-only":  # generate_artifacts' default AdamW, as the .ort graph's node says (flatbuffers)
+        expected = "epsilon=1e-06 weight_decay=0.0 correct_bias=1 beta=0.999 alpha=0.9 adam_mode=1"
+        assert f"optimizer: adamw {expected}" in shown
 
 
-def test_ort_and_onnx_graphs_that_disagree_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
-    def swap(folder: Path) -> None:
-        shutil.copy(folders["ort-format"] / "eval_model.ort", folder / "eval_model.ort")
-        shutil.copy(folders["head-only-constants"] / "eval_model.onnx", folder / "eval_model.onnx")
+def test_optimizer_attributes_of_ort_graphs_are_those_of_the_onnx_graphs(folders: dict[str, Path]) -> None:
+    from ort_lightning.artifacts.adopted import optimizer_attributes
+    from ort_lightning.ort import runtime
 
-    folder = _copy(folders["ort-format"], tmp_path, "disagree")
-    swap(folder)
-    with pytest.raises(ArtifactError, match=r"eval_model.ort and eval_model.onnx disagree: .* not the conversion"):
-        TrainingArtifacts.load(folder)
+    folder = folders["ort-format"]  # both formats, from one generate_artifacts(..., ort_format=True) run
+    from_onnx = optimizer_attributes(folder / "optimizer_model.onnx")
+    assert from_onnx
+    assert optimizer_attributes(folder / "optimizer_model.ort") == from_onnx
+    with pytest.raises(ArtifactError, match=r"training_model.onnx is not an ONNX Runtime .ort graph"):
+        runtime.ort_node_attributes(folder / "training_model.onnx", ["AdamWOptimizer"])
 
 
 def test_forward_without_model_outputs_is_refused(folders: dict[str, Path]) -> None:

@@ -167,15 +167,15 @@ def adopted_manifest(
 
 
 def optimizer_attributes(path: Path) -> dict[str, float | int]:
-    """The hyper-parameters of an optimizer graph's node, as ORT runs them (``.ort``: not readable, empty)."""
+    """The hyper-parameters of an optimizer graph's node, as ORT runs them (``.onnx`` or ``.ort`` graph)."""
+    kinds = tuple(_ort.OPTIMIZER_NODES)
     if path.suffix == ".ort":
-        return {}
-    for node in onnx.load(path, load_external_data=False).graph.node:
-        if node.op_type in ("AdamWOptimizer", "SGDOptimizerV2"):
-            values = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
-            # NOTE: float attributes are float32; 7 digits print 0.9, not 0.8999999761581421.
-            return {name: float(f"{v:.7g}") if isinstance(v, float) else v for name, v in values.items()}
-    return {}
+        values = _ort.ort_node_attributes(path, kinds)
+    else:
+        node = next((n for n in onnx.load(path, load_external_data=False).graph.node if n.op_type in kinds), None)
+        values = {} if node is None else {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    # NOTE: float attributes are float32; 7 digits print 0.9, not 0.8999999761581421.
+    return {name: float(f"{v:.7g}") if isinstance(v, float) else v for name, v in values.items()}
 
 
 def _path(files: dict[str, Path | None], role: str) -> Path:

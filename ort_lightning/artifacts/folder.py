@@ -102,12 +102,14 @@ class TrainingArtifacts:
         Args:
             directory: the folder.
             labels: for a folder without manifest whose loss is a custom block: the label inputs
-                (``[]``: none). None reads them from ORT's names (``labels``, ``target``).
+                (``[]``: none). None reads them from ORT's names (``labels``, ``target``). With a
+                manifest, they must be the labels it records (`check_labels`).
             prefix: the ``prefix=`` given to ``generate_artifacts``; None finds it.
 
         Raises:
             ArtifactError: for a missing folder or file, a foreign manifest, a graph whose ONNX IR
-                version ORT 1.19.2 cannot read, or a folder whose labels cannot be told.
+                version ORT 1.19.2 cannot read, a folder whose labels cannot be told, or `labels`
+                that disagree with the manifest.
 
         Example::
 
@@ -135,7 +137,28 @@ class TrainingArtifacts:
                 )
         for name in ("training_model", "eval_model", "optimizer_model"):
             _check_ir_version(getattr(artifacts, name))
+        artifacts.check_labels(labels)
         return artifacts
+
+    def check_labels(self, labels: Sequence[str] | None) -> None:
+        """Refuse `labels` (an explicit ``labels=``) that are not the labels these artifacts have.
+
+        An exported folder's manifest says which graph inputs are labels; ``labels=`` is for a
+        ``generate_artifacts`` folder without one. The same labels are accepted, others refused.
+
+        Raises:
+            ArtifactError: naming both lists and what to do.
+        """
+        recorded = [spec.name for spec in self.manifest.labels]
+        if labels is None or list(labels) == recorded:
+            return
+        where = "read from its graphs" if self.adopted else f"recorded in its {MANIFEST_NAME}"
+        raise ArtifactError(
+            f"labels={list(labels)} disagrees with the labels of {self.directory}: {recorded}, {where} (model "
+            f"inputs {[spec.name for spec in self.manifest.inputs]}). Leave labels= out for an exported folder, "
+            "whose manifest says which inputs are labels (labels= is for generate_artifacts folders without one), "
+            "or re-export the model with the labels you mean."
+        )
 
     @classmethod
     def _adopt(cls, folder: Path, *, labels: Sequence[str] | None, prefix: str | None) -> TrainingArtifacts:

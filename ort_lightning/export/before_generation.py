@@ -3,8 +3,9 @@
 In order (`prepare`): the IR version ORT reads, the optional outputs whose gradients ORT reads
 (``log_prob`` of SoftmaxCrossEntropyLoss, ``mask`` of Dropout), the training mode of the
 attention Dropouts of a torch model, then legalization (every node ORT's gradient builder
-cannot take, rewritten into an exact equivalent it can). All of them work
-on the in-memory `onnx.ModelProto`, in place.
+cannot take, rewritten into an exact equivalent it can). All of them work on the in-memory
+`onnx.ModelProto`, in place; weights kept as external data are read from their folder only
+where a rewrite needs a value (an embedding's padding row).
 
 Example::
 
@@ -16,6 +17,8 @@ Example::
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -31,20 +34,21 @@ __all__ = ["add_dropout_masks", "add_dropout_training_mode", "add_log_prob_outpu
 TRAINING_MODE = "ort_lightning_dropout_training_mode"
 
 
-def prepare(proto: onnx.ModelProto, *, model: object) -> None:
+def prepare(proto: onnx.ModelProto, *, model: object, weights_dir: Path | None = None) -> None:
     """Run the passes before generation on `proto`, in place, in their order.
 
     Args:
         proto: the forward graph (model inputs to model outputs).
         model: the torch module it came from (its embeddings' ``padding_idx`` guide the gather
             rewrites), or None for an ONNX source.
+        weights_dir: where the external data of its weights lies (``export.external``), if any.
     """
     lower_ir_version(proto)
     add_log_prob_outputs(proto)
     add_dropout_masks(proto)
     if isinstance(model, torch.nn.Module):
         add_dropout_training_mode(proto)
-    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model))
+    _legalize.legalize(proto, padding_rows=_legalize.padding_rows_of(model), weights_dir=weights_dir)
 
 
 def add_log_prob_outputs(proto: onnx.ModelProto) -> int:

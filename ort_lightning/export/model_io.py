@@ -33,7 +33,7 @@ import torch
 
 from ort_lightning.errors import ExportError
 
-__all__ = ["PREFIX", "IOPlan", "plan_io", "strip_prefix"]
+__all__ = ["PREFIX", "IOPlan", "copy_sharing_parameters", "plan_io", "strip_prefix"]
 
 #: Where the adapter keeps the user's model; stripped from every initializer name after export.
 PREFIX = "model."
@@ -102,6 +102,22 @@ def _pick(keys: Sequence[str], output: str | None, model_returns_loss: bool, mod
     return ["loss"] + ([wanted] if wanted not in (None, "loss") else [])
 
 
+def copy_sharing_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` whose parameters are the model's own tensors (buffers and the rest copied).
+
+    NOTE: a forward or a trace in training mode writes BatchNorm running statistics (buffers),
+    never parameters; sharing them keeps a model of several GB from being copied for either.
+
+    Example::
+
+        >>> model = torch.nn.BatchNorm1d(2)
+        >>> copied = copy_sharing_parameters(model)
+        >>> copied.weight is model.weight, copied.running_mean is model.running_mean
+        (True, False)
+    """
+    return copy.deepcopy(model, memo={id(parameter): parameter for parameter in model.parameters()})
+
+
 def plan_io(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -119,7 +135,7 @@ def plan_io(
     """
     keywords = _keywords(example_inputs, input_names) if isinstance(example_inputs, Mapping) else None
     inputs = tuple(example_inputs.values()) if keywords is not None else _as_tuple(example_inputs)
-    probe = _Adapter(copy.deepcopy(model).train(), keywords, None)
+    probe = _Adapter(copy_sharing_parameters(model).train(), keywords, None)
     with torch.no_grad():
         result = probe(*inputs)
     name = type(model).__name__

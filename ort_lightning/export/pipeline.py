@@ -26,8 +26,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection, Sequence
+import tempfile
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
+from ort_lightning.export.external import external_data_wanted
 from ort_lightning.export.legalize import engine as _legalize
 from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
 from ort_lightning.export.source import ModelSource, load_source
@@ -151,6 +154,7 @@ def export_artifacts(
     output: str | None = None,
     ort_format: bool = False,
     nominal_checkpoint: bool = False,
+    external_data: bool | None = None,
 ) -> TrainingArtifacts:
     """Turn a torch module or an ONNX model into ONNX Runtime training artifacts.
 
@@ -180,8 +184,9 @@ def export_artifacts(
         input_names: names of the model inputs (default ``input`` or ``input_0``, ``input_1`` ...).
         verify: run one training step of the new artifacts in a child process, at the example's
             batch size and one more, and compare the loss and every gradient with torch autograd
-            (ONNX sources and custom loss blocks: crash, error and finiteness only). The report is
-            kept in ``manifest.verification``. False skips it (about 2 s per export).
+            (ONNX sources, custom loss blocks and checkpoints over 1 GiB, whose float64 reference
+            would hold about 7 more copies of the weights: crash, error and finiteness only). The
+            report is kept in ``manifest.verification``. False skips it (about 2 s per export).
         output: for a model that returns a mapping (Hugging Face's ``ModelOutput``), the key of the
             output the loss reads (default ``"logits"``); with ``loss=None`` it is kept next to ``loss``.
         ort_format: also write ``training_model.ort``, ``eval_model.ort``, ``optimizer_model.ort`` (and
@@ -189,6 +194,12 @@ def export_artifacts(
             ``generate_artifacts(ort_format=True)`` does: what a mobile build of ONNX Runtime loads.
         nominal_checkpoint: also write ``nominal_checkpoint``: the parameters' names and shapes
             without weights, as ORT's ``generate_artifacts(nominal_checkpoint=True)`` does.
+        external_data: keep the weights out of the ONNX graphs while exporting (ONNX external data in
+            a work folder inside `output_dir`, removed at the end), so that a model over protobuf's
+            2 GB exports and the weights are not copied into every graph on the way. None (the
+            default) does so when the parameters and buffers exceed 1 GiB
+            (``export.external.AUTO_BYTES``); True forces it at any size, False never. The folder
+            is the same either way: the graphs take the weights as inputs and ``checkpoint`` holds them.
 
     Returns:
         The validated `TrainingArtifacts`.
@@ -204,28 +215,32 @@ def export_artifacts(
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
-    # 1. source
-    proto, parameters, buffers = load_source(model, example_inputs, input_names, loss is None, output)
-    trainable, frozen_names = _split_parameters(
-        parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
-    )
-    # 2. passes before generation
-    before_generation.prepare(proto, model=model)
-    model_inputs = [info.name for info in proto.graph.input]
-    model_outputs = [info.name for info in proto.graph.output]
-    # 3. generation
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / UNVERIFIED_NAME).unlink(missing_ok=True)
-    _generate(
-        proto,
-        loss if loss_spec is None else loss_spec,
-        trainable=trainable,
-        frozen=[*frozen_names, *sorted(buffers)],
-        optimizer=optimizer,
-        optimizer_options=options,
-        directory=folder,
-    )
+    with _weights_folder(folder, external_data_wanted(model, external_data)) as weights_dir:
+        # 1. source
+        proto, parameters, buffers = load_source(
+            model, example_inputs, input_names, loss is None, output, weights_dir=weights_dir
+        )
+        trainable, frozen_names = _split_parameters(
+            parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
+        )
+        # 2. passes before generation
+        before_generation.prepare(proto, model=model, weights_dir=weights_dir)
+        model_inputs = [info.name for info in proto.graph.input]
+        model_outputs = [info.name for info in proto.graph.output]
+        # 3. generation
+        (folder / UNVERIFIED_NAME).unlink(missing_ok=True)
+        _generate(
+            proto,
+            loss if loss_spec is None else loss_spec,
+            trainable=trainable,
+            frozen=[*frozen_names, *sorted(buffers)],
+            optimizer=optimizer,
+            optimizer_options=options,
+            directory=folder,
+            weights_dir=weights_dir,
+        )
     # 4. passes after generation
     training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
     # 5. verification, 6. the manifest
@@ -256,6 +271,20 @@ def export_artifacts(
         folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
     )
     return TrainingArtifacts.load(folder)
+
+
+@contextlib.contextmanager
+def _weights_folder(folder: Path, external: bool) -> Iterator[Path | None]:
+    """A work folder inside `folder` for the weights' external data (None without), removed afterwards.
+
+    NOTE: inside the output folder, not the system's temporary one: the weights need as much disk
+    as the checkpoint, and the user chose that disk for it.
+    """
+    if not external:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix=".weights-", dir=folder) as work:
+        yield Path(work)
 
 
 def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -> tuple[str, ...]:

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import io
 import os
 import warnings
@@ -25,7 +24,8 @@ import torch
 
 from ort_lightning.errors import ExportError
 from ort_lightning.export import symbolics as _symbolics
-from ort_lightning.export.model_io import plan_io, strip_prefix
+from ort_lightning.export.external import attach_weights, externalize
+from ort_lightning.export.model_io import copy_sharing_parameters, plan_io, strip_prefix
 from ort_lightning.export.onnx_nodes import is_ai_onnx
 from ort_lightning.export.weights import split_initializers
 from ort_lightning.ort import limits
@@ -105,22 +105,28 @@ def torch_to_onnx(
     input_names: Sequence[str],
     model_returns_loss: bool = False,
     output_names: Sequence[str] | None = None,
+    directory: Path | None = None,
 ) -> onnx.ModelProto:
     """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
 
-    The model is copied first: tracing in training mode would otherwise update the caller's
-    BatchNorm running statistics. The trace still updates the copy's, so the initializers are
-    reset to the model's state as it was before the trace. `output_names` default to
-    `default_output_names`.
+    The model is copied first (its parameters shared, `_copy_sharing_parameters`): tracing in
+    training mode would otherwise update the caller's BatchNorm running statistics. The trace
+    still updates the copy's, so the buffer initializers are reset to the model's state as it
+    was before the trace. `output_names` default to `default_output_names`.
+
+    With a `directory`, torch exports the graph without its weights (``export_params=False``:
+    parameters and buffers become graph inputs) and `external.attach_weights` writes them to the
+    directory, straight from the module's tensors, as external data: no copy of a model over
+    protobuf's 2 GB is ever built in memory.
 
     Raises:
         ExportError: when torch cannot export the model.
     """
     # NOTE: the TorchScript exporter, not dynamo: dynamo folds BatchNorm into Conv (its
     # parameters vanish) and emits Dropout without the mask the gradient builder needs.
-    model = copy.deepcopy(model).train()
-    state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-    rows = _output_rows(copy.deepcopy(model), example_inputs)
+    model = copy_sharing_parameters(model).train()
+    state = {name: tensor.detach().cpu().clone() for name, tensor in model.named_buffers()}
+    rows = _output_rows(copy_sharing_parameters(model), example_inputs)
     if output_names is None:
         output_names = default_output_names(len(rows), model_returns_loss=model_returns_loss)
     if model_returns_loss:  # a loss output is a scalar: it has no batch dimension to make dynamic
@@ -140,7 +146,7 @@ def torch_to_onnx(
                 dynamo=False,
                 training=torch.onnx.TrainingMode.TRAINING,
                 do_constant_folding=False,
-                export_params=True,
+                export_params=directory is None,
                 opset_version=OPSET,
                 input_names=list(input_names),
                 output_names=list(output_names),
@@ -152,7 +158,10 @@ def torch_to_onnx(
             "is what the model's forward takes, or export the model to ONNX yourself and pass the file."
         ) from error
     proto = onnx.load_from_string(buffer.getvalue())
-    _restore_initializers(proto, state)
+    if directory is None:
+        _restore_initializers(proto, state)
+    else:
+        attach_weights(proto, {**dict(model.named_parameters()), **state}, directory)
     return proto
 
 
@@ -203,19 +212,26 @@ def load_source(
     input_names: Sequence[str] | None,
     model_returns_loss: bool,
     output: str | None = None,
+    *,
+    weights_dir: Path | None = None,
 ) -> tuple[onnx.ModelProto, set[str], set[str]]:
     """The source stage: the forward graph, its parameter initializers and its buffer initializers.
 
     A torch module is exported (`torch_to_onnx`); an ONNX model or file is copied, and its real
     weights told from its constants (`weights.split_initializers`). The graph's opset is checked
-    against what ONNX Runtime 1.19.2 reads.
+    against what ONNX Runtime 1.19.2 reads. With a `weights_dir`, the parameters' and buffers'
+    bytes end up there as external data (`external.externalize`) and the graph holds none.
 
     Raises:
         ExportError: for a model that is not a module, a ModelProto or a readable ONNX file, or an
             opset newer than ORT reads.
     """
-    proto, parameters, buffers = _forward_graph(model, example_inputs, input_names, model_returns_loss, output)
+    proto, parameters, buffers, source_dir = _forward_graph(
+        model, example_inputs, input_names, model_returns_loss, output, weights_dir=weights_dir
+    )
     check_opset(proto, describe_source(model))
+    if weights_dir is not None:
+        externalize(proto, parameters | buffers, weights_dir, source_dir=source_dir)
     return proto, parameters, buffers
 
 
@@ -225,11 +241,13 @@ def _forward_graph(
     input_names: Sequence[str] | None,
     model_returns_loss: bool,
     output: str | None = None,
-) -> tuple[onnx.ModelProto, set[str], set[str]]:
-    """The forward graph, its parameter initializers and its buffer initializers.
+    *,
+    weights_dir: Path | None = None,
+) -> tuple[onnx.ModelProto, set[str], set[str], Path | None]:
+    """The forward graph, its parameter and buffer initializers, and the folder its external data lies in.
 
-    A torch module is exported (`torch_to_onnx`); an ONNX model or file is copied, and its real
-    weights told from its constants (`weights.split_initializers`).
+    A torch module is exported (`torch_to_onnx`, into `weights_dir` when given); an ONNX model or
+    file is copied, and its real weights told from its constants (`weights.split_initializers`).
     """
     if isinstance(model, torch.nn.Module):
         plan = plan_io(
@@ -238,35 +256,43 @@ def _forward_graph(
         names = plan.input_names or default_input_names(len(plan.inputs))
         proto = torch_to_onnx(
             plan.module, plan.inputs, input_names=names, model_returns_loss=model_returns_loss,
-            output_names=plan.output_names,
+            output_names=plan.output_names, directory=weights_dir,
         )
         if plan.prefix:
             strip_prefix(proto, plan.prefix)
         initializers = {tensor.name for tensor in proto.graph.initializer}
         parameters = {name for name, _ in model.named_parameters()} & initializers
         buffers = {name for name, _ in model.named_buffers()} & initializers
-        return proto, parameters, buffers
+        return proto, parameters, buffers, weights_dir
+    proto, source_dir = _onnx_graph(model, external=weights_dir is not None)
+    buffers = buffer_inputs_of(proto)
+    weights, _ = split_initializers(proto, buffers=buffers)
+    return proto, set(weights), buffers, source_dir
+
+
+def _onnx_graph(model: ModelSource, *, external: bool) -> tuple[onnx.ModelProto, Path | None]:
+    """A copy of an ONNX source, and the folder its external data lies in (a file's own folder).
+
+    `external`: a file's external data stays on disk (`externalize` copies it tensor by tensor).
+    """
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
-    elif isinstance(model, (str, os.PathLike)):
-        if not Path(model).is_file():
-            raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
-        try:
-            proto = onnx.load(os.fspath(model))
-        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-            raise ExportError(
-                f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
-                "or onnx.save."
-            ) from error
-    else:
+        return proto, None
+    if not isinstance(model, (str, os.PathLike)):
         raise ExportError(
             "Expected `model` to be a torch.nn.Module, an onnx.ModelProto or the path of an ONNX file, "
             f"but got {type(model).__name__}."
         )
-    buffers = buffer_inputs_of(proto)
-    weights, _ = split_initializers(proto, buffers=buffers)
-    return proto, set(weights), buffers
+    if not Path(model).is_file():
+        raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
+    try:
+        return onnx.load(os.fspath(model), load_external_data=not external), Path(model).parent
+    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+        raise ExportError(
+            f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
+            "or onnx.save."
+        ) from error
 
 
 def describe_source(model: ModelSource) -> str:

@@ -25,6 +25,7 @@ try:
     import onnxruntime
     from onnxruntime.capi import _pybind_state as _C
     from onnxruntime.tools import convert_onnx_models_to_ort as _converter
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs as _fbs
     from onnxruntime.training import artifacts as _artifacts
     from onnxruntime.training import onnxblock
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
@@ -50,10 +51,13 @@ __all__ = [
     "onnxblock",
     "onnxruntime",
     "ort_converter",
+    "ort_flatbuffers",
     "training_graph_utils",
 ]
 
 capi = _C
 artifacts_api = _artifacts
 ort_converter = _converter
+#: The generated readers of ONNX Runtime's ``.ort`` format (flatbuffers), shipped in its ``tools`` package.
+ort_flatbuffers = _fbs
 training_graph_utils = _training_graph_utils

@@ -16,6 +16,7 @@ from ort_lightning.ort._api import (
     onnxruntime,
 )
 from ort_lightning.ort._api import capi as _C
+from ort_lightning.ort._api import ort_flatbuffers as _fbs
 
 if TYPE_CHECKING:
     from ort_lightning.ort.session import TrainingSession
@@ -28,6 +29,7 @@ __all__ = [
     "export_for_inferencing",
     "nominal_summary",
     "ort_graph_io",
+    "ort_node_attributes",
     "save_checkpoint",
     "set_properties",
 ]
@@ -54,6 +56,36 @@ def ort_graph_io(path: os.PathLike[str] | str) -> tuple[list[tuple[str, str, tup
         shape = tuple(dim if isinstance(dim, int | str) else "?" for dim in arg.shape or ())
         inputs.append((arg.name, dtype, shape))
     return inputs, [arg.name for arg in session.get_outputs()]
+
+
+def ort_node_attributes(path: os.PathLike[str] | str, op_types: Sequence[str]) -> dict[str, float | int]:
+    """The float and int attributes of the first node of `op_types` in an ``.ort`` graph (empty if none).
+
+    Read with the flatbuffers readers ONNX Runtime ships (``onnxruntime.tools.ort_format_model``),
+    as ORT would run them; onnx cannot read the format.
+
+    Raises:
+        ArtifactError: for a file that is not an ``.ort`` graph.
+    """
+    try:
+        graph = _fbs.InferenceSession.InferenceSession.GetRootAs(_read(path), 0).Model().Graph()
+        nodes = [graph.Nodes(index) for index in range(graph.NodesLength())]
+        node = next((n for n in nodes if n.OpType().decode() in op_types), None)
+    except Exception as error:  # the flatbuffers readers raise struct/index/attribute errors on a damaged file
+        raise ArtifactError(
+            f"{os.fspath(path)} is not an ONNX Runtime .ort graph ({type(error).__name__}: {error}); copy it again "
+            "from where the artifacts were generated, or regenerate them."
+        ) from error
+    if node is None:
+        return {}
+    readers = {_fbs.AttributeType.AttributeType.FLOAT: "F", _fbs.AttributeType.AttributeType.INT: "I"}
+    attributes = [node.Attributes(index) for index in range(node.AttributesLength())]
+    return {a.Name().decode(): getattr(a, readers[a.Type()])() for a in attributes if a.Type() in readers}
+
+
+def _read(path: os.PathLike[str] | str) -> bytes:
+    with open(path, "rb") as stream:
+        return stream.read()
 
 
 #: ONNX Runtime's type strings -> numpy dtype names (what `TensorSpec` records).

@@ -99,6 +99,71 @@ def _optimizer_block(kind: str, options: dict[str, Any]) -> Any:
     )
 
 
+def _stand_in(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """An initializer with `tensor`'s name, type and shape whose data is one element of zeros.
+
+    NOTE: ONNX Runtime's generator checks the model in memory (``onnx.checker.check_model``), which
+    resolves external data against the working directory and refuses it; its path-based flow
+    (``generate_artifacts(path)``) saves the model once per loss block and loses the external data
+    of every block after the first (MSE, L1, BCE fail; microsoft/onnxruntime#22411, fixed after
+    1.19.2). The generator reads only the names, types and shapes of the parameters (it moves
+    them to graph inputs before any ONNX Runtime session sees the graph) and the checker does not
+    compare raw data with the shape, so one element stands in for the weights; the checkpoint is
+    written from the real data (`_checkpoint_from`).
+    """
+    stand_in = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+    stand_in.raw_data = bytes(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)
+    return stand_in
+
+
+def _weightless(model: onnx.ModelProto, state: set[str]) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
+    """A copy of `model` whose external state initializers are stand-ins, and those initializers by name."""
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    external: dict[str, onnx.TensorProto] = {}
+    for index, tensor in enumerate(copied.graph.initializer):
+        if tensor.name in state and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            external[tensor.name] = onnx.TensorProto()
+            external[tensor.name].CopyFrom(tensor)
+            copied.graph.initializer[index].CopyFrom(_stand_in(tensor))
+    return copied, external
+
+
+@contextlib.contextmanager
+def _checkpoint_from(weights_dir: Path, external: dict[str, onnx.TensorProto]) -> Iterator[None]:
+    """While generating, write the checkpoint's stand-ins from their external data in `weights_dir`.
+
+    NOTE: ``generate_artifacts`` writes the checkpoint with ``onnxblock.save_checkpoint`` from the
+    initializers it found; swapping that function for one generation is the only hook. ONNX
+    Runtime's writer reads external data itself, tensor by tensor, when the location is absolute
+    (measured: 1 GiB written with no growth of the process's memory, where the same tensors
+    serialized with their bytes took 1 GiB more), so the initializers go to it as they are, their
+    location made absolute.
+    """
+    original = onnxblock.save_checkpoint
+
+    def serialized(tensor: onnx.TensorProto) -> bytes:
+        source = external.get(tensor.name)
+        if source is None:
+            return tensor.SerializeToString()
+        located = onnx.TensorProto()
+        located.CopyFrom(source)
+        for entry in located.external_data:
+            if entry.key == "location":
+                entry.value = os.fspath((weights_dir / entry.value).resolve())
+        return located.SerializeToString()
+
+    def save(parameters: Any, path: Any, nominal_checkpoint: bool = False) -> None:
+        trainable, frozen = ([serialized(tensor) for tensor in group] for group in parameters)
+        _C.save_checkpoint(trainable, frozen, os.fspath(path), nominal_checkpoint)
+
+    onnxblock.save_checkpoint = save
+    try:
+        yield
+    finally:
+        onnxblock.save_checkpoint = original
+
+
 def generate(
     model: Any,
     *,
@@ -110,6 +175,7 @@ def generate(
     directory: os.PathLike[str] | str,
     extra_outputs: Sequence[str],
     loss_inputs: Sequence[str] | None,
+    weights_dir: Path | None = None,
 ) -> None:
     """Write training, eval and optimizer graphs and the checkpoint with ORT's generator.
 
@@ -124,13 +190,20 @@ def generate(
         directory: where the four artifacts go.
         extra_outputs: model outputs kept as graph outputs next to the loss.
         loss_inputs: model outputs fed to the loss (None: all of them).
+        weights_dir: where the external data of `model`'s parameters lies, when they are kept
+            outside the graph (a model over protobuf's 2 GB); ORT's generator then sees stand-ins
+            (`_stand_in`) and the checkpoint is written from the external data.
 
     Raises:
         ExportError: when ORT cannot build the gradient graph.
     """
     loss_block = _loss_block(loss)
+    external: dict[str, onnx.TensorProto] = {}
+    if weights_dir is not None:
+        model, external = _weightless(model, {*trainable, *frozen})
     try:
-        with _quiet_graph_builder():
+        checkpoint = _checkpoint_from(weights_dir, external) if weights_dir is not None else contextlib.nullcontext()
+        with _quiet_graph_builder(), checkpoint:
             _artifacts.generate_artifacts(
                 model,
                 requires_grad=list(trainable),

@@ -23,14 +23,16 @@ from ort_lightning.ort.files import (
     export_for_inferencing,
     nominal_summary,
     ort_graph_io,
+    ort_node_attributes,
     save_checkpoint,
     set_properties,
 )
-from ort_lightning.ort.generate import generate, is_block, optimizer_kind_of, write_device_files
+from ort_lightning.ort.generate import OPTIMIZER_NODES, generate, is_block, optimizer_kind_of, write_device_files
 from ort_lightning.ort.session import TrainingSession, assemble, optimizer_kind_in, parse_device, session_options
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",
+    "OPTIMIZER_NODES",
     "OrtValue",
     "OrtValueVector",
     "TrainingSession",
@@ -43,6 +45,7 @@ __all__ = [
     "optimizer_kind_in",
     "optimizer_kind_of",
     "ort_graph_io",
+    "ort_node_attributes",
     "parse_device",
     "save_checkpoint",
     "session_options",

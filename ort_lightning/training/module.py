@@ -110,7 +110,8 @@ class ORTLightningModule(pl.LightningModule):
             makes ORT compute forward and backward and that torch optimizer update ORT's parameters
             in place (hybrid training). Its lr is the factory's; `lr` is then unused.
         labels: for a ``generate_artifacts`` folder whose loss is a custom block: the graph inputs
-            that are labels (``[]``: none); ORT's own ``labels``/``target`` are found without it.
+            that are labels (``[]``: none); ORT's own ``labels``/``target`` are found without it. An
+            exported folder's manifest names its labels: the same list is accepted, another refused.
         threads: ``"auto"`` (the default) makes ORT's and torch's thread pools share the cores during
             a fit: ORT's pool sized to the cores the process may use (per rank under ``"ort_ddp"``),
             torch's threads lowered while ORT computes (a torch optimizer's update included) and
@@ -154,6 +155,7 @@ class ORTLightningModule(pl.LightningModule):
         self.artifacts = (
             artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts, labels=labels)
         )
+        self.artifacts.check_labels(labels)
         # NOTE: a subclass's training_step may run ORT's graph and then return None; under
         # accumulation that micro-batch's gradients are then kept apart until it counts.
         overridden = type(self).training_step is not ORTLightningModule.training_step

@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 import torch
@@ -111,15 +112,18 @@ RULES: dict[str, Rule] = {
     "Scan": Rule(_rewrites.control_flow, "as If"),
 }
 
-def legalize(proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None) -> list[str]:
+def legalize(
+    proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None, weights_dir: Path | None = None
+) -> list[str]:
     """Rewrite, in place, every node of `proto` that `RULES` covers; return the rewritten nodes' names.
 
-    `padding_rows` maps embedding weights to their ``padding_idx`` (see `padding_rows_of`).
+    `padding_rows` maps embedding weights to their ``padding_idx`` (see `padding_rows_of`);
+    `weights_dir` is where initializers kept as external data lie (``export.external``).
 
     Raises:
         ExportError: when a covered node cannot be rewritten (the message names the node).
     """
-    graph = Graph(proto, padding_rows=padding_rows)
+    graph = Graph(proto, padding_rows=padding_rows, weights_dir=weights_dir)
     rewritten: list[str] = []
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(proto.graph.node):

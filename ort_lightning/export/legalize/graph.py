@@ -11,13 +11,15 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from ort_lightning.export.external import is_external, read_array
 from ort_lightning.export.onnx_nodes import FLOAT_TYPES, NodeBuilder, ai_onnx_opset, graph_names
 
 __all__ = ["Graph", "attr", "module_of", "where"]
@@ -26,8 +28,12 @@ __all__ = ["Graph", "attr", "module_of", "where"]
 class Graph:
     """What the rewrites need to know about the graph: unique names, its opset, static shapes."""
 
-    def __init__(self, proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, proto: onnx.ModelProto, *, padding_rows: dict[str, int] | None = None, weights_dir: Path | None = None
+    ) -> None:
         self.proto = proto
+        #: Where initializers kept as external data lie (``export.external``).
+        self.weights_dir = weights_dir
         #: Embedding weight name -> its padding_idx (from the torch model; ONNX does not say).
         self.padding_rows = dict(padding_rows or {})
         self.opset = ai_onnx_opset(proto, default=17)
@@ -67,7 +73,7 @@ class Graph:
         """
         tensor = self._constants.get(name) if name else None
         if tensor is not None:
-            return numpy_helper.to_array(tensor)
+            return read_array(tensor, self.weights_dir)
         return self._fold(name) if name else None
 
     def _fold(self, name: str, limit: int = 64) -> np.ndarray | None:
@@ -79,6 +85,8 @@ class Graph:
         stack, seen = [name], set()
         while stack:
             value = stack.pop()
+            if value in self._constants and is_external(self._constants[value]):
+                return None  # NOTE: a weight kept outside the graph is never folded into a Constant
             if value in seen or value in self._constants or not value:
                 continue
             seen.add(value)

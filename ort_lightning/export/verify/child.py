@@ -53,8 +53,11 @@ def _step(session: _ort.TrainingSession, folder: Path, batch: int, names: list[s
     vector, _tensors = _bind(arrays, len(names))
     session.lazy_reset_grad()
     fetches = session.train_step(vector)
+    # NOTE: DLPack views of ORT's gradient buffers, not copies (a large model's gradients take GBs).
     gradients = {
-        name: grad.numpy() for name, _data, grad, trainable in session.parameters() if trainable and grad is not None
+        name: torch.from_dlpack(grad.to_dlpack()).numpy()
+        for name, _data, grad, trainable in session.parameters()
+        if trainable and grad is not None
     }
     result: dict[str, Any] = {"loss": np.asarray(fetches[0].numpy(), dtype=np.float64)}
     result.update({f"g{index}": gradients[name] for index, name in enumerate(sorted(gradients))})

@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -107,14 +107,14 @@ class BatchCheck:
         return cls(**{key: value for key, value in entry.items() if key in known})
 
 
-def _nonfinite(loss: float, gradients: dict[str, np.ndarray], trainable: Sequence[str]) -> str | None:
+def _nonfinite(loss: float, gradients: Mapping[str, np.ndarray], trainable: Sequence[str]) -> str | None:
     if not math.isfinite(loss):
         return "the loss"
     return next((name for name in trainable if not np.isfinite(gradients[name]).all()), None)
 
 
 def compare(
-    batch: int, reference: Reference | None, loss: float, gradients: dict[str, np.ndarray], trainable: Sequence[str]
+    batch: int, reference: Reference | None, loss: float, gradients: Mapping[str, np.ndarray], trainable: Sequence[str]
 ) -> BatchCheck:
     """Compare ORT's loss and `gradients` at `batch` with torch's `reference` (None: no reference)."""
     missing = [name for name in trainable if name not in gradients]

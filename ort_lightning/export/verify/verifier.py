@@ -9,6 +9,11 @@ A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non
 a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
 report goes into the manifest (``verification``) and ``ort-lightning inspect`` shows it.
 
+A model whose checkpoint exceeds `REFERENCE_LIMIT_BYTES` (1 GiB) gets no torch reference: its
+float64 copy and gradients would take about 7 more copies of the weights. Its step still runs in
+the child (without the optimizer graph, whose AdamW moments would take two more) and is checked
+for crashes, errors and non-finite values; the report says why (``reason``).
+
 Example::
 
     >>> report_rows({"status": "skipped"})
@@ -19,13 +24,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +57,8 @@ __all__ = ["report_rows", "verify_export"]
 
 #: Seconds one verification child may take before the export gives up on it.
 TIMEOUT_S = 600.0
+#: A checkpoint above this many bytes gets no torch reference and no optimizer in the child (`_large_model`).
+REFERENCE_LIMIT_BYTES = 1 << 30
 _TRAINING_MODEL = "training_model.onnx"
 _ZERO_RATIO = "ort_lightning_verify_zero_dropout_ratio"
 #: Where the ratio sits among a node's inputs, per Dropout op of the training graph.
@@ -107,7 +115,9 @@ def _check(
     started = time.perf_counter()
     torch_model = model if isinstance(model, torch.nn.Module) else None
     loss_fn = reference_loss(loss)
-    referenced = torch_model is not None and (loss is None or loss_fn is not None)
+    size = _checkpoint_bytes(folder)
+    large = size > REFERENCE_LIMIT_BYTES
+    referenced = torch_model is not None and (loss is None or loss_fn is not None) and not large
     examples, keywords = _examples(example_inputs) if torch_model is not None else (None, None)
     call = Call(keywords, output)
     batches = _batch_sizes(manifest, examples)
@@ -120,14 +130,18 @@ def _check(
             )
             for batch in batches
         }
-        _write_job(job, folder, manifest, batches)
+        _write_job(job, folder, manifest, batches, optimizer=not large)
         _run_child(job, folder, batches)
-        checks = [compare(batch, references[batch], *_result(job, batch), manifest.trainable) for batch in batches]
+        checks = []
+        for batch in batches:
+            with _result(job, batch) as (loss_value, gradients):
+                checks.append(compare(batch, references.pop(batch), loss_value, gradients, manifest.trainable))
     failed = [check for check in checks if check.status not in ("passed", "no torch reference")]
     if failed:
         raise ExportError(mismatch_message(failed[0], batches, folder))
     return {
         "status": "passed" if referenced else "no torch reference",
+        **({"reason": _large_model(size)} if large else {}),
         "rule": rule(),
         "noise_factor": NOISE_FACTOR,
         "floor": FLOOR,
@@ -136,6 +150,26 @@ def _check(
         "seconds": round(time.perf_counter() - started, 2),
         "batches": [dataclasses.asdict(check) for check in checks],
     }
+
+
+def _checkpoint_bytes(folder: Path) -> int:
+    """Bytes of the folder's checkpoint, with the external data ONNX Runtime writes beside a large one."""
+    return sum(path.stat().st_size for path in (folder / "checkpoint", folder / "checkpoint.data") if path.is_file())
+
+
+def _large_model(size: int) -> str:
+    """Why a checkpoint of `size` bytes gets no torch reference and no optimizer in the child.
+
+    Example::
+
+        >>> _large_model(3 * 2**30)[:44]
+        '3.0 GiB of weights, over the 1 GiB for which'
+    """
+    return (
+        f"{size / 2**30:.1f} GiB of weights, over the {REFERENCE_LIMIT_BYTES / 2**30:g} GiB for which torch's "
+        "float64 reference is computed (it would hold about 7 more copies of them); crashes, errors and "
+        "non-finite values were checked, without loading the optimizer graph"
+    )
 
 
 def _prepare(
@@ -223,12 +257,14 @@ def _without_dropout(source: Path, target: Path) -> None:
     onnx.save(proto, target)
 
 
-def _write_job(job: Path, folder: Path, manifest: Manifest, batches: Sequence[int]) -> None:
+def _write_job(job: Path, folder: Path, manifest: Manifest, batches: Sequence[int], *, optimizer: bool) -> None:
+    """The child's job: the graphs (the optimizer's only when `optimizer`), the checkpoint, the batches."""
     _without_dropout(folder / _TRAINING_MODEL, job / _TRAINING_MODEL)
     spec = {
         "training_model": str(job / _TRAINING_MODEL),
         "eval_model": str(folder / "eval_model.onnx"),
-        "optimizer_model": str(folder / "optimizer_model.onnx"),
+        # NOTE: the child never steps the optimizer; AdamW's moments would take two copies of the weights.
+        "optimizer_model": str(folder / "optimizer_model.onnx") if optimizer else None,
         "checkpoint": str(folder / "checkpoint"),
         "batches": list(batches),
         "inputs": [spec.name for spec in manifest.graph_inputs],
@@ -290,10 +326,30 @@ def _crash_message(folder: Path, signal_number: int, at: str, batches: Sequence[
     )
 
 
-def _result(job: Path, batch: int) -> tuple[float, dict[str, np.ndarray]]:
+@contextlib.contextmanager
+def _result(job: Path, batch: int) -> Iterator[tuple[float, Mapping[str, np.ndarray]]]:
+    """The child's loss and gradients at `batch`; each gradient is read from disk when the comparison asks."""
     names = json.loads((job / f"result_{batch}.json").read_text(encoding="utf-8"))
     with np.load(job / f"result_{batch}.npz") as arrays:
-        return float(arrays["loss"]), {name: arrays[f"g{index}"] for index, name in enumerate(names)}
+        yield float(arrays["loss"]), _Gradients(arrays, names)
+
+
+class _Gradients(Mapping[str, np.ndarray]):
+    """Gradients by parameter name, read one at a time from the child's ``.npz`` (a large model's take GBs)."""
+
+    def __init__(self, arrays: Any, names: Sequence[str]) -> None:
+        self._arrays = arrays
+        self._keys = {name: f"g{index}" for index, name in enumerate(names)}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        array: np.ndarray = self._arrays[self._keys[name]]
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
@@ -303,7 +359,9 @@ def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
     if report.get("status") == "skipped":
         return [("verified", "skipped (export_artifacts(verify=False))")]
     status = str(report.get("status", "unknown"))
-    if "rule" in report:
+    if "reason" in report:
+        status += f" ({report['reason']})"
+    elif "rule" in report:
         status += f" (worst margin {report.get('margin', 0.0):.2g} of the tolerance; {report['rule']})"
     elif "rtol" in report and "atol" in report:
         status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
