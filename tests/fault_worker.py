@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.errors import CheckpointError
-from ort_lightning.training.atomic import TEMP_SUFFIX
-from ort_lightning.training.checkpoints import _read_checkpoint
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.atomic import TEMP_SUFFIX, verify_digest
 
 STEPS = 300
 BATCH = 16
@@ -69,7 +69,11 @@ def _fit(artifacts: Path, run: Path | None, out: Path) -> None:
 def _verify(run: Path) -> None:
     # The digest check and ORT's own reader; the next trial then resumes from last.ortckpt.
     for path in sorted(run.glob("*.ortckpt")):
-        _read_checkpoint(path)
+        verify_digest(path)
+        try:
+            _ort.checkpoint_summary(path)
+        except _ort.CHECKPOINT_READ_ERRORS as error:
+            raise CheckpointError(f"ONNX Runtime cannot read {path}: {error}") from error
 
 
 def _child(work: Callable[[], None]) -> int:
