@@ -375,12 +375,12 @@ def test_the_verification_step_is_the_training_step(tmp_path: Path) -> None:
     _verify._write_job(job, artifacts.directory, artifacts.manifest, batches)
     _verify._run_child(job, artifacts.directory, batches)
     for batch in batches:
-        _, child = _verify._result(job, batch)
         with np.load(job / f"inputs_{batch}.npz") as arrays:
             trained = _trainer_gradients(artifacts, dict(arrays))
-        assert set(trained) == set(child) == set(artifacts.manifest.trainable)
-        for name, grad in trained.items():
-            assert torch.equal(grad, torch.from_numpy(child[name])), (batch, name)
+        with _verify._result(job, batch) as (_, child):  # the child's gradients, read from disk one by one
+            assert set(trained) == set(child) == set(artifacts.manifest.trainable)
+            for name, grad in trained.items():
+                assert torch.equal(grad, torch.from_numpy(child[name])), (batch, name)
     assert json.loads((job / "job.json").read_text())["batches"] == batches
 
 

@@ -92,7 +92,10 @@ def state_bytes(model: Any) -> int:
     if isinstance(model, onnx.ModelProto):
         return sum(_tensor_bytes(t) for t in model.graph.initializer)
     if isinstance(model, (str, os.PathLike)) and Path(model).is_file():
-        graph = onnx.load(os.fspath(model), load_external_data=False).graph
+        try:
+            graph = onnx.load(os.fspath(model), load_external_data=False).graph
+        except Exception:  # noqa: BLE001 - not ONNX: the source stage says so, in the words it owes the user
+            return 0
         return sum(_tensor_bytes(t) for t in graph.initializer)
     return 0
 

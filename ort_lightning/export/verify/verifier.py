@@ -257,7 +257,9 @@ def _without_dropout(source: Path, target: Path) -> None:
     onnx.save(proto, target)
 
 
-def _write_job(job: Path, folder: Path, manifest: Manifest, batches: Sequence[int], *, optimizer: bool) -> None:
+def _write_job(
+    job: Path, folder: Path, manifest: Manifest, batches: Sequence[int], *, optimizer: bool = True
+) -> None:
     """The child's job: the graphs (the optimizer's only when `optimizer`), the checkpoint, the batches."""
     _without_dropout(folder / _TRAINING_MODEL, job / _TRAINING_MODEL)
     spec = {
