@@ -140,10 +140,10 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Exported:
 
 
 def _weightless(artifacts: TrainingArtifacts, folder: Path) -> Path:
-    """What a device holds: the graphs and the nominal checkpoint, also in place of the complete one (no weights)."""
+    """A device folder: the graphs and the nominal checkpoint; the complete one (the weights) stays with the server."""
     shutil.copytree(artifacts.directory, folder)
-    assert artifacts.nominal_checkpoint is not None
-    shutil.copyfile(artifacts.nominal_checkpoint, folder / "checkpoint")
+    (folder / "checkpoint").unlink()
+    assert TrainingArtifacts.load(folder).weightless
     return folder
 
 
@@ -201,7 +201,7 @@ def test_devices_from_the_nominal_checkpoint_equal_the_complete_start_and_the_re
     assert 2 * nominal.stat().st_size < shipped.artifacts.checkpoint.stat().st_size
     devices = _weightless(shipped.artifacts, tmp_path / "device")
 
-    from_nominal = _run(shipped, iid_data, tmp_path / "nominal", rounds=2, devices=devices, start="nominal")
+    from_nominal = _run(shipped, iid_data, tmp_path / "nominal", rounds=2, devices=devices)  # start="auto"
     from_complete = _run(shipped, iid_data, tmp_path / "complete", rounds=2, start="complete")
     expected = _reference(shipped, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
 
@@ -226,6 +226,19 @@ def test_nominal_start_without_a_nominal_checkpoint_is_named(mlp_adamw: Exported
     (reply,) = grid.send_and_receive([Message(content, dst_node_id=1, message_type="train")])
     assert reply.has_error()
     needs = r'start="nominal"\) needs a nominal checkpoint in .*export_artifacts\(\.\.\., nominal_checkpoint=True\)'
+    assert re.search(needs, reply.error.reason), reply.error.reason
+
+
+def test_complete_start_on_a_device_folder_is_named(shipped: Exported, tmp_path: Path) -> None:
+    devices = _weightless(shipped.artifacts, tmp_path / "device")
+    client = FleetClient(devices, iid_data, start="complete")
+    grid = LocalGrid(client.client_app(), nodes=1)
+    content = RecordDict({"arrays": ArrayRecord(get_values(ORTLightningModule(shipped.artifacts))),
+                          "config": ConfigRecord({"server-round": 1})})
+    (reply,) = grid.send_and_receive([Message(content, dst_node_id=1, message_type="train")])
+    assert reply.has_error()
+    needs = (r'start="complete"\) needs the complete checkpoint in .*, but the folder holds no weights .*pass '
+             r'start="nominal" or "auto"')
     assert re.search(needs, reply.error.reason), reply.error.reason
 
 

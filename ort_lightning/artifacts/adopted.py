@@ -6,7 +6,9 @@ inputs, then the parameters, then ``<p>_grad.accumulation.buffer``, then ``lazy_
 labels are named ``labels`` (CrossEntropyLoss) or ``target`` (MSE, L1, BCEWithLogits); the first
 output is the loss, the others up to the ``<p>_grad.accumulation.out`` are extra model outputs; the
 optimizer kind is the optimizer graph's node; trainable vs frozen is each checkpoint parameter's
-``requires_grad``. Nothing is written into the folder; ``.ort`` graphs are read through ONNX Runtime.
+``requires_grad`` (in a device folder whose only checkpoint is the nominal one, which names the
+parameters and nothing else, the gradient buffers the training graph takes). Nothing is written
+into the folder; ``.ort`` graphs are read through ONNX Runtime.
 
 Example::
 
@@ -26,10 +28,12 @@ from ort_lightning.artifacts.manifest import Manifest, TensorSpec
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import runtime as _ort
 
-__all__ = ["GRAPHS", "adopted_files", "adopted_manifest", "locate_prefix"]
+__all__ = ["CHECKPOINTS", "GRAPHS", "adopted_files", "adopted_manifest", "locate_prefix", "present_files"]
 
 #: The graphs of a folder, by role; each is ``<prefix><role>.onnx`` or ``<prefix><role>.ort``.
 GRAPHS = ("training_model", "eval_model", "optimizer_model")
+#: The checkpoints of a folder: the weights, and ORT's weightless one that a device ships (names and shapes).
+CHECKPOINTS = ("checkpoint", "nominal_checkpoint")
 #: Label input names that ORT's built-in losses add, and the loss each stands for.
 _BUILTIN_LABELS = {"labels": "cross_entropy", "target": "mse|l1|bce_with_logits"}
 _GRAD_BUFFER = "_grad.accumulation.buffer"
@@ -60,34 +64,52 @@ def locate_prefix(directory: Path, names: Iterable[str]) -> str:
     )
 
 
-def adopted_files(directory: Path, prefix: str | None = None) -> dict[str, Path | None]:
-    """The paths of a ``generate_artifacts`` folder's graphs and checkpoint (``.onnx`` preferred to ``.ort``).
+def present_files(directory: Path, prefix: str, *, check_formats: bool = True) -> dict[str, Path | None]:
+    """The paths of a folder's graphs and checkpoints by role, None for each one absent (nothing is refused).
 
-    ``optimizer_model`` is None when the folder has no optimizer graph (``optimizer=None``).
+    Each graph is ``<prefix><role>.onnx``, else ``<prefix><role>.ort``; ``checkpoint`` is the complete
+    checkpoint (the weights) and ``nominal_checkpoint`` ORT's weightless one (names and shapes).
 
     Raises:
-        ArtifactError: for a missing training or eval graph, or a missing checkpoint.
+        ArtifactError: with `check_formats`, for an ``.ort`` graph that is not the conversion of the
+            ``.onnx`` one beside it.
+    """
+    files: dict[str, Path | None] = {}
+    for role in GRAPHS:
+        present = [path for path in (directory / f"{prefix}{role}{suffix}" for suffix in (".onnx", ".ort"))
+                   if path.is_file()]
+        if len(present) == 2 and check_formats:
+            _check_formats_agree(*present)
+        files[role] = present[0] if present else None
+    for role in CHECKPOINTS:
+        path = directory / f"{prefix}{role}"
+        files[role] = path if path.is_file() else None
+    return files
+
+
+def adopted_files(directory: Path, prefix: str | None = None) -> dict[str, Path | None]:
+    """The paths of a ``generate_artifacts`` folder's graphs and checkpoints (``.onnx`` preferred to ``.ort``).
+
+    ``optimizer_model`` is None when the folder has no optimizer graph (``optimizer=None``);
+    ``checkpoint`` is None in a device folder whose only checkpoint is ``nominal_checkpoint``
+    (no weights), ``nominal_checkpoint`` None when there is none.
+
+    Raises:
+        ArtifactError: for a missing training or eval graph, or neither checkpoint.
     """
     if prefix is None:
         prefix = locate_prefix(directory, (path.name for path in directory.iterdir()))
-    files: dict[str, Path | None] = {}
-    for role in GRAPHS:
-        found = [directory / f"{prefix}{role}{suffix}" for suffix in (".onnx", ".ort")]
-        present = [path for path in found if path.is_file()]
-        if not present and role != "optimizer_model":
+    files = present_files(directory, prefix)
+    for role in GRAPHS[:2]:
+        if files[role] is None:
             raise ArtifactError(
-                f"{directory} has no {found[0].name} or {found[1].name}; copy the whole folder that "
+                f"{directory} has no {prefix}{role}.onnx or {prefix}{role}.ort; copy the whole folder that "
                 "generate_artifacts() wrote, or regenerate it."
             )
-        if len(present) == 2:
-            _check_formats_agree(*present)
-        files[role] = present[0] if present else None
-    checkpoint = directory / f"{prefix}checkpoint"
-    files["checkpoint"] = checkpoint
-    if not checkpoint.is_file():
+    if files["checkpoint"] is None and files["nominal_checkpoint"] is None:
         raise ArtifactError(
-            f"{directory} has no {prefix}checkpoint (a nominal_checkpoint holds no weights to train); copy the "
-            "checkpoint that generate_artifacts() wrote beside the graphs."
+            f"{directory} has no {prefix}checkpoint (the weights) and no {prefix}nominal_checkpoint (a device's "
+            "weightless one); copy a checkpoint that generate_artifacts() wrote beside the graphs."
         )
     return files
 
@@ -144,10 +166,11 @@ def adopted_manifest(
     """
     training = _path(files, "training_model")
     inputs, outputs = graph_io(training)
-    parameters, _ = _ort_checkpoint(_path(files, "checkpoint"))
-    trainable = tuple(name for name, _, grad in parameters if grad)
-    frozen = tuple(name for name, _, grad in parameters if not grad)
-    _check_same_model(training, inputs, trainable, frozen, _path(files, "checkpoint"))
+    checkpoint = files["checkpoint"] or _path(files, "nominal_checkpoint")
+    parameters = _checkpoint_parameters(checkpoint, inputs, weightless=files["checkpoint"] is None)
+    trainable = tuple(name for name, grad in parameters if grad)
+    frozen = tuple(name for name, grad in parameters if not grad)
+    _check_same_model(training, inputs, trainable, frozen, checkpoint)
     state = {*trainable, *frozen}
     user = [spec for spec in inputs if spec.name not in state and not _is_training_input(spec.name)]
     label_names = _label_names(training, user, labels, own_loss=not _BLOCK_OUTPUT.fullmatch(outputs[0]))
@@ -180,8 +203,38 @@ def optimizer_attributes(path: Path) -> dict[str, float | int]:
 
 def _path(files: dict[str, Path | None], role: str) -> Path:
     path = files[role]
-    assert path is not None, role  # adopted_files always finds the training graph and the checkpoint
+    assert path is not None, role  # adopted_files always finds the training graph and a checkpoint
     return path
+
+
+def _checkpoint_parameters(path: Path, inputs: list[TensorSpec], *, weightless: bool) -> list[tuple[str, bool]]:
+    """``(name, requires_grad)`` per state tensor, in the checkpoint's order.
+
+    A nominal checkpoint lists the names, but ONNX Runtime 1.19.2 reads nothing else of a parameter
+    (not even ``requires_grad``) before its weights are given: a name trains when the training graph
+    takes its gradient buffer, as ``generate_artifacts`` builds it for each ``requires_grad`` parameter.
+    """
+    if not weightless:
+        return [(name, grad) for name, _, grad in _ort_checkpoint(path)[0]]
+    buffers = {spec.name for spec in inputs if spec.name.endswith(_GRAD_BUFFER)}
+    return [(name, f"{name}{_GRAD_BUFFER}" in buffers) for name in _nominal_names(path)]
+
+
+def _nominal_names(path: Path) -> list[str]:
+    try:
+        nominal = _ort.nominal_summary(path)
+    except _ort.CHECKPOINT_READ_ERRORS as error:
+        raise ArtifactError(
+            f"ONNX Runtime cannot read the nominal checkpoint {path} ({' '.join(str(error).split())[:160]}); copy it "
+            "again from where the artifacts were generated, or regenerate them."
+        ) from error
+    if nominal is None:
+        raise ArtifactError(
+            f"{path} holds weights, but a nominal checkpoint holds names and shapes only; rename it to "
+            f"{path.name[: -len('nominal_checkpoint')]}checkpoint (it is the complete checkpoint), or copy the "
+            "nominal checkpoint that generate_artifacts(..., nominal_checkpoint=True) wrote."
+        )
+    return nominal[0]
 
 
 def _ort_checkpoint(path: Path) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, object]]:

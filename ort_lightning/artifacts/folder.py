@@ -19,7 +19,7 @@ from pathlib import Path
 
 import onnx
 
-from ort_lightning.artifacts.adopted import adopted_files, adopted_manifest
+from ort_lightning.artifacts.adopted import GRAPHS, adopted_files, adopted_manifest, present_files
 from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import limits
@@ -36,16 +36,32 @@ FILES = {
 
 @dataclass(frozen=True)
 class TrainingArtifacts:
-    """A validated artifacts folder: the paths of its four files and its manifest.
+    """A validated artifacts folder: the paths of its files and its manifest.
 
     A folder that ``onnxruntime.training.artifacts.generate_artifacts`` wrote (no manifest) is
-    adopted: `files` then holds its paths (a ``prefix=``, ``.ort`` graphs, no optimizer graph).
+    adopted: its manifest is read from the graphs (a ``prefix=``, ``.ort`` graphs, no optimizer graph).
+    A device folder holds the graphs (``.onnx`` or ``.ort``) and the ``nominal_checkpoint`` only, no
+    weights (`weightless`): it trains once weights are given (``ORTLightningModule(folder, values=...)``).
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from ort_lightning import export_artifacts
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, nominal_checkpoint=True)
+        >>> (folder / "checkpoint").unlink()  # what a device receives: graphs and the nominal checkpoint
+        >>> device = TrainingArtifacts.load(folder)
+        >>> device.weightless, device.nominal_checkpoint.name
+        (True, 'nominal_checkpoint')
     """
 
     directory: Path
     manifest: Manifest
-    #: Paths by role for an adopted folder; None for `export_artifacts`' own layout (`FILES`).
+    #: Paths by role (`FILES`' roles and ``nominal_checkpoint``), None for one absent; None for `FILES` as named.
     files: dict[str, Path | None] | None = field(default=None, compare=False)
+    #: Whether the folder came from ``generate_artifacts`` (no manifest) rather than `export_artifacts`.
+    adopted: bool = field(default=False, compare=False)
 
     def _file(self, role: str) -> Path:
         if self.files is None:
@@ -73,31 +89,47 @@ class TrainingArtifacts:
         return self._file("optimizer_model")
 
     @property
+    def weightless(self) -> bool:
+        """Whether the folder holds no weights: its only checkpoint is ``nominal_checkpoint`` (a device's folder).
+
+        The weights come from elsewhere (a fleet's server): ``ORTLightningModule(folder, values=...)``.
+        """
+        return self.files is not None and self.files["checkpoint"] is None
+
+    @property
     def checkpoint(self) -> Path:
-        """Initial parameters as an ORT CheckpointState file."""
+        """Initial parameters as an ORT CheckpointState file.
+
+        Raises:
+            ArtifactError: for a `weightless` folder, which has none.
+        """
+        if self.weightless:
+            raise ArtifactError(
+                f"{self.directory} holds no weights: its only checkpoint is {self.nominal_checkpoint} (names and "
+                "shapes, as a device receives it), so it has no complete checkpoint to read; pass the weights with "
+                "ORTLightningModule(folder, values={name: tensor}), or copy the complete checkpoint beside the graphs."
+            )
         return self._file("checkpoint")
 
     @property
     def nominal_checkpoint(self) -> Path | None:
-        """ORT's weightless checkpoint beside `checkpoint` (names and shapes only), None when the folder has none.
+        """ORT's weightless checkpoint (names and shapes only), None when the folder has none.
 
         ``export_artifacts(..., nominal_checkpoint=True)`` and ``generate_artifacts(..., nominal_checkpoint=True)``
         write it; a device that receives its weights from elsewhere (a fleet's server) starts from it.
         """
-        complete = self.checkpoint
-        path = complete.with_name(complete.name[: -len("checkpoint")] + "nominal_checkpoint")
+        graph = self.training_model.name
+        path = self.directory / f"{graph[: graph.rindex('training_model')]}nominal_checkpoint"
         return path if path.is_file() else None
-
-    @property
-    def adopted(self) -> bool:
-        """Whether the folder came from ``generate_artifacts`` (no manifest) rather than `export_artifacts`."""
-        return self.files is not None
 
     @classmethod
     def load(
         cls, directory: str | os.PathLike[str], *, labels: Sequence[str] | None = None, prefix: str | None = None
     ) -> TrainingArtifacts:
         """Validate an artifacts folder and read its manifest, or derive one from a ``generate_artifacts`` folder.
+
+        Either folder may be a device's: ``.ort`` graphs without the ``.onnx`` ones, and the
+        ``nominal_checkpoint`` without the complete checkpoint (`weightless`).
 
         Args:
             directory: the folder.
@@ -127,16 +159,11 @@ class TrainingArtifacts:
             return cls._adopt(folder, labels=labels, prefix=prefix)
         manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8"), manifest_path)
         _check_versions(manifest, manifest_path)
-        artifacts = cls(folder, manifest)
-        for name in FILES:
-            path = getattr(artifacts, name)
-            if not path.is_file():
-                raise ArtifactError(
-                    f"Artifact {path} is missing; re-export the folder with export_artifacts() rather than "
-                    "copying files by hand."
-                )
-        for name in ("training_model", "eval_model", "optimizer_model"):
-            _check_ir_version(getattr(artifacts, name))
+        files = _own_files(folder)
+        for path in files.values():
+            if path is not None and path.suffix == ".onnx":
+                _check_ir_version(path)
+        artifacts = cls(folder, manifest, files)
         artifacts.check_labels(labels)
         return artifacts
 
@@ -166,7 +193,24 @@ class TrainingArtifacts:
         for path in files.values():
             if path is not None and path.suffix == ".onnx":
                 _check_ir_version(path)
-        return cls(folder, adopted_manifest(files, labels=labels), files)
+        return cls(folder, adopted_manifest(files, labels=labels), files, adopted=True)
+
+
+def _own_files(folder: Path) -> dict[str, Path | None]:
+    """The files of `export_artifacts`' layout: graphs as ``.onnx``, else ``.ort``; a checkpoint, else the nominal one.
+
+    Raises:
+        ArtifactError: for a graph in neither format, or neither checkpoint.
+    """
+    # NOTE: an export writes both formats from one graph; comparing them would load every .ort graph on each load.
+    files = present_files(folder, "", check_formats=False)
+    for role in (*GRAPHS, "checkpoint"):
+        if files[role] is None and not (role == "checkpoint" and files["nominal_checkpoint"] is not None):
+            raise ArtifactError(
+                f"Artifact {folder / FILES[role]} is missing; re-export the folder with export_artifacts() rather than "
+                "copying files by hand."
+            )
+    return files
 
 
 def _check_folder(folder: Path) -> Path:

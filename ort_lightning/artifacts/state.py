@@ -30,13 +30,14 @@ import torch
 from ort_lightning.artifacts.adopted import graph_io
 from ort_lightning.artifacts.manifest import TensorSpec
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort import runtime as _ort
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from ort_lightning.artifacts.folder import TrainingArtifacts
 
-__all__ = ["check_values", "flat_values", "state_specs"]
+__all__ = ["check_values", "flat_values", "state_specs", "state_summary"]
 
 _GRAD_BUFFER = ".buffer"
 _RESET = "lazy_reset_grad"
@@ -63,6 +64,27 @@ def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
         spec for spec in _graph_inputs(path, path.stat().st_mtime_ns)
         if spec.name not in skip and not spec.name.endswith(_GRAD_BUFFER) and spec.name != _RESET
     ]
+
+
+def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ...], bool]]:
+    """``(name, shape, trainable)`` of every state tensor: what the artifacts' checkpoint holds.
+
+    Read from the complete checkpoint; for a `weightless` folder (a nominal checkpoint names the
+    tensors and nothing else), from the training graph's inputs and the manifest. The order is the
+    checkpoint's, or the graph's: compare summaries by name.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from ort_lightning import export_artifacts
+        >>> state_summary(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+        [('bias', (3,), True), ('weight', (3, 4), True)]
+    """
+    if not artifacts.weightless:
+        return _ort.checkpoint_summary(artifacts.checkpoint)[0]
+    trainable = set(artifacts.manifest.trainable)
+    return [(spec.name, tuple(int(dim) for dim in spec.shape), spec.name in trainable)
+            for spec in state_specs(artifacts)]
 
 
 def _as_tensor(value: object) -> torch.Tensor:

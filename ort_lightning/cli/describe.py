@@ -68,7 +68,7 @@ def artifacts_rows(directory: Path) -> Rows:
     rows.append(("loss", f"{manifest.loss} {loss_options}".rstrip()))
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     rows.append(("optimizer", f"{manifest.optimizer} {options}".rstrip()))
-    rows += checkpoint_rows(artifacts.checkpoint)
+    rows += weightless_rows(artifacts) if artifacts.weightless else checkpoint_rows(artifacts.checkpoint)
     rows += [(title, ", ".join(names) or "-") for title, names in _initializer_roles(artifacts)]
     if not artifacts.adopted:  # ORT's generator records neither a verification nor versions
         rows += report_rows(manifest.verification)
@@ -121,6 +121,20 @@ def _initializer_roles(artifacts: Any) -> list[tuple[str, list[str]]]:
     constants = sorted(t.name for t in graph.initializer if t.data_type in FLOAT_TYPES and t.name not in state)
     return [("trains", list(manifest.trainable)), ("frozen", list(manifest.frozen)),
             ("buffers", list(manifest.buffers)), ("constants", constants)]
+
+
+def weightless_rows(artifacts: Any) -> Rows:
+    """Rows for a folder without weights (only the nominal checkpoint): the state the graph takes, and no weights."""
+    from ort_lightning.artifacts.state import state_summary
+
+    parameters = state_summary(artifacts)
+    trainable = sum(math.prod(shape) for _, shape, grad in parameters if grad)
+    total = sum(math.prod(shape) for _, shape, _ in parameters)
+    return [
+        ("parameters", f"{total:,} values in {len(parameters)} tensors ({trainable:,} trainable)"),
+        ("weights", f"none in this folder ({artifacts.nominal_checkpoint.name} only: names and shapes); train it with "
+                    "ORTLightningModule(folder, values={name: tensor}), the weights a server sends"),
+    ]
 
 
 def checkpoint_rows(path: Path) -> Rows:

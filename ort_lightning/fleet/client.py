@@ -18,6 +18,9 @@ Where a device starts (`FleetClient.start`), as ONNX Runtime runs a device:
 - ``"complete"``: from the artifacts' complete checkpoint, whose weights the server's values replace.
 - ``"auto"`` (default): ``"nominal"`` when the folder has a nominal checkpoint, else ``"complete"``.
 
+A device folder holds the graphs and the nominal checkpoint only, no weights (`TrainingArtifacts.weightless`:
+the complete checkpoint stays with the server); it starts ``"nominal"``, as ``"auto"`` chooses.
+
 Both give the same numbers; the nominal start is what a device that ships without weights runs.
 
 Optimizer state, as a device would handle it (`FleetClient.optimizer_state`):
@@ -198,11 +201,19 @@ class FleetClient:
         """The checkpoint a device starts from: the nominal one, or None for the complete one.
 
         Raises:
-            ConfigurationError: for ``start="nominal"`` on a folder without a nominal checkpoint.
+            ConfigurationError: for ``start="nominal"`` on a folder without a nominal checkpoint, or
+                ``start="complete"`` on one without weights (a device folder).
         """
+        artifacts = artifacts or self._artifacts()
         if self.start == "complete":
+            if artifacts.weightless:
+                raise ConfigurationError(
+                    f"FleetClient(start=\"complete\") needs the complete checkpoint in {self.artifacts}, but the "
+                    "folder holds no weights (its only checkpoint is nominal_checkpoint, as a device receives it); "
+                    "pass start=\"nominal\" or \"auto\", or copy the complete checkpoint beside the graphs."
+                )
             return None
-        nominal = (artifacts or self._artifacts()).nominal_checkpoint
+        nominal = artifacts.nominal_checkpoint
         if nominal is None and self.start == "nominal":
             raise ConfigurationError(
                 f"FleetClient(start=\"nominal\") needs a nominal checkpoint in {self.artifacts}, but it has none; "

@@ -42,7 +42,7 @@ from ort_lightning.training.checkpoints import (
     write_ort_checkpoint,
 )
 from ort_lightning.training.schedules import schedule_properties
-from ort_lightning.training.session import SessionViews, load_values, picklable, values_of
+from ort_lightning.training.session import SessionViews, load_values, picklable, state_values, values_of
 from ort_lightning.training.travel import (
     IDENTITY_KEY,
     check_identity,
@@ -159,8 +159,10 @@ class CheckpointConnector:
         """After unpickling: rebuild ORT's objects on `device` from the artifacts, then restore the pickled values."""
         module = self.module
         values = values_of(module)
+        # NOTE: a weightless folder has no weights to build from: its nominal checkpoint takes the pickled ones.
+        named = state_values(module, module.artifacts) if module.artifacts.weightless else None
         module._attach(SessionViews(module, module.artifacts, device=device, custom_op_library=module.custom_op_library,
-                                    **module._thread_options(None)))
+                                    values=named, **module._thread_options(None)))
         load_values(module, values)
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ort_lightning.artifacts.state import state_specs
+from ort_lightning.artifacts.state import state_specs, state_summary
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.atomic import atomic_write, verify_digest
@@ -174,7 +174,7 @@ def read_checkpoint(path: Path, artifacts: TrainingArtifacts, *, weights_given: 
         found, properties = _ort.checkpoint_summary(path)
     except _ort.CHECKPOINT_READ_ERRORS as error:
         return _read_nominal(path, artifacts, error, weights_given=weights_given)
-    expected, _ = _ort.checkpoint_summary(artifacts.checkpoint)
+    expected = state_summary(artifacts)
     problems = _mismatch(found, expected)
     if problems:
         raise CheckpointError(

@@ -26,6 +26,7 @@ import onnx
 import torch
 
 from ort_lightning.artifacts import MANIFEST_NAME, TensorSpec
+from ort_lightning.artifacts.adopted import graph_io
 from ort_lightning.bridge import LabelRange
 from ort_lightning.errors import ArtifactError, ConfigurationError
 
@@ -118,8 +119,7 @@ def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str])
     """
     if artifacts.adopted:  # the manifest was read from this very graph
         return
-    graph = onnx.load(artifacts.training_model, load_external_data=False).graph
-    found = {info.name: TensorSpec.from_value_info(info) for info in graph.input}
+    found = {spec.name: spec for spec in graph_io(artifacts.training_model)[0]}  # an .ort graph too
     actual = [found[name] for name in user_inputs if name in found]
     described = list(artifacts.manifest.graph_inputs)
     if [(s.name, s.dtype, tuple(s.shape)) for s in described] == [(s.name, s.dtype, tuple(s.shape)) for s in actual]:

@@ -30,14 +30,38 @@ import torch
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.artifacts.state import flat_values, state_specs
 from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, torch_device
+from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.checkpoints import snapshot
 from ort_lightning.training.views import GradientViews, bind_views
 
-__all__ = ["DEVICE_KEY", "SessionViews", "load_values", "picklable", "values_of"]
+__all__ = ["DEVICE_KEY", "SessionViews", "load_values", "picklable", "start_checkpoint", "state_values", "values_of"]
 
 #: Where a module's pickle says which device its ORT objects ran on.
 DEVICE_KEY = "_ort_device"
+
+
+def start_checkpoint(artifacts: TrainingArtifacts, checkpoint: Path | None, *, weights_given: bool) -> Path:
+    """The ORT checkpoint a session starts from: `checkpoint`, else the artifacts' own (a `weightless` one's nominal).
+
+    Raises:
+        ConfigurationError: for a `weightless` folder without `checkpoint` and without weights given.
+    """
+    if checkpoint is not None:
+        return checkpoint
+    if not artifacts.weightless:
+        return artifacts.checkpoint
+    if not weights_given:
+        raise ConfigurationError(
+            f"{artifacts.directory} holds no weights: its only checkpoint is {artifacts.nominal_checkpoint} (names "
+            "and shapes, what a device ships), so there is nothing to start from; pass the weights with "
+            "ORTLightningModule(folder, values={name: tensor}) (e.g. ort_lightning.fleet.get_values(module) of a "
+            "module built on the complete artifacts, as a fleet server sends them), or checkpoint= a complete ORT "
+            "checkpoint of these artifacts."
+        )
+    nominal = artifacts.nominal_checkpoint
+    assert nominal is not None  # a weightless folder is one whose only checkpoint is the nominal one
+    return nominal
 
 
 class SessionViews:
@@ -56,7 +80,8 @@ class SessionViews:
             weights; with a nominal `checkpoint` (no weights) they are the only weights there are.
 
     Raises:
-        ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors.
+        ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors, or
+            none for a `weightless` folder without a `checkpoint`.
     """
 
     def __init__(
@@ -77,7 +102,7 @@ class SessionViews:
             training_model=artifacts.training_model,
             eval_model=artifacts.eval_model,
             optimizer_model=artifacts.optimizer_model,
-            checkpoint=artifacts.checkpoint if checkpoint is None else checkpoint,
+            checkpoint=start_checkpoint(artifacts, checkpoint, weights_given=values is not None),
             device=device,
             custom_op_library=custom_op_library,
             spinning=spinning,
@@ -168,6 +193,12 @@ def picklable(state: dict[str, Any], views_key: str, session_views: SessionViews
     state.pop(views_key, None)
     state[DEVICE_KEY] = session_views.session.device
     return state
+
+
+def state_values(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
+    """Name -> copy of every state tensor of `artifacts` that `module` holds (ORT's parameters and buffers)."""
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return {spec.name: tensors[spec.name].detach().clone() for spec in state_specs(artifacts)}
 
 
 def values_of(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ort_lightning.artifacts.state import state_summary
 from ort_lightning.errors import CheckpointError
 from ort_lightning.ort import runtime as _ort
 
@@ -59,7 +60,7 @@ def identity_of(artifacts: TrainingArtifacts) -> dict[str, Any]:
         path: Path = getattr(artifacts, name)
         stat = path.stat()
         graphs[name] = _digest(os.fspath(path), stat.st_size, stat.st_mtime_ns)
-    parameters, _ = _ort.checkpoint_summary(artifacts.checkpoint)
+    parameters = state_summary(artifacts)
     return {
         "graphs": graphs,
         "parameters": [[name, list(shape), trainable] for name, shape, trainable in parameters],
