@@ -148,6 +148,21 @@ def test_ort_without_spinning_and_on_one_thread_are_measured_between_steps(
     assert probe.seen[-1] == expected == (module._session.spinning, module._session.intra_op_threads)
 
 
+@multicore
+def test_a_later_fit_keeps_the_measured_choice(mlp_adamw: Exported, default_threads: int) -> None:
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    _trainer(max_steps=STEPS).fit(module, _loader())
+    measured = module._threads.choice
+    module._threads.min_fit_steps = 10_000  # the next fit is too short to measure anything
+    probe = _SessionProbe()
+    _trainer(max_steps=4, callbacks=[probe]).fit(module, _loader())
+    assert module._threads.choice == measured
+    assert module._threads.reason.startswith("measured in an earlier fit")
+    assert measured is not None
+    assert set(probe.seen) == {(True if measured.spinning is None else measured.spinning,
+                                measured.ort_threads or available_cores())}
+
+
 def test_ort_session_is_not_rebuilt_under_accumulation(mlp_adamw: Exported, default_threads: int) -> None:
     probe = _SessionProbe()
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))

@@ -13,7 +13,8 @@ cores each one's spinning threads take the cores the other one needs. During a f
   (which waits for torch's threads to wake, then for ORT's);
 - where no setting wins on every model, measures the candidates on the first steps of the fit
   (a few steps each, applied between steps, the choice logged once, the same on every rank)
-  and keeps the fastest; ``fast_dev_run`` and short fits keep the first candidate. Besides
+  and keeps the fastest, also for the module's later fits; ``fast_dev_run`` and short fits
+  keep the first candidate (or the one an earlier fit measured). Besides
   torch's thread counts, a single-process fit without gradient accumulation also measures
   ORT's own pool without spinning and on one thread (a session rebuilt between two optimizer
   steps from a snapshot of its exact state: weights, moments, step);
@@ -223,6 +224,7 @@ class ThreadPolicy(pl.Callback):
         self._optimizers: list[Any] = []
         self._module: Any = None  # the module being fitted (its ORT session follows the setting)
         self._default = (True, 0)  # ORT's spinning and pool size before any candidate
+        self._kept: ThreadSetting | None = None  # the setting measured fastest; later fits keep it
 
     def __getstate__(self) -> dict[str, Any]:
         """Leave out the fit's optimizers and module (they hold ONNX Runtime's objects, which do not pickle)."""
@@ -284,6 +286,10 @@ class ThreadPolicy(pl.Callback):
         self._module = pl_module
         self._default = (self.spinning(trainer.strategy), max(1, self.session_threads(trainer.strategy)))
         self._candidates = self.candidates(self._default[1], session=_session_tunable(trainer, pl_module))
+        if self._kept in self._candidates:
+            self._apply(self._kept)
+            self.reason = f"measured in an earlier fit of this module: {self._kept.name}"
+            return
         skip, why = _should_skip_tuning(trainer, self.min_fit_steps)
         if skip or len(self._candidates) == 1:
             self._apply(self._candidates[0])
@@ -319,6 +325,7 @@ class ThreadPolicy(pl.Callback):
         best = int(torch.argmin(medians))
         self._trial = None
         self._apply(self._candidates[best])
+        self._kept = self._candidates[best]
         pairs = zip(self._candidates, medians.tolist(), strict=True)
         timings = ", ".join(f"{setting.name}: {seconds * 1e3:.2f} ms" for setting, seconds in pairs)
         self.reason = f"measured per step ({timings})"
