@@ -69,7 +69,10 @@ def measure_case(case: Case, rounds: int, steps: int, folder: Path) -> dict[str,
     artifacts = export(case, folder)
     runners = {key: RUNNERS[key](case, artifacts) for key in ORDER}
     for runner in runners.values():
-        runner.run(2)  # warm-up: first-call allocations, thread pools, Lightning's first fit
+        # NOTE: first-call allocations, thread pools, Lightning's first fit, the thread policy's measurements.
+        runner.run(getattr(runner, "warmup", 2))
+        if hasattr(runner, "describe"):
+            print(f"{case.name}, {runner.label}: thread policy {runner.describe()}", file=sys.stderr, flush=True)
     times: dict[str, list[float]] = {key: [] for key in ORDER}
     for round_index in range(rounds):
         # NOTE: the order rotates every round so that no runner always follows the same one.

@@ -76,6 +76,9 @@ class LightningORT:
     """
 
     label = "Lightning + ORT"
+    #: The warm-up fit is long enough for the thread policy to measure its candidates, as in a
+    #: user's long fit; the timed fits, short, keep what it chose.
+    warmup = 120
 
     def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
         self.case = case
@@ -83,6 +86,10 @@ class LightningORT:
 
     def run(self, steps: int) -> list[float]:
         return _fit(self.module, self.case.loader(steps + 1))
+
+    def describe(self) -> str:
+        """The thread policy's choice after the warm-up, and why."""
+        return self.module._threads.reason
 
 
 class LightningORTHybrid(LightningORT):

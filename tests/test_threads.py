@@ -96,7 +96,7 @@ def test_the_candidates_are_measured_and_the_choice_is_kept(
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     with caplog.at_level("INFO", logger="ort_lightning.training.threads"):
         _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
-    plan = 1 + 3 * len(module._threads.candidates(available_cores()))
+    plan = 1 + 3 * len(module._threads.candidates(available_cores(), session=True))
     choice = module._threads.choice
     assert choice is not None
     assert module._threads.reason.startswith("measured per step")
@@ -120,6 +120,54 @@ def test_a_torch_optimizer_updates_on_one_thread_beside_spinning_ort(
     assert set(optimizer.seen) == {1}
     assert set(probe.seen) == {1}
     assert torch.get_num_threads() == default_threads
+
+
+class _SessionProbe(L.Callback):
+    """Records ORT's spinning and pool size in every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        session = pl_module._session  # type: ignore[attr-defined]
+        self.seen.append((session.spinning, session.intra_op_threads))
+
+
+@multicore
+def test_ort_without_spinning_and_on_one_thread_are_measured_between_steps(
+    mlp_adamw: Exported, default_threads: int
+) -> None:
+    probe = _SessionProbe()
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    cores = available_cores()
+    assert {(True, cores), (False, cores), (True, 1)} <= set(probe.seen)
+    choice = module._threads.choice
+    assert choice is not None
+    expected = (True if choice.spinning is None else choice.spinning, choice.ort_threads or cores)
+    assert probe.seen[-1] == expected == (module._session.spinning, module._session.intra_op_threads)
+
+
+@multicore
+def test_a_later_fit_keeps_the_measured_choice(mlp_adamw: Exported, default_threads: int) -> None:
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    _trainer(max_steps=STEPS).fit(module, _loader())
+    measured = module._threads.choice
+    module._threads.min_fit_steps = 10_000  # the next fit is too short to measure anything
+    probe = _SessionProbe()
+    _trainer(max_steps=4, callbacks=[probe]).fit(module, _loader())
+    assert module._threads.choice == measured
+    assert module._threads.reason.startswith("measured in an earlier fit")
+    assert measured is not None
+    assert set(probe.seen) == {(True if measured.spinning is None else measured.spinning,
+                                measured.ort_threads or available_cores())}
+
+
+def test_ort_session_is_not_rebuilt_under_accumulation(mlp_adamw: Exported, default_threads: int) -> None:
+    probe = _SessionProbe()
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    _trainer(max_steps=STEPS // 2, callbacks=[probe], accumulate_grad_batches=2).fit(module, _loader())
+    assert set(probe.seen) == {(True, available_cores())}
 
 
 def _parameters_after(exported: Exported, threads: str, **options: Any) -> dict[str, torch.Tensor]:

@@ -217,6 +217,20 @@ class ORTLightningModule(pl.LightningModule):
         policy = self._threads
         return {"spinning": policy.spinning(strategy), "intra_op_threads": policy.session_threads(strategy)}
 
+    def _use_session_threads(self, spinning: bool, intra_op_threads: int) -> None:
+        """Run ORT with these thread settings from the next step on (the thread policy's candidates).
+
+        Between two optimizer steps only: the session is rebuilt from a snapshot of its exact state
+        (weights, the optimizer's step and moments), and the fit's optimizers follow it.
+        """
+        session = self._session
+        if (session.spinning, session.intra_op_threads) == (spinning, intra_op_threads):
+            return
+        self._attach(self._ort.rebuilt(self, spinning=spinning, intra_op_threads=intra_op_threads))
+        for optimizer in self.trainer.optimizers:
+            if hasattr(optimizer, "session"):
+                optimizer.session = self._session
+
     def _set_origin(self, origin: RunOrigin) -> None:
         """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
         self._origin = origin

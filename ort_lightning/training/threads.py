@@ -13,7 +13,11 @@ cores each one's spinning threads take the cores the other one needs. During a f
   (which waits for torch's threads to wake, then for ORT's);
 - where no setting wins on every model, measures the candidates on the first steps of the fit
   (a few steps each, applied between steps, the choice logged once, the same on every rank)
-  and keeps the fastest; ``fast_dev_run`` and short fits keep the first candidate;
+  and keeps the fastest, also for the module's later fits; ``fast_dev_run`` and short fits
+  keep the first candidate (or the one an earlier fit measured). Besides
+  torch's thread counts, a single-process fit without gradient accumulation also measures
+  ORT's own pool without spinning and on one thread (a session rebuilt between two optimizer
+  steps from a snapshot of its exact state: weights, moments, step);
 - restores torch's thread count when the fit ends, also after an exception.
 
 It never overrides a choice the user made: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set, or
@@ -31,6 +35,8 @@ Example::
     (True, 0)
     >>> [setting.name for setting in policy.candidates(4)]
     ['torch 1 thread', 'torch 1 thread, 4 for the update', 'torch 4 threads']
+    >>> [setting.name for setting in policy.candidates(4, session=True)][3:]
+    ['ORT not spinning, torch 1 thread', 'ORT on 1 thread, torch 1 thread']
 """
 
 from __future__ import annotations
@@ -150,11 +156,15 @@ class ThreadSetting:
         name: how the choice is logged.
         torch_threads: torch's intra-op threads while ORT computes.
         update_threads: torch's threads for a torch optimizer's update; None: `torch_threads`.
+        spinning: whether ORT's intra-op threads spin; None: the policy's default.
+        ort_threads: the size of ORT's intra-op pool; None: the policy's default.
     """
 
     name: str
     torch_threads: int
     update_threads: int | None = None
+    spinning: bool | None = None
+    ort_threads: int | None = None
 
 
 def _local_ranks(strategy: Any) -> int:
@@ -212,10 +222,13 @@ class ThreadPolicy(pl.Callback):
         self._candidates: list[ThreadSetting] = []
         self._trial: _Trial | None = None
         self._optimizers: list[Any] = []
+        self._module: Any = None  # the module being fitted (its ORT session follows the setting)
+        self._default = (True, 0)  # ORT's spinning and pool size before any candidate
+        self._kept: ThreadSetting | None = None  # the setting measured fastest; later fits keep it
 
     def __getstate__(self) -> dict[str, Any]:
-        """Leave out the fit's optimizers (they hold ONNX Runtime's objects, which do not pickle)."""
-        return {**self.__dict__, "_optimizers": [], "_trial": None}
+        """Leave out the fit's optimizers and module (they hold ONNX Runtime's objects, which do not pickle)."""
+        return {**self.__dict__, "_optimizers": [], "_trial": None, "_module": None}
 
     # ----------------------------------------------------------------------------- ORT's session
     def spinning(self, strategy: Any) -> bool:
@@ -234,13 +247,26 @@ class ThreadPolicy(pl.Callback):
             return 0
         return max(1, available_cores() // _local_ranks(strategy))
 
-    def candidates(self, cores: int) -> list[ThreadSetting]:
-        """The settings worth measuring, the first one the guess kept when nothing is measured."""
+    def candidates(self, cores: int, *, session: bool = False) -> list[ThreadSetting]:
+        """The settings worth measuring, the first one the guess kept when nothing is measured.
+
+        Args:
+            cores: the cores ORT's pool gets by default.
+            session: also ORT's pool without spinning and on one thread (each a session rebuild).
+        """
         lowered = ThreadSetting("torch 1 thread", 1)
         unchanged = ThreadSetting(f"torch {cores} threads", cores)
-        if not self.hybrid or cores == 1:
-            return [lowered, unchanged] if cores > 1 else [lowered]
-        return [lowered, ThreadSetting(f"torch 1 thread, {cores} for the update", 1, cores), unchanged]
+        if cores == 1:
+            return [lowered]
+        settings = [lowered, unchanged]
+        if self.hybrid:
+            settings.insert(1, ThreadSetting(f"torch 1 thread, {cores} for the update", 1, cores))
+        if session:
+            # NOTE: small steps lose more to waking ORT's workers (or to their spinning beside
+            # Lightning's Python) than they gain from them; big steps the other way round.
+            settings += [ThreadSetting("ORT not spinning, torch 1 thread", 1, spinning=False),
+                         ThreadSetting("ORT on 1 thread, torch 1 thread", 1, ort_threads=1)]
+        return settings
 
     def register(self, trainer: Any) -> None:
         """Be this trainer's policy (once; another module's policy leaves)."""
@@ -257,7 +283,13 @@ class ThreadPolicy(pl.Callback):
             return
         self._saved = torch.get_num_threads()
         self._optimizers = [o for o in trainer.optimizers if hasattr(o, "update_threads")]
-        self._candidates = self.candidates(max(1, self.session_threads(trainer.strategy)))
+        self._module = pl_module
+        self._default = (self.spinning(trainer.strategy), max(1, self.session_threads(trainer.strategy)))
+        self._candidates = self.candidates(self._default[1], session=_session_tunable(trainer, pl_module))
+        if self._kept in self._candidates:
+            self._apply(self._kept)
+            self.reason = f"measured in an earlier fit of this module: {self._kept.name}"
+            return
         skip, why = _should_skip_tuning(trainer, self.min_fit_steps)
         if skip or len(self._candidates) == 1:
             self._apply(self._candidates[0])
@@ -293,6 +325,7 @@ class ThreadPolicy(pl.Callback):
         best = int(torch.argmin(medians))
         self._trial = None
         self._apply(self._candidates[best])
+        self._kept = self._candidates[best]
         pairs = zip(self._candidates, medians.tolist(), strict=True)
         timings = ", ".join(f"{setting.name}: {seconds * 1e3:.2f} ms" for setting, seconds in pairs)
         self.reason = f"measured per step ({timings})"
@@ -314,7 +347,7 @@ class ThreadPolicy(pl.Callback):
         self._trial = None
         for optimizer in self._optimizers:
             optimizer.update_threads = None
-        self._optimizers = []
+        self._optimizers, self._module = [], None
         if self._saved is not None:
             torch.set_num_threads(self._saved)
             self._saved = None
@@ -334,6 +367,23 @@ class ThreadPolicy(pl.Callback):
             torch.set_num_threads(setting.torch_threads)
         for optimizer in self._optimizers:
             optimizer.update_threads = setting.update_threads
+        if self._module is not None:
+            spinning, threads = self._default
+            self._module._use_session_threads(
+                spinning if setting.spinning is None else setting.spinning,
+                threads if setting.ort_threads is None else setting.ort_threads,
+            )
+
+
+def _session_tunable(trainer: Any, module: Any) -> bool:
+    """Whether ORT's session may be rebuilt between two steps of this fit: one process, no accumulation.
+
+    NOTE: a rebuild keeps the weights and the optimizer's state, not gradients summed across the
+    micro-batches of an accumulation window; ranks of a DDP fit keep the strategy's settings.
+    """
+    return (
+        trainer.world_size == 1 and trainer.accumulate_grad_batches == 1 and hasattr(module, "_use_session_threads")
+    )
 
 
 def _should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:
