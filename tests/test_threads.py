@@ -134,17 +134,17 @@ class _SessionProbe(L.Callback):
 
 
 @multicore
-def test_ort_without_spinning_and_on_one_thread_are_measured_between_steps(
+def test_ort_on_one_thread_is_measured_between_steps(
     mlp_adamw: Exported, default_threads: int
 ) -> None:
     probe = _SessionProbe()
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
     cores = available_cores()
-    assert {(True, cores), (False, cores), (True, 1)} <= set(probe.seen)
+    assert {(True, cores), (True, 1)} <= set(probe.seen)
     choice = module._threads.choice
     assert choice is not None
-    expected = (True if choice.spinning is None else choice.spinning, choice.ort_threads or cores)
+    expected = (True, choice.ort_threads or cores)
     assert probe.seen[-1] == expected == (module._session.spinning, module._session.intra_op_threads)
 
 
@@ -159,8 +159,7 @@ def test_a_later_fit_keeps_the_measured_choice(mlp_adamw: Exported, default_thre
     assert module._threads.choice == measured
     assert module._threads.reason.startswith("measured in an earlier fit")
     assert measured is not None
-    assert set(probe.seen) == {(True if measured.spinning is None else measured.spinning,
-                                measured.ort_threads or available_cores())}
+    assert set(probe.seen) == {(True, measured.ort_threads or available_cores())}
 
 
 def test_ort_session_is_not_rebuilt_under_accumulation(mlp_adamw: Exported, default_threads: int) -> None:

@@ -14,10 +14,12 @@ cores each one's spinning threads take the cores the other one needs. During a f
 - where no setting wins on every model, measures the candidates on the first steps of the fit
   (a few steps each, applied between steps, the choice logged once, the same on every rank)
   and keeps the fastest, also for the module's later fits; ``fast_dev_run`` and short fits
-  keep the first candidate (or the one an earlier fit measured). Besides
-  torch's thread counts, a single-process fit without gradient accumulation also measures
-  ORT's own pool without spinning and on one thread (a session rebuilt between two optimizer
-  steps from a snapshot of its exact state: weights, moments, step);
+  keep the first candidate (or the one an earlier fit measured). Besides torch's thread
+  counts, a single-process fit without gradient accumulation also measures ORT's own pool on
+  one thread (a session rebuilt between two optimizer steps from a snapshot of its exact
+  state: weights, moments, step): a sub-millisecond step loses more to waking ORT's worker
+  than it gains from it, a bigger one the other way round. ORT's spinning is not a
+  candidate: off, it lost on every benchmark model (by 0.1-10 ms per step) or tied;
 - restores torch's thread count when the fit ends, also after an exception.
 
 It never overrides a choice the user made: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set, or
@@ -36,7 +38,7 @@ Example::
     >>> [setting.name for setting in policy.candidates(4)]
     ['torch 1 thread', 'torch 1 thread, 4 for the update', 'torch 4 threads']
     >>> [setting.name for setting in policy.candidates(4, session=True)][3:]
-    ['ORT not spinning, torch 1 thread', 'ORT on 1 thread, torch 1 thread']
+    ['ORT on 1 thread, torch 1 thread']
 """
 
 from __future__ import annotations
@@ -156,14 +158,12 @@ class ThreadSetting:
         name: how the choice is logged.
         torch_threads: torch's intra-op threads while ORT computes.
         update_threads: torch's threads for a torch optimizer's update; None: `torch_threads`.
-        spinning: whether ORT's intra-op threads spin; None: the policy's default.
-        ort_threads: the size of ORT's intra-op pool; None: the policy's default.
+        ort_threads: the size of ORT's intra-op pool; None: the policy's default (the cores).
     """
 
     name: str
     torch_threads: int
     update_threads: int | None = None
-    spinning: bool | None = None
     ort_threads: int | None = None
 
 
@@ -252,7 +252,7 @@ class ThreadPolicy(pl.Callback):
 
         Args:
             cores: the cores ORT's pool gets by default.
-            session: also ORT's pool without spinning and on one thread (each a session rebuild).
+            session: also ORT's pool on one thread (a session rebuild).
         """
         lowered = ThreadSetting("torch 1 thread", 1)
         unchanged = ThreadSetting(f"torch {cores} threads", cores)
@@ -262,10 +262,10 @@ class ThreadPolicy(pl.Callback):
         if self.hybrid:
             settings.insert(1, ThreadSetting(f"torch 1 thread, {cores} for the update", 1, cores))
         if session:
-            # NOTE: small steps lose more to waking ORT's workers (or to their spinning beside
-            # Lightning's Python) than they gain from them; big steps the other way round.
-            settings += [ThreadSetting("ORT not spinning, torch 1 thread", 1, spinning=False),
-                         ThreadSetting("ORT on 1 thread, torch 1 thread", 1, ort_threads=1)]
+            # NOTE: measured idle, 7 models, 2 cores: ORT on one thread won on mlp-small (1.10 against
+            # 1.40 ms) and cnn-small (3.52 against 3.63 ms) and lost on the others by 5-17 ms; ORT
+            # without spinning never won (resnet-tiny 34.6 against 24.9 ms), so it is not measured.
+            settings.append(ThreadSetting("ORT on 1 thread, torch 1 thread", 1, ort_threads=1))
         return settings
 
     def register(self, trainer: Any) -> None:
@@ -369,10 +369,7 @@ class ThreadPolicy(pl.Callback):
             optimizer.update_threads = setting.update_threads
         if self._module is not None:
             spinning, threads = self._default
-            self._module._use_session_threads(
-                spinning if setting.spinning is None else setting.spinning,
-                threads if setting.ort_threads is None else setting.ort_threads,
-            )
+            self._module._use_session_threads(spinning, threads if setting.ort_threads is None else setting.ort_threads)
 
 
 def _session_tunable(trainer: Any, module: Any) -> bool:
