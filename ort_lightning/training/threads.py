@@ -203,6 +203,8 @@ class ThreadPolicy(pl.Callback):
         block: batches per candidate and round (the first of each is not timed).
         rounds: times each candidate is visited, interleaved.
         min_fit_steps: optimizer steps a fit needs for the candidates to be measured at all.
+        margin: how much faster (a fraction of its step) another candidate must be than the first,
+            the designed default, to replace it.
 
     Attributes:
         choice: the setting in use in the last fit (None before a fit or with the policy idle).
@@ -211,11 +213,12 @@ class ThreadPolicy(pl.Callback):
 
     def __init__(
         self, mode: str = "auto", *, hybrid: bool = False, warmup: int = 3, block: int = 4, rounds: int = 2,
-        min_fit_steps: int = 100,
+        min_fit_steps: int = 100, margin: float = 0.05,
     ) -> None:
         check_threads(mode)
         self.mode, self.hybrid = mode, hybrid
         self.warmup, self.block, self.rounds, self.min_fit_steps = warmup, block, rounds, min_fit_steps
+        self.margin = margin
         self.choice: ThreadSetting | None = None
         self.reason = "no fit yet"
         self._saved: int | None = None
@@ -322,7 +325,7 @@ class ThreadPolicy(pl.Callback):
         medians = torch.tensor([statistics.median(self._trial.times[i]) for i in range(len(self._candidates))])
         # NOTE: every rank must keep the same setting: the choice is made on the ranks' mean times.
         medians = trainer.strategy.reduce(medians, reduce_op="mean")
-        best = int(torch.argmin(medians))
+        best = _fastest(medians.tolist(), margin=self.margin)
         self._trial = None
         self._apply(self._candidates[best])
         self._kept = self._candidates[best]
@@ -370,6 +373,21 @@ class ThreadPolicy(pl.Callback):
         if self._module is not None:
             spinning, threads = self._default
             self._module._use_session_threads(spinning, threads if setting.ort_threads is None else setting.ort_threads)
+
+
+def _fastest(medians: list[float], *, margin: float) -> int:
+    """The index of the fastest candidate, or 0 (the designed default) unless one beats it by `margin`.
+
+    NOTE: a few timed steps per candidate carry a few percent of noise; a setting that is only
+    that much faster is as likely to be slower, and a session rebuild is not free.
+
+    Example::
+
+        >>> _fastest([10.0, 9.8, 12.0], margin=0.05), _fastest([10.0, 9.0, 12.0], margin=0.05)
+        (0, 1)
+    """
+    best = min(range(len(medians)), key=medians.__getitem__)
+    return best if medians[best] < medians[0] * (1.0 - margin) else 0
 
 
 def _session_tunable(trainer: Any, module: Any) -> bool:
