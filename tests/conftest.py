@@ -17,6 +17,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 
+#: The thread variables as the test session found them: a test that starts Ray or a DDP launcher may set
+#: them in this process for good, and the thread policy's tests need the environment the user gave.
+THREAD_ENVIRONMENT = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_lightning() -> Iterator[None]:

@@ -16,7 +16,7 @@ import torch
 from ort_lightning import ORTDDPStrategy, ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.training.threads import ThreadPolicy, available_cores, user_torch_threads
-from tests.conftest import Exported
+from tests.conftest import THREAD_ENVIRONMENT, Exported
 from tests.test_parity import _loader, _trainer
 
 STEPS = 24
@@ -48,8 +48,17 @@ def _recording(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]
 
 
 @pytest.fixture
-def default_threads() -> Iterator[int]:
-    """torch at its default thread count (the policy's precondition), given back as it was after the test."""
+def default_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """torch at its default thread count (the policy's precondition), given back as it was after the test.
+
+    The thread variables are those the session started with: an earlier test (Ray, a DDP launcher)
+    may have set them in this process.
+    """
+    for name, value in THREAD_ENVIRONMENT.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     chosen, why = user_torch_threads()
     if chosen:
         pytest.skip(f"torch's threads are set by the environment: {why}")
