@@ -58,6 +58,7 @@ from typing_extensions import override
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies import ORTDDPStrategy, thread_spinning
+from ort_lightning.training.trial import Trial, fastest, session_tunable, should_skip_tuning
 
 __all__ = [
     "THREAD_MODES",
@@ -174,25 +175,6 @@ def _local_ranks(strategy: Any) -> int:
     return 1
 
 
-@dataclass
-class _Trial:
-    """The tuning plan: per batch interval, the candidate it times (None: warm-up) and whether it counts."""
-
-    plan: list[tuple[int | None, bool]]
-    times: dict[int, list[float]]
-    ends: int = 0
-    last: float = 0.0
-
-    @classmethod
-    def of(cls, candidates: int, *, warmup: int, block: int, rounds: int) -> _Trial:
-        plan: list[tuple[int | None, bool]] = [(None, False)] * warmup
-        for _ in range(rounds):
-            for index in range(candidates):
-                # NOTE: the first interval after a switch pays for waking or parking threads; it is not counted.
-                plan += [(index, False)] + [(index, True)] * (block - 1)
-        return cls(plan, {index: [] for index in range(candidates)})
-
-
 class ThreadPolicy(pl.Callback):
     """The thread policy of one `ORTLightningModule`, active during its fits.
 
@@ -223,7 +205,7 @@ class ThreadPolicy(pl.Callback):
         self.reason = "no fit yet"
         self._saved: int | None = None
         self._candidates: list[ThreadSetting] = []
-        self._trial: _Trial | None = None
+        self._trial: Trial | None = None
         self._optimizers: list[Any] = []
         self._module: Any = None  # the module being fitted (its ORT session follows the setting)
         self._default = (True, 0)  # ORT's spinning and pool size before any candidate
@@ -288,17 +270,17 @@ class ThreadPolicy(pl.Callback):
         self._optimizers = [o for o in trainer.optimizers if hasattr(o, "update_threads")]
         self._module = pl_module
         self._default = (self.spinning(trainer.strategy), max(1, self.session_threads(trainer.strategy)))
-        self._candidates = self.candidates(self._default[1], session=_session_tunable(trainer, pl_module))
+        self._candidates = self.candidates(self._default[1], session=session_tunable(trainer, pl_module))
         if self._kept in self._candidates:
             self._apply(self._kept)
             self.reason = f"measured in an earlier fit of this module: {self._kept.name}"
             return
-        skip, why = _should_skip_tuning(trainer, self.min_fit_steps)
+        skip, why = should_skip_tuning(trainer, self.min_fit_steps)
         if skip or len(self._candidates) == 1:
             self._apply(self._candidates[0])
             self.reason = why if skip else "one candidate on one core"
             return
-        self._trial = _Trial.of(len(self._candidates), warmup=self.warmup, block=self.block, rounds=self.rounds)
+        self._trial = Trial.of(len(self._candidates), warmup=self.warmup, block=self.block, rounds=self.rounds)
         self._apply(self._candidates[0])
         self._trial.last = time.perf_counter()
 
@@ -325,7 +307,7 @@ class ThreadPolicy(pl.Callback):
         medians = torch.tensor([statistics.median(self._trial.times[i]) for i in range(len(self._candidates))])
         # NOTE: every rank must keep the same setting: the choice is made on the ranks' mean times.
         medians = trainer.strategy.reduce(medians, reduce_op="mean")
-        best = _fastest(medians.tolist(), margin=self.margin)
+        best = fastest(medians.tolist(), margin=self.margin)
         self._trial = None
         self._apply(self._candidates[best])
         self._kept = self._candidates[best]
@@ -373,42 +355,3 @@ class ThreadPolicy(pl.Callback):
         if self._module is not None:
             spinning, threads = self._default
             self._module._use_session_threads(spinning, threads if setting.ort_threads is None else setting.ort_threads)
-
-
-def _fastest(medians: list[float], *, margin: float) -> int:
-    """The index of the fastest candidate, or 0 (the designed default) unless one beats it by `margin`.
-
-    NOTE: a few timed steps per candidate carry a few percent of noise; a setting that is only
-    that much faster is as likely to be slower, and a session rebuild is not free.
-
-    Example::
-
-        >>> _fastest([10.0, 9.8, 12.0], margin=0.05), _fastest([10.0, 9.0, 12.0], margin=0.05)
-        (0, 1)
-    """
-    best = min(range(len(medians)), key=medians.__getitem__)
-    return best if medians[best] < medians[0] * (1.0 - margin) else 0
-
-
-def _session_tunable(trainer: Any, module: Any) -> bool:
-    """Whether ORT's session may be rebuilt between two steps of this fit: one process, no accumulation.
-
-    NOTE: a rebuild keeps the weights and the optimizer's state, not gradients summed across the
-    micro-batches of an accumulation window; ranks of a DDP fit keep the strategy's settings.
-    """
-    return (
-        trainer.world_size == 1 and trainer.accumulate_grad_batches == 1 and hasattr(module, "_use_session_threads")
-    )
-
-
-def _should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:
-    """Whether the fit is too short to spend steps measuring (``fast_dev_run``, few steps), and why."""
-    if trainer.fast_dev_run:
-        return True, "fast_dev_run: the first candidate is kept unmeasured"
-    try:
-        steps = float(trainer.estimated_stepping_batches)
-    except Exception:  # noqa: BLE001 - a loader without a length: the fit's length is unknown, so measure
-        return False, ""
-    if steps < min_fit_steps:
-        return True, f"a fit of {steps:.0f} optimizer steps (< {min_fit_steps}): the first candidate is kept unmeasured"
-    return False, ""

@@ -1,0 +1,78 @@
+"""The thread policy's trial: which candidate each batch times, when a fit is worth measuring, which wins.
+
+`ort_lightning.training.threads.ThreadPolicy` applies the candidates; this module decides the
+plan and reads the result, apart from any thread pool.
+
+Example::
+
+    >>> [timed for timed, _ in Trial.of(2, warmup=1, block=2, rounds=1).plan]
+    [None, 0, 0, 1, 1]
+    >>> fastest([10.0, 9.0, 12.0], margin=0.05)
+    1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Trial", "fastest", "session_tunable", "should_skip_tuning"]
+
+
+@dataclass
+class Trial:
+    """The tuning plan: per batch interval, the candidate it times (None: warm-up) and whether it counts."""
+
+    plan: list[tuple[int | None, bool]]
+    times: dict[int, list[float]]
+    ends: int = 0
+    last: float = 0.0
+
+    @classmethod
+    def of(cls, candidates: int, *, warmup: int, block: int, rounds: int) -> Trial:
+        """`warmup` untimed batches, then `rounds` rounds of `block` batches per candidate, interleaved."""
+        plan: list[tuple[int | None, bool]] = [(None, False)] * warmup
+        for _ in range(rounds):
+            for index in range(candidates):
+                # NOTE: the first interval after a switch pays for waking or parking threads; it is not counted.
+                plan += [(index, False)] + [(index, True)] * (block - 1)
+        return cls(plan, {index: [] for index in range(candidates)})
+
+
+def fastest(medians: list[float], *, margin: float) -> int:
+    """The index of the fastest candidate, or 0 (the designed default) unless one beats it by `margin`.
+
+    NOTE: a few timed steps per candidate carry a few percent of noise; a setting that is only
+    that much faster is as likely to be slower, and a session rebuild is not free.
+
+    Example::
+
+        >>> fastest([10.0, 9.8, 12.0], margin=0.05), fastest([10.0, 9.0, 12.0], margin=0.05)
+        (0, 1)
+    """
+    best = min(range(len(medians)), key=medians.__getitem__)
+    return best if medians[best] < medians[0] * (1.0 - margin) else 0
+
+
+def session_tunable(trainer: Any, module: Any) -> bool:
+    """Whether ORT's session may be rebuilt between two steps of this fit: one process, no accumulation.
+
+    NOTE: a rebuild keeps the weights and the optimizer's state, not gradients summed across the
+    micro-batches of an accumulation window; ranks of a DDP fit keep the strategy's settings.
+    """
+    return (
+        trainer.world_size == 1 and trainer.accumulate_grad_batches == 1 and hasattr(module, "_use_session_threads")
+    )
+
+
+def should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:
+    """Whether the fit is too short to spend steps measuring (``fast_dev_run``, few steps), and why."""
+    if trainer.fast_dev_run:
+        return True, "fast_dev_run: the first candidate is kept unmeasured"
+    try:
+        steps = float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 - a loader without a length: the fit's length is unknown, so measure
+        return False, ""
+    if steps < min_fit_steps:
+        return True, f"a fit of {steps:.0f} optimizer steps (< {min_fit_steps}): the first candidate is kept unmeasured"
+    return False, ""
