@@ -234,10 +234,10 @@ def test_threads_off_changes_nothing(mlp_adamw: Exported, default_threads: int) 
 def test_ranks_sharing_the_cpu_share_ort_threads_and_an_explicit_spinning_wins() -> None:
     two = L.Trainer(strategy="ort_ddp", accelerator="cpu", devices=2, logger=False)
     forced = L.Trainer(strategy=ORTDDPStrategy(allow_spinning=True), accelerator="cpu", devices=2, logger=False)
-    hybrid = ThreadPolicy("auto", hybrid=True)
+    policy = ThreadPolicy("auto")
     assert ThreadPolicy().session_threads(two.strategy) == max(1, available_cores() // 2)
-    assert hybrid.spinning(forced.strategy) is True
-    assert hybrid.spinning(two.strategy) is False
+    assert policy.spinning(forced.strategy) is True
+    assert policy.spinning(two.strategy) is False
 
 
 def test_an_unknown_threads_option_is_refused(mlp_adamw: Exported) -> None:

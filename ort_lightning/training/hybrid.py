@@ -37,7 +37,6 @@ from ort_lightning.bridge import hand_over_to_ort
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort.runtime import TrainingSession
 from ort_lightning.training.optim import linear_lr_factor, run_closure
-from ort_lightning.training.threads import torch_threads
 
 __all__ = ["OptimizerFactory", "TorchOverORT", "check_optimizer", "describe_optimizer", "linear_schedule"]
 
@@ -79,17 +78,12 @@ class TorchOverORT(torch.optim.Optimizer):
     Args:
         session: the assembled ORT objects (for the gradient reset).
         optimizer: the torch optimizer, built over the module's ORT-backed parameters.
-
-    Attributes:
-        update_threads: torch's intra-op threads for the update (None: as they are); the
-            module's thread policy sets it during a fit.
     """
 
     def __init__(self, session: TrainingSession, optimizer: torch.optim.Optimizer) -> None:
         super().__init__([p for group in optimizer.param_groups for p in group["params"]], {})
         self.optimizer = optimizer
         self.session = session
-        self.update_threads: int | None = None
         device = torch.device(session.device)
         self._cuda_device = device if device.type == "cuda" else None
         self._alias()
@@ -109,8 +103,7 @@ class TorchOverORT(torch.optim.Optimizer):
         ran, loss = run_closure(closure)
         if not ran:
             return None
-        with torch_threads(self.update_threads):
-            self.optimizer.step()
+        self.optimizer.step()
         if self._cuda_device is not None:
             hand_over_to_ort(self._cuda_device)  # the update ran on torch's stream
         return loss

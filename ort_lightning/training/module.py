@@ -146,7 +146,7 @@ class ORTLightningModule(pl.LightningModule):
         values: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self._threads = ThreadPolicy(threads, hybrid=optimizer is not None)
+        self._threads = ThreadPolicy(threads)
         check_lr_scheduler(lr_scheduler)
         _hybrid.check_optimizer(optimizer)
         self._optimizer_factory = optimizer

@@ -9,8 +9,9 @@ cores each one's spinning threads take the cores the other one needs. During a f
   divided among the ranks that share the machine's CPU under ``"ort_ddp"``;
 - lowers torch's intra-op threads to 1 while ORT computes, a torch optimizer's update (hybrid
   training) included: ORT's workers keep spinning, and a one-thread fused update beside them
-  was faster on every benchmark model than an update on all cores with ORT's spinning off
-  (which waits for torch's threads to wake, then for ORT's);
+  was faster on every benchmark model than an update on all cores, with ORT's spinning off
+  (which waits for torch's threads to wake, then for ORT's) or on (torch's threads then wait
+  for the cores ORT's spinning workers hold);
 - where no setting wins on every model, measures the candidates on the first steps of the fit
   (a few steps each, applied between steps, the choice logged once, the same on every rank)
   and keeps the fastest, also for the module's later fits; ``fast_dev_run`` and short fits
@@ -30,25 +31,21 @@ ORT's kernels or in torch's element-wise update.
 
 Example::
 
-    >>> policy = ThreadPolicy("auto", hybrid=True)
+    >>> policy = ThreadPolicy("auto")
     >>> policy.spinning(None), policy.session_threads(None) == available_cores()
     (True, True)
-    >>> ThreadPolicy("off", hybrid=True).spinning(None), ThreadPolicy("off", hybrid=True).session_threads(None)
+    >>> ThreadPolicy("off").spinning(None), ThreadPolicy("off").session_threads(None)
     (True, 0)
-    >>> [setting.name for setting in policy.candidates(4)]
-    ['torch 1 thread', 'torch 1 thread, 4 for the update', 'torch 4 threads']
-    >>> [setting.name for setting in policy.candidates(4, session=True)][3:]
-    ['ORT on 1 thread, torch 1 thread']
+    >>> [setting.name for setting in policy.candidates(4, session=True)]
+    ['torch 1 thread', 'torch 4 threads', 'ORT on 1 thread, torch 1 thread']
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +63,6 @@ __all__ = [
     "ThreadSetting",
     "available_cores",
     "check_threads",
-    "torch_threads",
     "user_torch_threads",
 ]
 
@@ -127,44 +123,18 @@ def user_torch_threads() -> tuple[bool, str]:
     return False, f"torch runs its default {current} thread(s)"
 
 
-@contextlib.contextmanager
-def torch_threads(count: int | None) -> Iterator[None]:
-    """Run the block with torch's intra-op pool at `count` threads (None: as it is), then restore it.
-
-    Example::
-
-        >>> before = torch.get_num_threads()
-        >>> with torch_threads(1):
-        ...     torch.get_num_threads()
-        1
-        >>> torch.get_num_threads() == before
-        True
-    """
-    before = torch.get_num_threads()
-    if count is None or count == before:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @dataclass(frozen=True)
 class ThreadSetting:
     """One way to share the cores during a fit, applied between two steps.
 
     Attributes:
         name: how the choice is logged.
-        torch_threads: torch's intra-op threads while ORT computes.
-        update_threads: torch's threads for a torch optimizer's update; None: `torch_threads`.
+        torch_threads: torch's intra-op threads during the fit (a torch optimizer's update included).
         ort_threads: the size of ORT's intra-op pool; None: the policy's default (the cores).
     """
 
     name: str
     torch_threads: int
-    update_threads: int | None = None
     ort_threads: int | None = None
 
 
@@ -180,7 +150,6 @@ class ThreadPolicy(pl.Callback):
 
     Args:
         mode: ``"auto"`` (share the cores, tuned on the first steps) or ``"off"`` (change nothing).
-        hybrid: whether a torch optimizer updates ORT's parameters (torch runs right after ORT).
         warmup: batches before the first candidate is timed.
         block: batches per candidate and round (the first of each is not timed).
         rounds: times each candidate is visited, interleaved.
@@ -194,11 +163,11 @@ class ThreadPolicy(pl.Callback):
     """
 
     def __init__(
-        self, mode: str = "auto", *, hybrid: bool = False, warmup: int = 3, block: int = 4, rounds: int = 2,
-        min_fit_steps: int = 100, margin: float = 0.05,
+        self, mode: str = "auto", *, warmup: int = 3, block: int = 4, rounds: int = 3, min_fit_steps: int = 100,
+        margin: float = 0.05,
     ) -> None:
         check_threads(mode)
-        self.mode, self.hybrid = mode, hybrid
+        self.mode = mode
         self.warmup, self.block, self.rounds, self.min_fit_steps = warmup, block, rounds, min_fit_steps
         self.margin = margin
         self.choice: ThreadSetting | None = None
@@ -206,14 +175,13 @@ class ThreadPolicy(pl.Callback):
         self._saved: int | None = None
         self._candidates: list[ThreadSetting] = []
         self._trial: Trial | None = None
-        self._optimizers: list[Any] = []
         self._module: Any = None  # the module being fitted (its ORT session follows the setting)
         self._default = (True, 0)  # ORT's spinning and pool size before any candidate
         self._kept: ThreadSetting | None = None  # the setting measured fastest; later fits keep it
 
     def __getstate__(self) -> dict[str, Any]:
-        """Leave out the fit's optimizers and module (they hold ONNX Runtime's objects, which do not pickle)."""
-        return {**self.__dict__, "_optimizers": [], "_trial": None, "_module": None}
+        """Leave out the fit's module (it holds ONNX Runtime's objects, which do not pickle)."""
+        return {**self.__dict__, "_trial": None, "_module": None}
 
     # ----------------------------------------------------------------------------- ORT's session
     def spinning(self, strategy: Any) -> bool:
@@ -243,9 +211,11 @@ class ThreadPolicy(pl.Callback):
         unchanged = ThreadSetting(f"torch {cores} threads", cores)
         if cores == 1:
             return [lowered]
+        # NOTE: a torch optimizer's update on every core beside ORT's spinning workers is not a
+        # candidate of its own: measured idle (5 models, 7 interleaved rounds), it was the slowest
+        # way to run the hybrid update on every one (mlp-small 5.02 against 2.73 ms per step, lstm
+        # 28.1 against 21.7), as torch's threads wait for the cores ORT's workers hold.
         settings = [lowered, unchanged]
-        if self.hybrid:
-            settings.insert(1, ThreadSetting(f"torch 1 thread, {cores} for the update", 1, cores))
         if session:
             # NOTE: measured idle, 7 models, 2 cores: ORT on one thread won on mlp-small (1.10 against
             # 1.40 ms) and cnn-small (3.52 against 3.63 ms) and lost on the others by 5-17 ms; ORT
@@ -267,7 +237,6 @@ class ThreadPolicy(pl.Callback):
         if not active:
             return
         self._saved = torch.get_num_threads()
-        self._optimizers = [o for o in trainer.optimizers if hasattr(o, "update_threads")]
         self._module = pl_module
         self._default = (self.spinning(trainer.strategy), max(1, self.session_threads(trainer.strategy)))
         self._candidates = self.candidates(self._default[1], session=session_tunable(trainer, pl_module))
@@ -330,9 +299,7 @@ class ThreadPolicy(pl.Callback):
     def restore(self) -> None:
         """Undo what the policy changed (idempotent)."""
         self._trial = None
-        for optimizer in self._optimizers:
-            optimizer.update_threads = None
-        self._optimizers, self._module = [], None
+        self._module = None
         if self._saved is not None:
             torch.set_num_threads(self._saved)
             self._saved = None
@@ -350,8 +317,6 @@ class ThreadPolicy(pl.Callback):
         self.choice = setting
         if torch.get_num_threads() != setting.torch_threads:
             torch.set_num_threads(setting.torch_threads)
-        for optimizer in self._optimizers:
-            optimizer.update_threads = setting.update_threads
         if self._module is not None:
             spinning, threads = self._default
             self._module._use_session_threads(spinning, threads if setting.ort_threads is None else setting.ort_threads)
