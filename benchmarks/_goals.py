@@ -55,24 +55,34 @@ class Goal:
     def row(self, case: str, ms: Medians, rounds: list[Medians] | None = None) -> str:
         value, target = self.measure(ms), self.target(ms)
         met = "met" if value >= target else "**not met**"
+        spread = self._spread(rounds)
         if self.unit == "ms":
             # NOTE: "less added is better": the comparison is flipped, shown as measured <= target.
             met = "met" if value <= target else "**not met**"
-            return f"| {case} | {self.text} | {value:.3f} ms | <= {target:.3f} ms | {self._spread(rounds)} | {met} |"
+            return f"| {case} | {self.text} | {value:.3f} ms | <= {target:.3f} ms | {spread} | {met} |"
         if self.ceiling is None:
-            return f"| {case} | {self.text} | {value:.2f}x | >= {target:.2f}x | - | {met} |"
+            return f"| {case} | {self.text} | {value:.2f}x | >= {target:.2f}x | {spread} | {met} |"
         bound = self.ceiling(ms)
         if value < target and bound < target:
             met += " (out of reach: ORT's own step)"
-        return f"| {case} | {self.text} | {value:.2f}x | >= {target:.2f}x | {bound:.2f}x | {met} |"
+        shown = f"{bound:.2f}x" if spread == "-" else f"{bound:.2f}x; {spread}"
+        return f"| {case} | {self.text} | {value:.2f}x | >= {target:.2f}x | {shown} | {met} |"
 
     def _spread(self, rounds: list[Medians] | None) -> str:
-        """The middle half of the rounds' excess (measured - target): how far noise moves the verdict."""
+        """The middle half of the rounds' values (the overhead: their excess over the target).
+
+        How far the noise of one run moves the verdict: a spread across the target says that the
+        verdict is the run's noise.
+        """
         if not rounds or len(rounds) < 4:
             return "-"
-        excess = sorted(self.measure(ms) - self.target(ms) for ms in rounds)
-        low, high = excess[len(excess) // 4], excess[(3 * len(excess)) // 4]
-        return f"rounds: {low:+.2f} to {high:+.2f} ms"
+        if self.unit == "ms":
+            excess = sorted(self.measure(ms) - self.target(ms) for ms in rounds)
+            low, high = excess[len(excess) // 4], excess[(3 * len(excess)) // 4]
+            return f"rounds: {low:+.2f} to {high:+.2f} ms"
+        values = sorted(self.measure(ms) for ms in rounds)
+        low, high = values[len(values) // 4], values[(3 * len(values)) // 4]
+        return f"rounds: {low:.2f}x to {high:.2f}x"
 
 
 def _throughput(runner: str) -> Callable[[Medians], float]:
@@ -148,7 +158,7 @@ def goal_rows(medians: dict[str, Medians], rounds: dict[str, list[Medians]] | No
     `rounds` holds, by model, each round's medians: the overhead goal then also shows the middle
     half of the rounds' excess over its target (a spread across zero: the verdict is noise).
     """
-    rows = ["| model | goal | measured | target | ceiling, or spread by round | |", "|---|---|---|---|---|---|"]
+    rows = ["| model | goal | measured | target | ceiling; spread by round | |", "|---|---|---|---|---|---|"]
     for case, ms in medians.items():
         per_round = (rounds or {}).get(case)
         rows += [goal.row(case, ms, per_round) for goal in GOALS if goal.covers(case, ms)]
