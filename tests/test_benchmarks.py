@@ -39,6 +39,18 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     assert text in result.stdout
 
 
+def test_overhead_probe_times_every_step_of_every_runner() -> None:
+    # NOTE: the probe refuses a block whose timed compute calls do not match its steps one to one.
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.overhead", "--cases", "mlp-small", "--rounds", "4", "--steps", "3"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = (r"^\| mlp-small( \| [\d.]+){4} \| [+-][\d.]+ \([+-][\d.]+ to [+-][\d.]+\) \| (met|\*\*not met\*\*) "
+           r"\| [\d.]+x \|$")
+    assert re.search(row, result.stdout, re.MULTILINE), result.stdout
+
+
 def _soak(*options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--steps", "1200", "--max-kb-per-step", "1.0", *options],

@@ -116,6 +116,34 @@ def test_the_candidates_are_measured_and_the_choice_is_kept(
     assert torch.get_num_threads() == default_threads
 
 
+class _TorchHeavy(ORTLightningModule):
+    """A module whose own torch work (a 1536 x 1536 product per batch, frozen) outweighs ORT's step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.square = torch.randn(1536, 1536, generator=torch.Generator().manual_seed(0))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        torch.mm(self.square, self.square)
+        return batch
+
+
+@multicore
+def test_a_fit_whose_own_torch_work_outweighs_orts_keeps_torchs_threads(
+    mlp_adamw: Exported, default_threads: int
+) -> None:
+    probe = _ThreadProbe()
+    module = _tuned(_TorchHeavy(mlp_adamw.artifacts, lr=0.01))
+    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    choice = module._threads.choice
+    assert choice is not None
+    assert module._threads.reason.startswith("measured per step"), module._threads.reason
+    assert choice.torch_threads == available_cores(), module._threads.reason
+    plan = 1 + 3 * len(module._threads.candidates(available_cores(), session=True))
+    assert set(probe.seen[plan:]) == {available_cores()}
+    assert torch.get_num_threads() == default_threads
+
+
 @multicore
 def test_a_torch_optimizer_updates_on_one_thread_beside_spinning_ort(
     mlp_adamw: Exported, default_threads: int
