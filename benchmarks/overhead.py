@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -157,6 +158,7 @@ def measure(case: Case, rounds: int, steps: int, folder: Path) -> dict[str, list
         target = runners[key].module if key == "lightning-torch" else runners[key]
         target.case = _TimedCase(case, clock)
     runners["lightning-ort"].run(LightningORT.warmup)  # the thread policy measures its candidates
+    print(f"{case.name}: thread policy {runners['lightning-ort'].describe()}", file=sys.stderr, flush=True)
     for key in KEYS[1:]:
         runners[key].run(2)
     result: dict[str, list[tuple[float, float]]] = {key: [] for key in KEYS}
