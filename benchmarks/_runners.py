@@ -59,11 +59,12 @@ class TorchLightning(pl.LightningModule):
         return torch_adamw(self.parameters())
 
 
-def _fit(module: pl.LightningModule, loader: Any) -> list[float]:
+def _fit(module: pl.LightningModule, loader: Any, *callbacks: pl.Callback) -> list[float]:
+    """One epoch over `loader`; the intervals between batch ends. `callbacks`: more of them (probes)."""
     clock = _BatchEndClock()
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[clock],
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[clock, *callbacks],
     )
     trainer.fit(module, loader)
     return _intervals(clock.stamps)

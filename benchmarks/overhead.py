@@ -33,7 +33,7 @@ import torch
 from benchmarks.__main__ import PAUSE_S, _quiet
 from benchmarks._goals import OVERHEAD_SLACK_MS
 from benchmarks._models import CASES, Case
-from benchmarks._runners import LightningORT, LightningTorch, ORTLoop, TorchLoop, _BatchEndClock, _intervals, export
+from benchmarks._runners import LightningORT, LightningTorch, ORTLoop, TorchLoop, _fit, export
 
 #: The runners compared, in the order they take turns.
 KEYS = ("lightning-ort", "ort-loop", "lightning-torch", "torch-loop")
@@ -111,23 +111,11 @@ def timed_torch(clock: ComputeClock) -> Iterator[None]:
         torch.Tensor.backward, torch._fused_adamw_ = backward, update  # type: ignore[method-assign]
 
 
-def _fit_timed(runner: LightningORT, clock: ComputeClock, steps: int) -> list[float]:
-    """`runner`'s fit with its ORT session timed (the runners' own `_fit`, one callback more)."""
-    stamps = _BatchEndClock()
-    trainer = pl.Trainer(
-        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[stamps, _TimedSession(clock)],
-    )
-    trainer.fit(runner.module, runner.case.loader(steps + 1))
-    return _intervals(stamps.stamps)
-
-
 def _block(key: str, runner: Any, clock: ComputeClock, steps: int) -> tuple[float, float]:
     """One block of `steps` steps: the median interval and the median interval less its compute (s)."""
     clock.reset()
     if key == "lightning-ort":
-        intervals = _fit_timed(runner, clock, steps)
+        intervals = _fit(runner.module, runner.case.loader(steps + 1), _TimedSession(clock))
     elif key in ("lightning-torch", "torch-loop"):
         with timed_torch(clock):
             intervals = runner.run(steps)
