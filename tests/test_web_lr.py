@@ -25,10 +25,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTLightningModule, TrainingArtifacts
 from ort_lightning.artifacts import MANIFEST_NAME
 from ort_lightning.cli.describe import describe
-from ort_lightning.errors import ExportError
+from ort_lightning.errors import ConfigurationError, ExportError
 from ort_lightning.export import prepare_for_web
 from tests.conftest import Exported, blobs
 from tests.step_reference import trainer
+
+pytestmark = [pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+              pytest.mark.filterwarnings("ignore:.*LeafSpec.*")]
 
 STEPS, BATCH = 10, 8
 #: Settings of ORTLightningModule and prepare_for_web alike; the linear one runs past its end (T=8 < STEPS).
@@ -257,3 +260,68 @@ def test_a_linear_schedule_needs_the_step_input(mlp_sgd: Exported, tmp_path: Pat
         prepare_for_web(folder, tmp_path / "web", lr=0.1, lr_scheduler="linear", total_steps=4)
     constant = prepare_for_web(folder, tmp_path / "web", lr=0.1, ort_format=False)
     assert constant.manifest.lr_schedule is not None
+
+
+# ----------------------------------------------------------------------------- the module on a prepared folder
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_the_module_trains_a_prepared_folder_at_its_schedule(
+    exported: dict[str, Exported], prepared: dict[str, TrainingArtifacts], schedule: str
+) -> None:
+    """Given the folder's own settings, the module reports the rate the graph computes: ORT's loop without an lr."""
+    web = prepared[f"adamw-{schedule}"]
+    batches = _batches()
+    module = ORTLightningModule(web, **SCHEDULES[schedule])
+    lightning_fit(module, batches)
+    device = ort_loop_without_lr(web.directory, batches)
+    for name, tensor in module.named_parameters():
+        np.testing.assert_allclose(device[name], tensor.detach().numpy(), rtol=0, atol=1e-6, err_msg=name)
+
+
+OTHER_SETTINGS = [
+    ("adamw-linear", dict(), r"lr=0\.001, lr_scheduler='linear', warmup_steps=0, total_steps=None: it would report "
+                             r"one rate and train at another\. Pass lr=0\.05, lr_scheduler='linear', warmup_steps=3, "
+                             r"total_steps=8 to train at the folder's schedule"),
+    ("adamw-linear", dict(lr=0.05, lr_scheduler="linear", warmup_steps=3, total_steps=9), r"total_steps=9: it would"),
+    ("adamw-linear", dict(lr=0.05, lr_scheduler="constant"), r"lr_scheduler='constant'.*Pass lr=0\.05, "
+                                                             r"lr_scheduler='linear'"),
+    ("sgd-constant", dict(lr=0.02, lr_scheduler="constant"), r"\(constant 0\.01, computed in the optimizer graph; "
+                                                             r"prepare_for_web\(\) wrote it\) and ignores the rate "
+                                                             r"ORTLightningModule sets.*Pass lr=0\.01, "
+                                                             r"lr_scheduler='constant' to train"),
+    ("sgd-constant", dict(lr=0.01, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2)),
+     r"lr_scheduler='<lambda>'"),
+]
+
+
+@pytest.mark.parametrize(("case", "options", "message"), OTHER_SETTINGS,
+                         ids=["defaults", "other-total", "other-kind", "other-lr", "torch-scheduler"])
+def test_the_module_refuses_another_schedule_on_a_prepared_folder(
+    prepared: dict[str, TrainingArtifacts], case: str, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"computes its learning rate in its optimizer graph .*" + message):
+        ORTLightningModule(prepared[case], **options)
+
+
+def test_skipping_steps_is_refused_under_a_linear_graph_schedule(prepared: dict[str, TrainingArtifacts]) -> None:
+    with pytest.raises(ConfigurationError, match=r"from ONNX Runtime's count of updates, which a skipped step does not "
+                                                 r"advance.*Pass on_nonfinite='raise'"):
+        ORTLightningModule(prepared["adamw-linear"], **SCHEDULES["linear"], on_nonfinite="skip")
+    ORTLightningModule(prepared["adamw-constant"], **SCHEDULES["constant"], on_nonfinite="skip")
+
+
+def test_a_hybrid_module_ignores_the_graphs_schedule(prepared: dict[str, TrainingArtifacts]) -> None:
+    """A torch optimizer over ORT's gradients never runs the optimizer graph: its own rate holds."""
+    batches = _batches()[:3]
+    module = ORTLightningModule(prepared["adamw-linear"], lr_scheduler="constant",
+                                optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    before = {name: tensor.detach().clone() for name, tensor in module.named_parameters()}
+    lightning_fit(module, batches)
+    reference = {name: tensor.clone().requires_grad_(True) for name, tensor in before.items()}
+    sgd = torch.optim.SGD(reference.values(), lr=0.1)
+    for x, y in batches:
+        hidden = torch.relu(x @ reference["fc1.weight"].T + reference["fc1.bias"])
+        F.cross_entropy(hidden @ reference["fc2.weight"].T + reference["fc2.bias"], y).backward()
+        sgd.step()
+        sgd.zero_grad()
+    for name, tensor in module.named_parameters():
+        torch.testing.assert_close(tensor.detach(), reference[name].detach(), rtol=0, atol=1e-6)
