@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
 from ort_lightning.artifacts import MANIFEST_NAME
+from ort_lightning.artifacts.schedule import GraphSchedule
 from ort_lightning.cli.describe import describe
 from ort_lightning.errors import ConfigurationError, ExportError
 from ort_lightning.export import prepare_for_web
@@ -325,3 +326,21 @@ def test_a_hybrid_module_ignores_the_graphs_schedule(prepared: dict[str, Trainin
         sgd.zero_grad()
     for name, tensor in module.named_parameters():
         torch.testing.assert_close(tensor.detach(), reference[name].detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("suffix", [".ort", ".onnx"])
+def test_a_copy_without_manifest_still_tells_its_schedule(
+    prepared: dict[str, TrainingArtifacts], tmp_path: Path, suffix: str
+) -> None:
+    """A device's copy of the graphs alone: the optimizer graph's metadata records the schedule."""
+    source = prepared["adamw-linear"].directory
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in [*source.glob(f"*{suffix}"), source / "checkpoint"]:
+        shutil.copyfile(path, copy / path.name)
+    adopted = TrainingArtifacts.load(copy)
+    assert adopted.adopted
+    assert adopted.manifest.lr_schedule == GraphSchedule("linear", 0.05, warmup_steps=3, total_steps=8)
+    assert "linear warmup 3 steps to 0.05" in describe(copy)
+    with pytest.raises(ConfigurationError, match=r"computes its learning rate in its optimizer graph"):
+        ORTLightningModule(copy, lr=0.05)

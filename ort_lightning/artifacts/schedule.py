@@ -16,13 +16,21 @@ Example::
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["KINDS", "RUNTIME_FED", "GraphSchedule"]
+import onnx
+
+from ort_lightning.ort import runtime as _ort
+
+__all__ = ["KINDS", "METADATA_KEY", "RUNTIME_FED", "GraphSchedule", "graph_schedule"]
 
 #: The schedules an optimizer graph can carry.
 KINDS = ("constant", "linear")
+#: The optimizer graph's metadata entry that records its schedule (JSON), so that a folder without manifest tells it.
+METADATA_KEY = "ort_lightning.lr_schedule"
 #: What ``inspect`` says of a folder whose optimizer graph takes its rate from the runtime.
 RUNTIME_FED = "fed by the runtime (onnxruntime-web trains such a folder at ORT's default 1e-3)"
 
@@ -82,3 +90,26 @@ class GraphSchedule:
         total = data.get("total_steps")
         return cls(str(data["kind"]), float(data["lr"]), int(data.get("warmup_steps", 0)),
                    None if total is None else int(total))
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> GraphSchedule | None:
+        """Read the schedule an optimizer graph's metadata records (`METADATA_KEY`), None when it records none.
+
+        Example::
+
+            >>> GraphSchedule.from_metadata({METADATA_KEY: '{"kind": "constant", "lr": 0.01}'})
+            GraphSchedule(kind='constant', lr=0.01, warmup_steps=0, total_steps=None)
+        """
+        text = metadata.get(METADATA_KEY)
+        return None if text is None else cls.from_dict(json.loads(text))
+
+
+def graph_schedule(path: Path) -> GraphSchedule | None:
+    """The schedule an optimizer graph (``.onnx`` or ``.ort``) computes itself, as its metadata says; None if none.
+
+    What a folder without manifest (a device's copy of the graphs) tells of its rate.
+    """
+    if path.suffix == ".ort":
+        return GraphSchedule.from_metadata(_ort.ort_metadata(path))
+    proto = onnx.load(path, load_external_data=False)
+    return GraphSchedule.from_metadata({entry.key: entry.value for entry in proto.metadata_props})

@@ -18,7 +18,7 @@ Example::
 
     >>> import onnx
     >>> from onnx import TensorProto, helper
-    >>> from ort_lightning.artifacts.schedule import GraphSchedule
+    >>> from ort_lightning.artifacts.schedule import METADATA_KEY, GraphSchedule
     >>> graph = helper.make_graph(
     ...     [helper.make_node("SGDOptimizerV2", ["learning_rate", "params", "gradients"], ["done"],
     ...                       domain="com.microsoft")], "optimizer",
@@ -40,16 +40,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ort_lightning.artifacts.schedule import GraphSchedule
+from ort_lightning.artifacts.schedule import METADATA_KEY, GraphSchedule
 from ort_lightning.errors import ExportError
 from ort_lightning.export.onnx_nodes import NodeBuilder, graph_names
 
-__all__ = ["LR_INPUT", "METADATA_KEY", "STEP_INPUT", "bake_lr"]
+__all__ = ["LR_INPUT", "STEP_INPUT", "bake_lr"]
 
 #: The optimizer graph's inputs that ORT feeds: the rate it was given, and completed updates + 1.
 LR_INPUT, STEP_INPUT = "learning_rate", "step"
-#: The graph's metadata entry that records the schedule (JSON of `GraphSchedule`), beside the manifest's.
-METADATA_KEY = "ort_lightning.lr_schedule"
 _OPTIMIZER_OPS = ("AdamWOptimizer", "SGDOptimizerV2")
 _SCOPE = "lr_schedule"
 
