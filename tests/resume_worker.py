@@ -6,13 +6,15 @@ forks a child per run (no ORT session exists in the parent when it forks). Each 
 
 1. a trainer child continues the run with ``Trainer.fit(ckpt_path="last")`` under
    ``ModelCheckpoint(save_last=True)`` and ``ORTCheckpoint``, both saving after every step, until
-   the parent kills it after a random delay (so kills land in steps, in either write, between them);
+   the parent kills it after a random delay, mostly counted from its first step (so kills land in
+   steps, in either write, between them), sometimes from its start (in start-up and restore);
 2. on a copy of the run folder, one child resumes with ``Trainer.fit(ckpt_path="last")``, another
    with ``ORTLightningModule(..., checkpoint=last.ortckpt)``; each compares its parameters where it
    starts and where it ends with an uninterrupted run's at the same steps, bit for bit.
 
 The run is one epoch of `STEPS` batches; each resume's loader starts at the batch its checkpoint
-stopped before (`FromSampler`), so that both resume paths see the batches the uninterrupted run saw. Prints one JSON line of counts.
+stopped before (`FromSampler`), so that both resume paths see the batches the uninterrupted run
+saw. Prints one JSON line of counts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import random
+import select
 import shutil
 import signal
 import sys
@@ -114,9 +117,21 @@ def _run_callbacks(run: Path, *, saving: bool) -> list[Callback]:
             ORTCheckpoint(run, every_n_train_steps=1)]
 
 
-def _train(artifacts: Path, run: Path) -> None:
+class Started(Callback):
+    """Tells the parent, through a pipe, that the first step is about to run (so kills land in training)."""
+
+    def __init__(self, pipe: int | None) -> None:
+        self.pipe = pipe
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.pipe is not None:
+            os.write(self.pipe, b"1")
+
+
+def _train(artifacts: Path, run: Path, pipe: int | None = None) -> None:
     module = ORTLightningModule(artifacts, **SCHEDULE)
-    _trainer(_run_callbacks(run, saving=True), run).fit(module, _resumed_loader(run), ckpt_path="last")
+    callbacks = [*_run_callbacks(run, saving=True), Started(pipe)]
+    _trainer(callbacks, run).fit(module, _resumed_loader(run), ckpt_path="last")
 
 
 def _same(values: dict[str, np.ndarray], reference: Any, step: int) -> bool:
@@ -155,7 +170,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-delay", type=float, default=1.2)
+    parser.add_argument("--max-delay", type=float, default=1.0)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's advice about workers and empty folders, per child
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -169,7 +184,13 @@ def main() -> None:
     run_index, run = 0, out / "run0"
     while counts["killed"] < args.kills and counts["trials"] < 3 * args.kills:
         counts["trials"] += 1
-        pid = _child(lambda run=run: _train(artifacts, run))
+        reader, writer = os.pipe()
+        pid = _child(lambda run=run, writer=writer: _train(artifacts, run, writer))
+        os.close(writer)
+        # NOTE: most kills land in the training steps (and their writes), some in start-up and restore
+        if rng.random() < 0.8:
+            select.select([reader], [], [], 120)
+        os.close(reader)
         time.sleep(rng.uniform(0.0, args.max_delay))
         signal_sent = _kill(pid)
         code = _wait(pid)
