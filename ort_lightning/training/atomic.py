@@ -7,8 +7,9 @@ lists both the old and the new digest, so that whichever of the two files a cras
 behind still verifies, and a corrupted or truncated file verifies as neither.
 
 Temporary files carry this package's name pattern (see `ort_lightning.training.temps`), so
-that a clean-up never touches a user's file. A writer may leave companions beside its file: ONNX Runtime writes a checkpoint
-over 2 GB as ``path`` plus ``path.data``; the companion is fsynced, digested and renamed with it.
+that a clean-up never touches a user's file. A writer may leave companions beside its file:
+ONNX Runtime writes a checkpoint over 2 GB as ``path`` plus ``path.data``; the companion is
+fsynced, digested and renamed with it (first, so the main file never names missing data).
 A write that fails (a full disk, no permission) raises `StorageError` naming the path and the
 cause; the previous file stays, and no partial or temporary file is left.
 
