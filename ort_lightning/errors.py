@@ -14,6 +14,7 @@ __all__ = [
     "ExportError",
     "NonFiniteLossError",
     "ORTLightningError",
+    "StorageError",
 ]
 
 
@@ -47,3 +48,7 @@ class CheckpointError(ORTLightningError, ValueError):
 
 class NonFiniteLossError(ORTLightningError, FloatingPointError):
     """A training loss was NaN or infinite, and the module's ``on_nonfinite`` policy is ``"raise"``."""
+
+
+class StorageError(ORTLightningError, OSError):
+    """A file could not be written (no space left on device, no permission); the previous file is left intact."""
