@@ -104,13 +104,16 @@ def unpack(frame: bytes, *, device: str = "the device") -> tuple[dict[str, Any],
         raise DeviceReplyError(f"{device} sent a binary frame of {len(frame)} bytes, shorter than its 4-byte header "
                                "length; use the fleet's page (page.js), which writes result frames.")
     (length,) = _LENGTH.unpack_from(frame)
-    if length > min(HEADER_LIMIT, len(frame) - _LENGTH.size):
-        raise DeviceReplyError(f"{device} sent a frame whose header claims {length} bytes, but at most "
-                               f"{min(HEADER_LIMIT, len(frame) - _LENGTH.size)} are allowed there; use the fleet's page.")
+    room = min(HEADER_LIMIT, len(frame) - _LENGTH.size)
+    if length > room:
+        raise DeviceReplyError(f"{device} sent a frame whose header claims {length} bytes, but at most {room} are "
+                               "allowed there; use the fleet's page.")
     try:
         header = json.loads(bytes(frame[_LENGTH.size : _LENGTH.size + length]))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DeviceReplyError(f"{device} sent a frame header that is not JSON ({error}); use the fleet's page.") from None
+        raise DeviceReplyError(
+            f"{device} sent a frame header that is not JSON ({error}); use the fleet's page."
+        ) from None
     if not isinstance(header, dict):
         raise DeviceReplyError(f"{device} sent a frame header that is a {type(header).__name__}, not a JSON object; "
                                "use the fleet's page.")
