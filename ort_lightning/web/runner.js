@@ -46,10 +46,19 @@ export async function openDevice(ort, files) {
   // its ES module build cannot import in Node; a page without cross-origin isolation gets one thread
   // anyway. One thread also keeps a device's results independent of the machine it runs on.
   if (typeof ort.env?.wasm?.numThreads !== 'number') ort.env.wasm.numThreads = 1;
-  const session = await ort.TrainingSession.create({
-    checkpointState: files.checkpoint, trainModel: files.training,
-    evalModel: files.eval, optimizerModel: files.optimizer,
-  });
+  let session;
+  try {
+    session = await ort.TrainingSession.create({
+      checkpointState: files.checkpoint, trainModel: files.training,
+      evalModel: files.eval, optimizerModel: files.optimizer,
+    });
+  } catch (error) {
+    // NOTE: onnxruntime-web's other builds export TrainingSession too; only creating one tells them apart.
+    if (!/backend could not be resolved/.test(String(error?.message))) throw error;
+    throw new Error(`openDevice expects onnxruntime-web's training build, but the namespace it got has no ` +
+      `training backend (TrainingSession.create: ${error.message}); import dist/ort.training.wasm.min.mjs, not ` +
+      'ort.min.mjs or ort.wasm.min.mjs, of onnxruntime-web 1.19.2 and pass that module');
+  }
   return new Device(ort, session, await session.getParametersSize(false));
 }
 
@@ -124,8 +133,13 @@ export class Device {
     const loss = this.session.trainingOutputNames[0];
     const losses = [];
     for (let epoch = 0; epoch < epochs; epoch += 1) {
-      for (const feed of feeds) {
-        const outputs = await this.session.runTrainStep(feed);
+      for (const [index, feed] of feeds.entries()) {
+        let outputs;
+        try {
+          outputs = await this.session.runTrainStep(feed);
+        } catch (error) {
+          throw explained(error, `batch ${index} of the training graph`, names);
+        }
         await this.session.runOptimizerStep();
         await this.session.lazyResetGrad();
         losses.push(Number(outputs[loss].data[0]));
@@ -144,7 +158,8 @@ export class Device {
    *     mean over the batches, each weighted by its example count.
    */
   async evaluate(batches, {outputs = false} = {}) {
-    const feeds = toFeeds(this.ort, batches, this.session.evalInputNames, 'eval');
+    const names = this.session.evalInputNames;
+    const feeds = toFeeds(this.ort, batches, names, 'eval');
     const [loss, model] = this.session.evalOutputNames;
     if (outputs && model === undefined) {
       throw new Error(`evaluate({outputs: true}) needs an eval graph output besides the loss, but it has only ` +
@@ -154,7 +169,12 @@ export class Device {
     let examples = 0;
     const kept = [];
     for (const [index, feed] of feeds.entries()) {
-      const result = await this.session.runEvalStep(feed);
+      let result;
+      try {
+        result = await this.session.runEvalStep(feed);
+      } catch (error) {
+        throw explained(error, `batch ${index} of the eval graph`, names);
+      }
       const count = batches[index][0].dims[0];
       total += Number(result[loss].data[0]) * count;
       examples += count;
@@ -238,6 +258,24 @@ function toTensor(ort, tensor, where) {
       '(BigInt64Array.from(values, BigInt))');
   }
   return new ort.Tensor(tensor.type, tensor.data, tensor.dims);
+}
+
+/**
+ * An Error for what a step threw: onnxruntime-web's own Error as it is, a bare WebAssembly exception explained.
+ *
+ * @param {*} error What the step threw.
+ * @param {string} where Which batch of which graph.
+ * @param {readonly string[]} names The graph's input names, in order.
+ * @returns {Error} The error to throw.
+ */
+function explained(error, where, names) {
+  if (error instanceof Error) return error;
+  // NOTE: onnxruntime-web 1.19.2 throws a bare number (a WebAssembly exception's address) when a
+  // tensor's type or shape does not fit the graph; it carries no message at all.
+  return new Error(`${where}: onnxruntime-web failed without a message (it threw ${describe(error)}, a ` +
+    'WebAssembly exception), which it does for a tensor whose type or shape the graph does not take; check ' +
+    `each tensor's type and dims against the inputs [${names.join(', ')}] (the artifacts' ort_lightning.json ` +
+    "lists their dtypes and shapes; int64 labels go in as {type: 'int64', data: BigInt64Array})");
 }
 
 /**
