@@ -36,8 +36,10 @@ from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
+from ort_lightning.errors import BatchError, ConfigurationError, DeviceReplyError
 
 from ._web import ROOT, chromium_program, ort_web_dist, requires_chromium
+from .conftest import Exported
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -47,7 +49,7 @@ from websockets.sync.client import connect  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from ort_lightning.fleet.browser.frames import pack, unpack  # noqa: E402
+from ort_lightning.fleet.browser.frames import pack, read_result, train_frame, unpack  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
 
@@ -323,3 +325,73 @@ def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browse
         assert closed[name][0] in (1008, 1009), (name, closed[name])
     [expected] = _reference(web.directory, _initial(exported), [[partitions["a"], partitions["b"]]], devices)
     _assert_round(server.history[0].checkpoint, expected)
+
+
+# ----------------------------------------------------------------------------- refusals without a browser
+CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"  # returned as given, never fetched
+
+
+def _result(examples: int = 8, **header: object) -> dict[str, object]:
+    return {"type": "result", "id": "m", "examples": examples, "steps": 2, "losses": [0.5, 0.4], **header}
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (pack(_result(), [np.zeros(9, np.float32)]), r"d sent 36 bytes of weights \(9 float32 values\), but the model "
+                                                     r"has 10 parameters; the device is refused"),
+        (pack(_result(), [np.array([0.0] * 4 + [np.inf] + [0.0] * 5, np.float32)]),
+         r"d sent 1 non-finite weights \(NaN or infinite, the first at index 4\); the device is refused"),
+        (pack(_result(examples=9), [np.zeros(10, np.float32)]), r"d claims 9 examples, but it was given 8 per epoch; "
+                                                               r"a device may claim 1 to 8"),
+        (pack(_result(examples=0), [np.zeros(10, np.float32)]), r"d claims 0 examples"),
+        (pack(_result(examples="8"), [np.zeros(10, np.float32)]), r"d sent examples='8', but a count"),
+        (b"\xff\xff\x00\x00{}", r"d sent a frame whose header claims 65535 bytes, but at most 2 are allowed"),
+        (b"\x02\x00\x00\x00[]", r"d sent a frame header that is a list, not a JSON object"),
+        (b"\x01", r"d sent a binary frame of 1 bytes, shorter than its 4-byte header length"),
+    ],
+    ids=["short", "infinite", "more-examples", "no-examples", "examples-not-a-count", "header-too-long",
+         "not-an-object", "truncated"],
+)
+def test_a_result_that_fails_a_check_is_refused_before_the_strategy(frame: bytes, message: str) -> None:
+    with pytest.raises(DeviceReplyError, match=message):
+        read_result(*unpack(frame, device="d"), device="d", parameters=10, given=8)
+
+
+def test_a_batch_of_a_dtype_the_browser_does_not_take_is_refused() -> None:
+    with pytest.raises(BatchError, match=r"takes tensors of dtype \['bool', 'float32', 'int32', 'int64'\], but a batch "
+                                         r"holds torch.float64; convert it in your Dataset"):
+        train_frame("m", 1, np.zeros(3, np.float32), [[(torch.zeros(2, 4, dtype=torch.float64),)]])
+
+
+def test_fleet_options_and_mismatched_servers_are_refused(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], mlp_adamw: Exported, tmp_path: Path
+) -> None:
+    _, web = digits_folders
+    with pytest.raises(ConfigurationError, match=r"Expected devices >= 1, epochs >= 1 and device_timeout > 0, but "
+                                                 r"got 0, 1 and 600.0"):
+        BrowserFleet(web, DATA, devices=0, ort_web=CDN)
+    with BrowserFleet(web, DATA, port=0, devices=1, ort_web=CDN) as fleet:
+        with pytest.raises(ConfigurationError, match=r"The FleetServer's model has the state \{'fc1.weight'.*but the "
+                                                     r"browsers' folder .* trains \{'0.weight'.*build both from the "
+                                                     r"same export"):
+            fleet.run(_server(mlp_adamw.artifacts, tmp_path / "other", devices=1))
+        with pytest.raises(ConfigurationError, match=r"0 of 1 browsers joined within 0.2 s; open http://127.0.0.1:\d+/"
+                                                     r"\?token=\S+ in 1 browsers"):
+            fleet.run(_server(digits_folders[0], tmp_path / "none", devices=1), join_timeout=0.2)
+
+
+def test_a_folder_without_an_optimizer_graph_and_keep_with_browsers_are_refused(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    folder = tmp_path / "no-optimizer"
+    shutil.copytree(digits_folders[0].directory, folder)
+    for name in ("ort_lightning.json", "optimizer_model.onnx", "optimizer_model.ort", "training_model.ort",
+                 "eval_model.ort"):
+        (folder / name).unlink()
+    with pytest.raises(ConfigurationError, match=r"no-optimizer has no optimizer graph, but a browser device trains "
+                                                 r"with one"):
+        BrowserFleet(folder, DATA, port=0, ort_web=CDN)
+    with pytest.raises(ConfigurationError, match=r"Expected `optimizer_state: fresh` with `engine: browser`, but got "
+                                                 r"\"keep\": a browser returns its weights only"):
+        FleetConfig.from_dict({"engine": "browser", "optimizer_state": "keep"})
