@@ -182,6 +182,7 @@ def _accuracies(folder: Path) -> list[float]:
 
 
 @requires_chromium
+@pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`.*:UserWarning")
 def test_the_readme_command_runs_three_browsers_as_ort_and_the_simulated_fleet_would(tmp_path: Path) -> None:
     config = {"devices": DEVICES, "rounds": ROUNDS, "epochs": 1, "lr": LR, "batch_size": DATA.batch_size,
               "hidden": HIDDEN, "seed": DATA.seed, "port": 0, "ort_web": ort_web_dist()}
