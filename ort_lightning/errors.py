@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DeviceError",
+    "DeviceReplyError",
     "ExportError",
     "NonFiniteLossError",
     "ORTLightningError",
@@ -52,3 +53,12 @@ class NonFiniteLossError(ORTLightningError, FloatingPointError):
 
 class StorageError(ORTLightningError, OSError):
     """A file could not be written (no space left on device, no permission); the previous file is left intact."""
+
+
+class DeviceReplyError(ORTLightningError, ValueError):
+    """What a fleet device sent back was refused before it reached the strategy.
+
+    Its values had the wrong count or were not finite, it claimed more examples than it was
+    given, its frame was over the size limit or unreadable, or it stopped answering: the device
+    is named and dropped from the fleet, and its round completes with the other devices.
+    """

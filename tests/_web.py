@@ -1,0 +1,73 @@
+"""Helpers of the web tests: where onnxruntime-web, Node and Chromium are, skip markers, a Node run.
+
+A web test skips only where its program (``node``, ``chromium``) or onnxruntime-web's ``dist/``
+folder is missing, and says which; ``.ci/run`` installs all three, so that they run there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.web import find_ort_web
+
+__all__ = ["ROOT", "NodeError", "chromium_program", "ort_web_dist", "requires_chromium", "requires_node", "run_node"]
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Debian's package installs ``chromium``; other distributions name it ``chromium-browser``.
+CHROMIUM_NAMES = ("chromium", "chromium-browser")
+
+
+def ort_web_dist() -> str | None:
+    """onnxruntime-web's ``dist/`` folder as the product finds it, else the repository's npm folder, else None."""
+    for dist in (None, str(ROOT / "node_modules" / "onnxruntime-web" / "dist")):
+        try:
+            return find_ort_web(dist)
+        except ConfigurationError:
+            continue
+    return None
+
+
+def chromium_program() -> str | None:
+    """The path of a Chromium on PATH, or None."""
+    return next((path for path in map(shutil.which, CHROMIUM_NAMES) if path), None)
+
+
+def _missing(program: str | None, name: str) -> str | None:
+    if program is None:
+        return f"{name} is not installed (.ci/run installs it)"
+    if ort_web_dist() is None:
+        return "onnxruntime-web is not installed: run npm install onnxruntime-web@1.19.2 at the repository root"
+    return None
+
+
+_NODE_MISSING = _missing(shutil.which("node"), "node (Node.js 20)")
+_CHROMIUM_MISSING = _missing(chromium_program(), "Chromium")
+
+requires_node = pytest.mark.skipif(_NODE_MISSING is not None, reason=_NODE_MISSING or "")
+requires_chromium = pytest.mark.skipif(_CHROMIUM_MISSING is not None, reason=_CHROMIUM_MISSING or "")
+
+
+class NodeError(RuntimeError):
+    """A Node script exited with an error; the message is the error line Node printed."""
+
+
+def run_node(script: Path, *args: str, timeout: float = 120) -> str:
+    """Run ``node script args...`` from the repository root; its stdout, or `NodeError` with its error line.
+
+    Node prints an uncaught ``Error`` as ``Error: message`` followed by the stack; that line, the
+    runner's own message, is what the error carries (the whole stderr when there is no such line).
+    """
+    node = shutil.which("node")
+    assert node is not None, "run_node needs the requires_node marker"
+    result = subprocess.run(
+        [node, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        raise NodeError(lines[0].removeprefix("Error: ") if lines else result.stderr[-3000:])
+    return result.stdout
