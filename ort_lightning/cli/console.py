@@ -7,7 +7,7 @@ Subcommands:
 - ``fit | validate | test | predict --config cfg.yaml``: LightningCLI over `ORTLightningModule`
   and any ``LightningDataModule``.
 - ``inspect DIR | CHECKPOINT``: what a set of artifacts or an ORT checkpoint holds.
-- ``fleet --config fleet.yaml``: federated training of the digits artifacts on simulated
+- ``fleet --config fleet.yaml [--set KEY=VALUE ...]``: federated training of the digits artifacts on simulated
   devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
 
 Errors print one line, without a traceback, and exit with status 2.
@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser("fleet", help="federated training of the digits artifacts on simulated devices")
     fleet.add_argument("--config", type=Path, required=True,
                        help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
+    fleet.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                       help="override one key of the config, e.g. --set rounds=3 --set lr=0.05 (repeat per key)")
     fleet.set_defaults(handler=_fleet)
     for name, text in _LIGHTNING_HELP.items():
         # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
@@ -208,7 +210,7 @@ def _fleet(args: argparse.Namespace) -> None:
 
     from ort_lightning.fleet.experiment import FleetConfig, run_experiment
 
-    config = FleetConfig.from_yaml(args.config)
+    config = FleetConfig.from_yaml(args.config, overrides=args.overrides)
     # NOTE: one Trainer per device and round; their start-up lines, their warning that devices do not
     # validate, and Flower's round log would bury the accuracy per round.
     for name in ("lightning.pytorch", "lightning.fabric", "flwr"):

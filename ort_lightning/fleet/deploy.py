@@ -7,9 +7,12 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and t
 plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
 is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
 digits, and it trains as in the simulation (a Lightning ``Trainer`` over ORT's graphs, starting
-from the nominal checkpoint plus the server's values). The server waits for ``devices``
-SuperNodes, writes a complete ORT checkpoint per round under ``out/rounds`` and prints the
-accuracy per round into the run's log (``flwr log``, or ``flwr run --stream``).
+from the nominal checkpoint plus the server's values). Before each round the server waits for
+``min_nodes`` SuperNodes (by default ``devices - 1``, at least 1: a round goes on after one
+SuperNode is lost), trains on every SuperNode connected then, gives each ``device_timeout``
+seconds to answer, writes a complete ORT checkpoint per round under ``out/rounds`` and prints
+the accuracy per round, with the nodes that failed it, into the run's log (``flwr log``, or
+``flwr run --stream``).
 
 Example::
 
@@ -78,8 +81,10 @@ server = ServerApp()
 @server.main()
 def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
-    # NOTE: a deployment waits for all of its devices; the simulation's default waits for two.
-    waiting = {"min_available_nodes": config.devices, "min_train_nodes": config.devices}
+    # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
+    # all `devices` would hang the run at the next round once one SuperNode is lost.
+    nodes = config.nodes_to_wait_for
+    waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
     config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
     fleet = fleet_server(config, artifacts)
     started = time.perf_counter()
