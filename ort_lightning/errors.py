@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DeviceError",
+    "DistributedError",
     "ExportError",
     "NonFiniteLossError",
     "ORTLightningError",
@@ -35,6 +36,10 @@ class BatchError(ORTLightningError, ValueError):
 
 class DeviceError(ORTLightningError, RuntimeError):
     """The requested device is unknown or the installed ONNX Runtime build cannot use it."""
+
+
+class DistributedError(ORTLightningError, RuntimeError):
+    """Another rank of a distributed run is gone (its process died, or never answered a collective)."""
 
 
 class ConfigurationError(ORTLightningError, ValueError):
