@@ -111,7 +111,7 @@ def test_set_overrides_keys_of_the_file_with_their_types(tmp_path: Path) -> None
     assert config.strategy_options == {"eta": 0.1}
     assert FleetConfig.from_yaml(path).rounds == 5
     assert (FleetConfig(devices=4).nodes_to_wait_for, FleetConfig(devices=1).nodes_to_wait_for) == (3, 1)
-    assert FleetConfig(devices=4, min_nodes=4).nodes_to_wait_for == 4
+    assert [FleetConfig(devices=4, min_nodes=n).nodes_to_wait_for for n in (4, 0)] == [4, 3]
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_set_overrides_keys_of_the_file_with_their_types(tmp_path: Path) -> None
         ("rounds: 3\n", ["device_timeout=yes"], r"Expected `device_timeout` to be float or null, but got True"),
         ("rounds: 3\n", ["rounds"], r"Expected --set KEY=VALUE, but got 'rounds'; write e\.g\. --set rounds=3"),
         ("rounds: 3\n", ["strategy_options={eta"], r"The value of --set 'strategy_options=\{eta' is not a YAML"),
-        ("devices: 3\n", ["min_nodes=4"], r"Expected `min_nodes` between 1 and devices \(3\), but got 4"),
+        ("devices: 3\n", ["min_nodes=4"], r"`min_nodes` between 1 and devices \(3\), or 0 or null .*, but got 4"),
     ],
     ids=["unknown-in-file", "unknown-override", "nothing-close", "override-type", "file-type", "bool-is-no-number",
          "no-equals", "bad-yaml", "min-nodes"],

@@ -72,8 +72,9 @@ class FleetConfig:
         resume: a round checkpoint to continue from (its round number continues too).
         device_timeout: seconds a device may take to answer a round; one that takes longer fails
             the round, which aggregates the others (``null``: no limit but Flower's hour).
-        min_nodes: devices the server waits for before a round (the deployment runtime; the
-            default ``devices - 1``, at least 1, lets a round go on after one device is lost).
+        min_nodes: devices the server waits for before a round (the deployment runtime); 0 or
+            ``null`` (the default) means ``devices - 1``, at least 1, so that a round goes on after
+            one device is lost (0 is for Flower's run config, which has no null).
     """
 
     out: str = "fleet-digits"
@@ -115,16 +116,17 @@ class FleetConfig:
                 f"Expected `device_timeout` > 0 seconds or null (no limit), but got {self.device_timeout}; fix that "
                 "key of the fleet config."
             )
-        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.devices:
+        if self.min_nodes is not None and not 0 <= self.min_nodes <= self.devices:
             raise ConfigurationError(
-                f"Expected `min_nodes` between 1 and devices ({self.devices}), but got {self.min_nodes}; fix that "
-                "key of the fleet config, or leave it out (devices - 1, so that a round survives one lost device)."
+                f"Expected `min_nodes` between 1 and devices ({self.devices}), or 0 or null for devices - 1, but got "
+                f"{self.min_nodes}; fix that key of the fleet config, or leave it out (devices - 1, so that a round "
+                "survives one lost device)."
             )
 
     @property
     def nodes_to_wait_for(self) -> int:
         """Devices a deployment's server waits for before a round: `min_nodes`, or one fewer than `devices`."""
-        return self.min_nodes if self.min_nodes is not None else max(1, self.devices - 1)
+        return self.min_nodes if self.min_nodes else max(1, self.devices - 1)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, where: str = "the fleet config") -> FleetConfig:

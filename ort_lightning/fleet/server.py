@@ -110,7 +110,7 @@ def _answers(replies: list[Message]) -> tuple[int, int]:
 
 def _failures(sent: list[int], replies: list[Message], timeout: float | None) -> dict[int, str]:
     """Node id -> why it failed the round: its error reply's reason, or no reply before the round's timeout."""
-    failures = {reply.metadata.src_node_id: reply.error.reason for reply in replies if reply.has_error()}
+    failures = {reply.metadata.src_node_id: str(reply.error.reason) for reply in replies if reply.has_error()}
     answered = {reply.metadata.src_node_id for reply in replies}
     limit = "" if timeout is None else f" of {timeout:g} s"
     for node in sent:
