@@ -108,12 +108,20 @@ def _answers(replies: list[Message]) -> tuple[int, int]:
     return len(valid), examples
 
 
-def _failures(sent: list[int], replies: list[Message], timeout: float | None) -> dict[int, str]:
+def _failures(sent: list[Message], replies: list[Message], timeout: float | None) -> dict[int, str]:
     """Node id -> why it failed the round: its error reply's reason, or no reply before the round's timeout."""
-    failures = {reply.metadata.src_node_id: str(reply.error.reason) for reply in replies if reply.has_error()}
-    answered = {reply.metadata.src_node_id for reply in replies}
+    # NOTE: a reply is matched to the node it was sent to: an error reply written by the SuperLink for a
+    # node it lost (Flower's "Node Unavailable") comes from the SuperLink, not from that node.
+    nodes = {message.metadata.message_id: message.metadata.dst_node_id for message in sent}
+    failures: dict[int, str] = {}
+    answered = set()
+    for reply in replies:
+        node = nodes.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        answered.add(node)
+        if reply.has_error():
+            failures[node] = str(reply.error.reason)
     limit = "" if timeout is None else f" of {timeout:g} s"
-    for node in sent:
+    for node in nodes.values():
         if node not in answered:
             failures[node] = f"no reply within the device timeout{limit}; the round went on without it"
     return failures
@@ -144,7 +152,7 @@ class CheckpointEachRound(Strategy):
         self.answers: dict[int, tuple[int, int]] = {}
         #: Per round: node id -> why it failed its training (an error reply, or none before the timeout).
         self.failures: dict[int, dict[int, str]] = {}
-        self._sent: dict[int, list[int]] = {}
+        self._sent: dict[int, list[Message]] = {}
         #: Per round: (seconds aggregating, seconds writing the checkpoints).
         self.seconds: dict[int, tuple[float, float]] = {}
 
@@ -157,7 +165,7 @@ class CheckpointEachRound(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's training messages (their nodes kept, to name those that never answer)."""
         messages = list(self.strategy.configure_train(server_round + self.round_offset, arrays, config, grid))
-        self._sent[server_round + self.round_offset] = [message.metadata.dst_node_id for message in messages]
+        self._sent[server_round + self.round_offset] = messages
         return messages
 
     def aggregate_train(
