@@ -189,6 +189,10 @@ MISTAKES = {
                                  r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
     "misspelled-command": Mistake(("fitt",), r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', "
                                              r"'fleet', 'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
+    "demo-out-file": Mistake(("demo", "--out", "notes.txt"), r"--out 'notes\.txt' is a file, but --out names the "
+                             r"folder that receives artifacts/.*; pass a folder", {"notes.txt": b"mine"}),
+    "export-out-file": Mistake((*FACTORY[:-1], "notes.txt", "--input-shape", "64"),
+                               r"--out 'notes\.txt' is a file.*pass a folder", {"notes.txt": b"mine"}),
     "inspect-missing": Mistake(("inspect", "missing"), r"missing does not exist"),
     "inspect-junk": Mistake(("inspect", "junk"), r"junk is not an ONNX Runtime checkpoint; inspect reads",
                             {"junk": b"not a checkpoint"}),
