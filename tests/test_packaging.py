@@ -103,7 +103,8 @@ def test_every_readme_section_installs_what_its_python_blocks_import() -> None:
     checked = []
     for section in readme.split("\n## "):
         blocks = re.findall(r"```python[^\n]*\n(.*?)```", section, re.DOTALL)
-        named = {extra for group in re.findall(r'pip install -e "\.\[([\w,]+)\]"', section) for extra in group.split(",")}
+        installs = re.findall(r'pip install -e "\.\[([\w,]+)\]"', section)
+        named = {extra for group in installs for extra in group.split(",")}
         needed = set().union(*map(_distributions_imported, blocks)) if blocks else set()
         missing = needed - _provided_by({*QUICK_START_EXTRAS, *named})
         assert not missing, f"README section {section.splitlines()[0]!r} imports {sorted(missing)}; name an extra"

@@ -25,11 +25,11 @@ from ort_lightning.errors import ExportError
 from ort_lightning.ort._api import (
     CheckpointState,
     onnxblock,
+    root_logger_kept,
 )
 from ort_lightning.ort._api import artifacts_api as _artifacts
 from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort._api import ort_converter as _converter
-from ort_lightning.ort._api import root_logger_kept
 from ort_lightning.ort._api import training_graph_utils as _training_graph_utils
 from ort_lightning.ort.options import session_options
 
