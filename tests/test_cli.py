@@ -105,6 +105,24 @@ def _digits_labels() -> torch.Tensor:
     return data.val_set.tensors[1]
 
 
+def _torch_accuracy_of(ckpt: Path) -> float:
+    """The held-out digits' accuracy of the .ckpt's weights in the plain torch model, computed here."""
+    from ort_lightning.demo import DigitsDataModule, digits_mlp
+
+    model = digits_mlp()
+    model.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"], strict=False)
+    data = DigitsDataModule()
+    data.setup("validate")
+    images, labels = data.val_set.tensors
+    with torch.no_grad():
+        return float((model(images).argmax(dim=1) == labels).float().mean())
+
+
+def _metric(name: str, shown: str) -> float:
+    """A metric's value from Lightning's results table."""
+    return float(re.search(rf"{name}\W+([\d.]+)", shown).group(1))  # type: ignore[union-attr]
+
+
 def test_digits_config_trains_as_written_then_evaluates_the_trained_model(tmp_path: Path) -> None:
     tiny = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
     fit = run("fit", "--config", CONFIG, *tiny, cwd=tmp_path)
@@ -113,12 +131,16 @@ def test_digits_config_trains_as_written_then_evaluates_the_trained_model(tmp_pa
     assert (tmp_path / "runs/digits/checkpoints/last.ckpt").is_file()
     evaluate = [*tiny, "--ckpt_path", "last"]
     validate = run("validate", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    val_loss = float(re.search(r"val_loss\W+([\d.]+)", validate.stdout).group(1))  # type: ignore[union-attr]
+    val_loss = _metric("val_loss", validate.stdout)
     # Untrained, the 10-class cross-entropy is about ln(10) = 2.30; one epoch brings it well below.
     assert val_loss < math.log(10) - 0.5
     test = run("test", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    test_loss = float(re.search(r"test_loss\W+([\d.]+)", test.stdout).group(1))  # type: ignore[union-attr]
+    test_loss = _metric("test_loss", test.stdout)
     assert test_loss == pytest.approx(val_loss, abs=1e-6)  # the same held-out images, the same trained model
+    # every logged metric is shown, not only the loss: the config's accuracy, as plain torch computes it
+    accuracy = _torch_accuracy_of(tmp_path / "runs/digits/checkpoints/last.ckpt")
+    assert _metric("val_acc", validate.stdout) == pytest.approx(accuracy, abs=1e-6)
+    assert _metric("test_acc", test.stdout) == pytest.approx(accuracy, abs=1e-6)
     predict = run("predict", "--config", CONFIG, *evaluate, cwd=tmp_path)
     written = Path(re.search(r"written to (\S+)", predict.stdout).group(1))  # type: ignore[union-attr]
     assert written == Path("runs/digits/predictions.pt")
@@ -189,6 +211,10 @@ MISTAKES = {
                                  r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
     "misspelled-command": Mistake(("fitt",), r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', "
                                              r"'fleet', 'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
+    "demo-out-file": Mistake(("demo", "--out", "notes.txt"), r"--out 'notes\.txt' is a file, but --out names the "
+                             r"folder that receives artifacts/.*; pass a folder", {"notes.txt": b"mine"}),
+    "export-out-file": Mistake((*FACTORY[:-1], "notes.txt", "--input-shape", "64"),
+                               r"--out 'notes\.txt' is a file.*pass a folder", {"notes.txt": b"mine"}),
     "inspect-missing": Mistake(("inspect", "missing"), r"missing does not exist"),
     "inspect-junk": Mistake(("inspect", "junk"), r"junk is not an ONNX Runtime checkpoint; inspect reads",
                             {"junk": b"not a checkpoint"}),

@@ -228,3 +228,29 @@ def test_inspect_lists_the_device_files_and_says_there_are_no_weights(exported: 
     assert f"parameters: {4 * 5 + 5 + 5 * 3 + 3:,} values in 4 tensors" in shown  # the Net's, counted here
     assert "weights: none in this folder (nominal_checkpoint only: names and shapes); train it with " \
            "ORTLightningModule(folder, values={name: tensor})" in shown
+
+
+def test_inspect_of_the_full_export_lists_exactly_what_a_device_loads(exported: Shipped, tmp_path: Path) -> None:
+    """The export folder holds .onnx and .ort graphs, both checkpoints and the operator lists; a device loads four."""
+    rows = re.findall(r"^device file: +(\S+) \(", describe(exported.complete), re.MULTILINE)
+    assert rows == ["training_model.ort", "eval_model.ort", "optimizer_model.ort", "nominal_checkpoint"]
+    present = {path.name for path in exported.complete.iterdir()}
+    assert {"checkpoint", "training_model.onnx", "training_model.required_operators.config"} <= present
+    # the listed files alone start a device in ONNX Runtime's own sequence, and train
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    for name in rows:
+        shutil.copyfile(exported.complete / name, listed / name)
+    state = CheckpointState.load_checkpoint(str(exported.complete / "checkpoint"))
+    values = {name: torch.from_numpy(np.array(parameter.data)) for name, parameter in state.parameters}
+    trained = orts_device_loop(listed, values, _batches(2, seed=5))
+    assert sorted(trained) == sorted(values)
+    assert max(float(np.abs(trained[name] - values[name].numpy()).max()) for name in values) > 1e-3
+
+
+def test_inspect_explains_the_operator_lists_of_the_ort_graphs(exported: Shipped) -> None:
+    shown = " ".join(describe(exported.complete).split())
+    assert ("operator lists: eval_model.required_operators.config, optimizer_model.required_operators.config, "
+            "training_model.required_operators.config: the operators of each .ort graph") in shown
+    assert "a device does not load them" in shown
+    assert "reduced-operator ONNX Runtime build for mobile" in shown

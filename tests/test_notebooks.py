@@ -1,11 +1,14 @@
 """Every notebook in notebooks/ is committed executed, and still executes from top to bottom.
 
-Both use `tools.run_notebooks`, the script that re-runs and saves notebooks in place.
+Both use `tools.run_notebooks`, the script that re-runs notebooks; it saves the executed copies
+apart, and rewrites the committed files only with ``--in-place``.
 """
 
 from __future__ import annotations
 
 import base64
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tools.run_notebooks import NOTEBOOKS, ROOT, execute, figures
+from tools.run_notebooks import NOTEBOOKS, ROOT, figures, main
 
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 #: A committed figure beyond this is not a "modest" PNG any more (the script saves them at 60 dpi).
@@ -38,7 +41,19 @@ def test_notebook_is_committed_executed_with_figures(path: Path) -> None:
     assert "Traceback" not in text
 
 
+def _git_status_of_notebooks() -> str:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("the notebooks' git status needs git and a git checkout")
+    return subprocess.run(["git", "status", "--porcelain", "--", "notebooks/"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+
+
 @pytest.mark.parametrize("path", PATHS, ids=[path.stem for path in PATHS])
-def test_notebook_executes_and_draws(path: Path, tmp_path: Path) -> None:
-    notebook = execute(path, tmp_path)  # raises CellExecutionError, with the cell and traceback, on any failure
-    assert figures(notebook), f"{path.name} drew no figure"
+def test_notebook_executes_and_draws_without_touching_the_committed_file(path: Path, tmp_path: Path) -> None:
+    status, committed = _git_status_of_notebooks(), path.read_bytes()
+    # raises CellExecutionError, with the cell and traceback, on any failure
+    assert main([str(path), "--out", str(tmp_path)]) == 0
+    executed = nbformat.read(tmp_path / path.name, as_version=4)
+    assert figures(executed), f"{path.name} drew no figure"
+    assert path.read_bytes() == committed
+    assert _git_status_of_notebooks() == status

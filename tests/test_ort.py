@@ -232,3 +232,40 @@ def test_ort_python_linear_scheduler_still_swaps_warmup_and_total(mlp_sgd: Expor
     assert lrs == pytest.approx(ramp_for_ten_steps, rel=1e-6, abs=1e-9)
     asked_for = [_warmup_then_decay(step, warmup=2, total=10, peak=peak) for step in range(12)]
     assert lrs != pytest.approx(asked_for)
+
+
+#: The call the README tells a Python device script to write for the product's linear schedule.
+README_DEVICE_CALL = "LinearLRScheduler(optimizer, T, W, lr)"
+
+
+def _product_schedule(step: int, *, warmup: int, total: int) -> float:
+    """DESIGN's formula: ``s/max(1,W)`` during the warmup, then ``max(0, (T-s)/max(1,T-W))``."""
+    if step < warmup:
+        return step / max(1, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+@pytest.mark.parametrize(("warmup", "total"), [(3, 8), (2, 10), (0, 6)], ids=["W3-T8", "W2-T10", "W0-T6"])
+def test_readme_device_call_of_orts_python_scheduler_gives_the_product_schedule(
+    mlp_sgd: Exported, warmup: int, total: int
+) -> None:
+    """ORT's own Python API, as a device script uses it, with the counts passed as the README says."""
+    from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+
+    assert README_DEVICE_CALL in " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    artifacts, lr = mlp_sgd.artifacts, 0.2
+    module = Module(str(artifacts.training_model), CheckpointState.load_checkpoint(str(artifacts.checkpoint)),
+                    str(artifacts.eval_model))
+    optimizer = Optimizer(str(artifacts.optimizer_model), module)
+    scheduler = LinearLRScheduler(optimizer, total, warmup, lr)  # README_DEVICE_CALL with T=total, W=warmup
+    x, y = blobs(8, seed=2)
+    module.train()
+    lrs = []
+    for _ in range(total + 2):
+        lrs.append(optimizer.get_learning_rate())
+        module(x.numpy(), y.numpy())
+        optimizer.step()
+        scheduler.step()
+        module.lazy_reset_grad()
+    expected = [lr * _product_schedule(step, warmup=warmup, total=total) for step in range(total + 2)]
+    assert lrs == pytest.approx(expected, rel=1e-6, abs=1e-9)

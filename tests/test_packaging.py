@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -69,6 +72,57 @@ def test_extras_install_only_where_wheels_exist(
 def test_notebooks_extra_names_what_the_notebooks_import() -> None:
     names = {Requirement(text).name for text in PROJECT["optional-dependencies"]["notebooks"]}
     assert {"nbclient", "nbformat", "ipykernel", "matplotlib", "scikit-learn", "torchmetrics"} <= names
+
+
+#: What the README's Quick start installs: every later section can count on these.
+QUICK_START_EXTRAS = ("cpu", "cli")
+
+
+def _distributions_imported(block: str) -> set[str]:
+    """The distributions that provide the top-level imports of a Python block (stdlib left out)."""
+    from importlib.metadata import packages_distributions
+
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(block)):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    providers = packages_distributions()
+    names = {name for root in roots - set(sys.stdlib_module_names) for name in providers.get(root, [root])}
+    return {canonicalize_name(name) for name in names}
+
+
+def _provided_by(extras: set[str]) -> set[str]:
+    texts = [*PROJECT["dependencies"], *(text for extra in extras for text in PROJECT["optional-dependencies"][extra])]
+    return {canonicalize_name(Requirement(text).name) for text in texts} | {canonicalize_name(PROJECT["name"])}
+
+
+def test_every_readme_section_installs_what_its_python_blocks_import() -> None:
+    readme = (ROOT / "README.md").read_text()
+    checked = []
+    for section in readme.split("\n## "):
+        blocks = re.findall(r"```python[^\n]*\n(.*?)```", section, re.DOTALL)
+        installs = re.findall(r'pip install -e "\.\[([\w,]+)\]"', section)
+        named = {extra for group in installs for extra in group.split(",")}
+        needed = set().union(*map(_distributions_imported, blocks)) if blocks else set()
+        missing = needed - _provided_by({*QUICK_START_EXTRAS, *named})
+        assert not missing, f"README section {section.splitlines()[0]!r} imports {sorted(missing)}; name an extra"
+        checked.append(section.splitlines()[0])
+    assert "Hugging Face models" in checked
+
+
+def test_hf_extra_pins_transformers_as_the_tests_do() -> None:
+    extras = PROJECT["optional-dependencies"]
+    assert str(_requirement("transformers", extras["hf"])) == str(_requirement("transformers", extras["test"]))
+
+
+def test_fleet_extra_draws_the_accuracy_plot_and_cli_extra_has_the_configs_metrics() -> None:
+    extras = PROJECT["optional-dependencies"]
+    assert str(_requirement("matplotlib", extras["fleet"])) == str(_requirement("matplotlib", extras["notebooks"]))
+    assert str(_requirement("torchmetrics", extras["cli"])) == str(_requirement("torchmetrics", extras["test"]))
+    for config in ("digits.yaml", "stripes_cnn.yaml"):
+        assert "class_path: torchmetrics." in (ROOT / "examples" / config).read_text(), config
 
 
 def test_py_typed_marker_ships() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ort_lightning.cli.console import output_folder
 from ort_lightning.cli.describe import describe, format_rows
 from ort_lightning.cli.factory import export_factory, parse_shape
 from ort_lightning.cli.lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
@@ -100,6 +101,16 @@ def test_argparse_errors_become_one_line_with_the_closest_choice() -> None:
 )
 def test_jsonargparse_messages_become_one_line(message: str, expected: str) -> None:
     assert one_line_argument_error(message, ["model.artifacts", "model.lr", "trainer.max_epochs"]) == expected
+
+
+def test_an_out_folder_that_is_a_file_is_refused_and_the_file_kept(tmp_path: Path) -> None:
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    with pytest.raises(UsageError, match=r"--out '.*notes\.txt' is a file, but --out names the folder that receives "
+                                         r"artifacts/; pass a folder that does not exist yet"):
+        output_folder(mine, writes="artifacts/")
+    assert mine.read_text() == "mine"
+    assert output_folder(tmp_path / "new", writes="artifacts/") == tmp_path / "new"
 
 
 def test_inspect_refuses_a_lightning_ckpt(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from ort_lightning.errors import ArtifactError, ExportError
 from ort_lightning.export import after_generation
 from ort_lightning.export import source as _export
 from ort_lightning.export.verify import verifier as _verify
-from ort_lightning.export.verify.compare import compare, mismatch_message
+from ort_lightning.export.verify.compare import BatchCheck, compare, mismatch_message
 from ort_lightning.export.verify.reference import Reference
 from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP, Exported, SummedMSE
@@ -109,6 +109,20 @@ def test_a_good_model_passes_and_the_report_is_in_the_manifest_and_inspect(
     assert re.search(r"verified:\s+passed \(worst margin .*float32 noise", out)
     assert re.search(r"allowed .*float32 noise", out)
     assert re.search(r"batch 3:\s+passed, loss", out)
+
+
+def test_a_near_zero_gradient_reads_as_such_not_as_a_huge_relative_error() -> None:
+    """A bias right before a BatchNorm: its true gradient is 0, so float32 rounding is a ratio of 4.5e+08."""
+    largest, off = 2.2e-16, 1e-7
+    check = BatchCheck(4, "passed", 1.25, 2e-8, "conv.bias", off, off / largest, 0.01, 1e-5, 1e-6)
+    line = check.summary()
+    assert line.startswith("passed, loss 1.25 (off by 2e-08); closest to its allowance: the gradient of conv.bias, "
+                           "off by 1e-07 where 1e-05 is allowed (float32 noise 1e-06), 1% of the allowance; ")
+    assert line.endswith("relative to its largest value (2.2e-16, zero up to rounding) 4.5e+08, which means nothing "
+                         "for a gradient that small")
+    # a gradient well above its allowance keeps the plain relative difference
+    plain = BatchCheck(4, "passed", 1.25, 2e-8, "fc.weight", off, off / 0.5, 0.01, 1e-5, 1e-6).summary()
+    assert plain.endswith("; 2e-07 of its largest value")
 
 
 def test_dropout_and_batchnorm_verify_deterministically(bn_dropout_cnn: Exported) -> None:
@@ -224,7 +238,13 @@ def test_onnx_file_source_is_checked_without_a_torch_reference(
     assert report["status"] == "no torch reference"
     assert [check["status"] for check in report["batches"]] == ["no torch reference"] * 2
     assert all(math.isfinite(check["loss"]) for check in report["batches"])
-    assert re.search(r"verified:\s+no torch reference", _inspect(capsys, artifacts.directory))
+    shown = _inspect(capsys, artifacts.directory)
+    assert re.search(r"verified:\s+no torch reference \(an ONNX source or a custom loss block has no torch model to "
+                     r"compare with; one training step at each batch size below ran without a crash", shown)
+    assert re.search(r"batch 8:\s+ran, loss [\d.]+: finite, no crash or error \(no torch reference", shown)
+    # nothing was compared, so no share of an allowance
+    assert "margin" not in shown
+    assert "tolerance" not in shown
 
 
 def test_onnx_runtime_error_at_another_batch_size_becomes_an_export_error(tmp_path: Path) -> None:

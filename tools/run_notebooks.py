@@ -1,10 +1,16 @@
-"""Execute notebooks top to bottom and save them in place with their outputs and figures.
+"""Execute notebooks top to bottom and save them with their outputs and figures.
 
 Usage::
 
-    python -m tools.run_notebooks                                  # every notebooks/*.ipynb
+    python -m tools.run_notebooks                                  # every notebooks/*.ipynb, to runs/notebooks/
     python -m tools.run_notebooks notebooks/04_transformer_finetune.ipynb
+    python -m tools.run_notebooks --out executed/                  # the executed copies go there
+    python -m tools.run_notebooks --in-place                       # rewrite the committed notebooks
     python -m tools.run_notebooks --check                          # execute, save nothing
+
+By default the executed copies go to `OUT` (``runs/notebooks/``, ignored by git), so that running a
+notebook leaves the committed file untouched; ``--in-place`` rewrites it, which is how the committed
+outputs are refreshed.
 
 Each notebook runs in a fresh ``python3`` kernel whose working directory is a new temporary
 folder, with this checkout first on ``PYTHONPATH``. Figures are PNGs at a modest resolution
@@ -28,6 +34,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+#: Where the executed copies go unless ``--out`` or ``--in-place`` says otherwise.
+OUT = ROOT / "runs" / "notebooks"
 #: Resolution of the PNG figures the notebooks store.
 DPI = 60
 _SETUP = f"%config InlineBackend.rc = {{'figure.dpi': {DPI}, 'savefig.dpi': {DPI}}}"
@@ -92,20 +100,33 @@ def figures(notebook: nbformat.NotebookNode) -> list[str]:
     ]
 
 
+def _destination(path: Path, args: argparse.Namespace) -> Path | None:
+    """Where the executed `path` is saved: nowhere (``--check``), over itself (``--in-place``), or in ``--out``."""
+    if args.check:
+        return None
+    return path if args.in_place else args.out / path.name
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Execute the notebooks named (default: all) and save them with their outputs."""
+    """Execute the notebooks named (default: all) and save them with their outputs (see the module's usage)."""
     parser = argparse.ArgumentParser(prog="python -m tools.run_notebooks", description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: every notebooks/*.ipynb")
-    parser.add_argument("--check", action="store_true", help="execute only; do not save")
+    saving = parser.add_mutually_exclusive_group()
+    saving.add_argument("--out", type=Path, default=OUT, help=f"folder of the executed copies (default {OUT})")
+    saving.add_argument("--in-place", action="store_true", help="save over the notebooks themselves")
+    saving.add_argument("--check", action="store_true", help="execute only; do not save")
     args = parser.parse_args(argv)
     for path in args.notebooks or sorted(NOTEBOOKS.glob("*.ipynb")):
         with tempfile.TemporaryDirectory(prefix="notebook-") as folder:
             notebook = execute(path, Path(folder))
         pngs = figures(notebook)
         kib = sum(len(png) * 3 // 4 for png in pngs) / 1024
-        if not args.check:
-            nbformat.write(notebook, path)
-        print(f"{path.name}: executed, {len(pngs)} figure(s), {kib:.0f} KiB of PNG{'' if args.check else ', saved'}")
+        destination = _destination(path, args)
+        if destination is not None:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, destination)
+        saved = "" if destination is None else f", saved to {destination}"
+        print(f"{path.name}: executed, {len(pngs)} figure(s), {kib:.0f} KiB of PNG{saved}")
     return 0
 
 

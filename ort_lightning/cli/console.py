@@ -33,7 +33,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from ort_lightning.cli.usage import OneLineParser, UsageError
 from ort_lightning.errors import ORTLightningError
 
-__all__ = ["main"]
+__all__ = ["main", "output_folder"]
 
 _LIGHTNING_HELP = {
     "fit": "train with LightningCLI: fit --config cfg.yaml (fit --help lists every key)",
@@ -131,6 +131,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def output_folder(path: Path, *, writes: str) -> Path:
+    """Return `path`, the ``--out`` folder, unless it is an existing file.
+
+    Example::
+
+        >>> str(output_folder(Path("runs/demo"), writes="artifacts/"))
+        'runs/demo'
+
+    Raises:
+        UsageError: when `path` exists and is not a folder.
+    """
+    if path.exists() and not path.is_dir():
+        raise UsageError(
+            f"--out {str(path)!r} is a file, but --out names the folder that receives {writes}; "
+            f"pass a folder that does not exist yet (it is created) or an existing folder, e.g. --out {path}-run"
+        )
+    return path
+
+
 # ----------------------------------------------------------------------------- demo
 def _demo(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
@@ -140,7 +159,7 @@ def _demo(args: argparse.Namespace) -> None:
     from ort_lightning import ORTCheckpoint, ORTLightningModule, export_artifacts
     from ort_lightning.demo import FEATURES, DigitsDataModule, digits_mlp
 
-    out: Path = args.out
+    out: Path = output_folder(args.out, writes="artifacts/, checkpoints/, digits.onnx and logs/")
     artifacts = export_artifacts(digits_mlp(), torch.zeros(2, FEATURES), out / "artifacts")
     data = DigitsDataModule(batch_size=64)
     module = ORTLightningModule(artifacts, lr=args.lr, warmup_steps=0.1)
@@ -172,6 +191,7 @@ def _export(args: argparse.Namespace) -> None:
     from ort_lightning.cli.describe import describe
     from ort_lightning.cli.factory import export_factory, parse_shape
 
+    output_folder(args.out, writes="the artifacts")
     loss = None if args.loss == "none" else args.loss
     options = dict(_option(text) for text in args.optimizer_option)
     common: dict[str, Any] = dict(

@@ -91,21 +91,38 @@ _DEVICE_FILES = ("training_model", "eval_model", "optimizer_model")
 
 
 def device_rows(artifacts: Any) -> Rows:
-    """Rows naming each file a device needs (``.ort`` graphs preferred, the checkpoint) and its size."""
+    """Rows naming each file a device needs, and its size, then what the operator lists are for.
+
+    A device loads the three graphs (``.ort`` preferred) and one checkpoint: the nominal one when the
+    folder has it (the weights then come from a server), else the complete one (with ``checkpoint.data``
+    beside a large one). Nothing else is listed: the complete checkpoint stays with whoever sends weights.
+    """
     folder: Path = artifacts.directory
     name = artifacts.training_model.name
     prefix = name[: name.rindex("training_model")]
-    rows: Rows = []
-    for role in _DEVICE_FILES:
-        found = [folder / f"{prefix}{role}{suffix}" for suffix in (".ort", ".onnx")]
-        present = [path for path in found if path.is_file()]
-        if present:
-            rows.append(("device file", f"{present[0].name} ({_size(present[0])})"))
-    for name in ("checkpoint", "nominal_checkpoint"):
-        path = folder / f"{prefix}{name}"
-        if path.is_file():
-            rows.append(("device file", f"{path.name} ({_size(path)})"))
-    return rows
+    graphs = [_preferred_graph(folder, f"{prefix}{role}") for role in _DEVICE_FILES]
+    nominal = folder / f"{prefix}nominal_checkpoint"
+    complete = folder / f"{prefix}checkpoint"
+    needed = [graph for graph in graphs if graph is not None]
+    needed += [nominal] if nominal.is_file() else [complete, folder / f"{complete.name}.data"]
+    rows: Rows = [("device file", f"{path.name} ({_size(path)})") for path in needed if path.is_file()]
+    return rows + _operator_list_rows(folder, prefix)
+
+
+def _preferred_graph(folder: Path, stem: str) -> Path | None:
+    present = [path for path in (folder / f"{stem}.ort", folder / f"{stem}.onnx") if path.is_file()]
+    return present[0] if present else None
+
+
+def _operator_list_rows(folder: Path, prefix: str) -> Rows:
+    """Explain the ``*.required_operators.config`` files ORT's ``.ort`` converter writes, when there are some."""
+    configs = sorted(folder.glob(f"{prefix}*.required_operators.config"))
+    if not configs:
+        return []
+    names = ", ".join(path.name for path in configs)
+    return [("operator lists", f"{names}: the operators of each .ort graph, from ORT's converter; a device does not "
+                               "load them, they configure a reduced-operator ONNX Runtime build for mobile "
+                               "(build.py --minimal_build --include_ops_by_config FILE)")]
 
 
 def _size(path: Path) -> str:

@@ -7,7 +7,10 @@ this build: its default logger is set to errors once, quietly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 _INSTALL_HINT = (
     "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
@@ -16,25 +19,47 @@ _INSTALL_HINT = (
     "Install exactly one, and never beside plain `onnxruntime`: all three provide the same package."
 )
 
-# NOTE: importing onnxruntime runs logging.basicConfig(level=INFO) (its quantization package
-# does), which would print every library's INFO records, Lightning's included, twice; the
-# root logger is given back as the user had it.
-_root_logger = logging.getLogger()
-_root_handlers, _root_level = list(_root_logger.handlers), _root_logger.level
-try:
-    import onnxruntime
-    from onnxruntime.capi import _pybind_state as _C
-    from onnxruntime.tools import convert_onnx_models_to_ort as _converter
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs as _fbs
-    from onnxruntime.training import artifacts as _artifacts
-    from onnxruntime.training import onnxblock
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
-    from onnxruntime.training.onnxblock import _training_graph_utils
-except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError(_INSTALL_HINT) from error
-finally:
-    _root_logger.handlers[:] = _root_handlers
-    _root_logger.setLevel(_root_level)
+
+def _below_warning_from_ort(record: logging.LogRecord) -> bool:
+    """False for an INFO or DEBUG record that ONNX Runtime's own Python code sends: it is dropped."""
+    return record.levelno >= logging.WARNING or "onnxruntime" not in Path(record.pathname).parts
+
+
+@contextlib.contextmanager
+def root_logger_kept() -> Iterator[None]:
+    """Give the root logger back with the handlers and level it had; drop ORT's INFO records meanwhile.
+
+    NOTE: ONNX Runtime configures the root logger, which a library must never do: importing its
+    tools runs ``logging.basicConfig`` (``onnxruntime/tools/logger.py``, the quantization package),
+    and ``generate_artifacts`` logs through the module-level ``logging.info``, which calls
+    ``basicConfig`` when the root logger has no handler. The handler left behind prints every
+    record that propagates to the root, so Flower's and Lightning's lines appear twice. Its INFO
+    lines ("Saved training model to ...") would also reach a handler the user set up at INFO;
+    ort-lightning reports what it wrote itself, so they are dropped while ORT runs.
+    """
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    root.addFilter(_below_warning_from_ort)
+    try:
+        yield
+    finally:
+        root.removeFilter(_below_warning_from_ort)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+with root_logger_kept():
+    try:
+        import onnxruntime
+        from onnxruntime.capi import _pybind_state as _C
+        from onnxruntime.tools import convert_onnx_models_to_ort as _converter
+        from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs as _fbs
+        from onnxruntime.training import artifacts as _artifacts
+        from onnxruntime.training import onnxblock
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer
+        from onnxruntime.training.onnxblock import _training_graph_utils
+    except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
+        raise ImportError(_INSTALL_HINT) from error
 
 
 # NOTE: this build logs at INFO by default; ERROR keeps a user's console readable.
@@ -52,6 +77,7 @@ __all__ = [
     "onnxruntime",
     "ort_converter",
     "ort_flatbuffers",
+    "root_logger_kept",
     "training_graph_utils",
 ]
 

@@ -25,6 +25,7 @@ from ort_lightning.errors import ExportError
 from ort_lightning.ort._api import (
     CheckpointState,
     onnxblock,
+    root_logger_kept,
 )
 from ort_lightning.ort._api import artifacts_api as _artifacts
 from ort_lightning.ort._api import capi as _C
@@ -64,6 +65,24 @@ def _quiet_graph_builder() -> Iterator[None]:
         yield
     finally:
         _training_graph_utils.SessionOptions = original
+
+
+#: The logger of ORT's ``.ort`` converter: one INFO line per ``*.required_operators.config`` it writes.
+_CONVERTER_LOGGER = "ort_format_model.utils"
+
+
+@contextlib.contextmanager
+def _quiet_converter_log() -> Iterator[None]:
+    # NOTE: ORT's tools set their loggers to DEBUG; its "Created config in ..." lines would reach any
+    # handler the user gave the root logger. Warnings and errors still pass; the level comes back after.
+    logger = logging.getLogger(_CONVERTER_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with root_logger_kept():
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def is_block(obj: object) -> bool:
@@ -204,7 +223,7 @@ def generate(
         model, external = _weightless(model, {*trainable, *frozen})
     try:
         checkpoint = _checkpoint_from(weights_dir, external) if weights_dir is not None else contextlib.nullcontext()
-        with _quiet_graph_builder(), checkpoint:
+        with _quiet_graph_builder(), checkpoint, root_logger_kept():
             _artifacts.generate_artifacts(
                 model,
                 requires_grad=list(trainable),
@@ -237,10 +256,9 @@ def write_device_files(
     parameters' names, shapes and trainability, no weights.
     """
     if ort_format:
-        # NOTE: the converter prints its progress, and its config writer logs each file at INFO through a
-        # logger it set to DEBUG; a library keeps the user's console quiet.
-        logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
-        with contextlib.redirect_stdout(io.StringIO()), _quiet_graph_builder():
+        # NOTE: the converter prints its progress, and its config writer logs each file at INFO; a library
+        # keeps the user's console quiet (`_quiet_converter_log`).
+        with contextlib.redirect_stdout(io.StringIO()), _quiet_graph_builder(), _quiet_converter_log():
             for graph in graphs:
                 _converter.convert_onnx_models_to_ort(
                     Path(graph), output_dir=Path(folder), optimization_styles=[_converter.OptimizationStyle.Fixed]

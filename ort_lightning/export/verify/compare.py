@@ -84,27 +84,55 @@ class BatchCheck:
     ambiguous_relus: int | None = None
 
     def summary(self) -> str:
-        """One line: status and the differences (the batch size is the caller's label)."""
+        """One line: status and the differences (the batch size is the caller's label).
+
+        Example::
+
+            >>> BatchCheck(2, "passed", 2.56, 1.8e-07, "fc.weight", 1.4e-07, 2e-07, 0.002, 7e-05, 8.6e-08).summary()
+            'passed, loss 2.56 (off by 1.8e-07); closest to its allowance: the gradient of fc.weight, off by 1.4e-07 \
+where 7e-05 is allowed (float32 noise 8.6e-08), 0.2% of the allowance; 2e-07 of its largest value'
+        """
+        if self.status == "no torch reference":
+            return f"ran, loss {self.loss:.6g}: finite, no crash or error (no torch reference to compare it with)"
         text = f"{self.status}, loss {self.loss:.6g}"
         if self.loss_diff is not None:
-            text += f" (diff {self.loss_diff:.2g})"
-        if self.worst_parameter is not None and self.grad_abs_diff is not None:
-            text += (
-                f", worst gradient {self.worst_parameter}: abs diff {self.grad_abs_diff:.2g}, "
-                f"rel diff {self.grad_rel_diff:.2g}"
-            )
-            if self.grad_tolerance is not None:
-                text += f", allowed {self.grad_tolerance:.2g} (float32 noise {self.grad_float32_noise:.2g}"
-                text += f", kinks {self.grad_kinks:.2g})" if self.grad_kinks else ")"
-            if self.tolerance_used is not None:
-                text += f" ({self.tolerance_used:.0%} of its tolerance)"
-        return text
+            text += f" (off by {self.loss_diff:.2g})"
+        if self.worst_parameter is None or self.grad_abs_diff is None:
+            return text
+        text += f"; closest to its allowance: the gradient of {self.worst_parameter}, off by {self.grad_abs_diff:.2g}"
+        if self.grad_tolerance is not None:
+            text += f" where {self.grad_tolerance:.2g} is allowed (float32 noise {self.grad_float32_noise:.2g}"
+            text += f", ReLU kinks {self.grad_kinks:.2g})" if self.grad_kinks else ")"
+        if self.tolerance_used is not None:
+            text += f", {_percent(self.tolerance_used)} of the allowance"
+        return f"{text}; {self._relative()}"
+
+    def _relative(self) -> str:
+        """The relative difference, or why it means nothing for a gradient that is zero up to rounding."""
+        relative, absolute = self.grad_rel_diff or 0.0, self.grad_abs_diff or 0.0
+        largest = absolute / relative if relative > 0 and math.isfinite(relative) else None
+        if largest is not None and self.grad_tolerance is not None and largest <= self.grad_tolerance:
+            # NOTE: e.g. a bias right before a BatchNorm: its true gradient is 0, so any rounding is a huge ratio.
+            return (f"relative to its largest value ({largest:.2g}, zero up to rounding) {relative:.2g}, "
+                    "which means nothing for a gradient that small")
+        return f"{relative:.2g} of its largest value"
 
     @classmethod
     def from_report(cls, entry: dict[str, Any]) -> BatchCheck:
         """Read one entry of a manifest's report, ignoring fields this version does not know."""
         known = {field.name for field in fields(cls)}
         return cls(**{key: value for key, value in entry.items() if key in known})
+
+
+def _percent(share: float) -> str:
+    """A share of the allowance as a percentage with two significant digits (0.002 -> ``0.2%``).
+
+    Example::
+
+        >>> _percent(0.002), _percent(0.0), _percent(0.98)
+        ('0.2%', '0%', '98%')
+    """
+    return f"{share * 100:.2g}%"
 
 
 def _nonfinite(loss: float, gradients: Mapping[str, np.ndarray], trainable: Sequence[str]) -> str | None:

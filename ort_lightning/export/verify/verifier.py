@@ -360,12 +360,30 @@ def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
         return [("verified", "not recorded (exported before verification existed)")]
     if report.get("status") == "skipped":
         return [("verified", "skipped (export_artifacts(verify=False))")]
+    checks = [BatchCheck.from_report(entry) for entry in report.get("batches", [])]
+    return [("verified", _status_text(report)), *((f"batch {check.batch_size}", check.summary()) for check in checks)]
+
+
+def _status_text(report: dict[str, Any]) -> str:
+    """The ``verified`` row: the status, then what it means in words, with the report's numbers.
+
+    Example::
+
+        >>> _status_text({"status": "passed", "margin": 0.002, "rule": "R"})
+        'passed (worst margin 0.002: the largest difference is 0.2% of what float32 rounding allows; R)'
+        >>> _status_text({"status": "no torch reference", "rule": "R", "margin": 0.0})[:61]
+        'no torch reference (an ONNX source or a custom loss block has'
+    """
     status = str(report.get("status", "unknown"))
     if "reason" in report:
-        status += f" ({report['reason']})"
-    elif "rule" in report:
-        status += f" (worst margin {report.get('margin', 0.0):.2g} of the tolerance; {report['rule']})"
-    elif "rtol" in report and "atol" in report:
-        status += f" (rtol {report['rtol']:g}, atol {report['atol']:g})"
-    checks = [BatchCheck.from_report(entry) for entry in report.get("batches", [])]
-    return [("verified", status), *((f"batch {check.batch_size}", check.summary()) for check in checks)]
+        return f"{status} ({report['reason']})"
+    if status == "no torch reference":
+        return (f"{status} (an ONNX source or a custom loss block has no torch model to compare with; one training "
+                "step at each batch size below ran without a crash, an ORT error or a NaN/inf)")
+    if "rule" in report:
+        margin = float(report.get("margin", 0.0))
+        return (f"{status} (worst margin {margin:.2g}: the largest difference is {margin * 100:.2g}% of what float32 "
+                f"rounding allows; {report['rule']})")
+    if "rtol" in report and "atol" in report:
+        return f"{status} (rtol {report['rtol']:g}, atol {report['atol']:g})"
+    return status
