@@ -29,8 +29,8 @@ from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import digits_mlp
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.web import ENVIRONMENT_VARIABLE, TRAINING_BUILD, asset, find_ort_web
-from tests.test_adopt import Case, _generate
 from tests._web import ROOT, NodeError, ort_web_dist, requires_node, run_node
+from tests.test_adopt import Case, _generate
 
 DRIVER = ROOT / "tests" / "web" / "train_device.mjs"
 #: ORT's default learning rate, the only one onnxruntime-web's optimizer runs at on an unprepared folder.
@@ -61,22 +61,25 @@ def digits_device(tmp_path_factory: pytest.TempPathFactory) -> Device:
     # The server's weights: the folder's initial values moved, so that a device cannot pass by ignoring them.
     generator = np.random.default_rng(7)
     state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
-    weights = np.concatenate([
-        np.array(state.parameters[name].data).ravel() + 0.05 * generator.standard_normal(state.parameters[name].data.size)
-        for name in order
-    ]).astype(np.float32)
+    values = [np.array(state.parameters[name].data).ravel() for name in order]
+    weights = np.concatenate([value + 0.05 * generator.standard_normal(value.size) for value in values])
+    weights = weights.astype(np.float32)
     return Device(Path(device), tuple(order), weights)
 
 
 def _digits_batches(count: int = 3) -> list[Batch]:
     features, labels = load_digits(return_X_y=True)
-    return [
-        ((features[i * BATCH:(i + 1) * BATCH] / 16.0).astype(np.float32), labels[i * BATCH:(i + 1) * BATCH].astype(np.int64))
-        for i in range(count)
-    ]
+    rows = [slice(i * BATCH, (i + 1) * BATCH) for i in range(count)]
+    return [((features[r] / 16.0).astype(np.float32), labels[r].astype(np.int64)) for r in rows]
 
 
-def _write_job(work: Path, folder: Path, graphs: str, weights: np.ndarray, batches: list[tuple[np.ndarray, ...]]) -> Path:
+#: The runner's tensor type of each numpy dtype the tests send.
+TYPES = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}
+
+
+def _write_job(
+    work: Path, folder: Path, graphs: str, weights: np.ndarray, batches: list[tuple[np.ndarray, ...]]
+) -> Path:
     """The driver's job: paths, the format, raw little-endian files for the weights and each tensor."""
     work.mkdir(parents=True, exist_ok=True)
     weights.astype("<f4").tofile(work / "weights.bin")
@@ -84,7 +87,7 @@ def _write_job(work: Path, folder: Path, graphs: str, weights: np.ndarray, batch
     for index, batch in enumerate(batches):
         tensors = []
         for position, tensor in enumerate(batch):
-            kind = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}[tensor.dtype]
+            kind = TYPES[tensor.dtype]
             tensor.astype(tensor.dtype.newbyteorder("<")).tofile(work / f"batch{index}-{position}.bin")
             tensors.append({"file": f"batch{index}-{position}.bin", "type": kind, "dims": list(tensor.shape)})
         listed.append(tensors)
@@ -149,7 +152,9 @@ def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_d
 # ----------------------------------------------------------------------------- Node trains as ORT's Python loop
 @requires_node
 @pytest.mark.parametrize("graphs", ["ort", "onnx"], ids=["ort-graphs", "onnx-graphs"])
-def test_node_runner_trains_and_evaluates_as_orts_python_loop(digits_device: Device, graphs: str, tmp_path: Path) -> None:
+def test_node_runner_trains_and_evaluates_as_orts_python_loop(
+    digits_device: Device, graphs: str, tmp_path: Path
+) -> None:
     batches = _digits_batches()
     job = _write_job(tmp_path / "node", digits_device.folder, graphs, digits_device.weights, batches)
     result, trained, outputs = _node_run(job)
@@ -196,7 +201,8 @@ def test_int32_labels_are_explained_where_onnxruntime_web_throws_a_bare_number(
 ) -> None:
     # NOTE: onnxruntime-web throws a WebAssembly exception's address, no message, for a tensor of another type.
     features, labels = _digits_batches(1)[0]
-    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, [(features, labels.astype(np.int32))])
+    batches = [(features, labels.astype(np.int32))]
+    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, batches)
     message = (r"batch 0 of the training graph: onnxruntime-web failed without a message \(it threw the number \d+, "
                r"a WebAssembly exception\), which it does for a tensor whose type or shape the graph does not take; "
                r"check each tensor's type and dims against the inputs \[input, labels\] .* int64 labels go in as "
