@@ -25,6 +25,7 @@ from pathlib import Path
 import onnx
 
 from ort_lightning.artifacts.manifest import Manifest, TensorSpec
+from ort_lightning.artifacts.schedule import graph_schedule
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import runtime as _ort
 
@@ -186,8 +187,8 @@ def adopted_manifest(
         trainable=trainable,
         frozen=frozen,
         buffers=(),
+        lr_schedule=None if optimizer is None else graph_schedule(optimizer),
     )
-
 
 def optimizer_attributes(path: Path) -> dict[str, float | int]:
     """The hyper-parameters of an optimizer graph's node, as ORT runs them (``.onnx`` or ``.ort`` graph)."""

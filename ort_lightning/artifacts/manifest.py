@@ -22,6 +22,7 @@ from typing import Any
 import onnx
 import torch
 
+from ort_lightning.artifacts.schedule import GraphSchedule
 from ort_lightning.errors import ArtifactError
 
 __all__ = ["MANIFEST_NAME", "UNVERIFIED_NAME", "Manifest", "TensorSpec"]
@@ -84,6 +85,8 @@ class Manifest:
     #: Parameter and buffer names in the model's own order (the torch module's, else the training graph's);
     #: empty in manifests written before it, whose parameters keep ONNX Runtime's (alphabetical) order.
     parameter_order: tuple[str, ...] = ()
+    #: The learning rate the optimizer graph computes itself (``prepare_for_web``); None: the runtime feeds it.
+    lr_schedule: GraphSchedule | None = None
 
     @property
     def graph_inputs(self) -> tuple[TensorSpec, ...]:
@@ -138,6 +141,7 @@ class Manifest:
                 verification=data.get("verification"),
                 loss_options=dict(data.get("loss_options", {})),
                 parameter_order=tuple(data.get("parameter_order", ())),
+                lr_schedule=GraphSchedule.from_dict(data["lr_schedule"]) if data.get("lr_schedule") else None,
             )
         except (KeyError, TypeError) as error:
             raise ArtifactError(

@@ -68,12 +68,22 @@ def artifacts_rows(directory: Path) -> Rows:
     rows.append(("loss", f"{manifest.loss} {loss_options}".rstrip()))
     options = " ".join(f"{key}={value}" for key, value in manifest.optimizer_options.items())
     rows.append(("optimizer", f"{manifest.optimizer} {options}".rstrip()))
+    rows.append(("learning rate", _learning_rate(manifest)))
     rows += weightless_rows(artifacts) if artifacts.weightless else checkpoint_rows(artifacts.checkpoint)
     rows += [(title, ", ".join(names) or "-") for title, names in _initializer_roles(artifacts)]
     if not artifacts.adopted:  # ORT's generator records neither a verification nor versions
         rows += report_rows(manifest.verification)
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in manifest.versions.items())))
     return rows
+
+
+def _learning_rate(manifest: Any) -> str:
+    """Where the optimizer's rate comes from: computed in its graph (``prepare_for_web``), or fed by the runtime."""
+    from ort_lightning.artifacts.schedule import RUNTIME_FED
+
+    if manifest.lr_schedule is not None:
+        return str(manifest.lr_schedule.describe())
+    return "- (no optimizer graph)" if manifest.optimizer == "none" else RUNTIME_FED
 
 
 #: What a device running ONNX Runtime's training API loads: ``.ort`` graphs (mobile builds), else ``.onnx``.

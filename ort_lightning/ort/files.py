@@ -29,6 +29,7 @@ __all__ = [
     "export_for_inferencing",
     "nominal_summary",
     "ort_graph_io",
+    "ort_metadata",
     "ort_node_attributes",
     "save_checkpoint",
     "set_properties",
@@ -81,6 +82,23 @@ def ort_node_attributes(path: os.PathLike[str] | str, op_types: Sequence[str]) -
     readers = {_fbs.AttributeType.AttributeType.FLOAT: "F", _fbs.AttributeType.AttributeType.INT: "I"}
     attributes = [node.Attributes(index) for index in range(node.AttributesLength())]
     return {a.Name().decode(): getattr(a, readers[a.Type()])() for a in attributes if a.Type() in readers}
+
+
+def ort_metadata(path: os.PathLike[str] | str) -> dict[str, str]:
+    """The model metadata (``metadata_props``) of an ``.ort`` graph, which ORT's converter keeps from the ``.onnx`` one.
+
+    Raises:
+        ArtifactError: for a file that is not an ``.ort`` graph.
+    """
+    try:
+        model = _fbs.InferenceSession.InferenceSession.GetRootAs(_read(path), 0).Model()
+        entries = [model.MetadataProps(index) for index in range(model.MetadataPropsLength())]
+        return {entry.Key().decode(): entry.Value().decode() for entry in entries}
+    except Exception as error:  # the flatbuffers readers raise struct/index/attribute errors on a damaged file
+        raise ArtifactError(
+            f"{os.fspath(path)} is not an ONNX Runtime .ort graph ({type(error).__name__}: {error}); copy it again "
+            "from where the artifacts were generated, or regenerate them."
+        ) from error
 
 
 def _read(path: os.PathLike[str] | str) -> bytes:

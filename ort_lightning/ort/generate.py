@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -236,7 +237,9 @@ def write_device_files(
     parameters' names, shapes and trainability, no weights.
     """
     if ort_format:
-        # NOTE: the converter prints its progress; a library keeps the user's console quiet.
+        # NOTE: the converter prints its progress, and its config writer logs each file at INFO through a
+        # logger it set to DEBUG; a library keeps the user's console quiet.
+        logging.getLogger("ort_format_model.utils").setLevel(logging.WARNING)
         with contextlib.redirect_stdout(io.StringIO()), _quiet_graph_builder():
             for graph in graphs:
                 _converter.convert_onnx_models_to_ort(

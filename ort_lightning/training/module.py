@@ -31,6 +31,7 @@ from ort_lightning.strategies import check_strategy
 from ort_lightning.training import hybrid as _hybrid
 from ort_lightning.training.checkpoint_connector import CheckpointConnector, find_artifacts
 from ort_lightning.training.checkpoints import RunOrigin, read_checkpoint
+from ort_lightning.training.graph_schedule import check_graph_schedule
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     check_can_train,
@@ -84,7 +85,8 @@ class ORTLightningModule(pl.LightningModule):
             per optimizer step, or Lightning's scheduler dict with such a factory under
             ``"scheduler"`` (``interval``, ``frequency``, ``monitor``, e.g. for ``ReduceLROnPlateau``).
             Schedules count Lightning's optimizer steps, skipped ones included; the lr reaches ORT
-            before every update.
+            before every update. A folder from ``prepare_for_web`` computes its own rate: it takes
+            exactly its schedule's settings (``ort-lightning inspect`` prints them).
         metrics: a torchmetrics Metric, MetricCollection or dict name -> Metric, updated with the
             graph's first extra output (the logits) and the first label, cloned per stage and logged
             as ``train_<name>``, ``val_<name>``, ``test_<name>`` (name: the dict key or the class name).
@@ -121,7 +123,8 @@ class ORTLightningModule(pl.LightningModule):
 
     Raises:
         ConfigurationError: for a non-positive lr, an inconsistent schedule, an unknown `on_nonfinite`,
-            or a `custom_op_library` that is missing or cannot be loaded.
+            a `custom_op_library` that is missing or cannot be loaded, or a schedule other than the one
+            a ``prepare_for_web`` folder computes in its optimizer graph.
         ArtifactError: for an artifacts folder that does not validate, or a manifest of another model.
         CheckpointError: for a `checkpoint` that is damaged or does not match the artifacts.
     """
@@ -173,6 +176,8 @@ class ORTLightningModule(pl.LightningModule):
             lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._origin.properties
         )
         check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
+        check_graph_schedule(self.artifacts.manifest.lr_schedule, schedule, lr_scheduler,
+                             folder=self.artifacts.directory, on_nonfinite=on_nonfinite, hybrid=optimizer is not None)
         self.lr, self.warmup_steps, self.total_steps = schedule.lr, schedule.warmup_steps, schedule.total_steps
         self.lr_scheduler = lr_scheduler
         self.save_hyperparameters(

@@ -1,0 +1,73 @@
+"""A folder whose optimizer graph computes its own learning rate: the module trains it only at that rate.
+
+``prepare_for_web`` writes folders whose optimizer graph ignores the ``learning_rate`` ONNX Runtime
+feeds and computes the rate from the optimizer step (``Manifest.lr_schedule``). The module's
+scheduler still sets a rate (for ``LearningRateMonitor``, checkpoints, clipping), which the graph
+would silently ignore: `check_graph_schedule` accepts only the settings that report the rate the
+graph trains at, and refuses others by name.
+
+Example::
+
+    >>> from ort_lightning.artifacts.schedule import GraphSchedule
+    >>> from ort_lightning.training.schedules import Schedule
+    >>> baked = GraphSchedule("linear", 0.05, warmup_steps=3, total_steps=8)
+    >>> agrees(baked, Schedule(lr=0.05, warmup_steps=3, total_steps=8), "linear")
+    True
+    >>> agrees(baked, Schedule(lr=0.05, warmup_steps=0, total_steps=None), "linear")
+    False
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ort_lightning.artifacts.schedule import GraphSchedule
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.training.schedules import Schedule, describe, resolve_warmup
+
+__all__ = ["agrees", "check_graph_schedule"]
+
+
+def agrees(baked: GraphSchedule, schedule: Schedule, lr_scheduler: Any) -> bool:
+    """Whether the module's `schedule` and `lr_scheduler` give, step by step, the rate `baked` computes."""
+    if lr_scheduler != baked.kind or not math.isclose(schedule.lr, baked.lr, rel_tol=1e-12):
+        return False
+    if baked.kind == "constant":
+        return True
+    total = schedule.total_steps
+    if total is None or total != baked.total_steps:
+        return False
+    return resolve_warmup(schedule.warmup_steps, total_steps=total) == baked.warmup_steps
+
+
+def check_graph_schedule(
+    baked: GraphSchedule | None, schedule: Schedule, lr_scheduler: Any, *, folder: Path, on_nonfinite: str,
+    hybrid: bool,
+) -> None:
+    """Refuse settings under which the module would report another rate than `folder`'s graph trains at.
+
+    A hybrid module (``optimizer=`` a torch factory) does not run the optimizer graph: anything goes.
+
+    Raises:
+        ConfigurationError: naming the folder's schedule and the arguments that train at it.
+    """
+    if baked is None or hybrid:
+        return
+    if not agrees(baked, schedule, lr_scheduler):
+        raise ConfigurationError(
+            f"{folder} computes its learning rate in its optimizer graph ({baked.describe()}; prepare_for_web() "
+            f"wrote it) and ignores the rate ORTLightningModule sets, but this module was given lr={schedule.lr!r}, "
+            f"lr_scheduler={describe(lr_scheduler)!r}, warmup_steps={schedule.warmup_steps!r}, "
+            f"total_steps={schedule.total_steps!r}: it would report one rate and train at another. Pass "
+            f"{baked.arguments()} to train at the folder's schedule, or train the folder that prepare_for_web() "
+            "read, which takes any schedule."
+        )
+    if baked.kind == "linear" and on_nonfinite == "skip":
+        raise ConfigurationError(
+            f"{folder} computes a linear learning-rate schedule from ONNX Runtime's count of updates, which a skipped "
+            "step does not advance, while the module's schedule counts every optimizer step: with "
+            "on_nonfinite='skip' the two would part after the first skipped step. Pass on_nonfinite='raise', or "
+            "train the folder that prepare_for_web() read."
+        )
