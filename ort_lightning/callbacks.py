@@ -35,8 +35,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from ort_lightning.errors import CheckpointError, ConfigurationError
-from ort_lightning.training.atomic import check_writable, remove_stale_temps, remove_with_digest
+from ort_lightning.training.atomic import remove_with_digest
 from ort_lightning.training.checkpoints import Checkpointable
+from ort_lightning.training.temps import check_writable, remove_stale_temps
 
 __all__ = ["ORTCheckpoint"]
 
@@ -190,6 +191,29 @@ class ORTCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("ORTCheckpoint.inference_model")
 
     # ----------------------------------------------------------------------------- ModelCheckpoint's file access
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """None: ``Trainer.fit(ckpt_path="last")`` must never take an ORT file for a Lightning ``.ckpt``.
+
+        NOTE: Lightning asks every ModelCheckpoint for its ``last`` files and loads the newest with
+        torch.load; ``last.ortckpt`` is often the newest (a kill between it and ``last.ckpt``), and
+        torch cannot read it. Lightning's own ModelCheckpoint answers for the ``.ckpt`` files.
+
+        Raises:
+            CheckpointError: when this callback's ``last`` file is the only one a ``"last"`` resume could use.
+        """
+        mine = super()._find_last_checkpoints(trainer)
+        others = [cb for cb in trainer.checkpoint_callbacks if not isinstance(cb, ORTCheckpoint)]
+        if mine and not others:
+            last = sorted(mine)[-1]
+            raise CheckpointError(
+                f"Trainer.fit(ckpt_path='last') found only {last}, an ORT checkpoint, which Lightning cannot load "
+                "as a .ckpt; resume from it with ORTLightningModule(artifacts, checkpoint="
+                f"{last!r}) and fit without ckpt_path, or add lightning's ModelCheckpoint(save_last=True) to the "
+                "callbacks so that 'last' finds a Lightning .ckpt."
+            )
+        return set()
+
     @override
     def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
         candidates = super()._monitor_candidates(trainer)

@@ -11,9 +11,11 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DeviceError",
+    "DeviceReplyError",
     "ExportError",
     "NonFiniteLossError",
     "ORTLightningError",
+    "StorageError",
 ]
 
 
@@ -47,3 +49,16 @@ class CheckpointError(ORTLightningError, ValueError):
 
 class NonFiniteLossError(ORTLightningError, FloatingPointError):
     """A training loss was NaN or infinite, and the module's ``on_nonfinite`` policy is ``"raise"``."""
+
+
+class StorageError(ORTLightningError, OSError):
+    """A file could not be written (no space left on device, no permission); the previous file is left intact."""
+
+
+class DeviceReplyError(ORTLightningError, ValueError):
+    """What a fleet device sent back was refused before it reached the strategy.
+
+    Its values had the wrong count or were not finite, it claimed more examples than it was
+    given, its frame was over the size limit or unreadable, or it stopped answering: the device
+    is named and dropped from the fleet, and its round completes with the other devices.
+    """

@@ -9,6 +9,7 @@ Subcommands:
 - ``inspect DIR | CHECKPOINT``: what a set of artifacts or an ORT checkpoint holds.
 - ``fleet --config fleet.yaml``: federated training of the digits artifacts on simulated
   devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
+  ``--browsers``: the devices are browsers that open the URL it prints (``engine: browser``).
 
 Errors print one line, without a traceback, and exit with status 2.
 
@@ -119,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser("fleet", help="federated training of the digits artifacts on simulated devices")
     fleet.add_argument("--config", type=Path, required=True,
                        help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
+    fleet.add_argument("--browsers", action="store_true",
+                       help="the devices are browsers that open the printed URL (engine: browser)")
     fleet.set_defaults(handler=_fleet)
     for name, text in _LIGHTNING_HELP.items():
         # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
@@ -203,12 +206,15 @@ def _inspect(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- fleet
 def _fleet(args: argparse.Namespace) -> None:
+    import dataclasses
     import logging
     import warnings
 
     from ort_lightning.fleet.experiment import FleetConfig, run_experiment
 
     config = FleetConfig.from_yaml(args.config)
+    if args.browsers:
+        config = dataclasses.replace(config, engine="browser")
     # NOTE: one Trainer per device and round; their start-up lines, their warning that devices do not
     # validate, and Flower's round log would bury the accuracy per round.
     for name in ("lightning.pytorch", "lightning.fabric", "flwr"):

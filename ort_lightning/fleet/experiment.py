@@ -8,7 +8,8 @@ round, and writes each round's ORT checkpoint, ``history.json`` and (with matplo
 
 ``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
 cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
-to many machines.
+to many machines; ``engine: browser`` serves a page whose visitors are the devices
+(`ort_lightning.fleet.browser`: ``host``, ``port``, ``device_timeout``, ``ort_web``).
 
 Example::
 
@@ -43,7 +44,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fedavg": FedAvg, "fedavgm": FedAvgM, "fedprox": FedProx, "fedadam": FedAdam, "fedyogi": FedYogi,
     "fedadagrad": FedAdagrad,
 }
-ENGINES = ("local", "simulation")
+ENGINES = ("local", "simulation", "browser")
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,17 @@ class FleetConfig:
         optimizer_state: ``"fresh"`` or ``"keep"`` (see `FleetClient`).
         start: where each device starts, ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the
             server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
-        engine: ``"local"`` or ``"simulation"`` (Flower's Ray engine).
+        engine: ``"local"``, ``"simulation"`` (Flower's Ray engine) or ``"browser"`` (browsers that open the
+            fleet's page are the devices, `ort_lightning.fleet.browser`).
         cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
         hidden: hidden units of the digits MLP (when the console script exports it).
         seed: seed of the model, the split and the shuffles.
         resume: a round checkpoint to continue from (its round number continues too).
+        host: ``engine: browser``: the address the fleet's page is served on (loopback by default).
+        port: ``engine: browser``: its port (0: a free one).
+        device_timeout: ``engine: browser``: seconds a browser may take for a round before it is dropped.
+        ort_web: ``engine: browser``: onnxruntime-web's ``dist/`` folder or a URL (None: found as
+            `ort_lightning.web.find_ort_web` finds it).
     """
 
     out: str = "fleet-digits"
@@ -86,6 +93,10 @@ class FleetConfig:
     hidden: int = 64
     seed: int = 0
     resume: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device_timeout: float = 600.0
+    ort_web: str | None = None
 
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
@@ -97,6 +108,11 @@ class FleetConfig:
                     f"Expected `{key}` to be one of {list(allowed)}, but got {value!r}; fix that key of the fleet "
                     "config."
                 )
+        if self.engine == "browser" and self.optimizer_state == "keep":
+            raise ConfigurationError(
+                "Expected `optimizer_state: fresh` with `engine: browser`, but got \"keep\": a browser returns its "
+                "weights only (onnxruntime-web saves no optimizer state); use engine: local or simulation to keep it."
+            )
         if self.devices < 1 or self.rounds < 1 or self.epochs < 1:
             raise ConfigurationError(
                 f"Expected devices, rounds and epochs >= 1, but got {self.devices}, {self.rounds}, {self.epochs}; "
@@ -174,6 +190,10 @@ def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, ec
         The `FleetServer`, whose ``history`` holds each round's record.
     """
     Path(config.out).mkdir(parents=True, exist_ok=True)
+    if config.engine == "browser":
+        from ort_lightning.fleet.browser.experiment import run_browser_experiment
+
+        return run_browser_experiment(config, artifacts, echo=echo)
     server = fleet_server(config, artifacts)
     started = time.perf_counter()
     _run(server, fleet_client(config, artifacts), config)

@@ -25,6 +25,7 @@ from ort_lightning.ort.options import session_options
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",
+    "WRITE_ERRORS",
     "checkpoint_summary",
     "export_for_inferencing",
     "nominal_summary",
@@ -149,6 +150,11 @@ def nominal_summary(path: os.PathLike[str] | str) -> tuple[list[str], dict[str, 
 
 #: What ONNX Runtime raises for a checkpoint file it cannot parse.
 CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, _C.Fail, _C.InvalidArgument, _C.NoSuchFile)
+
+#: What writing a file may raise: the OS's errors, and ONNX Runtime's for a checkpoint or model it could not write
+#: (a full disk gives a RuntimeError whose text says "errno:28" for a checkpoint, "Protobuf serialization failed"
+#: for an inference model).
+WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, *CHECKPOINT_READ_ERRORS)
 
 
 def save_checkpoint(session: TrainingSession, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:

@@ -19,6 +19,7 @@ from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort._api import onnxruntime
 from ort_lightning.ort.files import (
     CHECKPOINT_READ_ERRORS,
+    WRITE_ERRORS,
     checkpoint_summary,
     export_for_inferencing,
     nominal_summary,
@@ -37,6 +38,7 @@ __all__ = [
     "OrtValue",
     "OrtValueVector",
     "TrainingSession",
+    "WRITE_ERRORS",
     "assemble",
     "checkpoint_summary",
     "export_for_inferencing",

@@ -6,6 +6,13 @@ over the target (a rename within one folder is atomic on POSIX and Windows). A s
 lists both the old and the new digest, so that whichever of the two files a crash leaves
 behind still verifies, and a corrupted or truncated file verifies as neither.
 
+Temporary files carry this package's name pattern (see `ort_lightning.training.temps`), so
+that a clean-up never touches a user's file. A writer may leave companions beside its file:
+ONNX Runtime writes a checkpoint over 2 GB as ``path`` plus ``path.data``; the companion is
+fsynced, digested and renamed with it (first, so the main file never names missing data).
+A write that fails (a full disk, no permission) raises `StorageError` naming the path and the
+cause; the previous file stays, and no partial or temporary file is left.
+
 Example::
 
     >>> import tempfile
@@ -26,21 +33,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ort_lightning.errors import CheckpointError
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.space import check_space, size_of, write_failure
+from ort_lightning.training.temps import COMPANION_SUFFIXES, TEMP_SUFFIX, temp_prefix
 
 __all__ = [
     "DIGEST_SUFFIX",
-    "TEMP_SUFFIX",
     "atomic_write",
-    "check_writable",
     "digest_path",
-    "remove_stale_temps",
     "remove_with_digest",
     "sha256_of",
     "verify_digest",
 ]
 
 DIGEST_SUFFIX = ".sha256"
-TEMP_SUFFIX = ".tmp"
 _CHUNK = 1 << 20
 
 
@@ -86,7 +92,7 @@ def _umask() -> int:
 
 
 def _temp_path(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=TEMP_SUFFIX, dir=path.parent)
     # NOTE: mkstemp creates the file 0600 and the rename keeps it; a serving process or a sync
     # job of another user must read the model it is handed, as it reads torch.save's files.
     os.chmod(name, 0o666 & ~_umask())
@@ -101,9 +107,15 @@ def _staged(path: Path) -> Iterator[Path]:
     try:
         yield temp
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
+        for leftover in (temp, *_companions(temp)):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
         raise
+
+
+def _companions(temp: Path) -> list[Path]:
+    """The companion files a writer left beside `temp` (``temp.data``)."""
+    return [companion for suffix in COMPANION_SUFFIXES if (companion := temp.with_name(temp.name + suffix)).exists()]
 
 
 def _replace(path: Path, write: Callable[[Path], object]) -> None:
@@ -136,43 +148,89 @@ def _current_digest(path: Path) -> str | None:
     return recorded[0] if len(recorded) == 1 else sha256_of(path)
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object], *, digest: bool = True) -> str:
+def _size_on_disk(temp: Path) -> int:
+    return sum(size_of(file) or 0 for file in (temp, *_companions(temp)))
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    write: Callable[[Path], object],
+    *,
+    digest: bool = True,
+    expected_size: int | None = None,
+) -> str:
     """Write `path` atomically through ``write(temp_path)``; return the new file's sha256.
 
     Args:
         path: the file to create or replace; its folder is created when missing.
-        write: writes the complete file at the temporary path it is given.
-        digest: keep a ``.sha256`` sidecar that `verify_digest` checks.
+        write: writes the complete file at the temporary path it is given (and maybe companions
+            ``<temp>.data``, moved to ``<path>.data`` with it).
+        digest: keep a ``.sha256`` sidecar that `verify_digest` checks (companions get their own).
+        expected_size: bytes the file will about take, checked against the free space first; None
+            means the size of the file it replaces, if any.
 
     Returns:
         The hex sha256 of the file written.
+
+    Raises:
+        StorageError: when the disk has too little space or the write fails; the previous file is intact.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    old: str | None = None
+    needed = expected_size if expected_size is not None else size_of(target)
+    check_space(target, needed=needed)
     with _staged(target) as temp:
-        write(temp)
-        _fsync_file(temp)
-        new = sha256_of(temp)
-        if digest:
-            old = _current_digest(target)
-            # NOTE: both digests are accepted while the rename is in flight (see module docstring).
-            _write_digests(target, [new] if old in (None, new) else [new, old])
-        os.replace(temp, target)
+        try:
+            new, moves = _write_staged(target, temp, write, digest=digest)
+        except _ort.WRITE_ERRORS as error:
+            # NOTE: measured while the partial file still holds its space; _staged then removes it.
+            raise write_failure(target, error, written=_size_on_disk(temp), needed=needed) from error
+        for source, destination, _ in moves:
+            os.replace(source, destination)
     _fsync_dir(target.parent)
-    if digest and old not in (None, new):
-        _write_digests(target, [new])
+    if digest:
+        for _, destination, settled in moves:
+            if settled is not None:
+                _write_digests(destination, [settled])
     return new
+
+
+def _write_staged(
+    target: Path, temp: Path, write: Callable[[Path], object], *, digest: bool
+) -> tuple[str, list[tuple[Path, Path, str | None]]]:
+    """Write and flush `temp` (and its companions), record their digests; return the renames to make.
+
+    Each rename is ``(temp file, final path, digest to keep alone afterwards or None)``; companions
+    come first, so that the main file, renamed last, never names data that is not there yet.
+    """
+    write(temp)
+    files = [*_companions(temp), temp]
+    moves: list[tuple[Path, Path, str | None]] = []
+    new = ""
+    for file in files:
+        _fsync_file(file)
+        destination = target if file == temp else target.with_name(target.name + file.name[len(temp.name):])
+        new = sha256_of(file)
+        settled: str | None = None
+        if digest:
+            old = _current_digest(destination)
+            # NOTE: both digests are accepted while the rename is in flight (see module docstring).
+            _write_digests(destination, [new] if old in (None, new) else [new, old])
+            settled = new if old not in (None, new) else None
+        moves.append((file, destination, settled))
+    return new, moves
 
 
 def verify_digest(path: str | os.PathLike[str]) -> bool:
     """Check a file against its sidecar digest.
 
+    Companions beside it (``path.data``, ONNX Runtime's external data) are checked against their own sidecars.
+
     Returns:
         True when the sidecar exists and the file matches it; False when there is no sidecar.
 
     Raises:
-        CheckpointError: for a missing or empty file, or one whose bytes match no recorded digest.
+        CheckpointError: for a missing or empty file, or one (or a companion) whose bytes match no recorded digest.
     """
     target = Path(path)
     if not target.is_file():
@@ -185,6 +243,17 @@ def verify_digest(path: str | os.PathLike[str]) -> bool:
             f"Checkpoint {target} is empty (0 bytes), so a write to it never finished; resume from another "
             "checkpoint (for instance the previous epoch's file)."
         )
+    found = _matches_digest(target)
+    for companion in _companions_of(target):
+        _matches_digest(companion)
+    return found
+
+
+def _companions_of(path: Path) -> list[Path]:
+    return [companion for suffix in COMPANION_SUFFIXES if (companion := path.with_name(path.name + suffix)).is_file()]
+
+
+def _matches_digest(target: Path) -> bool:
     accepted = _read_digests(digest_path(target))
     if not accepted:
         return False
@@ -199,33 +268,8 @@ def verify_digest(path: str | os.PathLike[str]) -> bool:
 
 
 def remove_with_digest(path: Path) -> None:
-    """Delete a file and then its sidecar (never leave a file without the digest that guards it)."""
-    for target in (path, digest_path(path)):
+    """Delete a file, its companions, then their sidecars (never leave a file without the digest that guards it)."""
+    companions = _companions_of(path)
+    for target in (path, *companions, digest_path(path), *map(digest_path, companions)):
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
-
-
-def remove_stale_temps(folder: Path) -> list[Path]:
-    """Delete the temporary files that an interrupted `atomic_write` left in `folder`."""
-    stale = [p for p in folder.glob(f".*{TEMP_SUFFIX}") if p.is_file()] if folder.is_dir() else []
-    for temp in stale:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-    return stale
-
-
-def check_writable(folder: Path) -> None:
-    """Create `folder` if needed and prove that a file can be written there, before any training step.
-
-    Raises:
-        CheckpointError: naming the folder, why it cannot be written, and what to do.
-    """
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-", suffix=TEMP_SUFFIX):
-            pass
-    except OSError as error:
-        raise CheckpointError(
-            f"Cannot write checkpoints to {folder} ({error.strerror or error}); it must be a folder you can write "
-            "to: pass another `dirpath`, or fix that path's permissions, before training starts."
-        ) from error

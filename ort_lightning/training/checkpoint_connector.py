@@ -53,6 +53,7 @@ from ort_lightning.training.travel import (
     metric_names,
     resolve_artifacts,
 )
+from ort_lightning.training.trust import check_code_hyperparameters
 
 if TYPE_CHECKING:
     from ort_lightning.training.module import ORTLightningModule
@@ -172,10 +173,17 @@ def find_artifacts(checkpoint_path: Any, kwargs: dict[str, Any]) -> dict[str, An
     The stored artifacts path is used when it exists; else the folder is looked for beside the
     ``.ckpt`` and in its parent folders; an ``artifacts=`` the caller gave wins.
 
+    Stored hyper-parameters that name code to load or run are refused first, unless `kwargs` passes
+    them again (`ort_lightning.training.trust`); with ``hparams_file=`` the caller's file replaces them.
+
     Raises:
-        CheckpointError: for artifacts found nowhere (pass ``artifacts=``).
+        CheckpointError: for artifacts found nowhere (pass ``artifacts=``), or a stored hyper-parameter that
+            names code (a custom operator library, a factory) and is not passed again.
     """
+    hparams = hyperparameters_of(checkpoint_path)
+    if kwargs.get("hparams_file") is None:
+        check_code_hyperparameters(hparams, kwargs, source=f"Checkpoint {checkpoint_path}")
     if "artifacts" in kwargs:
         return kwargs
-    found = resolve_artifacts(checkpoint_path, hyperparameters_of(checkpoint_path))
+    found = resolve_artifacts(checkpoint_path, hparams)
     return kwargs if found is None else {**kwargs, "artifacts": found}

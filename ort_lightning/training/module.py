@@ -30,6 +30,7 @@ from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy
 from ort_lightning.training import hybrid as _hybrid
 from ort_lightning.training.checkpoint_connector import CheckpointConnector, find_artifacts
+from ort_lightning.training.checkpoint_io import install_atomic_io
 from ort_lightning.training.checkpoints import RunOrigin, read_checkpoint
 from ort_lightning.training.graph_schedule import check_graph_schedule
 from ort_lightning.training.guards import (
@@ -256,8 +257,12 @@ class ORTLightningModule(pl.LightningModule):
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
     def setup(self, stage: str) -> None:
-        """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters."""
+        """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters.
+
+        Also makes Lightning's ``.ckpt`` writes atomic (`ort_lightning.training.checkpoint_io`).
+        """
         check_strategy(self.trainer.strategy)
+        install_atomic_io(self.trainer.strategy)
         self._threads.register(self.trainer)
         precision = str(self.trainer.precision)
         if not precision_supported(precision):
@@ -359,7 +364,10 @@ class ORTLightningModule(pl.LightningModule):
     @override
     def on_train_start(self) -> None:
         """Refuse a fit whose linear schedule is already over, or torch parameters no optimizer updates."""
-        check_not_finished(self._schedule)
+        # NOTE: a ckpt_path resume of a run that had reached its end (killed after its last save) has no
+        # step left to take: Lightning ends it at once, as it does for torch modules.
+        if self.trainer.global_step < self.trainer.estimated_stepping_batches:
+            check_not_finished(self._schedule)
         check_torch_parameters(self, updated_parameters(self.trainer.optimizers))
 
     @override
@@ -531,9 +539,14 @@ class ORTLightningModule(pl.LightningModule):
         ``.ckpt`` and in its parent folders; ``artifacts=`` overrides both. The ``.ckpt``'s artifacts
         (graph digests, parameters, optimizer kind) must be the ones it is loaded onto.
 
+        Nothing the ``.ckpt`` names is loaded or run as code: a stored ``custom_op_library`` (or a
+        factory, or a path to a shared library) is refused unless passed again,
+        ``load_from_checkpoint(path, custom_op_library=...)``.
+
         Raises:
             CheckpointError: for artifacts found nowhere (pass ``artifacts=``), artifacts of another model
-                or optimizer, or metrics the ``.ckpt`` was trained with and that are not passed again.
+                or optimizer, metrics the ``.ckpt`` was trained with and that are not passed again, or a stored
+                hyper-parameter naming code to load that is not passed again.
         """
         return super().load_from_checkpoint(checkpoint_path, *args, **find_artifacts(checkpoint_path, kwargs))
 

@@ -144,17 +144,22 @@ def check_metrics(stored: Mapping[str, str], present: bool, *, source: object) -
 
 
 def hyperparameters_of(checkpoint_path: Any) -> dict[str, Any]:
-    """The hyper-parameters stored in a ``.ckpt`` file (empty for a buffer or a missing file)."""
-    if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_file():
+    """The hyper-parameters stored in a ``.ckpt`` file or a seekable buffer (empty for a missing file)."""
+    seekable = hasattr(checkpoint_path, "read") and hasattr(checkpoint_path, "seek")
+    if not seekable and (not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_file()):
         return {}
     import torch
 
+    start = checkpoint_path.tell() if seekable else 0
     try:
-        # NOTE: weights_only: only the stored path is wanted here; a .ckpt whose hyper-parameters hold
-        # arbitrary objects is left to Lightning's own loading, unresolved.
+        # NOTE: weights_only: nothing is run to read them; a .ckpt whose hyper-parameters hold arbitrary
+        # objects is left to Lightning's own loading (which the caller must then allow with weights_only=False).
         checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         return {}
+    finally:
+        if seekable:
+            checkpoint_path.seek(start)
     hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     return dict(hparams)
 

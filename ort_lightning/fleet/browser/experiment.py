@@ -1,0 +1,66 @@
+"""The digits fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
+
+The server's folder is the exported digits artifacts; the browsers load a device folder written
+from it by `prepare_for_web` (``out/web``: the optimizer graph computes the config's ``lr``,
+constant, since a browser cannot set one). Each browser that opens the printed URL trains the
+partition a simulated device of the same config would (`DigitsPartitions` with the same
+split, batch size and seed), so the accuracy per round is the simulated fleet's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ort_lightning.export import prepare_for_web
+from ort_lightning.fleet.app import FleetServer
+from ort_lightning.fleet.browser.fleet import BrowserFleet
+from ort_lightning.fleet.digits import DigitsPartitions
+from ort_lightning.fleet.experiment import FleetConfig, fleet_server, report
+
+__all__ = ["run_browser_experiment"]
+
+
+def _announce(fleet: BrowserFleet, devices: int) -> None:
+    """Print the URL, then each browser as it joins, until `devices` have."""
+    print(f"open this URL in {devices} browsers (tabs or machines that reach this address), one per device:")
+    print(f"  {fleet.url}", flush=True)
+    seen: set[int] = set()
+    while len(seen) < devices:
+        fleet.wait_for_devices(1.0)
+        for device in fleet.connected:
+            if device.node_id not in seen:
+                seen.add(device.node_id)
+                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {devices}",
+                      flush=True)
+
+
+def run_browser_experiment(
+    config: FleetConfig, artifacts: str | os.PathLike[str], *, echo: bool = True
+) -> FleetServer:
+    """Serve the fleet's page, wait for ``config.devices`` browsers, run the rounds; print and write as the others do.
+
+    Args:
+        config: the experiment (``engine: browser``; ``host``, ``port``, ``device_timeout``, ``ort_web``).
+        artifacts: the exported digits artifacts (the server's folder).
+        echo: print the URL, the joins and the accuracy per round.
+
+    Returns:
+        The `FleetServer`, whose ``history`` holds each round's record.
+    """
+    web = prepare_for_web(artifacts, Path(config.out) / "web", lr=config.lr)
+    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+    server = fleet_server(config, artifacts)
+    with BrowserFleet(web, data, host=config.host, port=config.port, devices=config.devices, epochs=config.epochs,
+                      device_timeout=config.device_timeout, ort_web=config.ort_web) as fleet:
+        if echo:
+            _announce(fleet, config.devices)
+        started = time.perf_counter()
+        fleet.run(server)
+        total = time.perf_counter() - started
+    report(server, config, total, echo=echo, engine=f"{config.devices} browsers")
+    if echo and fleet.refusals:
+        for refusal in fleet.refusals:
+            print(f"dropped in round {refusal.server_round}: {refusal.reason}")
+    return server

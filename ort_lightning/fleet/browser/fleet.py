@@ -1,0 +1,211 @@
+"""`BrowserFleet`: a web server whose visitors are the devices of a Flower fleet.
+
+See the package docstring (`ort_lightning.fleet.browser`) for what a page does and what a
+user's ``data`` must be.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import torch
+import uvicorn
+from flwr.app import Context, RecordDict
+
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts.state import state_specs
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.app import FleetServer
+from ort_lightning.fleet.browser.frames import HEADER_LIMIT
+from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs
+from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, Refusal
+from ort_lightning.fleet.browser.site import web_app
+from ort_lightning.fleet.client import DataFn
+from ort_lightning.fleet.local import _RUN_ID
+from ort_lightning.web import find_ort_web
+
+__all__ = ["BrowserFleet", "device_files"]
+
+_GRAPHS = {"training": "training_model", "eval": "eval_model", "optimizer": "optimizer_model"}
+
+
+def device_files(artifacts: TrainingArtifacts) -> dict[str, Path]:
+    """The files a page loads, by runner.js's names: ``.ort`` graphs where present, the nominal checkpoint if any.
+
+    Raises:
+        ConfigurationError: for a folder without an optimizer graph (a device must update its weights).
+    """
+    if artifacts.optimizer_model is None:
+        raise ConfigurationError(f"{artifacts.directory} has no optimizer graph, but a browser device trains with one; "
+                                 "export the artifacts with an optimizer (export_artifacts(..., optimizer='adamw')).")
+    paths = {"training": artifacts.training_model, "eval": artifacts.eval_model,
+             "optimizer": artifacts.optimizer_model}
+    files = {role: path.with_suffix(".ort") if path.with_suffix(".ort").is_file() else path
+             for role, path in paths.items()}
+    files["checkpoint"] = artifacts.nominal_checkpoint or artifacts.checkpoint
+    return files
+
+
+def _specs(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ...]]]:
+    specs = state_specs(artifacts)
+    wrong = [spec.name for spec in specs if spec.dtype != "float32"]
+    if wrong:
+        raise ConfigurationError(f"A browser device exchanges float32 weights, but the state tensors {wrong} of "
+                                 f"{artifacts.directory} are not float32; train such a model in a simulated fleet.")
+    return [(spec.name, tuple(int(dim) for dim in spec.shape)) for spec in specs]
+
+
+def _ordered(batch: object, names: Sequence[str]) -> Sequence[torch.Tensor]:
+    """A batch in the training graph's input order (a dict is keyed by input name)."""
+    if isinstance(batch, Mapping):
+        return [batch[name] for name in names]
+    return list(batch)  # type: ignore[call-overload]
+
+
+class BrowserFleet:
+    """A fleet whose devices are the browsers that open its URL; Flower's strategy runs the rounds.
+
+    Args:
+        artifacts: the device folder the pages load (graphs, ``nominal_checkpoint``; a folder from
+            ``prepare_for_web`` trains at its own learning rate, a plain one at ORT's default 1e-3).
+        data: ``(partition, partitions) -> ClientData``, as `FleetClient` takes it: each round, a
+            device gets the batches of ``data(its partition, devices).train``, iterated once per epoch.
+        host: the address to listen on (loopback by default; ``"0.0.0.0"`` for other machines).
+        port: the port; 0 picks a free one (`url` tells which).
+        devices: how many browsers the fleet waits for (each takes one partition, in joining order).
+        epochs: local epochs per round.
+        device_timeout: seconds a browser may take to answer a round before it is dropped.
+        ort_web: onnxruntime-web's ``dist/`` folder or a URL that serves it (see `find_ort_web`).
+        token: the join token (a random one by default).
+
+    Raises:
+        ConfigurationError: for non-positive counts, a folder a browser cannot train, no onnxruntime-web.
+    """
+
+    def __init__(
+        self,
+        artifacts: TrainingArtifacts | str | os.PathLike[str],
+        data: DataFn,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        devices: int = 3,
+        epochs: int = 1,
+        device_timeout: float = 600.0,
+        ort_web: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        if devices < 1 or epochs < 1 or device_timeout <= 0:
+            raise ConfigurationError(f"Expected devices >= 1, epochs >= 1 and device_timeout > 0, but got {devices}, "
+                                     f"{epochs} and {device_timeout}; pass the browsers to wait for, the local epochs "
+                                     "per round and the seconds a browser may take for a round.")
+        self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
+        self.data, self.devices, self.epochs = data, devices, epochs
+        self.host = host
+        self.token = token or secrets.token_urlsafe(16)
+        self.hub = Hub(partitions=devices, specs=_specs(self.artifacts), device_timeout=device_timeout)
+        #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
+        self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
+        self._app = web_app(self.hub, token=self.token, files=device_files(self.artifacts),
+                            ort=find_ort_web(ort_web), frame_limit=self.frame_limit)
+        self._socket = socket.create_server((host, port), reuse_port=False)
+        self.port: int = self._socket.getsockname()[1]
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL a browser opens to join (with the join token)."""
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}/?token={self.token}"
+
+    @property
+    def connected(self) -> list[BrowserDevice]:
+        """The browsers that are devices now, in joining order."""
+        return [device for node in self.hub.node_ids() if (device := self.hub.device(node)) is not None]
+
+    @property
+    def refusals(self) -> list[Refusal]:
+        """Every device that failed a round or was refused, and why."""
+        return list(self.hub.refusals)
+
+    def start(self) -> BrowserFleet:
+        """Serve the page (in a background thread) until `close`."""
+        if self._thread is not None:
+            return self
+        config = uvicorn.Config(self._app, log_level="warning", access_log=False, ws="websockets-sansio",
+                                ws_max_size=self.frame_limit, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="ort-lightning-browser-fleet", daemon=True)
+        self._thread.start()
+        while not self._server.started and self._thread.is_alive():
+            time.sleep(0.02)
+        if not self._server.started:
+            raise ConfigurationError(f"The fleet's web server did not start on {self.host}:{self.port}; see the log "
+                                     "above, or pass another host or port.")
+        return self
+
+    def wait_for_devices(self, timeout: float | None = None) -> bool:
+        """Block until `devices` browsers have joined (or `timeout` seconds pass); whether they have."""
+        return self.hub.wait_for(self.devices, timeout)
+
+    def run(self, server: FleetServer, *, join_timeout: float | None = None) -> FleetServer:
+        """Serve, wait for the browsers, and run `server`'s rounds over them (`BrowserGrid`).
+
+        Args:
+            server: the fleet's server (its strategy, rounds, checkpoints, evaluation).
+            join_timeout: seconds to wait for `devices` browsers (None: no limit).
+
+        Raises:
+            ConfigurationError: when the browsers did not join in time, or `server` holds another model.
+        """
+        self._check(server)
+        self.start()
+        if not self.wait_for_devices(join_timeout):
+            raise ConfigurationError(f"{len(self.hub.node_ids())} of {self.devices} browsers joined within "
+                                     f"{join_timeout} s; open {self.url} in {self.devices} browsers (tabs), or pass "
+                                     "fewer devices.")
+        grid = BrowserGrid(self.hub, self._epochs)
+        server.main(grid, Context(_RUN_ID, 0, {}, RecordDict(), {}))
+        return server
+
+    def close(self) -> None:
+        """Stop serving (the pages see their connection close)."""
+        self.hub.close()
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+        self._socket.close()
+
+    def __enter__(self) -> BrowserFleet:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check(self, server: FleetServer) -> None:
+        theirs = {name: tuple(array.shape) for name, array in server.model.arrays().items()}
+        ours = dict(self.hub.specs)
+        if theirs != ours:
+            raise ConfigurationError(f"The FleetServer's model has the state {theirs}, but the browsers' folder "
+                                     f"{self.artifacts.directory} trains {ours}; build both from the same export.")
+
+    def _epochs(self, partition: int) -> Epochs:
+        names = [spec.name for spec in self.artifacts.manifest.graph_inputs]
+        loader = self.data(partition, self.devices).train
+        # NOTE: a fresh loader each round, iterated once per epoch, as FleetClient's Trainer iterates it:
+        # the same seeds give the same batches in the same order.
+        return [[_ordered(batch, names) for batch in loader] for _ in range(self.epochs)]
+
+    def __repr__(self) -> str:
+        return f"BrowserFleet({self.url!r}, devices={self.devices}, epochs={self.epochs})"

@@ -1,0 +1,194 @@
+"""The frames a browser device and the fleet's server exchange over the page's one WebSocket.
+
+Text frames are JSON objects with a ``"type"``; binary frames carry tensors::
+
+    uint32 little-endian H | H bytes of UTF-8 JSON header | zero padding to a multiple of 8 | payload
+
+Server to page: ``welcome`` (text: the device's name and partition, where onnxruntime-web and
+the device files are, the parameter count) and ``train`` (binary: the header lists each tensor
+as ``{"type", "dims", "blob"}``, and ``"blobs"`` gives each blob's ``[offset, nbytes]`` in the
+payload, offsets multiples of 8 so that a ``Float32Array`` or ``BigInt64Array`` views them in
+place; ``"weights"`` is the blob of the round's weights, ``"epochs"`` a list of epochs, each a
+list of batches, each a list of tensors in the training graph's input order).
+
+Page to server: ``ready`` (text, ``{"parameters": P}`` once the device has loaded the files),
+``result`` (binary: header ``{"id", "examples", "steps", "losses"}``, payload the trained weights
+as float32) and ``error`` (text, ``{"id", "message"}``). `read_result` checks a result before it
+becomes a reply to the strategy.
+
+Example::
+
+    >>> import numpy as np, torch
+    >>> frame = train_frame("m1", 1, np.zeros(3, np.float32), [[(torch.ones(2, 2), torch.tensor([0, 1]))]])
+    >>> header, payload = unpack(frame)
+    >>> header["type"], header["epochs"][0][0][1], header["examples"]
+    ('train', {'type': 'int64', 'dims': [2], 'blob': 2}, 2)
+    >>> reply = pack({"type": "result", "id": "m1", "examples": 2, "steps": 1, "losses": [0.5]},
+    ...              [np.full(3, 0.25, np.float32)])
+    >>> result = read_result(*unpack(reply), device="laptop", parameters=3, given=2)
+    >>> result.weights.tolist(), result.examples, result.losses
+    ([0.25, 0.25, 0.25], 2, [0.5])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ort_lightning.errors import BatchError, DeviceReplyError
+
+__all__ = ["HEADER_LIMIT", "TYPES", "Result", "pack", "read_result", "train_frame", "unpack"]
+
+#: onnxruntime-web's tensor type names of the dtypes a batch may hold.
+TYPES = {torch.float32: "float32", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+#: The largest JSON header a page may send (the losses of a round are its bulk).
+HEADER_LIMIT = 1 << 20
+_LENGTH = struct.Struct("<I")
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class Result:
+    """A device's checked answer to a train frame.
+
+    Attributes:
+        weights: every parameter, flat float32, in the training graph's order.
+        examples: the examples of one epoch (FedAvg's weight).
+        steps: optimizer steps the device ran in the round.
+        losses: the training loss of each step.
+    """
+
+    weights: np.ndarray
+    examples: int
+    steps: int
+    losses: list[float]
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def pack(header: dict[str, Any], blobs: Sequence[np.ndarray]) -> bytes:
+    """One binary frame: `header` (plus the blobs' offsets, for more than one blob) and the blobs' bytes."""
+    offsets, offset = [], 0
+    for blob in blobs:
+        offsets.append([offset, blob.nbytes])
+        offset = _padded(offset + blob.nbytes)
+    if len(blobs) > 1:
+        header = {**header, "blobs": offsets}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    start = _padded(_LENGTH.size + len(text))
+    end = offsets[-1][0] + offsets[-1][1] if offsets else 0
+    frame = bytearray(start + end)
+    frame[: _LENGTH.size] = _LENGTH.pack(len(text))
+    frame[_LENGTH.size : _LENGTH.size + len(text)] = text
+    for blob, (at, size) in zip(blobs, offsets, strict=True):
+        frame[start + at : start + at + size] = np.ascontiguousarray(blob).tobytes()
+    return bytes(frame)
+
+
+def unpack(frame: bytes, *, device: str = "the device") -> tuple[dict[str, Any], memoryview]:
+    """The header and the payload of a binary frame.
+
+    Raises:
+        DeviceReplyError: for a frame too short, a header over `HEADER_LIMIT` or not a JSON object.
+    """
+    if len(frame) < _LENGTH.size:
+        raise DeviceReplyError(f"{device} sent a binary frame of {len(frame)} bytes, shorter than its 4-byte header "
+                               "length; use the fleet's page (page.js), which writes result frames.")
+    (length,) = _LENGTH.unpack_from(frame)
+    room = min(HEADER_LIMIT, len(frame) - _LENGTH.size)
+    if length > room:
+        raise DeviceReplyError(f"{device} sent a frame whose header claims {length} bytes, but at most {room} are "
+                               "allowed there; use the fleet's page.")
+    try:
+        header = json.loads(bytes(frame[_LENGTH.size : _LENGTH.size + length]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DeviceReplyError(
+            f"{device} sent a frame header that is not JSON ({error}); use the fleet's page."
+        ) from None
+    if not isinstance(header, dict):
+        raise DeviceReplyError(f"{device} sent a frame header that is a {type(header).__name__}, not a JSON object; "
+                               "use the fleet's page.")
+    return header, memoryview(frame)[_padded(_LENGTH.size + length) :]
+
+
+def _tensor(tensor: object, blobs: list[np.ndarray]) -> dict[str, Any]:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in TYPES:
+        kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise BatchError(f"A browser device takes tensors of dtype {sorted(map(str, TYPES.values()))}, but a batch "
+                         f"holds {kind}; convert it in your Dataset or collate_fn (tensor.to(torch.float32)).")
+    array = tensor.detach().cpu().contiguous().numpy()
+    blobs.append(array.view(np.uint8) if array.dtype == np.bool_ else array)
+    return {"type": TYPES[tensor.dtype], "dims": list(array.shape), "blob": len(blobs) - 1}
+
+
+def train_frame(
+    message_id: str, server_round: int, weights: np.ndarray, epochs: Sequence[Sequence[Sequence[torch.Tensor]]]
+) -> bytes:
+    """The train frame of one round: the weights and each epoch's batches, in the order the device trains them.
+
+    The header's ``"examples"`` is the first epoch's examples (the first dimension of each batch's first tensor).
+
+    Raises:
+        BatchError: for a batch tensor of a dtype onnxruntime-web does not take.
+    """
+    blobs: list[np.ndarray] = [np.ascontiguousarray(weights, dtype=np.float32)]
+    layout = [[[_tensor(tensor, blobs) for tensor in batch] for batch in epoch] for epoch in epochs]
+    examples = sum(int(batch[0]["dims"][0]) for batch in layout[0]) if layout else 0
+    header = {"type": "train", "id": message_id, "round": server_round, "weights": 0, "epochs": layout,
+              "examples": examples}
+    return pack(header, blobs)
+
+
+def _count(header: dict[str, Any], key: str, device: str) -> int:
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DeviceReplyError(f"{device} sent {key}={value!r}, but a count (an integer) was expected; use the "
+                               "fleet's page.")
+    return value
+
+
+def _losses(header: dict[str, Any], device: str) -> list[float]:
+    losses = header.get("losses", [])
+    # NOTE: JSON has no NaN: a page's JSON.stringify writes a NaN loss as null.
+    if not isinstance(losses, list) or not all(v is None or isinstance(v, (int, float)) for v in losses):
+        raise DeviceReplyError(f"{device} sent losses that are not a list of numbers; use the fleet's page.")
+    return [math.nan if v is None else float(v) for v in losses]
+
+
+def read_result(header: dict[str, Any], payload: memoryview, *, device: str, parameters: int, given: int) -> Result:
+    """Check a result frame before it reaches the strategy.
+
+    Args:
+        header: the frame's header (from `unpack`).
+        payload: the frame's payload: the trained weights.
+        device: the device's name, for the messages.
+        parameters: how many float32 values the weights must hold.
+        given: the examples per epoch the server sent; the device may claim 1 to `given`.
+
+    Raises:
+        DeviceReplyError: for weights of the wrong length or not finite, an example count out of bounds.
+    """
+    if payload.nbytes != 4 * parameters:
+        raise DeviceReplyError(f"{device} sent {payload.nbytes} bytes of weights ({payload.nbytes / 4:g} float32 "
+                               f"values), but the model has {parameters} parameters; the device is refused (is its "
+                               "page loading other artifacts than the fleet's?).")
+    weights = np.frombuffer(payload, dtype="<f4").copy()
+    bad = np.flatnonzero(~np.isfinite(weights))
+    if bad.size:
+        raise DeviceReplyError(f"{device} sent {bad.size} non-finite weights (NaN or infinite, the first at index "
+                               f"{int(bad[0])}); the device is refused and its round goes on without it (lower the lr "
+                               "if every device diverges).")
+    examples = _count(header, "examples", device)
+    if not 1 <= examples <= given:
+        raise DeviceReplyError(f"{device} claims {examples} examples, but it was given {given} per epoch; a device may "
+                               f"claim 1 to {given}, so the device is refused.")
+    return Result(weights, examples, _count(header, "steps", device), _losses(header, device))

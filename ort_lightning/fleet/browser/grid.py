@@ -1,0 +1,125 @@
+"""`BrowserGrid`: a Flower ``Grid`` whose nodes are the browsers connected to a `BrowserFleet`.
+
+Like `LocalGrid`, but a train message is not run here: `push_messages` sends each one to its
+browser at once (the round's weights, flat float32 in the training graph's order, and the
+device's batches for each local epoch), so the browsers train in parallel, and
+`send_and_receive` collects their replies, each one checked by the hub before it becomes a reply
+(``arrays``, ``metrics`` with ``num-examples``, ``train_loss``, ``fit_seconds``). A browser that
+closes, is refused or exceeds the device timeout answers with an error reply, as a failed
+node does in Flower's runtimes, and the strategy aggregates the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from itertools import count
+from uuid import uuid4
+
+import numpy as np
+import torch
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.browser.frames import train_frame
+from ort_lightning.fleet.browser.hub import Hub
+from ort_lightning.fleet.client import ARRAYS_KEY
+from ort_lightning.fleet.local import _RUN_ID, _claim_identity
+
+__all__ = ["BrowserGrid", "Epochs"]
+
+#: A partition's batches for one round: per local epoch, its batches, each in the training graph's input order.
+Epochs = list[list[Sequence[torch.Tensor]]]
+
+
+class BrowserGrid(Grid):
+    """The connected browsers as Flower nodes (see the module docstring).
+
+    Args:
+        hub: the fleet's devices and the replies they owe.
+        batches: ``partition -> Epochs``, what a device of that partition trains in a round.
+    """
+
+    def __init__(self, hub: Hub, batches: Callable[[int], Epochs]) -> None:
+        _claim_identity()
+        self._hub = hub
+        self._batches = batches
+        self._run = Run.create_empty(_RUN_ID)
+        self._ids = count()
+
+    def set_run(self, run: Run) -> None:
+        """Adopt `run` (the grid serves one run at a time)."""
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        """The run this grid serves."""
+        return self._run
+
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
+        """A message to `dst_node_id` (Flower deprecates this in favour of the Message constructor)."""
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The node ids of the browsers that are ready, in joining order."""
+        return self._hub.node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Send each train message to its browser; anything else is answered with an error reply at once.
+
+        Every frame is built before the first one leaves, so that the browsers start their round together.
+        """
+        ids, frames = [], []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = f"{next(self._ids)}-{uuid4().hex}"
+            ids.append(message.metadata.message_id)
+            frames.append(self._frame(message))
+        for frame in frames:
+            if frame is not None:
+                self._hub.send(*frame)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies to `message_ids` that are in (each is handed out once)."""
+        return self._hub.collect(list(message_ids), wait=0.0)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Send every message, then wait up to `timeout` seconds for the replies (each device has its own timeout)."""
+        return self._hub.collect(list(self.push_messages(messages)), wait=timeout)
+
+    def _frame(self, message: Message) -> tuple[Message, bytes, int, int, int] | None:
+        """What `Hub.send` takes for a train message: (message, frame, examples given, last epoch's steps, round)."""
+        if message.metadata.message_type != MessageType.TRAIN:
+            kind = message.metadata.message_type
+            self._hub.answer(message, f"browser devices answer train messages only, not {kind!r}; pass the strategy "
+                                      "fraction_evaluate=0.0 (the server evaluates the global model on its test data)")
+            return None
+        device = self._hub.device(message.metadata.dst_node_id)
+        if device is None:
+            self._hub.answer(message, f"node {message.metadata.dst_node_id} is not a connected browser (it left)")
+            return None
+        epochs = self._batches(device.partition)
+        server_round = _round(message)
+        frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs)
+        given = sum(int(batch[0].shape[0]) for batch in epochs[0])
+        return message, frame, given, len(epochs[-1]), server_round
+
+    def _flat(self, message: Message) -> np.ndarray:
+        """The message's arrays as one float32 buffer in the order of the hub's specs."""
+        arrays = message.content.array_records[ARRAYS_KEY]
+        names = [name for name, _ in self._hub.specs]
+        if sorted(arrays.keys()) != sorted(names):
+            raise ConfigurationError(f"The strategy sent arrays {list(arrays.keys())}, but the browsers train "
+                                     f"{names}; start the FleetServer from the artifacts the browsers load.")
+        return np.concatenate([arrays[name].numpy().astype(np.float32, copy=False).ravel() for name in names])
+
+
+def _round(message: Message) -> int:
+    config = message.content.config_records.get("config")
+    if config is not None and "server-round" in config:
+        return int(config["server-round"])  # type: ignore[arg-type]
+    group = message.metadata.group_id
+    return int(group) if group.isdigit() else 0

@@ -1,0 +1,298 @@
+"""The browsers of a fleet and the replies they owe, shared by the web server's event loop and Flower's thread.
+
+The event loop side calls `Hub.join` when a page's WebSocket opens, `Hub.ready` when its device
+has loaded the files, `Hub.receive` for each frame and `Hub.lost` when the socket closes. Flower's
+side (`BrowserGrid`) calls `Hub.send` for each train message and `Hub.collect` for the replies.
+Every failure of a device (closed, refused, silent past its deadline) becomes an error reply to
+the message it owed, and a `Refusal` naming the device; the device leaves the fleet, and a page
+that joins later takes its partition.
+
+Example::
+
+    >>> hub = Hub(partitions=2, specs=[("weight", (3, 4)), ("bias", (3,))], device_timeout=60.0)
+    >>> hub.parameters, hub.node_ids()
+    (15, [])
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+
+from ort_lightning.errors import DeviceReplyError
+from ort_lightning.fleet.browser.frames import read_result, unpack
+from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
+from ort_lightning.fleet.local import CLIENT_ERROR_CODE
+
+__all__ = ["BrowserDevice", "Hub", "Refusal"]
+
+_LOG = logging.getLogger("ort_lightning.fleet.browser")
+#: WebSocket close code for a policy violation (RFC 6455): a refused device.
+POLICY_VIOLATION = 1008
+#: WebSocket close code of a frame over the size limit (RFC 6455).
+TOO_BIG = 1009
+
+#: Sends a coroutine to the web server's event loop (a socket's send or close).
+Schedule = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@dataclass
+class BrowserDevice:
+    """One page that joined the fleet.
+
+    Attributes:
+        name: the page's ``name=`` query value, else ``browser-<n>``; logs and refusals name it.
+        address: the browser's host and port, as the server saw them.
+        partition: the share of the data it trains (lowest free one when it became ready).
+        node_id: its Flower node id (never reused).
+    """
+
+    name: str
+    address: str
+    partition: int = -1
+    node_id: int = 0
+    send: Callable[[bytes | str], Coroutine[Any, Any, None]] | None = field(default=None, repr=False)
+    close: Callable[[int, str], Coroutine[Any, Any, None]] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A device that failed a round: what it was, which round, and why."""
+
+    device: str
+    server_round: int
+    reason: str
+
+
+@dataclass
+class _Owed:
+    device: BrowserDevice
+    message: Message
+    given: int
+    last_epoch: int
+    deadline: float
+    server_round: int
+
+
+def _timings(header: dict[str, Any]) -> dict[str, float]:
+    """The page's own timings: its local fit, its first step alone, opening its session (NaN when absent)."""
+    names = {"fit_seconds": "seconds", "first_step_seconds": "first_step_seconds", "open_seconds": "open_seconds"}
+    return {ours: float(v) if isinstance(v := header.get(theirs), (int, float)) else math.nan
+            for ours, theirs in names.items()}
+
+
+class Hub:
+    """Connected devices and owed replies (see the module docstring).
+
+    Args:
+        partitions: how many devices the fleet has (each takes one partition).
+        specs: ``(name, shape)`` of every state tensor, in the order of the flat weights.
+        device_timeout: seconds a device may take to answer a train message.
+    """
+
+    def __init__(self, *, partitions: int, specs: Sequence[tuple[str, tuple[int, ...]]], device_timeout: float) -> None:
+        self.partitions = partitions
+        self.specs = list(specs)
+        self.parameters = sum(math.prod(shape) for _, shape in self.specs)
+        self.device_timeout = device_timeout
+        self.refusals: list[Refusal] = []
+        self._schedule: Schedule | None = None
+        self._changed = threading.Condition()
+        self._devices: dict[int, BrowserDevice] = {}
+        self._owed: dict[str, _Owed] = {}
+        self._replies: dict[str, Message] = {}
+        self._joins = 0
+        self._nodes = 0
+        self._closing = False
+
+    def close(self) -> None:
+        """The fleet is shutting down: sockets that close from now on are no device's failure."""
+        with self._changed:
+            self._closing = True
+
+    def bind(self, schedule: Schedule) -> None:
+        """Where socket sends and closes run (the web server's event loop)."""
+        self._schedule = schedule
+
+    # ----------------------------------------------------------------------------- event loop side
+    def join(self, device: BrowserDevice) -> None:
+        """A page's socket opened (it is not a node until `ready`)."""
+        with self._changed:
+            self._joins += 1
+            device.name = device.name or f"browser-{self._joins}"
+
+    def ready(self, device: BrowserDevice, parameters: object) -> str | None:
+        """The page loaded the device files; returns why it is refused, or None once it is a node."""
+        with self._changed:
+            reason = self._admit(device, parameters)
+            if reason is not None:
+                self.refusals.append(Refusal(device.name, 0, reason))
+            self._changed.notify_all()
+        if reason is not None:
+            _LOG.warning("%s refused: %s", device.name, reason)
+        else:
+            _LOG.info("%s joined as partition %d of %d (%s)", device.name, device.partition, self.partitions,
+                      device.address)
+        return reason
+
+    def _admit(self, device: BrowserDevice, parameters: object) -> str | None:
+        # NOTE: called with the condition held.
+        if parameters != self.parameters:
+            return (f"{device.name} opened a model of {parameters} parameters, but the fleet's has "
+                    f"{self.parameters}; the page loaded other artifacts than the server's")
+        taken = {d.partition for d in self._devices.values()}
+        free = [p for p in range(self.partitions) if p not in taken]
+        if not free:
+            return (f"{device.name} found the fleet full: all {self.partitions} partitions have a device; "
+                    "start the fleet with more devices, or close another tab first")
+        self._nodes += 1
+        device.partition, device.node_id = free[0], self._nodes
+        self._devices[device.node_id] = device
+        return None
+
+    def receive(self, device: BrowserDevice, frame: bytes | dict[str, Any]) -> None:
+        """A binary result frame, or a text frame's JSON (``error``), from `device`."""
+        found = self._owed_by(device)
+        if found is None:
+            said = f": {frame.get('message')}" if isinstance(frame, dict) else ""
+            _LOG.warning("%s sent a frame while it owed nothing%s", device.name, said)
+            return
+        message_id, owed = found
+        _LOG.debug("round %d: %d bytes from %s", owed.server_round, len(frame) if isinstance(frame, bytes) else 0,
+                   device.name)
+        try:
+            if isinstance(frame, dict):
+                raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
+                                       f"{frame.get('message', 'no reason given')}")
+            header, payload = unpack(frame, device=device.name)
+            result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given)
+        except DeviceReplyError as error:
+            self.refuse(device, str(error))
+            return
+        last = result.losses[-owed.last_epoch :] if owed.last_epoch else []
+        metrics: dict[str, int | float | list[int] | list[float]] = {
+            WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
+            "steps": result.steps, **_timings(header),
+        }
+        arrays = ArrayRecord(self._named(result.weights))
+        reply = Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=owed.message)
+        with self._changed:
+            if self._owed.pop(message_id, None) is not None:
+                self._replies[message_id] = reply
+                self._changed.notify_all()
+
+    def lost(self, device: BrowserDevice, reason: str) -> None:
+        """`device`'s socket closed: each reply it owed becomes an error reply."""
+        self._drop(device, reason, close=False)
+
+    def refuse(self, device: BrowserDevice, reason: str) -> None:
+        """Drop `device` from the fleet, close its socket, and fail what it owed."""
+        self._drop(device, reason, close=True)
+
+    # ----------------------------------------------------------------------------- Flower side
+    def node_ids(self) -> list[int]:
+        """Node ids of the devices that are ready, in joining order."""
+        with self._changed:
+            return sorted(self._devices)
+
+    def device(self, node_id: int) -> BrowserDevice | None:
+        """The device of `node_id`, None once it has left."""
+        with self._changed:
+            return self._devices.get(node_id)
+
+    def wait_for(self, count: int, timeout: float | None = None) -> bool:
+        """Block until `count` devices are ready (or `timeout` seconds pass); whether they are."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._devices) >= count, timeout)
+
+    def send(self, message: Message, frame: bytes, given: int, last_epoch: int, server_round: int) -> None:
+        """Send `frame` to the message's device; its reply (or failure) comes to `collect`."""
+        node_id = message.metadata.dst_node_id
+        with self._changed:
+            device = self._devices.get(node_id)
+            if device is None or device.send is None or self._schedule is None:
+                self._fail(message, f"node {node_id} is not a connected browser (it left the fleet)")
+                return
+            self._owed[message.metadata.message_id] = _Owed(device, message, given, last_epoch,
+                                                            time.monotonic() + self.device_timeout, server_round)
+        _LOG.debug("round %d: sent %d bytes to %s", server_round, len(frame), device.name)
+        self._schedule(device.send(frame))
+
+    def answer(self, message: Message, reason: str) -> None:
+        """Answer `message` at once with an error reply."""
+        with self._changed:
+            self._fail(message, reason)
+
+    def collect(self, message_ids: Sequence[str], *, wait: float | None) -> list[Message]:
+        """Replies to `message_ids` that are in, after waiting up to `wait` seconds for all (None: no limit)."""
+        wanted = list(message_ids)
+        end = None if wait is None else time.monotonic() + wait
+        while True:
+            self._expire()
+            with self._changed:
+                if all(i in self._replies or i not in self._owed for i in wanted):
+                    break
+                now = time.monotonic()
+                deadlines = [self._owed[i].deadline for i in wanted if i in self._owed]
+                limit = min([*deadlines, *([end] if end is not None else [])])
+                if end is not None and now >= end:
+                    break
+                self._changed.wait(max(0.0, min(limit - now, 1.0)))
+        with self._changed:
+            return [self._replies.pop(i) for i in wanted if i in self._replies]
+
+    # ----------------------------------------------------------------------------- helpers
+    def _owed_by(self, device: BrowserDevice) -> tuple[str, _Owed] | None:
+        with self._changed:
+            return next(((i, o) for i, o in self._owed.items() if o.device is device), None)
+
+    def _named(self, weights: np.ndarray) -> dict[str, torch.Tensor]:
+        named, at = {}, 0
+        for name, shape in self.specs:
+            size = math.prod(shape)
+            named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
+            at += size
+        return named
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._changed:
+            late = {o.device.node_id: o for o in self._owed.values() if o.deadline <= now}
+        for owed in late.values():
+            self.refuse(owed.device, f"{owed.device.name} did not answer round {owed.server_round} within the "
+                                     f"device timeout of {self.device_timeout:g} s; raise device_timeout for slow "
+                                     "devices or larger partitions")
+
+    def _drop(self, device: BrowserDevice, reason: str, *, close: bool) -> None:
+        with self._changed:
+            member = self._devices.pop(device.node_id, None) is device
+            owed = [(i, o) for i, o in self._owed.items() if o.device is device]
+            for message_id, entry in owed:
+                del self._owed[message_id]
+                self._fail(entry.message, reason)
+            server_round = owed[0][1].server_round if owed else 0
+            # NOTE: a page closed between rounds has simply left; one that owed a round, or was refused, failed.
+            failed = member and not self._closing and (close or bool(owed))
+            if failed:
+                self.refusals.append(Refusal(device.name, server_round, reason))
+            self._changed.notify_all()
+        if failed:
+            _LOG.warning("%s left the fleet%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
+        elif member and not self._closing:
+            _LOG.info("%s left the fleet between rounds: %s", device.name, reason)
+        if close and device.close is not None and self._schedule is not None:
+            self._schedule(device.close(POLICY_VIOLATION, reason[:120]))
+
+    def _fail(self, message: Message, reason: str) -> None:
+        # NOTE: called with the condition held; an error reply is what Flower's runtimes send for a failed node.
+        self._replies[message.metadata.message_id] = Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message)
+        self._changed.notify_all()

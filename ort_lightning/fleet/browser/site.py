@@ -1,0 +1,160 @@
+"""The web side of a browser fleet: one page, its scripts, the device files and the page's WebSocket.
+
+Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
+
+- ``GET /?token=T``: the page (``ort_lightning/web/page.html``); a missing or wrong token is a 403.
+- ``GET /page.js``, ``GET /runner.js``: the page's scripts, shipped with the package.
+- ``GET /device/<role>?token=T``: the device files (``training``, ``eval``, ``optimizer``, ``checkpoint``).
+- ``GET /ort/...``: onnxruntime-web's ``dist/`` folder, when `find_ort_web` found one on disk (a
+  URL given instead is imported by the page from there).
+- ``WS /join?token=T&name=N``: the device's connection (frames: `ort_lightning.fleet.browser.frames`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ort_lightning.fleet.browser.hub import POLICY_VIOLATION, TOO_BIG, BrowserDevice, Hub
+from ort_lightning.web import TRAINING_BUILD, asset
+
+__all__ = ["ROLES", "web_app"]
+
+#: The device files by the names runner.js's openDevice takes.
+ROLES = ("training", "eval", "optimizer", "checkpoint")
+_WRONG_TOKEN = ("This fleet's join token is missing or wrong: open the URL the fleet printed "
+                "(http://HOST:PORT/?token=...), with its token.")
+
+
+def _close_reason(code: int | None, frame_limit: int) -> str:
+    if code == TOO_BIG:
+        return f"sent a frame over the size limit of {frame_limit} bytes, so its connection was closed"
+    return f"closed its page or lost its connection (WebSocket close code {code})"
+
+
+class _Site:
+    """The handlers of `web_app`, over one `Hub`."""
+
+    def __init__(self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int) -> None:
+        self.hub, self.token, self.files, self.frame_limit = hub, token, files, frame_limit
+        self.ort_module = f"{ort}/{TRAINING_BUILD}" if ort.startswith(("http://", "https://")) else \
+            f"/ort/{TRAINING_BUILD}"
+
+    def admitted(self, token: str | None) -> bool:
+        return token is not None and secrets.compare_digest(token.encode(), self.token.encode())
+
+    async def page(self, request: Request) -> Response:
+        if not self.admitted(request.query_params.get("token")):
+            return PlainTextResponse(_WRONG_TOKEN, status_code=403)
+        return FileResponse(asset("page.html"), media_type="text/html")
+
+    async def script(self, request: Request) -> Response:
+        return FileResponse(asset(request.url.path.lstrip("/")), media_type="text/javascript")
+
+    async def device_file(self, request: Request) -> Response:
+        if not self.admitted(request.query_params.get("token")):
+            return PlainTextResponse(_WRONG_TOKEN, status_code=403)
+        role = request.path_params["role"]
+        if role not in self.files:
+            return PlainTextResponse(f"No device file {role!r}; the roles are {list(ROLES)}.", status_code=404)
+        return FileResponse(self.files[role], media_type="application/octet-stream")
+
+    async def join(self, socket: WebSocket) -> None:
+        await socket.accept()
+        if not self.admitted(socket.query_params.get("token")):
+            # NOTE: accepted first, so that the page can show why: a refused handshake reaches it as a bare 403.
+            await socket.close(code=POLICY_VIOLATION, reason="wrong join token; open the URL the fleet printed")
+            return
+        client = socket.client
+        address = f"{client.host}:{client.port}" if client else "unknown"
+        device = BrowserDevice(socket.query_params.get("name", ""), address, send=lambda frame: _send(socket, frame),
+                               close=lambda code, why: _close(socket, code, why))
+        self.hub.join(device)
+        files = {role: f"/device/{role}?token={self.token}" for role in self.files}
+        await socket.send_text(json.dumps({"type": "welcome", "device": device.name, "ort": self.ort_module,
+                                           "files": files, "parameters": self.hub.parameters}))
+        reason = await self._listen(socket, device)
+        self.hub.lost(device, f"{device.name} {reason}")
+
+    async def _listen(self, socket: WebSocket, device: BrowserDevice) -> str:
+        """Hand the device's frames to the hub until its socket closes; why it closed."""
+        while True:
+            try:
+                event = await socket.receive()
+            except (WebSocketDisconnect, RuntimeError):
+                return _close_reason(None, self.frame_limit)
+            if event["type"] == "websocket.disconnect":
+                return _close_reason(event.get("code"), self.frame_limit)
+            if event.get("bytes") is not None:
+                self.hub.receive(device, event["bytes"])
+                continue
+            message = _json(event.get("text"))
+            if message.get("type") == "ready":
+                refused = self.hub.ready(device, message.get("parameters"))
+                if refused is not None:
+                    await _close(socket, POLICY_VIOLATION, refused[:120])
+                    return f"was refused: {refused}"
+            else:
+                self.hub.receive(device, message)
+
+
+def _json(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "")
+    except json.JSONDecodeError:
+        return {"type": "error", "message": f"sent a text frame that is not JSON: {(text or '')[:80]!r}"}
+    return value if isinstance(value, dict) else {"type": "error", "message": "sent a text frame that is not an object"}
+
+
+async def _send(socket: WebSocket, frame: bytes | str) -> None:
+    # NOTE: a socket that closed meanwhile is the hub's business (its receive loop reports it), not an error here.
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect, ConnectionError):
+        await (socket.send_text(frame) if isinstance(frame, str) else socket.send_bytes(frame))
+
+
+async def _close(socket: WebSocket, code: int, reason: str) -> None:
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect, ConnectionError):
+        await socket.close(code=code, reason=reason)
+
+
+def web_app(hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int) -> Starlette:
+    """The fleet's Starlette application.
+
+    Args:
+        hub: the devices and replies the WebSocket feeds.
+        token: the fleet's join token.
+        files: the device files by role (`ROLES`).
+        ort: onnxruntime-web's ``dist/`` folder, or a URL that serves it (from `find_ort_web`).
+        frame_limit: the largest frame a page may send, in bytes (uvicorn's ``ws_max_size`` enforces it).
+    """
+    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def schedule(coroutine: Coroutine[Any, Any, None]) -> None:
+            asyncio.run_coroutine_threadsafe(coroutine, loop)
+
+        hub.bind(schedule)
+        yield
+
+    routes: list[Any] = [
+        Route("/", site.page), Route("/page.js", site.script), Route("/runner.js", site.script),
+        Route("/device/{role}", site.device_file), WebSocketRoute("/join", site.join),
+    ]
+    if not ort.startswith(("http://", "https://")):
+        routes.append(Mount("/ort", StaticFiles(directory=ort), name="ort"))
+    return Starlette(routes=routes, lifespan=lifespan)

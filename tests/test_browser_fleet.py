@@ -1,0 +1,398 @@
+"""Browsers as fleet devices: real headless Chromium pages train the rounds that Flower's FedAvg aggregates.
+
+The reference never goes through ort_lightning.fleet: each device's round is ONNX Runtime's
+documented Python loop (``CheckpointState`` / ``Module`` / ``Optimizer``) on the same device files,
+from the round's weights over that device's batches, and the average is taken here, in float64,
+weighted by each device's example count. The fleet's round checkpoints are read with ORT's own
+``CheckpointState``. One Chromium process per device, each with a fresh profile; closing a tab is
+killing its process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import yaml
+from onnxruntime import OrtValue
+from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+from ort_lightning import TrainingArtifacts, export_artifacts
+from ort_lightning.demo import FEATURES, digits_mlp
+from ort_lightning.errors import BatchError, ConfigurationError, DeviceReplyError
+
+from ._web import ROOT, chromium_program, ort_web_dist, requires_chromium
+from .conftest import Exported
+
+flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
+
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
+from websockets.sync.client import connect  # noqa: E402
+
+from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
+from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
+from ort_lightning.fleet.browser.frames import pack, read_result, train_frame, unpack  # noqa: E402
+from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+
+LR = 0.01
+HIDDEN = 16
+DEVICES = 3
+ROUNDS = 2
+DATA = DigitsPartitions(batch_size=32, seed=0)
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
+# ----------------------------------------------------------------------------- artifacts
+@pytest.fixture(scope="session")
+def digits_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArtifacts, TrainingArtifacts]:
+    """The digits MLP exported once (the server's folder) and its web-prepared device folder (lr 0.01, constant)."""
+    from ort_lightning.export import prepare_for_web
+
+    root = tmp_path_factory.mktemp("browser-fleet")
+    exported = export_artifacts(digits_mlp(HIDDEN, seed=0), torch.zeros(2, FEATURES), root / "exported",
+                                nominal_checkpoint=True, ort_format=True, verify=False)
+    return exported, prepare_for_web(exported, root / "web", lr=LR)
+
+
+# ----------------------------------------------------------------------------- the reference
+def _graph_order(folder: Path) -> list[str]:
+    return [value.name for value in onnx.load(str(folder / "training_model.onnx")).graph.input]
+
+
+def _ort_round(folder: Path, start: dict[str, np.ndarray], partition: int, partitions: int) -> dict[str, np.ndarray]:
+    """One device's round in ONNX Runtime's documented loop, on the device folder's files, from `start`."""
+    order = [name for name in _graph_order(folder) if name in start]
+    state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
+    module = Module(str(folder / "training_model.ort"), state, str(folder / "eval_model.ort"))
+    buffer = np.concatenate([start[name].ravel() for name in order]).astype(np.float32)
+    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue; it takes the C one.
+    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(buffer)._ortvalue, False)
+    optimizer = Optimizer(str(folder / "optimizer_model.ort"), module)
+    # NOTE: the rate the server's Lightning devices use; a folder whose graph ignores it must train at it anyway.
+    optimizer.set_learning_rate(LR)
+    module.train()
+    for x, y in DATA(partition, partitions).train:
+        module(x.numpy(), y.numpy())
+        optimizer.step()
+        module.lazy_reset_grad()
+    return {name: np.array(parameter.data) for name, parameter in state.parameters}
+
+
+def _reference(
+    folder: Path, start: dict[str, np.ndarray], rounds: list[list[int]], partitions: int = DEVICES
+) -> list[dict[str, np.ndarray]]:
+    """Per round, the example-weighted float64 average of the listed partitions' rounds; float32 goes on."""
+    averages = []
+    for chosen in rounds:
+        fits = [(_ort_round(folder, start, p, partitions), len(DATA(p, partitions).train.dataset))  # type: ignore[arg-type]
+                for p in chosen]
+        total = sum(count for _, count in fits)
+        average = {name: sum(values[name].astype(np.float64) * count for values, count in fits) / total
+                   for name in start}
+        averages.append(average)
+        start = {name: value.astype(np.float32) for name, value in average.items()}
+    return averages
+
+
+def _initial(exported: TrainingArtifacts) -> dict[str, np.ndarray]:
+    return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(exported.checkpoint)).parameters}
+
+
+def _checkpoint_values(path: Path) -> dict[str, np.ndarray]:
+    return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(path)).parameters}
+
+
+def _assert_round(path: Path | None, expected: dict[str, np.ndarray]) -> None:
+    """The round checkpoint's values, read by ONNX Runtime, within 1e-5 of `expected`."""
+    assert path is not None
+    actual = _checkpoint_values(path)
+    assert sorted(actual) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(actual[name].astype(np.float64), value, rtol=0, atol=1e-5, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- browsers
+@contextmanager
+def _chromium(urls: dict[str, str]) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """One headless Chromium per URL (each with a fresh profile), killed on exit."""
+    program = chromium_program()
+    assert program is not None
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    profiles = [tempfile.mkdtemp(prefix="ort-lightning-chromium-") for _ in urls]
+    try:
+        for (name, url), profile in zip(urls.items(), profiles, strict=True):
+            processes[name] = subprocess.Popen([program, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", url],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                               start_new_session=True)
+        yield processes
+    finally:
+        for process in processes.values():
+            _kill(process)
+        for profile in profiles:
+            shutil.rmtree(profile, ignore_errors=True)
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """Close a browser as a crash or a closed laptop does: its process group (renderers included) at once."""
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _fleet(web: TrainingArtifacts, *, devices: int = DEVICES, device_timeout: float = 60.0) -> BrowserFleet:
+    return BrowserFleet(web, DATA, port=0, devices=devices, device_timeout=device_timeout, ort_web=ort_web_dist())
+
+
+def _server(exported: TrainingArtifacts, folder: Path, *, devices: int = DEVICES, rounds: int = ROUNDS) -> FleetServer:
+    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=devices, min_train_nodes=devices)
+    return FleetServer(GlobalModel(exported), strategy, rounds=rounds, directory=folder)
+
+
+# ----------------------------------------------------------------------------- the tests
+def _fleet_command(config: dict[str, object], folder: Path, *extra: str) -> list[str]:
+    """``ort-lightning fleet --config <folder>/fleet.yaml ...`` as a user runs it, on this checkout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fleet.yaml").write_text(yaml.safe_dump({**config, "out": str(folder)}))
+    return [sys.executable, "-c", "import sys; from ort_lightning.cli import main; sys.exit(main())",
+            "fleet", "--config", str(folder / "fleet.yaml"), *extra]
+
+
+def _accuracies(folder: Path) -> list[float]:
+    return [record["accuracy"] for record in json.loads((folder / "history.json").read_text())["rounds"]]
+
+
+@requires_chromium
+@pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`.*:UserWarning")
+def test_the_readme_command_runs_three_browsers_as_ort_and_the_simulated_fleet_would(tmp_path: Path) -> None:
+    config = {"devices": DEVICES, "rounds": ROUNDS, "epochs": 1, "lr": LR, "batch_size": DATA.batch_size,
+              "hidden": HIDDEN, "seed": DATA.seed, "port": 0, "ort_web": ort_web_dist()}
+    browsers = tmp_path / "browsers"
+    command = subprocess.Popen(_fleet_command(config, browsers, "--browsers"), cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    assert command.stdout is not None
+    lines = []
+    for line in command.stdout:
+        lines.append(line)
+        if line.strip().startswith("http://"):
+            break
+    url = lines[-1].strip()
+    with _chromium({n: f"{url}&name={n}" for n in ("a", "b", "c")}):
+        output = "".join(lines) + command.stdout.read()
+        assert command.wait(timeout=240) == 0, output
+    assert re.search(r"a joined \(127\.0\.0\.1:\d+\): partition \d of 3", output)
+    assert re.search(r"round  2: accuracy [\d.]+%", output)
+    # ONNX Runtime's own loop on the device folder the browsers loaded, from the server's initial weights
+    expected = _reference(browsers / "web", _checkpoint_values(browsers / "artifacts" / "checkpoint"), [[0, 1, 2]] * 2)
+    for number, average in enumerate(expected, start=1):
+        _assert_round(browsers / "rounds" / f"round-{number:04d}.ortckpt", average)
+    # the simulated fleet of the same config (Lightning devices on the same exported folder) reaches the same accuracy
+    local = FleetConfig.from_dict({**config, "engine": "local", "out": str(tmp_path / "simulated")})
+    simulated = run_experiment(local, browsers / "artifacts", echo=False)
+    accuracies = _accuracies(browsers)
+    assert accuracies == [record.evaluation["accuracy"] for record in simulated.history]
+    assert accuracies[-1] > simulated.initial["accuracy"]
+
+
+class _KillWhenSent(logging.Handler):
+    """Kills a browser's process once the server has sent it the weights of `server_round`."""
+
+    def __init__(self, device: str, server_round: int, process: subprocess.Popen[bytes]) -> None:
+        super().__init__(logging.DEBUG)
+        self.pattern = f"round {server_round}: sent "
+        self.device, self.process = device, process
+        self.killed = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.pattern) and message.endswith(f" to {self.device}"):
+            _kill(self.process)
+            self.killed.set()
+
+
+@requires_chromium
+def test_a_browser_closed_during_round_two_leaves_the_round_to_the_other_two(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    exported, web = digits_folders
+    logger = logging.getLogger("ort_lightning.fleet.browser")
+    # NOTE: hold=2 keeps the page from answering round 2, so that the kill lands while the server waits for it.
+    urls = {"a": "&name=a", "b": "&name=b", "c": "&name=c&hold=2"}
+    with _fleet(web) as fleet, _chromium({n: fleet.url + q for n, q in urls.items()}) as browsers:
+        killer = _KillWhenSent("c", 2, browsers["c"])
+        level = logger.level
+        logger.addHandler(killer)
+        logger.setLevel(logging.DEBUG)
+        try:
+            fleet.start().wait_for_devices(90)
+            held = next(device.partition for device in fleet.connected if device.name == "c")
+            server = fleet.run(_server(exported, tmp_path), join_timeout=1)
+        finally:
+            logger.removeHandler(killer)
+            logger.setLevel(level)
+    assert killer.killed.is_set()
+    assert [(r.server_round, r.devices) for r in server.history] == [(1, 3), (2, 2)]
+    [refusal] = fleet.refusals
+    assert (refusal.device, refusal.server_round) == ("c", 2)
+    assert "c closed its page or lost its connection" in refusal.reason
+    others = [p for p in range(DEVICES) if p != held]
+    expected = _reference(web.directory, _initial(exported), [[0, 1, 2], others])
+    for record, average in zip(server.history, expected, strict=True):
+        _assert_round(record.checkpoint, average)
+
+
+# ----------------------------------------------------------------------------- devices that misbehave
+def _bad_device(fleet: BrowserFleet, name: str, behaviour: str, closed: dict[str, tuple[int, str]]) -> None:
+    """A device speaking the page's protocol from Python, which answers its round as `behaviour` says."""
+    url = fleet.url.replace("http://", "ws://").replace("/?token=", "/join?token=") + f"&name={name}"
+    parameters = fleet.hub.parameters + (1 if behaviour == "other-model" else 0)
+    with connect(url, max_size=None) as socket:
+        try:
+            json.loads(socket.recv())  # welcome
+            socket.send(json.dumps({"type": "ready", "parameters": parameters}))
+            header, payload = unpack(socket.recv())  # the round
+            weights = np.frombuffer(payload[: 4 * fleet.hub.parameters], dtype=np.float32).copy()
+            examples = header["examples"] + (1 if behaviour == "greedy" else 0)
+            weights[3] = np.nan if behaviour == "nan" else weights[3]
+            result = {"type": "result", "id": header["id"], "examples": examples, "steps": 1, "losses": [1.0]}
+            if behaviour == "huge":
+                socket.send(pack(result, [np.zeros(fleet.frame_limit // 4 + 1, np.float32)]))
+            elif behaviour != "silent":
+                socket.send(pack(result, [weights[:-1] if behaviour == "short" else weights]))
+            socket.recv(timeout=120)
+        except ConnectionClosed as error:
+            closed[name] = (error.rcvd.code, error.rcvd.reason) if error.rcvd else (0, "")
+
+
+@requires_chromium
+def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browsers(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    exported, web = digits_folders
+    bad = {"nan": r"nan sent 1 non-finite weights \(NaN or infinite, the first at index 3\)",
+           "short": r"short sent \d+ bytes of weights \(\d+ float32 values\), but the model has \d+ parameters",
+           "greedy": r"greedy claims \d+ examples, but it was given \d+ per epoch",
+           "huge": r"huge sent a frame over the size limit of \d+ bytes",
+           "silent": r"silent did not answer round 1 within the device timeout of 15 s"}
+    closed: dict[str, tuple[int, str]] = {}
+    devices = 2 + len(bad)
+    with _fleet(web, devices=devices, device_timeout=15) as fleet, _chromium({n: f"{fleet.url}&name={n}"
+                                                                                for n in ("a", "b")}):
+        with pytest.raises(urllib.error.HTTPError, match="403") as page:
+            urllib.request.urlopen(fleet.url.replace("token=", "token=x"))
+        assert "join token is missing or wrong" in page.value.read().decode()
+        threads = [threading.Thread(target=_bad_device, args=(fleet, name, name, closed)) for name in bad]
+        for thread in threads:
+            thread.start()
+        assert fleet.wait_for_devices(90)
+        for name, behaviour in [("other-model", "other-model"), ("late", "late")]:
+            _bad_device(fleet, name, behaviour, closed)
+        wrong = fleet.url.replace("token=", "token=x").replace("http://", "ws://").replace("/?", "/join?")
+        with connect(wrong) as socket, pytest.raises(ConnectionClosed) as refused:
+            socket.recv(timeout=30)
+        partitions = {device.name: device.partition for device in fleet.connected}
+        server = fleet.run(_server(exported, tmp_path, devices=devices, rounds=1), join_timeout=1)
+        for thread in threads:
+            thread.join(timeout=60)
+    assert refused.value.rcvd is not None
+    assert refused.value.rcvd.code == 1008
+    assert "wrong join token" in refused.value.rcvd.reason
+    assert [(r.server_round, r.devices) for r in server.history] == [(1, 2)]
+    reasons = {refusal.device: refusal.reason for refusal in fleet.refusals}
+    assert sorted(reasons) == sorted([*bad, "other-model", "late"])
+    assert re.search(r"other-model opened a model of \d+ parameters, but the fleet's has \d+", reasons["other-model"])
+    assert re.search(r"late found the fleet full: all 7 partitions have a device", reasons["late"])
+    for name, pattern in bad.items():
+        assert re.search(pattern, reasons[name]), (name, reasons[name])
+        assert closed[name][0] in (1008, 1009), (name, closed[name])
+    [expected] = _reference(web.directory, _initial(exported), [[partitions["a"], partitions["b"]]], devices)
+    _assert_round(server.history[0].checkpoint, expected)
+
+
+# ----------------------------------------------------------------------------- refusals without a browser
+CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"  # returned as given, never fetched
+
+
+def _result(examples: int = 8, **header: object) -> dict[str, object]:
+    return {"type": "result", "id": "m", "examples": examples, "steps": 2, "losses": [0.5, 0.4], **header}
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (pack(_result(), [np.zeros(9, np.float32)]), r"d sent 36 bytes of weights \(9 float32 values\), but the model "
+                                                     r"has 10 parameters; the device is refused"),
+        (pack(_result(), [np.array([0.0] * 4 + [np.inf] + [0.0] * 5, np.float32)]),
+         r"d sent 1 non-finite weights \(NaN or infinite, the first at index 4\); the device is refused"),
+        (pack(_result(examples=9), [np.zeros(10, np.float32)]), r"d claims 9 examples, but it was given 8 per epoch; "
+                                                               r"a device may claim 1 to 8"),
+        (pack(_result(examples=0), [np.zeros(10, np.float32)]), r"d claims 0 examples"),
+        (pack(_result(examples="8"), [np.zeros(10, np.float32)]), r"d sent examples='8', but a count"),
+        (b"\xff\xff\x00\x00{}", r"d sent a frame whose header claims 65535 bytes, but at most 2 are allowed"),
+        (b"\x02\x00\x00\x00[]", r"d sent a frame header that is a list, not a JSON object"),
+        (b"\x01", r"d sent a binary frame of 1 bytes, shorter than its 4-byte header length"),
+    ],
+    ids=["short", "infinite", "more-examples", "no-examples", "examples-not-a-count", "header-too-long",
+         "not-an-object", "truncated"],
+)
+def test_a_result_that_fails_a_check_is_refused_before_the_strategy(frame: bytes, message: str) -> None:
+    with pytest.raises(DeviceReplyError, match=message):
+        read_result(*unpack(frame, device="d"), device="d", parameters=10, given=8)
+
+
+def test_a_batch_of_a_dtype_the_browser_does_not_take_is_refused() -> None:
+    with pytest.raises(BatchError, match=r"takes tensors of dtype \['bool', 'float32', 'int32', 'int64'\], but a batch "
+                                         r"holds torch.float64; convert it in your Dataset"):
+        train_frame("m", 1, np.zeros(3, np.float32), [[(torch.zeros(2, 4, dtype=torch.float64),)]])
+
+
+def test_fleet_options_and_mismatched_servers_are_refused(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], mlp_adamw: Exported, tmp_path: Path
+) -> None:
+    _, web = digits_folders
+    with pytest.raises(ConfigurationError, match=r"Expected devices >= 1, epochs >= 1 and device_timeout > 0, but "
+                                                 r"got 0, 1 and 600.0"):
+        BrowserFleet(web, DATA, devices=0, ort_web=CDN)
+    with BrowserFleet(web, DATA, port=0, devices=1, ort_web=CDN) as fleet:
+        with pytest.raises(ConfigurationError, match=r"The FleetServer's model has the state \{'fc1.weight'.*but the "
+                                                     r"browsers' folder .* trains \{'0.weight'.*build both from the "
+                                                     r"same export"):
+            fleet.run(_server(mlp_adamw.artifacts, tmp_path / "other", devices=1))
+        with pytest.raises(ConfigurationError, match=r"0 of 1 browsers joined within 0.2 s; open http://127.0.0.1:\d+/"
+                                                     r"\?token=\S+ in 1 browsers"):
+            fleet.run(_server(digits_folders[0], tmp_path / "none", devices=1), join_timeout=0.2)
+
+
+def test_a_folder_without_an_optimizer_graph_and_keep_with_browsers_are_refused(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    folder = tmp_path / "no-optimizer"
+    shutil.copytree(digits_folders[0].directory, folder)
+    for name in ("ort_lightning.json", "optimizer_model.onnx", "optimizer_model.ort", "training_model.ort",
+                 "eval_model.ort"):
+        (folder / name).unlink()
+    with pytest.raises(ConfigurationError, match=r"no-optimizer has no optimizer graph, but a browser device trains "
+                                                 r"with one"):
+        BrowserFleet(folder, DATA, port=0, ort_web=CDN)
+    with pytest.raises(ConfigurationError, match=r"Expected `optimizer_state: fresh` with `engine: browser`, but got "
+                                                 r"\"keep\": a browser returns its weights only"):
+        FleetConfig.from_dict({"engine": "browser", "optimizer_state": "keep"})
