@@ -12,6 +12,7 @@ __all__ = [
     "ConfigurationError",
     "DeviceError",
     "DeviceReplyError",
+    "DistributedError",
     "ExportError",
     "NonFiniteLossError",
     "ORTLightningError",
@@ -37,6 +38,10 @@ class BatchError(ORTLightningError, ValueError):
 
 class DeviceError(ORTLightningError, RuntimeError):
     """The requested device is unknown or the installed ONNX Runtime build cannot use it."""
+
+
+class DistributedError(ORTLightningError, RuntimeError):
+    """Another rank of a distributed run is gone (its process died, or never answered a collective)."""
 
 
 class ConfigurationError(ORTLightningError, ValueError):

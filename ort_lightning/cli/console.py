@@ -7,7 +7,7 @@ Subcommands:
 - ``fit | validate | test | predict --config cfg.yaml``: LightningCLI over `ORTLightningModule`
   and any ``LightningDataModule``.
 - ``inspect DIR | CHECKPOINT``: what a set of artifacts or an ORT checkpoint holds.
-- ``fleet --config fleet.yaml``: federated training of the digits artifacts on simulated
+- ``fleet --config fleet.yaml [--set KEY=VALUE ...]``: federated training of the digits artifacts on simulated
   devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
   ``--browsers``: the devices are browsers that open the URL it prints (``engine: browser``).
 
@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
     fleet.add_argument("--browsers", action="store_true",
                        help="the devices are browsers that open the printed URL (engine: browser)")
+    fleet.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                       help="override one key of the config, e.g. --set rounds=3 --set lr=0.05 (repeat per key)")
     fleet.set_defaults(handler=_fleet)
     for name, text in _LIGHTNING_HELP.items():
         # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
@@ -212,7 +214,7 @@ def _fleet(args: argparse.Namespace) -> None:
 
     from ort_lightning.fleet.experiment import FleetConfig, run_experiment
 
-    config = FleetConfig.from_yaml(args.config)
+    config = FleetConfig.from_yaml(args.config, overrides=args.overrides)
     if args.browsers:
         config = dataclasses.replace(config, engine="browser")
     # NOTE: one Trainer per device and round; their start-up lines, their warning that devices do not

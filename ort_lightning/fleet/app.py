@@ -39,9 +39,14 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
+from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
 
-__all__ = ["FleetServer", "RoundRecord"]
+__all__ = ["DEVICE_TIMEOUT", "FleetServer", "RoundRecord"]
+
+#: Seconds a device may take to answer a round by default (ten minutes: far above a device's
+#: local fit in these experiments, which is seconds, and far below "for ever").
+DEVICE_TIMEOUT = 600.0
 
 
 @dataclass
@@ -55,6 +60,8 @@ class RoundRecord:
         train_metrics: the clients' training metrics, aggregated by the strategy.
         checkpoint: the round's ORT checkpoint, or None when no client answered.
         devices: clients whose training replies arrived without error.
+        failures: node id -> why that client failed its training this round (its error reply's
+            reason, or no reply within the device timeout); the round aggregated the others.
         examples: their training examples, together (FedAvg's total weight).
         aggregate_seconds: the strategy's aggregation.
         checkpoint_seconds: writing the round's checkpoint files.
@@ -69,6 +76,7 @@ class RoundRecord:
     examples: int = 0
     aggregate_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
+    failures: dict[int, str] = field(default_factory=dict)
 
 
 class FleetServer:
@@ -82,6 +90,11 @@ class FleetServer:
         test: held-out batches to evaluate the global values on after each round (and before the first).
         train_config: values sent to the clients with every train message.
         timeout: seconds to wait for the clients' replies in a round.
+        device_timeout: seconds one device may take to answer; a device that takes longer fails
+            its round (named in `RoundRecord.failures`) and the round aggregates the others. The
+            round's wait is the smaller of this and `timeout`; None leaves only `timeout`.
+            Flower's engines wait for all devices at once; `LocalGrid` runs them one after
+            another, each with this limit.
     """
 
     def __init__(
@@ -94,15 +107,24 @@ class FleetServer:
         test: DataLoader | None = None,
         train_config: dict[str, int | float | str] | None = None,
         timeout: float = 3600.0,
+        device_timeout: float | None = DEVICE_TIMEOUT,
     ) -> None:
         if rounds < 1:
             raise ValueError(f"Expected `rounds` >= 1, but got {rounds}; pass the number of federated rounds.")
+        if device_timeout is not None and not device_timeout > 0:
+            raise ConfigurationError(
+                f"Expected `device_timeout` > 0 seconds (or None: no limit but `timeout`), but got {device_timeout!r}; "
+                "pass how long one device may take to train its round."
+            )
+        self.device_timeout = device_timeout
+        wait = timeout if device_timeout is None else min(timeout, device_timeout)
         self.model = model
-        self.strategy = CheckpointEachRound(strategy, model, directory, round_offset=model.server_round)
+        self.strategy = CheckpointEachRound(strategy, model, directory, round_offset=model.server_round,
+                                            device_timeout=wait)
         self.rounds = rounds
         self.test = test
         self.train_config = dict(train_config or {})
-        self.timeout = timeout
+        self.timeout = wait
         self.history: list[RoundRecord] = []
         self.initial: dict[str, Any] = {}
         self._clock = 0.0
@@ -140,6 +162,7 @@ class FleetServer:
             aggregate, save = self.strategy.seconds.get(number, (0.0, 0.0))
             self.history.append(RoundRecord(number, now - self._clock, evaluation, checkpoint=written,
                                             devices=devices, examples=examples, aggregate_seconds=aggregate,
-                                            checkpoint_seconds=save))
+                                            checkpoint_seconds=save,
+                                            failures=self.strategy.failures.get(number, {})))
         self._clock = now
         return MetricRecord(evaluation) if evaluation else None

@@ -7,9 +7,13 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and t
 plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
 is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
 digits, and it trains as in the simulation (a Lightning ``Trainer`` over ORT's graphs, starting
-from the nominal checkpoint plus the server's values). The server waits for ``devices``
-SuperNodes, writes a complete ORT checkpoint per round under ``out/rounds`` and prints the
-accuracy per round into the run's log (``flwr log``, or ``flwr run --stream``).
+from the nominal checkpoint plus the server's values). The server first gives all ``devices``
+SuperNodes up to ``device_timeout`` seconds to connect; before each round it then waits for
+``min_nodes`` of them (by default ``devices - 1``, at least 1: a round goes on after one
+SuperNode is lost), trains on every SuperNode connected then, gives each ``device_timeout``
+seconds to answer, writes a complete ORT checkpoint per round under ``out/rounds`` and prints
+the accuracy per round, with the nodes that failed it, into the run's log (``flwr log``, or
+``flwr run --stream``).
 
 Example::
 
@@ -78,10 +82,22 @@ server = ServerApp()
 @server.main()
 def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
-    # NOTE: a deployment waits for all of its devices; the simulation's default waits for two.
-    waiting = {"min_available_nodes": config.devices, "min_train_nodes": config.devices}
+    # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
+    # all `devices` would hang the run at the next round once one SuperNode is lost.
+    nodes = config.nodes_to_wait_for
+    waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
     config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
     fleet = fleet_server(config, artifacts)
+    _wait_for_nodes(grid, config.devices, config.device_timeout)
     started = time.perf_counter()
     fleet.main(grid, context)
     report(fleet, config, time.perf_counter() - started, engine="Flower deployment runtime")
+
+
+def _wait_for_nodes(grid: Grid, count: int, limit: float | None) -> None:
+    """Wait until `count` nodes are connected, for at most `limit` seconds (the first round then has them all)."""
+    # NOTE: the strategy starts a round as soon as `min_nodes` are connected; at start-up that would
+    # leave the SuperNodes that connect a second later out of the first round.
+    deadline = time.monotonic() + (limit if limit is not None else float("inf"))
+    while len(list(grid.get_node_ids())) < count and time.monotonic() < deadline:
+        time.sleep(0.5)

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,10 @@ from typing import Any
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.app import FleetServer
+from ort_lightning.fleet.app import DEVICE_TIMEOUT, FleetServer
 from ort_lightning.fleet.client import OPTIMIZER_STATES, STARTS, FleetClient
 from ort_lightning.fleet.digits import SPLITS, DigitsPartitions, digits_test_loader
+from ort_lightning.fleet.keys import check_keys, check_types, parse_override
 from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.server import GlobalModel
 
@@ -72,7 +74,11 @@ class FleetConfig:
         resume: a round checkpoint to continue from (its round number continues too).
         host: ``engine: browser``: the address the fleet's page is served on (loopback by default).
         port: ``engine: browser``: its port (0: a free one).
-        device_timeout: ``engine: browser``: seconds a browser may take for a round before it is dropped.
+        device_timeout: seconds a device may take to answer a round; one that takes longer fails
+            the round, which aggregates the others (``null``: no limit but Flower's hour).
+        min_nodes: devices the server waits for before a round (the deployment runtime); 0 or
+            ``null`` (the default) means ``devices - 1``, at least 1, so that a round goes on after
+            one device is lost (0 is for Flower's run config, which has no null).
         ort_web: ``engine: browser``: onnxruntime-web's ``dist/`` folder or a URL (None: found as
             `ort_lightning.web.find_ort_web` finds it).
     """
@@ -95,7 +101,8 @@ class FleetConfig:
     resume: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    device_timeout: float = 600.0
+    device_timeout: float | None = DEVICE_TIMEOUT
+    min_nodes: int | None = None
     ort_web: str | None = None
 
     def __post_init__(self) -> None:
@@ -118,31 +125,52 @@ class FleetConfig:
                 f"Expected devices, rounds and epochs >= 1, but got {self.devices}, {self.rounds}, {self.epochs}; "
                 "fix those keys of the fleet config."
             )
+        if self.device_timeout is not None and not self.device_timeout > 0:
+            raise ConfigurationError(
+                f"Expected `device_timeout` > 0 seconds or null (no limit), but got {self.device_timeout}; fix that "
+                "key of the fleet config."
+            )
+        if self.min_nodes is not None and not 0 <= self.min_nodes <= self.devices:
+            raise ConfigurationError(
+                f"Expected `min_nodes` between 1 and devices ({self.devices}), or 0 or null for devices - 1, but got "
+                f"{self.min_nodes}; fix that key of the fleet config, or leave it out (devices - 1, so that a round "
+                "survives one lost device)."
+            )
+
+    @property
+    def nodes_to_wait_for(self) -> int:
+        """Devices a deployment's server waits for before a round: `min_nodes`, or one fewer than `devices`."""
+        return self.min_nodes if self.min_nodes else max(1, self.devices - 1)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> FleetConfig:
-        """Build from a mapping (the parsed YAML).
+    def from_dict(cls, values: dict[str, Any], *, where: str = "the fleet config") -> FleetConfig:
+        """Build from a mapping (the parsed YAML), its keys and their types checked.
 
         Raises:
-            ConfigurationError: for a key that is not a `FleetConfig` field.
+            ConfigurationError: for a key that is not a `FleetConfig` field (with the closest one), or a
+                value of the wrong type.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigurationError(
-                f"Unknown fleet config keys {unknown}; the keys are {sorted(known)}."
-            )
+        check_keys(values, cls, where=where)
+        check_types(values, cls, where=where)
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> FleetConfig:
-        """Read a YAML file of `FleetConfig` keys."""
+    def from_yaml(cls, path: str | os.PathLike[str], *, overrides: Sequence[str] = ()) -> FleetConfig:
+        """Read a YAML file of `FleetConfig` keys, then apply ``KEY=VALUE`` `overrides` (``--set``) over it.
+
+        Raises:
+            ConfigurationError: for a file that is not a mapping, an unknown key or a value of the wrong
+                type, in the file or in an override (which is named as such).
+        """
         import yaml
 
         values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         if not isinstance(values, dict):
             raise ConfigurationError(f"Fleet config {path} must be a mapping of keys to values, got {type(values)}.")
-        return cls.from_dict(values)
+        check_keys(values, cls, where=f"the fleet config {path}")
+        check_types(values, cls, where=f"the fleet config {path}")
+        changed = dict(parse_override(text) for text in overrides)
+        return cls.from_dict({**values, **changed}, where="--set" if changed else f"the fleet config {path}")
 
 
 def _strategy(config: FleetConfig) -> Strategy:
@@ -164,7 +192,7 @@ def fleet_server(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Flee
     """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``, the test digits."""
     model = GlobalModel(Path(artifacts), checkpoint=config.resume)
     return FleetServer(model, _strategy(config), rounds=config.rounds, directory=Path(config.out) / "rounds",
-                       test=digits_test_loader(config.seed))
+                       test=digits_test_loader(config.seed), device_timeout=config.device_timeout)
 
 
 def _run(server: FleetServer, client: FleetClient, config: FleetConfig) -> None:
@@ -228,12 +256,15 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) 
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; "
               f"{record.devices} devices, {fit:.2f} s mean local fit, {record.aggregate_seconds * 1e3:.1f} ms "
               f"aggregate, {record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
+        for node, reason in sorted(record.failures.items()):
+            print(f"          node {node} failed: {reason}")
     print(f"total: {total:.1f} s")
 
 
 def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: float) -> None:
     rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
                "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
+               "failures": {str(node): reason for node, reason in r.failures.items()},
                **r.evaluation, "train": r.train_metrics,
                "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
     payload = {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}

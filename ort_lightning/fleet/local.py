@@ -1,10 +1,19 @@
 """Run Flower apps in this process: the same `ServerApp`, `ClientApp` and strategies, without Ray.
 
 `LocalGrid` is a Flower ``Grid`` that hands each message to the `ClientApp` of its node at
-once, in the calling thread, with a `Context` per node that lives as long as the grid (as a
-SuperNode's does across rounds). A client that raises is answered with an error reply, the
+once, one message after another, with a `Context` per node that lives as long as the grid (as
+a SuperNode's does across rounds). A client that raises is answered with an error reply, the
 way Flower's runtimes answer it, so strategies see the same replies. Use it for exact,
 repeatable experiments and tests; use ``flwr.simulation`` or a deployment for scale.
+
+A device that hangs does not hang the round: each message runs in a worker thread of its own,
+and a call still running after the device timeout (``send_and_receive(timeout=...)``, which
+``Strategy.start`` passes, or `LocalGrid`'s ``device_timeout``) is answered with an error reply
+that names the node and the limit, and the next device runs. Python cannot stop a thread, so
+the abandoned call runs on in the background until it returns; its late reply is dropped, and
+its node answers every later message at once with an error reply until then (the node's
+Context is still in that call's hands). The worker is a daemon thread: it does not keep the
+process alive at exit.
 
 Example::
 
@@ -23,21 +32,26 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from itertools import count
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["CLIENT_ERROR_CODE", "LocalGrid", "run_local"]
+from ort_lightning.errors import ConfigurationError
+
+__all__ = ["CLIENT_ERROR_CODE", "TIMEOUT_ERROR_CODE", "LocalGrid", "run_local"]
 
 #: Error code of the reply to a message whose ClientApp raised (Flower's ClientApp exception code).
 CLIENT_ERROR_CODE = 1
+#: Error code of the reply to a message whose ClientApp did not return in time (Flower's "reply unavailable").
+TIMEOUT_ERROR_CODE = ErrorCode.REPLY_MESSAGE_UNAVAILABLE
 _RUN_ID = 1
 
 
@@ -49,11 +63,18 @@ class LocalGrid(Grid):
         nodes: number of nodes; node ``i`` gets ``node_config={"partition-id": i, "num-partitions": nodes}``
             as in Flower's simulation.
         run_config: the run config every node's Context carries.
+        device_timeout: seconds one node may take to answer one message before it is answered with
+            an error reply and abandoned (see the module docstring); None waits as long as
+            ``send_and_receive``'s ``timeout`` says, or for ever without one.
     """
 
-    def __init__(self, client_app: ClientApp, *, nodes: int, run_config: dict | None = None) -> None:
+    def __init__(
+        self, client_app: ClientApp, *, nodes: int, run_config: dict | None = None,
+        device_timeout: float | None = None,
+    ) -> None:
         if nodes < 1:
             raise ValueError(f"Expected `nodes` >= 1, but got {nodes}; pass the number of simulated devices.")
+        _check_timeout(device_timeout)
         _claim_identity()
         self._app = client_app
         self._run = Run.create_empty(_RUN_ID)
@@ -64,6 +85,9 @@ class LocalGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._ids = count()
+        self.device_timeout = device_timeout
+        #: Per node: the worker thread of a call abandoned after the timeout, while it still runs.
+        self._abandoned: dict[int, threading.Thread] = {}
 
     def context(self, node_id: int) -> Context:
         """The Context of node `node_id` (its ``state`` is what the node keeps between rounds)."""
@@ -89,11 +113,14 @@ class LocalGrid(Grid):
         return list(self._contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Run each message's node on it now; keep the replies for `pull_messages`."""
+        """Run each message's node on it now (for at most `device_timeout` s each); keep the replies."""
+        return self._push(messages, self.device_timeout)
+
+    def _push(self, messages: Iterable[Message], timeout: float | None) -> list[str]:
         ids = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = f"{next(self._ids)}-{uuid4().hex}"
-            self._replies[message.metadata.message_id] = self._deliver(message)
+            self._replies[message.metadata.message_id] = self._deliver(message, timeout)
             ids.append(message.metadata.message_id)
         return ids
 
@@ -102,18 +129,49 @@ class LocalGrid(Grid):
         return [self._replies.pop(i) for i in message_ids if i in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Run every message and return the replies (there is nothing to wait for)."""
-        return self.pull_messages(self.push_messages(messages))
+        """Run every message, each node for at most `timeout` s (and `device_timeout`); return the replies."""
+        _check_timeout(timeout)
+        limits = [t for t in (timeout, self.device_timeout) if t is not None]
+        return self.pull_messages(self._push(messages, min(limits) if limits else None))
 
-    def _deliver(self, message: Message) -> Message:
-        context = self._contexts.get(message.metadata.dst_node_id)
+    def _deliver(self, message: Message, timeout: float | None) -> Message:
+        node = message.metadata.dst_node_id
+        context = self._contexts.get(node)
         if context is None:
-            return Message(Error(CLIENT_ERROR_CODE, f"no node {message.metadata.dst_node_id}"), reply_to=message)
+            return Message(Error(CLIENT_ERROR_CODE, f"no node {node}"), reply_to=message)
+        busy = self._abandoned.get(node)
+        if busy is not None and busy.is_alive():
+            return Message(Error(TIMEOUT_ERROR_CODE, f"node {node} is still running a message it was given up on "
+                                 "earlier; it gets no new one until that call returns"), reply_to=message)
+        self._abandoned.pop(node, None)
+        answer: list[Message] = []
+        worker = threading.Thread(target=self._answer, args=(message, context, answer), daemon=True,
+                                  name=f"fleet-node-{node}")
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            self._abandoned[node] = worker
+            reason = (f"node {node} did not answer within the device timeout of {timeout:g} s; its call was "
+                      "abandoned and the round goes on without it (raise the device timeout if its training needs "
+                      "longer)")
+            return Message(Error(TIMEOUT_ERROR_CODE, reason), reply_to=message)
+        return answer[0]
+
+    def _answer(self, message: Message, context: Context, answer: list[Message]) -> None:
+        """The node's reply to `message`, into `answer` (run in the delivery's worker thread)."""
         try:
-            return self._app(message, context)
+            answer.append(self._app(message, context))
         except Exception as error:  # any device failure becomes an error reply, as in Flower's runtimes
             reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
-            return Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message)
+            answer.append(Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message))
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ConfigurationError(
+            f"Expected a device timeout > 0 seconds (or None: no limit), but got {timeout!r}; pass how long one "
+            "device may take to answer a round."
+        )
 
 
 def _claim_identity() -> None:
@@ -126,8 +184,15 @@ def _claim_identity() -> None:
         TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_local(server_app: ServerApp, client_app: ClientApp, *, nodes: int, run_config: dict | None = None) -> None:
-    """Run `server_app` against `nodes` in-process nodes running `client_app` (see `LocalGrid`)."""
-    grid = LocalGrid(client_app, nodes=nodes, run_config=run_config)
+def run_local(
+    server_app: ServerApp, client_app: ClientApp, *, nodes: int, run_config: dict | None = None,
+    device_timeout: float | None = None,
+) -> None:
+    """Run `server_app` against `nodes` in-process nodes running `client_app` (see `LocalGrid`).
+
+    A `FleetServer`'s ``device_timeout`` reaches the grid through ``Strategy.start``; `device_timeout`
+    here bounds every message too (None: only what the server app passes).
+    """
+    grid = LocalGrid(client_app, nodes=nodes, run_config=run_config, device_timeout=device_timeout)
     context = Context(_RUN_ID, 0, {}, RecordDict(), dict(run_config or {}))
     server_app(grid, context)

@@ -108,6 +108,25 @@ def _answers(replies: list[Message]) -> tuple[int, int]:
     return len(valid), examples
 
 
+def _failures(sent: list[Message], replies: list[Message], timeout: float | None) -> dict[int, str]:
+    """Node id -> why it failed the round: its error reply's reason, or no reply before the round's timeout."""
+    # NOTE: a reply is matched to the node it was sent to: an error reply written by the SuperLink for a
+    # node it lost (Flower's "Node Unavailable") comes from the SuperLink, not from that node.
+    nodes = {message.metadata.message_id: message.metadata.dst_node_id for message in sent}
+    failures: dict[int, str] = {}
+    answered = set()
+    for reply in replies:
+        node = nodes.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        answered.add(node)
+        if reply.has_error():
+            failures[node] = str(reply.error.reason)
+    limit = "" if timeout is None else f" of {timeout:g} s"
+    for node in nodes.values():
+        if node not in answered:
+            failures[node] = f"no reply within the device timeout{limit}; the round went on without it"
+    return failures
+
+
 class CheckpointEachRound(Strategy):
     """Any Flower strategy, plus a complete ORT checkpoint of the global values after each round.
 
@@ -116,18 +135,24 @@ class CheckpointEachRound(Strategy):
         model: the `GlobalModel` the aggregated values are written from.
         directory: where ``round-NNNN.ortckpt`` and ``last.ortckpt`` go.
         round_offset: rounds done before this run (resuming round 3 numbers the next one 4).
+        device_timeout: the round's reply timeout, to name it when a device's reply is missing.
     """
 
     def __init__(
-        self, strategy: Strategy, model: GlobalModel, directory: str | os.PathLike[str], *, round_offset: int = 0
+        self, strategy: Strategy, model: GlobalModel, directory: str | os.PathLike[str], *, round_offset: int = 0,
+        device_timeout: float | None = None,
     ) -> None:
         self.strategy = strategy
         self.model = model
         self.directory = Path(directory)
         self.round_offset = round_offset
+        self.device_timeout = device_timeout
         self.written: list[Path] = []
         #: Per round: (devices that answered, their examples), counted from the replies.
         self.answers: dict[int, tuple[int, int]] = {}
+        #: Per round: node id -> why it failed its training (an error reply, or none before the timeout).
+        self.failures: dict[int, dict[int, str]] = {}
+        self._sent: dict[int, list[Message]] = {}
         #: Per round: (seconds aggregating, seconds writing the checkpoints).
         self.seconds: dict[int, tuple[float, float]] = {}
 
@@ -138,8 +163,10 @@ class CheckpointEachRound(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """The wrapped strategy's training messages."""
-        return self.strategy.configure_train(server_round + self.round_offset, arrays, config, grid)
+        """The wrapped strategy's training messages (their nodes kept, to name those that never answer)."""
+        messages = list(self.strategy.configure_train(server_round + self.round_offset, arrays, config, grid))
+        self._sent[server_round + self.round_offset] = messages
+        return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -148,6 +175,7 @@ class CheckpointEachRound(Strategy):
         server_round += self.round_offset
         replies = list(replies)
         self.answers[server_round] = _answers(replies)
+        self.failures[server_round] = _failures(self._sent.pop(server_round, []), replies, self.device_timeout)
         started = time.perf_counter()
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         aggregated = time.perf_counter()

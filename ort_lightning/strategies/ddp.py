@@ -11,6 +11,9 @@ checkpoints) and replaces the wrapper with two collectives on the torch views of
   point buffers (BatchNorm running statistics) are averaged in the same round, so that the
   ranks stay identical.
 
+When another rank dies, this rank's next collective fails; the strategy turns that into one
+`DistributedError` line naming the lost rank (see `ort_lightning.strategies.peers`).
+
 Importing ``ort_lightning`` registers ``"ort_ddp"`` (processes started as subprocesses of the
 script, or by torchrun / SLURM) and ``"ort_ddp_spawn"`` in Lightning's ``StrategyRegistry``.
 
@@ -25,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -35,6 +38,7 @@ from typing_extensions import override
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies.buckets import DEFAULT_BUCKET_BYTES, CoalescedTensors
+from ort_lightning.strategies.peers import lost_rank, one_line_tracebacks
 
 __all__ = ["ORTDDPStrategy", "check_strategy", "thread_spinning", "trains_ort_graphs"]
 
@@ -83,14 +87,64 @@ class ORTDDPStrategy(DDPStrategy):
         """Keep the module unwrapped: its gradients come from ORT, not from autograd."""
 
     @override
+    def setup_distributed(self) -> None:
+        """Start the process group as Lightning's DDP does; a lost rank's error then prints as one line."""
+        super().setup_distributed()
+        one_line_tracebacks()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Set up as Lightning's DDP does, then give every rank rank 0's parameters and buffers."""
         super().setup(trainer)
         module = self.lightning_module
         assert module is not None
         states = [*(p.data for p in module.parameters()), *module.buffers()]
-        CoalescedTensors(states, bucket_bytes=self.bucket_bytes).broadcast(src=0)
+        try:
+            CoalescedTensors(states, bucket_bytes=self.bucket_bytes).broadcast(src=0)
+        except RuntimeError as error:
+            self._raise_lost(error, "the broadcast of rank 0's parameters at setup")
         self._gradients = None
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier; a lost rank raises `DistributedError`."""
+        try:
+            super().barrier(*args, **kwargs)
+        except RuntimeError as error:
+            self._raise_lost(error, "a barrier")
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast; a lost rank raises `DistributedError`."""
+        try:
+            return super().broadcast(obj, src)
+        except RuntimeError as error:
+            self._raise_lost(error, "a broadcast")
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's reduce (``sync_dist``, shared decisions); a lost rank raises `DistributedError`."""
+        try:
+            return super().reduce(tensor, *args, **kwargs)
+        except RuntimeError as error:
+            self._raise_lost(error, "a reduction of logged values or of a shared decision")
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """Lightning's all-gather; a lost rank raises `DistributedError`."""
+        try:
+            return super().all_gather(tensor, group, sync_grads)
+        except RuntimeError as error:
+            self._raise_lost(error, "an all-gather")
+
+    def _raise_lost(self, error: RuntimeError, collective: str) -> NoReturn:
+        """Raise `DistributedError` from `error` when a peer rank is gone; raise `error` as it is otherwise."""
+        module = self.lightning_module
+        step = f" at global_step={module.trainer.global_step}" if module is not None and module._trainer else ""
+        lost = lost_rank(error, rank=self.global_rank, world_size=self.world_size, where=f"{collective}{step}")
+        if lost is None:
+            raise error
+        raise lost from error
 
     @override
     def optimizer_step(
@@ -122,7 +176,10 @@ class ORTDDPStrategy(DDPStrategy):
             # NOTE: built lazily and rebuilt when ORT's buffers move (a rebuilt session).
             self._gradients = CoalescedTensors(tensors, bucket_bytes=self.bucket_bytes)
             self._gradient_key = key
-        self._gradients.all_reduce_mean()
+        try:  # NOTE: costs nothing until it raises (Python 3.11's exceptions are zero-cost on success)
+            self._gradients.all_reduce_mean()
+        except RuntimeError as error:
+            self._raise_lost(error, "the gradient all-reduce")
         self.gradient_syncs += 1
 
     @classmethod

@@ -36,6 +36,10 @@ def _announce(fleet: BrowserFleet, devices: int) -> None:
                       flush=True)
 
 
+#: ``device_timeout: null`` in the config: a week, no limit in practice (a finite number, as waits need one).
+_NO_LIMIT = 7 * 24 * 3600.0
+
+
 def run_browser_experiment(
     config: FleetConfig, artifacts: str | os.PathLike[str], *, echo: bool = True
 ) -> FleetServer:
@@ -53,7 +57,8 @@ def run_browser_experiment(
     data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
     server = fleet_server(config, artifacts)
     with BrowserFleet(web, data, host=config.host, port=config.port, devices=config.devices, epochs=config.epochs,
-                      device_timeout=config.device_timeout, ort_web=config.ort_web) as fleet:
+                      device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
+                      ort_web=config.ort_web) as fleet:
         if echo:
             _announce(fleet, config.devices)
         started = time.perf_counter()
