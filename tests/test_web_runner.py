@@ -6,7 +6,10 @@ takes a server's weights, trains 2 epochs over 3 batches (int64 labels), evaluat
 the weights. The reference is ONNX Runtime's documented device loop in Python on a copy of the
 same files: ``CheckpointState.load_checkpoint(nominal)``, ``Module``, ``copy_buffer_to_parameters``,
 ``Optimizer``, then ``train_step`` / ``optimizer.step()`` / ``lazy_reset_grad()``, and its eval
-graph. onnxruntime-web cannot set a learning rate: both sides train at ORT's default 1e-3.
+graph. onnxruntime-web cannot set a learning rate: a plain folder trains at ORT's default 1e-3 on
+both sides; a folder from ``prepare_for_web`` trains in Node at the rate its optimizer graph
+computes, and the reference is ORT's loop on the plain folder with ``set_learning_rate`` before
+every step at the rate the schedule's formula gives (DESIGN, "The pipeline").
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +32,10 @@ from sklearn.datasets import load_digits
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import digits_mlp
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.export import prepare_for_web
 from ort_lightning.web import ENVIRONMENT_VARIABLE, TRAINING_BUILD, asset, find_ort_web
-from tests.test_adopt import Case, _generate
 from tests._web import ROOT, NodeError, ort_web_dist, requires_node, run_node
+from tests.test_adopt import Case, _generate
 
 DRIVER = ROOT / "tests" / "web" / "train_device.mjs"
 #: ORT's default learning rate, the only one onnxruntime-web's optimizer runs at on an unprepared folder.
@@ -43,9 +48,10 @@ Batch = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class Device:
-    """A device folder (graphs + nominal checkpoint) and the weights a server sends it, in parameter_order."""
+    """A device folder (graphs + nominal checkpoint), its server's folder, the weights it sends, in parameter_order."""
 
     folder: Path
+    server: Path
     order: tuple[str, ...]
     weights: np.ndarray
 
@@ -61,22 +67,25 @@ def digits_device(tmp_path_factory: pytest.TempPathFactory) -> Device:
     # The server's weights: the folder's initial values moved, so that a device cannot pass by ignoring them.
     generator = np.random.default_rng(7)
     state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
-    weights = np.concatenate([
-        np.array(state.parameters[name].data).ravel() + 0.05 * generator.standard_normal(state.parameters[name].data.size)
-        for name in order
-    ]).astype(np.float32)
-    return Device(Path(device), tuple(order), weights)
+    values = [np.array(state.parameters[name].data).ravel() for name in order]
+    weights = np.concatenate([value + 0.05 * generator.standard_normal(value.size) for value in values])
+    weights = weights.astype(np.float32)
+    return Device(Path(device), artifacts.directory, tuple(order), weights)
 
 
 def _digits_batches(count: int = 3) -> list[Batch]:
     features, labels = load_digits(return_X_y=True)
-    return [
-        ((features[i * BATCH:(i + 1) * BATCH] / 16.0).astype(np.float32), labels[i * BATCH:(i + 1) * BATCH].astype(np.int64))
-        for i in range(count)
-    ]
+    rows = [slice(i * BATCH, (i + 1) * BATCH) for i in range(count)]
+    return [((features[r] / 16.0).astype(np.float32), labels[r].astype(np.int64)) for r in rows]
 
 
-def _write_job(work: Path, folder: Path, graphs: str, weights: np.ndarray, batches: list[tuple[np.ndarray, ...]]) -> Path:
+#: The runner's tensor type of each numpy dtype the tests send.
+TYPES = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}
+
+
+def _write_job(
+    work: Path, folder: Path, graphs: str, weights: np.ndarray, batches: list[tuple[np.ndarray, ...]]
+) -> Path:
     """The driver's job: paths, the format, raw little-endian files for the weights and each tensor."""
     work.mkdir(parents=True, exist_ok=True)
     weights.astype("<f4").tofile(work / "weights.bin")
@@ -84,7 +93,7 @@ def _write_job(work: Path, folder: Path, graphs: str, weights: np.ndarray, batch
     for index, batch in enumerate(batches):
         tensors = []
         for position, tensor in enumerate(batch):
-            kind = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}[tensor.dtype]
+            kind = TYPES[tensor.dtype]
             tensor.astype(tensor.dtype.newbyteorder("<")).tofile(work / f"batch{index}-{position}.bin")
             tensors.append({"file": f"batch{index}-{position}.bin", "type": kind, "dims": list(tensor.shape)})
         listed.append(tensors)
@@ -104,20 +113,25 @@ class Trained:
     outputs: np.ndarray
 
 
-def orts_python_loop(folder: Path, graphs: str, weights: np.ndarray, batches: list[Batch], *, lr: float) -> Trained:
-    """ONNX Runtime's documented device loop on `folder`: nominal checkpoint, the weights, E epochs, then eval."""
+def orts_python_loop(
+    folder: Path, graphs: str, weights: np.ndarray, batches: list[Batch], *, rate: Callable[[int], float]
+) -> Trained:
+    """ONNX Runtime's documented device loop on `folder`: nominal checkpoint, the weights, E epochs, then eval.
+
+    ``rate(s)`` is the learning rate of the optimizer step taken after `s` completed ones.
+    """
     state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
     module = Module(str(folder / f"training_model.{graphs}"), state, str(folder / f"eval_model.{graphs}"))
     # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
     # binding refuses; the binding takes the C-level one.
     module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(weights)._ortvalue, False)
     optimizer = Optimizer(str(folder / f"optimizer_model.{graphs}"), module)
-    optimizer.set_learning_rate(lr)
     module.train()
-    losses = []
+    losses: list[float] = []
     for _ in range(EPOCHS):
         for batch in batches:
             losses.append(float(module(*batch)[0]))
+            optimizer.set_learning_rate(rate(len(losses) - 1))
             optimizer.step()
             module.lazy_reset_grad()
     module.eval()
@@ -149,13 +163,15 @@ def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_d
 # ----------------------------------------------------------------------------- Node trains as ORT's Python loop
 @requires_node
 @pytest.mark.parametrize("graphs", ["ort", "onnx"], ids=["ort-graphs", "onnx-graphs"])
-def test_node_runner_trains_and_evaluates_as_orts_python_loop(digits_device: Device, graphs: str, tmp_path: Path) -> None:
+def test_node_runner_trains_and_evaluates_as_orts_python_loop(
+    digits_device: Device, graphs: str, tmp_path: Path
+) -> None:
     batches = _digits_batches()
     job = _write_job(tmp_path / "node", digits_device.folder, graphs, digits_device.weights, batches)
     result, trained, outputs = _node_run(job)
 
     reference_folder = shutil.copytree(digits_device.folder, tmp_path / "reference")  # the same files, read apart
-    expected = orts_python_loop(reference_folder, graphs, digits_device.weights, batches, lr=DEFAULT_LR)
+    expected = orts_python_loop(reference_folder, graphs, digits_device.weights, batches, rate=lambda _: DEFAULT_LR)
     assert result["parameterCount"] == digits_device.weights.size == 64 * 64 + 64 + 64 * 10 + 10
     assert (result["steps"], result["examples"]) == (EPOCHS * len(batches), len(batches) * BATCH)
     np.testing.assert_allclose(result["losses"], expected.losses, rtol=1e-4, atol=0)
@@ -165,6 +181,45 @@ def test_node_runner_trains_and_evaluates_as_orts_python_loop(digits_device: Dev
     assert evaluation["examples"] == len(batches) * BATCH  # type: ignore[index]
     np.testing.assert_allclose(evaluation["loss"], expected.eval_loss, rtol=1e-4, atol=0)  # type: ignore[index]
     np.testing.assert_allclose(outputs, expected.outputs, rtol=0, atol=1e-5)
+
+
+def _linear(lr: float, warmup: int, total: int) -> Callable[[int], float]:
+    """DESIGN's linear schedule: ``s/max(1,W)`` below W, then ``max(0, (T-s)/max(1,T-W))``, times `lr`."""
+    return lambda s: lr * (s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+
+
+#: prepare_for_web's options, and the rate of each step by the formula (6 steps: 2 epochs of 3 batches).
+SCHEDULES: dict[str, tuple[dict[str, object], Callable[[int], float]]] = {
+    "constant-lr-0.01": ({"lr": 0.01}, lambda _: 0.01),
+    "linear-lr-0.02-warmup-2-total-6": (
+        {"lr": 0.02, "lr_scheduler": "linear", "warmup_steps": 2, "total_steps": 6}, _linear(0.02, 2, 6)
+    ),
+}
+
+
+@requires_node
+@pytest.mark.parametrize("schedule", list(SCHEDULES), ids=list(SCHEDULES))
+def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_it(
+    digits_device: Device, schedule: str, tmp_path: Path
+) -> None:
+    options, rate = SCHEDULES[schedule]
+    prepared = prepare_for_web(digits_device.server, tmp_path / "web", **options)  # type: ignore[arg-type]
+    shipped = shutil.copytree(prepared.directory, tmp_path / "device", ignore=shutil.ignore_patterns("checkpoint"))
+    batches = _digits_batches()
+    result, trained, _ = _node_run(_write_job(tmp_path / "node", Path(shipped), "ort", digits_device.weights, batches))
+
+    plain = shutil.copytree(digits_device.folder, tmp_path / "reference")  # ORT sets the rate itself, step by step
+    expected = orts_python_loop(plain, "ort", digits_device.weights, batches, rate=rate)
+    at_default = orts_python_loop(plain, "ort", digits_device.weights, batches, rate=lambda _: DEFAULT_LR)
+    assert float(np.abs(expected.weights - at_default.weights).max()) > 1e-3, "the schedule changes nothing"
+    np.testing.assert_allclose(result["losses"], expected.losses, rtol=1e-4, atol=0)
+    # NOTE: 1e-5 per 1e-3 of peak rate. AdamW moves a weight by about the rate whatever its gradient's size,
+    # so where WebAssembly's and the native kernels' float sums differ in a tiny gradient, the weights differ
+    # in proportion to the rate: measured 1.4e-6 at 1e-3 and 1.4e-5 at 1e-2, in the same single weight, while
+    # ORT's Python loop on the prepared folder equals the plain folder with set_learning_rate bit for bit.
+    atol = 1e-5 * max(rate(step) for step in range(len(expected.losses))) / DEFAULT_LR
+    np.testing.assert_allclose(trained, expected.weights, rtol=0, atol=atol)
+    np.testing.assert_allclose(result["evaluation"]["loss"], expected.eval_loss, rtol=1e-4, atol=0)  # type: ignore[index]
 
 
 # ----------------------------------------------------------------------------- bad inputs, refused by name
@@ -196,7 +251,8 @@ def test_int32_labels_are_explained_where_onnxruntime_web_throws_a_bare_number(
 ) -> None:
     # NOTE: onnxruntime-web throws a WebAssembly exception's address, no message, for a tensor of another type.
     features, labels = _digits_batches(1)[0]
-    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, [(features, labels.astype(np.int32))])
+    batches = [(features, labels.astype(np.int32))]
+    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, batches)
     message = (r"batch 0 of the training graph: onnxruntime-web failed without a message \(it threw the number \d+, "
                r"a WebAssembly exception\), which it does for a tensor whose type or shape the graph does not take; "
                r"check each tensor's type and dims against the inputs \[input, labels\] .* int64 labels go in as "
