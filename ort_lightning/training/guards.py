@@ -72,7 +72,8 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
     if classes <= 0:
         return None
     ignore_index = manifest.loss_options.get("ignore_index")
-    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index)
+    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index,
+                      reduction=manifest.loss_options.get("reduction", "mean"))
 
 
 def check_can_train(artifacts: TrainingArtifacts) -> None:
