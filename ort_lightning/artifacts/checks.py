@@ -134,11 +134,22 @@ def check_graphs(graphs: Mapping[str, GraphFacts]) -> None:
         return
     shapes = {spec.name: spec.shape for spec in training.inputs}
     for spec in evaluation.inputs:
-        if spec.name in shapes and shapes[spec.name] != spec.shape:
+        if spec.name in shapes and _conflict(shapes[spec.name], spec.shape):
             raise ArtifactError(
                 f"{evaluation.path.name} takes {spec.name} of shape {list(spec.shape)}, but {training.path.name} "
                 f"takes {list(shapes[spec.name])}: the two graphs are of different models; {_ADVICE}."
             )
+
+
+def _conflict(first: tuple[int | str, ...], second: tuple[int | str, ...]) -> bool:
+    """Whether two shapes cannot be the same tensor's: other ranks, or two fixed sizes that differ.
+
+    NOTE: symbolic dimensions may be named differently in two graphs of one model; they never conflict.
+    """
+    return len(first) != len(second) or any(
+        isinstance(a, int) and isinstance(b, int) and a > 0 and b > 0 and a != b
+        for a, b in zip(first, second, strict=True)
+    )
 
 
 def _described(facts: GraphFacts) -> str:
