@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,10 @@ class BatchBinder:
         self._device = device
         self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
         self._shapes = tuple(_enforced_shape(spec) for spec in self.specs)
+        # NOTE: inputs whose first axis is the first input's named batch axis: one sample per row in each.
+        batch = self.specs[0].shape[0] if self.specs and self.specs[0].shape else None
+        self._rows = tuple(index for index, spec in enumerate(self.specs)
+                           if index and isinstance(batch, str) and spec.shape and spec.shape[0] == batch)
 
     def __call__(self, batch: Any) -> Any:
         """Return an OrtValueVector holding `batch` in graph-input order.
@@ -116,10 +121,32 @@ class BatchBinder:
             BatchError: for a batch the graph refuses (see `ordered`, `run`), or labels out of range.
         """
         tensors = self.ordered(batch)
-        if labels is not None:
-            labels(tensors, graph=self.graph)
+        if self._rows:
+            self.check_rows(tensors)
+        undefined = labels is not None and labels(tensors, graph=self.graph)
         fetches = self.run(run, tensors)
-        return tensors, fetches, to_torch(fetches[0])
+        loss = to_torch(fetches[0])
+        if undefined:
+            # NOTE: torch's mean over no counted label is NaN; ORT 1.19.2 returns 0.0 (rare: allocates then only).
+            loss = torch.full_like(loss, math.nan)
+        return tensors, fetches, loss
+
+    def check_rows(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse inputs (labels among them) whose first axis, the batch axis, is not as long as the first input's.
+
+        Raises:
+            BatchError: naming both inputs and both counts.
+        """
+        first = tensors[0]
+        rows = first.shape[0] if first.dim() else 1
+        for index in self._rows:
+            tensor = tensors[index]
+            if tensor.dim() and tensor.shape[0] != rows:
+                raise BatchError(
+                    f"Input {self.names[index]!r} of the {self.graph} graph has {tensor.shape[0]} rows, but "
+                    f"{self.names[0]!r} has {rows}: both take the batch axis {self.specs[0].shape[0]!r} first, one "
+                    "row per sample; return one label per sample from your Dataset (and check the collate_fn)."
+                )
 
     def run(self, step: Callable[[Any], Any], tensors: Sequence[torch.Tensor]) -> Any:
         """Bind `tensors` (from `ordered`) and run `step` on them; return its fetches.
@@ -306,34 +333,48 @@ class LabelRange:
         classes: the number of classes (the class axis of the logits).
         ignore_index: a label value the loss skips (torch's ``ignore_index``, -100 by default;
             Hugging Face pads labels with it); None when every label counts.
+        reduction: the loss's reduction; under ``"mean"`` a batch whose labels are all `ignore_index`
+            has an undefined loss (torch's is NaN), which the call reports.
 
     Example::
 
-        >>> guard = LabelRange("labels", index=1, classes=3)
+        >>> guard = LabelRange("labels", index=1, classes=3, ignore_index=-100)
         >>> guard((torch.zeros(2, 4), torch.tensor([0, 2])), graph="training")
+        False
+        >>> guard((torch.zeros(2, 4), torch.tensor([-100, -100])), graph="training")  # torch's loss: NaN
+        True
         >>> guard((torch.zeros(2, 4), torch.tensor([0, 3])), graph="training")
         Traceback (most recent call last):
         ...
-        ort_lightning.errors.BatchError: Labels 'labels' of the training graph must be class indices in [0, 3), ...
+        ort_lightning.errors.BatchError: Labels 'labels' of the training graph must be class indices in [0, 3) ...
     """
 
-    def __init__(self, name: str, *, index: int, classes: int, ignore_index: int | None = None) -> None:
+    def __init__(
+        self, name: str, *, index: int, classes: int, ignore_index: int | None = None, reduction: str = "mean"
+    ) -> None:
         self.name = name
         self.index = index
         self.classes = classes
         self.ignore_index = ignore_index
+        self.reduction = reduction
 
-    def __call__(self, tensors: Sequence[torch.Tensor], *, graph: str) -> None:
+    def __call__(self, tensors: Sequence[torch.Tensor], *, graph: str) -> bool:
         """Check the labels among `tensors` (in graph-input order).
+
+        Returns:
+            Whether the batch's loss is undefined: every label is `ignore_index` under the ``"mean"``
+            reduction, where torch's loss is NaN (0/0) and ORT's 0.0.
 
         Raises:
             BatchError: naming the labels, the range found and the range expected.
         """
         labels = tensors[self.index]
         if labels.numel() == 0 or labels.is_floating_point():
-            return  # the binder refuses empty batches and other dtypes with messages of their own
+            return False  # the binder refuses empty batches and other dtypes with messages of their own
         low, high = (int(value) for value in torch.aminmax(labels))
         if self.ignore_index is not None and self.ignore_index in (low, high):
+            if low == high:  # every label is ignored
+                return self.reduction == "mean"
             # NOTE: only batches that hold ignored labels pay for the second, masked reduction.
             low, high = self._counted_range(labels, low, high)
         if low < 0 or high >= self.classes:
@@ -344,6 +385,7 @@ class LabelRange:
                 f"the labels in your Dataset, re-export the model with as many classes as the labels need, or pass "
                 "ORTLightningModule(check_labels=False) to skip this check."
             )
+        return False
 
     def _counted_range(self, labels: torch.Tensor, low: int, high: int) -> tuple[int, int]:
         """The range of the labels other than `ignore_index` (``(0, 0)`` when all are ignored)."""

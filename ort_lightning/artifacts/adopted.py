@@ -216,9 +216,28 @@ def _checkpoint_parameters(path: Path, inputs: list[TensorSpec], *, weightless: 
     takes its gradient buffer, as ``generate_artifacts`` builds it for each ``requires_grad`` parameter.
     """
     if not weightless:
-        return [(name, grad) for name, _, grad in _ort_checkpoint(path)[0]]
+        summary = _ort_checkpoint(path)[0]
+        _check_shapes(path, inputs, summary)
+        return [(name, grad) for name, _, grad in summary]
     buffers = {spec.name for spec in inputs if spec.name.endswith(_GRAD_BUFFER)}
     return [(name, f"{name}{_GRAD_BUFFER}" in buffers) for name in _nominal_names(path)]
+
+
+def _check_shapes(path: Path, inputs: list[TensorSpec], summary: list[tuple[str, tuple[int, ...], bool]]) -> None:
+    """Refuse a checkpoint whose tensors have other shapes than the training graph takes (another model's)."""
+    graph = {spec.name: spec.shape for spec in inputs}
+    for name, shape, _ in summary:
+        expected = graph.get(name)
+        if expected is not None and len(expected) == len(shape) and all(
+            isinstance(want, str) or want == have for want, have in zip(expected, shape, strict=True)
+        ):
+            continue
+        if expected is not None:
+            raise ArtifactError(
+                f"The checkpoint {path} holds {name} of shape {list(shape)}, but the training graph takes {name} of "
+                f"shape {list(expected)}: the checkpoint belongs to another model with the same parameter names. Use "
+                "the checkpoint generated with these graphs."
+            )
 
 
 def _nominal_names(path: Path) -> list[str]:

@@ -17,12 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import onnx
-
 from ort_lightning.artifacts.adopted import GRAPHS, adopted_files, adopted_manifest, present_files
+from ort_lightning.artifacts.checks import (
+    GraphFacts,
+    check_checkpoint_digest,
+    check_graphs,
+    check_manifest,
+    read_graph,
+)
 from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest
 from ort_lightning.errors import ArtifactError
-from ort_lightning.ort import limits
 from ort_lightning.ort import runtime as _ort
 
 __all__ = ["FILES", "TrainingArtifacts"]
@@ -157,12 +161,13 @@ class TrainingArtifacts:
         manifest_path = folder / MANIFEST_NAME
         if not manifest_path.is_file() or prefix is not None:
             return cls._adopt(folder, labels=labels, prefix=prefix)
-        manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8"), manifest_path)
+        manifest = Manifest.read(manifest_path)
         _check_versions(manifest, manifest_path)
         files = _own_files(folder)
-        for path in files.values():
-            if path is not None and path.suffix == ".onnx":
-                _check_ir_version(path)
+        graphs = _read_graphs(files)
+        check_manifest(manifest, graphs, folder)
+        _check_ort_optimizer(manifest, files, manifest_path)
+        check_checkpoint_digest(manifest, files["checkpoint"])
         artifacts = cls(folder, manifest, files)
         artifacts.check_labels(labels)
         return artifacts
@@ -190,9 +195,7 @@ class TrainingArtifacts:
     @classmethod
     def _adopt(cls, folder: Path, *, labels: Sequence[str] | None, prefix: str | None) -> TrainingArtifacts:
         files = adopted_files(folder, prefix)
-        for path in files.values():
-            if path is not None and path.suffix == ".onnx":
-                _check_ir_version(path)
+        _read_graphs(files)
         return cls(folder, adopted_manifest(files, labels=labels), files, adopted=True)
 
 
@@ -254,16 +257,27 @@ def _check_versions(manifest: Manifest, source: Path) -> None:
         )
 
 
-def _check_ir_version(path: Path) -> None:
-    try:
-        ir_version = onnx.load(path, load_external_data=False).ir_version
-    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+def _read_graphs(files: dict[str, Path | None]) -> dict[str, GraphFacts]:
+    """Read each ``.onnx`` graph once and check that it is the graph of its slot; role -> its facts.
+
+    Raises:
+        ArtifactError: for a damaged graph, an IR version ORT cannot read, or a graph in the wrong slot.
+    """
+    graphs = {role: read_graph(path) for role in GRAPHS
+              if (path := files.get(role)) is not None and path.suffix == ".onnx"}
+    check_graphs(graphs)
+    return graphs
+
+
+def _check_ort_optimizer(manifest: Manifest, files: dict[str, Path | None], source: Path) -> None:
+    """The optimizer kind of an ``.ort`` optimizer graph (read from its operator list) against the manifest's."""
+    path = files.get("optimizer_model")
+    if path is None or path.suffix != ".ort":
+        return
+    kind = _ort.optimizer_kind_in(path)
+    if kind != manifest.optimizer:
         raise ArtifactError(
-            f"{path} is not a readable ONNX model ({error}); re-export the artifacts."
-        ) from error
-    if ir_version > limits.MAX_IR_VERSION:
-        raise ArtifactError(
-            f"{path} has ONNX IR version {ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
-            f"{limits.MAX_IR_VERSION}; re-export with export_artifacts() (it lowers the IR version) or "
-            "install onnx==1.17.0 before generating artifacts."
+            f"{source} says optimizer={manifest.optimizer!r}, but {path.name} runs {kind!r}: the optimizer graph or "
+            "the manifest is of another export; re-export the artifacts with export_artifacts(), or copy the whole "
+            "folder again from where it was exported."
         )

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from ort_lightning.artifacts.adopted import graph_io
+from ort_lightning.artifacts.checks import read_graph
 from ort_lightning.artifacts.manifest import TensorSpec
-from ort_lightning.errors import ConfigurationError
+from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from ort_lightning.artifacts.folder import TrainingArtifacts
 
-__all__ = ["check_values", "flat_values", "state_specs", "state_summary"]
+__all__ = ["check_shapes", "check_values", "flat_values", "state_specs", "state_summary"]
 
 _GRAD_BUFFER = ".buffer"
 _RESET = "lazy_reset_grad"
@@ -45,8 +46,8 @@ _RESET = "lazy_reset_grad"
 
 @lru_cache(maxsize=32)
 def _graph_inputs(path: Path, mtime_ns: int) -> tuple[TensorSpec, ...]:
-    # NOTE: the graph's structure only; weights stay on disk.
-    return tuple(graph_io(path)[0])
+    # NOTE: the graph's structure only; weights stay on disk. An .onnx graph's facts are those the folder check read.
+    return read_graph(path).inputs if path.suffix == ".onnx" else tuple(graph_io(path)[0])
 
 
 def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
@@ -85,6 +86,35 @@ def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ..
     trainable = set(artifacts.manifest.trainable)
     return [(spec.name, tuple(int(dim) for dim in spec.shape), spec.name in trainable)
             for spec in state_specs(artifacts)]
+
+
+def check_shapes(
+    shapes: Mapping[str, Sequence[int]], specs: Sequence[TensorSpec], *, source: Path, artifacts: TrainingArtifacts
+) -> None:
+    """Refuse a state whose tensors have other shapes than the training graph takes (a checkpoint of another model).
+
+    Args:
+        shapes: name -> shape of each tensor of the state ORT loaded from `source`.
+        specs: what `state_specs` returned.
+        source: the checkpoint the state came from, for the message.
+        artifacts: the artifacts, for the message.
+
+    Raises:
+        ArtifactError: naming the tensor and both shapes.
+    """
+    for spec in specs:
+        shape = shapes.get(spec.name)
+        if shape is not None and not _fits(tuple(shape), spec.shape):
+            raise ArtifactError(
+                f"The checkpoint {source} holds {spec.name} of shape {list(shape)}, but "
+                f"{artifacts.training_model.name} takes {spec.name} of shape {list(spec.shape)}: the checkpoint "
+                "belongs to another model with the same parameter names; use the checkpoint exported with these graphs."
+            )
+
+
+def _fits(shape: tuple[int, ...], expected: tuple[int | str, ...]) -> bool:
+    return len(shape) == len(expected) and all(
+        isinstance(want, str) or want == have for want, have in zip(expected, shape, strict=True))
 
 
 def _as_tensor(value: object) -> torch.Tensor:

@@ -37,6 +37,7 @@ import onnx
 import torch
 
 from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
+from ort_lightning.artifacts.checks import checkpoint_digest
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
 from ort_lightning.export.external import external_data_wanted
@@ -260,6 +261,7 @@ def export_artifacts(
         buffers=tuple(sorted(buffers)),
         versions=_versions(),
         parameter_order=_model_order(model, training_graph, state),
+        checkpoint_sha256=checkpoint_digest(folder / FILES["checkpoint"]),
     )
     manifest = verify_export(
         manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify

@@ -11,15 +11,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import onnx
 
-from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError
+from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError, ORTLightningError
 from ort_lightning.ort._api import (
     CheckpointState,
     Module,
@@ -199,21 +200,48 @@ def assemble(
     options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
     optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
-    state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
-    module = Module(
-        os.fspath(training_model),
-        state,
-        os.fspath(eval_model),
-        device=target,
-        session_options=options,
-    )
+    with _refused(f"the checkpoint {os.fspath(checkpoint)}", "it is damaged, truncated or not an ORT checkpoint"):
+        state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
+    graphs = f"the graphs {os.fspath(training_model)} and {os.fspath(eval_model)} over {os.fspath(checkpoint)}"
+    with _refused(graphs, "a graph is damaged or truncated, or a file is another model's"):
+        module = Module(
+            os.fspath(training_model),
+            state,
+            os.fspath(eval_model),
+            device=target,
+            session_options=options,
+        )
     if parameters is not None:
         copy_parameters(module, parameters)
-    optimizer = None if optimizer_model is None else Optimizer(os.fspath(optimizer_model), module)
+    optimizer = None
+    if optimizer_model is not None:
+        optimizer_graph = f"the optimizer graph {os.fspath(optimizer_model)}"
+        with _refused(optimizer_graph, "it is damaged, truncated or another model's"):
+            optimizer = Optimizer(os.fspath(optimizer_model), module)
     return TrainingSession(
         state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
         intra_op_threads=intra_op_threads,
     )
+
+
+#: What ONNX Runtime raises for a file it cannot load (its C++ errors arrive as RuntimeError or these).
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    RuntimeError, _C.Fail, _C.InvalidArgument, _C.InvalidGraph, _C.InvalidProtobuf, _C.NoSuchFile,
+)
+
+
+@contextlib.contextmanager
+def _refused(what: str, likely: str) -> Iterator[None]:
+    """Turn ONNX Runtime's refusal to load `what` into an `ArtifactError` that names it and what to do."""
+    try:
+        yield
+    except _LOAD_ERRORS as error:
+        if isinstance(error, ORTLightningError):
+            raise
+        raise ArtifactError(
+            f"ONNX Runtime cannot load {what} ({' '.join(str(error).split())[-240:]}); {likely}. Copy the artifacts "
+            "again from where they were exported, or re-export them with export_artifacts()."
+        ) from error
 
 
 def copy_parameters(module: Any, parameters: np.ndarray) -> None:
@@ -256,11 +284,25 @@ def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
 def _optimizer_nodes(path: str) -> list[str]:
     """Node types of an optimizer graph; for an ``.ort`` graph, what its inputs and operator list say."""
     if not path.endswith(".ort"):
-        return [node.op_type for node in onnx.load(path, load_external_data=False).graph.node]
+        try:
+            return [node.op_type for node in onnx.load(path, load_external_data=False).graph.node]
+        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+            raise ArtifactError(
+                f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: copy the artifacts again "
+                "from where they were exported, or re-export them with export_artifacts()."
+            ) from error
     config = path[: -len(".ort")] + ".required_operators.config"
     if os.path.isfile(config):
-        with open(config, encoding="utf-8") as stream:
-            return [op for line in stream if not line.startswith("#") for op in line.strip().split(";")[-1].split(",")]
+        try:
+            with open(config, encoding="utf-8") as stream:
+                return [op for line in stream if not line.startswith("#")
+                        for op in line.strip().split(";")[-1].split(",")]
+        except UnicodeDecodeError as error:
+            raise ArtifactError(
+                f"{config} is not UTF-8 text ({error.reason} at byte {error.start}), so it is not the operator list "
+                f"that ONNX Runtime's converter wrote beside {os.path.basename(path)}; copy it again from where the "
+                "artifacts were exported, or delete it (the optimizer kind is then read from the graph's inputs)."
+            ) from error
     # NOTE: without the operator list, the inputs tell: only AdamW keeps second-order moments.
     inputs, _ = ort_graph_io(path)
     return ["AdamWOptimizer" if any(name == "second_order_moments" for name, _, _ in inputs) else "SGDOptimizerV2"]

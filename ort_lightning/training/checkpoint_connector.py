@@ -26,12 +26,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ort_lightning.errors import ConfigurationError
+from ort_lightning.errors import ArtifactError, CheckpointError, ConfigurationError
+from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.checkpoints import (
     ORT_STATE_KEY,
     PROGRESS_KEY,
@@ -39,6 +41,7 @@ from ort_lightning.training.checkpoints import (
     export_inference,
     restored_state,
     state_bytes,
+    state_digest,
     write_ort_checkpoint,
 )
 from ort_lightning.training.schedules import schedule_properties
@@ -51,6 +54,7 @@ from ort_lightning.training.travel import (
     identity_of,
     identity_of_state,
     metric_names,
+    read_lightning_checkpoint,
     resolve_artifacts,
 )
 from ort_lightning.training.trust import check_code_hyperparameters
@@ -58,7 +62,10 @@ from ort_lightning.training.trust import check_code_hyperparameters
 if TYPE_CHECKING:
     from ort_lightning.training.module import ORTLightningModule
 
-__all__ = ["CheckpointConnector", "find_artifacts"]
+__all__ = ["STATE_DIGEST_KEY", "CheckpointConnector", "find_artifacts"]
+
+#: Where a ``.ckpt``'s progress record keeps the sha256 of its ORT state bytes.
+STATE_DIGEST_KEY = "ort_state_sha256"
 
 
 class CheckpointConnector:
@@ -120,34 +127,42 @@ class CheckpointConnector:
     def dump(self, checkpoint: dict[str, Any]) -> None:
         """Store ORT's state (weights, and the optimizer's unless hybrid), the progress and the identity."""
         module = self.module
-        checkpoint[ORT_STATE_KEY] = state_bytes(module._session, include_optimizer_state=not self._hybrid)
-        checkpoint[PROGRESS_KEY] = module._origin.lightning_record(module._steps.seed_in_use())
+        state = state_bytes(module._session, include_optimizer_state=not self._hybrid)
+        checkpoint[ORT_STATE_KEY] = state
+        checkpoint[PROGRESS_KEY] = {**module._origin.lightning_record(module._steps.seed_in_use()),
+                                    STATE_DIGEST_KEY: state_digest(state)}
         checkpoint[IDENTITY_KEY] = {**identity_of(module.artifacts), "metrics": metric_names(module._metrics)}
 
     def restore(self, checkpoint: dict[str, Any]) -> bool:
-        """Rebuild the module's ORT components from a ``.ckpt``'s state; False when it holds none.
+        """Rebuild the module's ORT components from a ``.ckpt``'s state (True once done).
 
         Raises:
-            CheckpointError: for a ``.ckpt`` of other artifacts, or metrics it was trained with and that are
-                not passed again.
+            CheckpointError: for a ``.ckpt`` without ORT state, of other artifacts, with a damaged state, digest,
+                progress or identity record, or metrics it was trained with and that are not passed again.
         """
-        state = checkpoint.get(ORT_STATE_KEY)
-        if state is None:
-            return False
         module = self.module
         artifacts, source = module.artifacts, "The Lightning checkpoint"
+        state = checkpoint.get(ORT_STATE_KEY)
+        if state is None:
+            raise CheckpointError(
+                f"{source} holds no ORT state (no {ORT_STATE_KEY!r} entry among {sorted(map(str, checkpoint))[:12]}), "
+                f"so the weights of {artifacts.directory} cannot be restored from it; it was not written by "
+                "ORTLightningModule or it was edited: pass a .ckpt that ORTLightningModule saved."
+            )
+        progress = checkpoint.get(PROGRESS_KEY, {})
+        origin = RunOrigin.of_lightning(progress)
         stored = checkpoint.get(IDENTITY_KEY)
         if stored is not None:
             check_identity(stored, identity_of(artifacts), source=source, folder=artifacts.directory)
             check_metrics(stored.get("metrics", {}), bool(module._metrics), source=source)
-        with restored_state(state) as path:
+        with restored_state(state, digest=progress.get(STATE_DIGEST_KEY)) as path, _unreadable_state(source):
             if stored is None:  # NOTE: a .ckpt written before the identity was stored: check its parameters
                 check_identity(
                     identity_of_state(path, artifacts), identity_of(artifacts), source=source,
                     folder=artifacts.directory,
                 )
             module._attach(module._ort.rebuilt(module, checkpoint=path))
-        module._set_origin(RunOrigin.of_lightning(checkpoint.get(PROGRESS_KEY, {})))
+        module._set_origin(origin)
         return True
 
     def getstate(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +182,21 @@ class CheckpointConnector:
         load_values(module, values)
 
 
+@contextlib.contextmanager
+def _unreadable_state(source: str) -> Iterator[None]:
+    """Turn ONNX Runtime's refusal of a ``.ckpt``'s ORT state (written before digests) into a `CheckpointError`."""
+    unreadable: tuple[type[BaseException], ...] = (ArtifactError, *_ort.CHECKPOINT_READ_ERRORS)
+    try:
+        yield
+    except unreadable as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"{source}'s ORT state cannot be read ({' '.join(str(error).split())[-200:]}); the .ckpt is damaged or "
+            "truncated: resume from another checkpoint (an earlier .ckpt, or an ORTCheckpoint .ortckpt file)."
+        ) from error
+
+
 def find_artifacts(checkpoint_path: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` for ``load_from_checkpoint``, with ``artifacts=`` found relative to a moved ``.ckpt``.
 
@@ -177,10 +207,11 @@ def find_artifacts(checkpoint_path: Any, kwargs: dict[str, Any]) -> dict[str, An
     them again (`ort_lightning.training.trust`); with ``hparams_file=`` the caller's file replaces them.
 
     Raises:
-        CheckpointError: for artifacts found nowhere (pass ``artifacts=``), or a stored hyper-parameter that
-            names code (a custom operator library, a factory) and is not passed again.
+        CheckpointError: for a file that is not a ``.ckpt`` torch wrote or holds no dict, artifacts found
+            nowhere (pass ``artifacts=``), or a stored hyper-parameter that names code (a custom operator
+            library, a factory) and is not passed again.
     """
-    hparams = hyperparameters_of(checkpoint_path)
+    hparams = hyperparameters_of(read_lightning_checkpoint(checkpoint_path))
     if kwargs.get("hparams_file") is None:
         check_code_hyperparameters(hparams, kwargs, source=f"Checkpoint {checkpoint_path}")
     if "artifacts" in kwargs:

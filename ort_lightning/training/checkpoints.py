@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "restored_state",
     "snapshot",
     "state_bytes",
+    "state_digest",
     "write_ort_checkpoint",
 ]
 
@@ -139,8 +141,19 @@ class RunOrigin:
         return cls(step=step, epoch=epoch, schedule=schedule, seed=seed, properties=dict(properties))
 
     @classmethod
-    def of_lightning(cls, record: dict[str, Any]) -> RunOrigin:
-        """The origin kept in a Lightning checkpoint (Lightning restores the schedule itself)."""
+    def of_lightning(cls, record: object) -> RunOrigin:
+        """The origin kept in a Lightning checkpoint (Lightning restores the schedule itself).
+
+        Raises:
+            CheckpointError: for a record that is not a dict of integers (a damaged or edited ``.ckpt``).
+        """
+        numbers = ("seed", "global_step", "epoch")
+        if not isinstance(record, dict) or not all(isinstance(record.get(key, 0), int) for key in numbers):
+            raise CheckpointError(
+                f"Expected checkpoint[{PROGRESS_KEY!r}] to be a dict of integers {list(numbers)}, but got "
+                f"{str(record)[:120]}; the .ckpt was not written by ORTLightningModule or it was edited: resume from "
+                "another checkpoint."
+            )
         seed = int(record["seed"]) if "seed" in record else None
         return cls(step=int(record.get("global_step", 0)), epoch=int(record.get("epoch", 0)), seed=seed)
 
@@ -235,21 +248,37 @@ def state_bytes(session: _ort.TrainingSession, *, include_optimizer_state: bool 
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
+def state_digest(state: torch.Tensor) -> str:
+    """The sha256 of the ORT checkpoint bytes that `state_bytes` returned (kept beside them in a ``.ckpt``)."""
+    return hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest()
+
+
 @contextlib.contextmanager
-def restored_state(state: object) -> Iterator[Path]:
+def restored_state(state: object, *, digest: object = None) -> Iterator[Path]:
     """Yield the ORT checkpoint file that `state_bytes` turned into `state`.
 
+    Args:
+        state: what ``checkpoint[ORT_STATE_KEY]`` holds.
+        digest: the `state_digest` stored with it; None for a ``.ckpt`` written before digests (unchecked).
+
     Raises:
-        CheckpointError: when `state` is not a uint8 tensor.
+        CheckpointError: when `state` is not a uint8 tensor, or its bytes are not those the digest was made of.
     """
     if not isinstance(state, torch.Tensor) or state.dtype is not torch.uint8:
         raise CheckpointError(
             f"Expected checkpoint[{ORT_STATE_KEY!r}] to be a uint8 tensor of ORT checkpoint bytes, but got "
             f"{type(state).__name__}; load a checkpoint written by ORTLightningModule."
         )
+    data = state.cpu().numpy().tobytes()
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(
+            f"The ORT state in checkpoint[{ORT_STATE_KEY!r}] ({len(data)} bytes) does not match the sha256 stored with "
+            f"it ({str(digest)[:16]}...): the .ckpt was damaged (flipped or lost bytes) or edited after it was "
+            "written; resume from another checkpoint (an earlier .ckpt, or an ORTCheckpoint .ortckpt file)."
+        )
     with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
         path = Path(folder) / "state"
-        path.write_bytes(state.cpu().numpy().tobytes())
+        path.write_bytes(data)
         yield path
 
 

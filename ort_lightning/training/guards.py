@@ -5,7 +5,6 @@ Checked once, not per step (the per-batch checks live where batches go: the labe
 
 - `label_range_of`: the cross-entropy/NLL label check of an artifacts folder, when its logits
   have a fixed class axis (ORT 1.19.2 trains on labels outside ``[0, C)`` with a wrong loss).
-- `check_graph_inputs`: once at assembly, the manifest's inputs against the graph's own.
 - `check_torch_parameters`: once per fit, torch parameters of a subclass that require grad but
   that no optimizer updates (ORT gives no gradients for its graph's inputs).
 - `precision_supported`, `check_can_train`, `check_model_outputs`: what a Trainer or a call asks
@@ -19,16 +18,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import onnx
 import torch
 
-from ort_lightning.artifacts import MANIFEST_NAME, TensorSpec
-from ort_lightning.artifacts.adopted import graph_io
 from ort_lightning.bridge import LabelRange
-from ort_lightning.errors import ArtifactError, ConfigurationError
+from ort_lightning.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
@@ -37,7 +34,6 @@ __all__ = [
     "SUPPORTED_PRECISION",
     "check_can_train",
     "check_model_outputs",
-    "check_graph_inputs",
     "check_torch_parameters",
     "label_range_of",
     "precision_supported",
@@ -76,7 +72,8 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
     if classes <= 0:
         return None
     ignore_index = manifest.loss_options.get("ignore_index")
-    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index)
+    return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index,
+                      reduction=manifest.loss_options.get("reduction", "mean"))
 
 
 def check_can_train(artifacts: TrainingArtifacts) -> None:
@@ -105,34 +102,6 @@ def check_model_outputs(artifacts: TrainingArtifacts, fetched: int) -> None:
             "return; generate the artifacts with generate_artifacts(..., additional_output_names=['<model output>']) "
             "(export_artifacts() keeps them), or run validate/test for the loss."
         )
-
-
-def check_graph_inputs(artifacts: TrainingArtifacts, user_inputs: Sequence[str]) -> None:
-    """Refuse a manifest whose inputs are not the training graph's (a manifest of another model).
-
-    Args:
-        artifacts: the artifacts whose manifest is checked.
-        user_inputs: the training graph's user inputs in order, as ONNX Runtime reports them.
-
-    Raises:
-        ArtifactError: naming what the manifest says and what the graph takes.
-    """
-    if artifacts.adopted:  # the manifest was read from this very graph
-        return
-    found = {spec.name: spec for spec in graph_io(artifacts.training_model)[0]}  # an .ort graph too
-    actual = [found[name] for name in user_inputs if name in found]
-    described = list(artifacts.manifest.graph_inputs)
-    if [(s.name, s.dtype, tuple(s.shape)) for s in described] == [(s.name, s.dtype, tuple(s.shape)) for s in actual]:
-        return
-    raise ArtifactError(
-        f"{artifacts.directory / MANIFEST_NAME} describes the inputs {_describe(described)}, but "
-        f"{artifacts.training_model.name} takes {_describe(actual)}; the manifest belongs to another model. "
-        "Re-export the artifacts with export_artifacts() instead of copying files between folders."
-    )
-
-
-def _describe(specs: Sequence[TensorSpec]) -> str:
-    return "[" + ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}" for s in specs) + "]"
 
 
 def check_torch_parameters(module: torch.nn.Module, updated: Iterable[torch.Tensor]) -> None:

@@ -36,7 +36,6 @@ from ort_lightning.training.graph_schedule import check_graph_schedule
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     check_can_train,
-    check_graph_inputs,
     check_model_outputs,
     check_torch_parameters,
     label_range_of,
@@ -193,7 +192,6 @@ class ORTLightningModule(pl.LightningModule):
         for stage, collection in self._metrics.items():
             self.add_module(f"{stage}_metrics", collection)
         self._label_index = len(self.artifacts.manifest.inputs)
-        check_graph_inputs(self.artifacts, self._session.input_names(training=True))
         self._labels = label_range_of(self.artifacts) if check_labels else None
 
     # ----------------------------------------------------------------------------- the ORT session

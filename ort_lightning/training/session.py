@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.artifacts.state import flat_values, state_specs
+from ort_lightning.artifacts.state import check_shapes, flat_values, state_specs
 from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, torch_device
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
@@ -98,11 +98,12 @@ class SessionViews:
     ) -> None:
         self.artifacts = artifacts
         self.custom_op_library = custom_op_library
+        start = start_checkpoint(artifacts, checkpoint, weights_given=values is not None)
         self.session = _ort.assemble(
             training_model=artifacts.training_model,
             eval_model=artifacts.eval_model,
             optimizer_model=artifacts.optimizer_model,
-            checkpoint=start_checkpoint(artifacts, checkpoint, weights_given=values is not None),
+            checkpoint=start,
             device=device,
             custom_op_library=custom_op_library,
             spinning=spinning,
@@ -115,6 +116,9 @@ class SessionViews:
         self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
         self._placeholders: dict[int, list[torch.Tensor]] = {}
         views = self._views()
+        # NOTE: once per build, from the views at hand: ORT itself would refuse other shapes only at the first step.
+        check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts), source=start,
+                     artifacts=artifacts)
         #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
         self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)

@@ -14,7 +14,9 @@ hands it to `StepPath.step`, which runs, in order:
 6. **all-reduce, clip**: Lightning's strategy (``ort_ddp`` averages the gradients) and precision
    plugin (``on_before_optimizer_step``, gradient clipping) run right after the closure returns;
 7. **update**: ``optimizer.step`` itself, the one place where parameters change: ORT's
-   optimizer graph for `ORTOptimizer`, or any torch optimizer over the same views;
+   optimizer graph for `ORTOptimizer`, or any torch optimizer over the same views; then the
+   trained parameters must still be finite (`ort_lightning.training.finite`): an update that
+   overflowed (finite loss, NaN parameters) stops the fit;
 8. **reset**: ORT's gradient buffers restart at the next micro-batch.
 
 Per micro-batch, `StepPath.train` seeds ORT's random stream (dropout) from the run's seed and
@@ -45,6 +47,7 @@ import torch
 from ort_lightning.bridge import BatchBinder, LabelRange
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.finite import FiniteCheck, nonfinite_parameters
 from ort_lightning.training.views import GradientViews
 
 __all__ = ["POLICIES", "NonFiniteGuard", "StepPath", "seed_of"]
@@ -77,7 +80,10 @@ def lightning_seed() -> int | None:
 #: What `ORTLightningModule(on_nonfinite=...)` accepts.
 POLICIES = ("raise", "skip")
 
-_ADVICE = "lower the lr, check the data for NaN/inf values, or pass ORTLightningModule(on_nonfinite='skip')"
+_ADVICE = (
+    "lower the lr, check the data for NaN/inf values (and for batches whose labels are all ignore_index: their mean "
+    "loss is NaN, as in torch), or pass ORTLightningModule(on_nonfinite='skip')"
+)
 
 
 class NonFiniteGuard:
@@ -208,11 +214,13 @@ class StepPath:
         self._session: _ort.TrainingSession | None = None
         self._train_step: Callable[[Any], Any] | None = None
         self._gradients = GradientViews(())
+        self._finite = FiniteCheck(())
 
     def __getstate__(self) -> dict[str, Any]:
         """Leave ORT's objects out of a pickle; the module attaches the rebuilt ones."""
         state = dict(self.__dict__)
-        state.update(_session=None, _train_step=None, _gradients=GradientViews(()), _window=_Window())
+        state.update(_session=None, _train_step=None, _gradients=GradientViews(()), _window=_Window(),
+                     _finite=FiniteCheck(()))
         return state
 
     def seed_in_use(self) -> int:
@@ -225,6 +233,7 @@ class StepPath:
         self._session, self._gradients = session, gradients
         self._train_step = session.train_step
         self._window = _Window()
+        self._finite = FiniteCheck([parameter for parameter, _ in gradients.pairs])
 
     # ----------------------------------------------------------------------------- per micro-batch
     def train(
@@ -263,6 +272,8 @@ class StepPath:
                 optimizer.step()
             else:
                 optimizer.step(closure=lambda: self._close_window(closure, trainer))  # 7. update
+            if not self._finite.holds():  # 7b. the update left every trained parameter finite
+                raise nonfinite_parameters(trainer)
         finally:
             self.reset()  # 8. reset
 

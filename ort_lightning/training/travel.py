@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import pickle
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IDENTITY_KEY", "check_identity", "check_metrics", "hyperparameters_of", "identity_of", "identity_of_state",
     "metric_names",
+    "read_lightning_checkpoint",
     "resolve_artifacts",
 ]
 
@@ -53,27 +55,77 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
     return sha.hexdigest()
 
 
+def _file_digest(path: Path) -> str:
+    stat = path.stat()
+    return _digest(os.fspath(path), stat.st_size, stat.st_mtime_ns)
+
+
 def identity_of(artifacts: TrainingArtifacts) -> dict[str, Any]:
-    """The graph digests, parameters ``[name, shape, trainable]`` and optimizer kind of `artifacts`."""
-    graphs = {}
+    """The graph digests, parameters ``[name, shape, trainable]`` and optimizer kind of `artifacts`.
+
+    ``graphs`` holds the digest of each graph the artifacts train with, by role; ``graph_files`` the
+    digest of every graph file of the folder by file name, ``.onnx`` and ``.ort`` alike, so that a
+    ``.ckpt`` of a folder's ``.onnx`` graphs is known on the same export's ``.ort``-only copy.
+    """
+    graphs, files = {}, {}
     for name in ("training_model", "eval_model", "optimizer_model"):
-        path: Path = getattr(artifacts, name)
-        stat = path.stat()
-        graphs[name] = _digest(os.fspath(path), stat.st_size, stat.st_mtime_ns)
+        path: Path | None = getattr(artifacts, name)
+        if path is None:
+            continue
+        graphs[name] = _file_digest(path)
+        for twin in (path.with_suffix(".onnx"), path.with_suffix(".ort")):
+            if twin.is_file():
+                files[twin.name] = _file_digest(twin)
     parameters = state_summary(artifacts)
     return {
         "graphs": graphs,
+        "graph_files": files,
         "parameters": [[name, list(shape), trainable] for name, shape, trainable in parameters],
         "optimizer": artifacts.manifest.optimizer,
     }
+
+
+def _differing_graphs(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The graphs whose digests differ: by file name when both sides list files (formats apart), else by role."""
+    stored_files = stored.get("graph_files")
+    if stored_files is not None:
+        current_files = current["graph_files"]
+        common = set(stored_files) & set(current_files)
+        return sorted(name for name in common if stored_files[name] != current_files[name])
+    # NOTE: a .ckpt written before graph_files: its digests are of whatever format its folder trained with.
+    return [name for name, digest in stored.get("graphs", {}).items() if current["graphs"].get(name) != digest]
+
+
+def _check_record(stored: object, *, source: object) -> None:
+    """Refuse an identity record whose fields have the wrong types (a damaged or hand-made ``.ckpt``).
+
+    Raises:
+        CheckpointError: naming the record and what to do.
+    """
+    parameters = stored.get("parameters", []) if isinstance(stored, Mapping) else None
+    valid = (
+        isinstance(stored, Mapping)
+        and isinstance(parameters, list)
+        and all(isinstance(p, list | tuple) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[1], list | tuple)
+                and all(isinstance(dim, int) for dim in p[1]) and isinstance(p[2], bool) for p in parameters)
+        and isinstance(stored.get("optimizer", ""), str)
+        and all(isinstance(stored.get(key, {}), Mapping) for key in ("graphs", "graph_files", "metrics"))
+    )
+    if not valid:
+        raise CheckpointError(
+            f"{source} holds a damaged record of its artifacts under {IDENTITY_KEY!r} (expected graph digests, "
+            f"parameters [name, shape, trainable] and the optimizer kind, got {str(stored)[:120]}); it was not written "
+            "by ORTLightningModule or it was edited: pass another checkpoint of these artifacts."
+        )
 
 
 def check_identity(stored: Mapping[str, Any], current: Mapping[str, Any], *, source: object, folder: object) -> None:
     """Refuse a ``.ckpt`` whose artifacts (`stored`) are not the ones at hand (`current`).
 
     Raises:
-        CheckpointError: naming what differs and what to pass instead.
+        CheckpointError: naming what differs and what to pass instead, or a `stored` record of the wrong types.
     """
+    _check_record(stored, source=source)
     problems = []
     have = {name: (list(shape), grad) for name, shape, grad in stored.get("parameters", [])}
     want = {name: (list(shape), grad) for name, shape, grad in current["parameters"]}
@@ -85,7 +137,7 @@ def check_identity(stored: Mapping[str, Any], current: Mapping[str, Any], *, sou
         )
     if stored.get("optimizer") != current["optimizer"]:
         problems.append(f"its optimizer is {stored.get('optimizer')!r}, the artifacts' is {current['optimizer']!r}")
-    graphs = [name for name, digest in stored.get("graphs", {}).items() if current["graphs"].get(name) != digest]
+    graphs = _differing_graphs(stored, current)
     if graphs and not problems:
         problems.append(f"its graphs {graphs} differ (the artifacts were exported again, or from another model)")
     if problems:
@@ -143,25 +195,65 @@ def check_metrics(stored: Mapping[str, str], present: bool, *, source: object) -
         )
 
 
-def hyperparameters_of(checkpoint_path: Any) -> dict[str, Any]:
-    """The hyper-parameters stored in a ``.ckpt`` file or a seekable buffer (empty for a missing file)."""
-    seekable = hasattr(checkpoint_path, "read") and hasattr(checkpoint_path, "seek")
-    if not seekable and (not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_file()):
-        return {}
+def read_lightning_checkpoint(checkpoint_path: Any) -> dict[str, Any] | None:
+    """The dict a ``.ckpt`` file holds, read with ``torch.load(weights_only=True)``, or None when it cannot tell.
+
+    None for a missing file (Lightning says so itself), a buffer torch cannot read, or a ``.ckpt`` whose
+    hyper-parameters hold arbitrary objects (left to Lightning's own loading).
+
+    Raises:
+        CheckpointError: for a file that is not a ``.ckpt`` torch wrote (truncated, garbage, empty), or
+            that holds something other than a dict.
+    """
+    if hasattr(checkpoint_path, "read") and hasattr(checkpoint_path, "seek"):
+        return _read_buffer(checkpoint_path)
+    if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_file():
+        return None
     import torch
 
-    start = checkpoint_path.tell() if seekable else 0
+    path = os.fspath(checkpoint_path)
+    # NOTE: torch.save writes a zip archive; a truncated one has lost its central directory at the end.
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"{path} is not a checkpoint torch.save wrote ({Path(path).stat().st_size} bytes, no zip archive): it is "
+            "truncated, empty or another file; pass another .ckpt (an earlier one, or last.ckpt)."
+        )
     try:
-        # NOTE: weights_only: nothing is run to read them; a .ckpt whose hyper-parameters hold arbitrary
-        # objects is left to Lightning's own loading (which the caller must then allow with weights_only=False).
-        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        return {}
+        return None  # NOTE: hyper-parameters that hold objects: Lightning's own loading decides
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as error:
+        raise CheckpointError(
+            f"{path} cannot be read by torch.load ({' '.join(str(error).split())[:160]}): it is damaged; pass another "
+            ".ckpt (an earlier one, or last.ckpt)."
+        ) from error
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(checkpoint).__name__}, but a Lightning checkpoint is a dict (state_dict, "
+            "hyper_parameters, ...); pass a .ckpt that Trainer.save_checkpoint or ModelCheckpoint wrote."
+        )
+    return checkpoint
+
+
+def _read_buffer(buffer: Any) -> dict[str, Any] | None:
+    """The dict a seekable buffer holds (``torch.load(weights_only=True)``), left at its start; None if unreadable."""
+    import torch
+
+    start = buffer.tell()
+    try:
+        # NOTE: weights_only: nothing is run to read it; what torch cannot read this way is Lightning's to report.
+        checkpoint = torch.load(buffer, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError):
+        return None
     finally:
-        if seekable:
-            checkpoint_path.seek(start)
-    hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
-    return dict(hparams)
+        buffer.seek(start)
+    return checkpoint if isinstance(checkpoint, dict) else None
+
+
+def hyperparameters_of(checkpoint: dict[str, Any] | None) -> dict[str, Any]:
+    """The hyper-parameters stored in a ``.ckpt`` that `read_lightning_checkpoint` read (empty for None)."""
+    hparams = checkpoint.get("hyper_parameters", {}) if checkpoint is not None else {}
+    return dict(hparams) if isinstance(hparams, Mapping) else {}
 
 
 def identity_of_state(path: Path, artifacts: TrainingArtifacts) -> dict[str, Any]:

@@ -1,0 +1,296 @@
+"""What the files of an artifacts folder must agree on, checked once when the folder is loaded.
+
+Each graph is read once (`read_graph`: its IR version, inputs, outputs and node types) and must be
+the graph of its slot: the training graph takes ``lazy_reset_grad`` and gradient buffers, the eval
+graph does not, the optimizer graph holds an optimizer node. The manifest's values must be what the
+graphs say (`check_manifest`: inputs and labels, loss output and model outputs, the trainable set
+against the training graph's gradient buffers, the state tensors, the optimizer kind against the
+optimizer node, the loss against the labels' element type), and the complete checkpoint must be the
+one exported (`check_checkpoint_digest`: the sha256 the manifest records). ``.ort`` graphs are
+ONNX Runtime's own format, which onnx cannot read: ONNX Runtime's refusal of them is reported when
+the session is built.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from pathlib import Path
+    >>> from ort_lightning import export_artifacts
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder)
+    >>> facts = read_graph(folder / "training_model.onnx")
+    >>> facts.role, "lazy_reset_grad" in [spec.name for spec in facts.inputs]
+    ('training_model', True)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest, TensorSpec
+from ort_lightning.errors import ArtifactError
+from ort_lightning.ort import limits
+from ort_lightning.ort import runtime as _ort
+
+__all__ = ["GraphFacts", "check_checkpoint_digest", "check_graphs", "check_manifest", "checkpoint_digest",
+           "read_graph"]
+
+GRAD_BUFFER = "_grad.accumulation.buffer"
+_GRAD_OUT = "_grad.accumulation.out"
+_RESET = "lazy_reset_grad"
+#: Label element types per loss kind: class indices, or values like the model's output.
+_CLASS_LOSSES = ("cross_entropy", "nll")
+_VALUE_LOSSES = ("mse", "l1", "bce_with_logits", "smooth_l1", "huber", "mse|l1|bce_with_logits")
+_ADVICE = "re-export the artifacts with export_artifacts(), or copy the whole folder again from where it was exported"
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What one read of an ``.onnx`` graph tells: its inputs, outputs and node types, and the slot they fit."""
+
+    path: Path
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[str, ...]
+    op_types: frozenset[str]
+
+    @property
+    def role(self) -> str:
+        """``"training_model"``, ``"eval_model"`` or ``"optimizer_model"``: the slot this graph's content fits."""
+        if self.op_types & set(_ort.OPTIMIZER_NODES):
+            return "optimizer_model"
+        if any(spec.name == _RESET for spec in self.inputs):
+            return "training_model"
+        return "eval_model"
+
+    @property
+    def trained(self) -> set[str]:
+        """The parameters whose gradient buffers the graph takes (a training graph's trainable set)."""
+        return {spec.name[: -len(GRAD_BUFFER)] for spec in self.inputs if spec.name.endswith(GRAD_BUFFER)}
+
+
+def read_graph(path: Path) -> GraphFacts:
+    """Read an ``.onnx`` graph once (no external weights): its IR version is checked, its facts returned.
+
+    The facts are kept while the file's size and mtime stay the same, so that the folder check and the
+    session's assembly read each graph once per process.
+
+    Raises:
+        ArtifactError: for a file onnx cannot parse, or an IR version ORT 1.19.2 cannot read.
+    """
+    stat = path.stat()
+    return _read_graph(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
+        raise ArtifactError(
+            f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: {_ADVICE}."
+        ) from error
+    if model.ir_version > limits.MAX_IR_VERSION:
+        raise ArtifactError(
+            f"{path} has ONNX IR version {model.ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
+            f"{limits.MAX_IR_VERSION}; re-export with export_artifacts() (it lowers the IR version) or "
+            "install onnx==1.17.0 before generating artifacts."
+        )
+    graph = model.graph
+    if not graph.node:
+        raise ArtifactError(
+            f"{path} holds no graph ({path.stat().st_size} bytes, no nodes): it is empty or truncated; {_ADVICE}."
+        )
+    inputs = tuple(
+        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
+        for info in graph.input
+    )
+    return GraphFacts(path, inputs, tuple(info.name for info in graph.output),
+                      frozenset(node.op_type for node in graph.node))
+
+
+def check_graphs(graphs: Mapping[str, GraphFacts]) -> None:
+    """Refuse a graph in the wrong slot, and an eval graph whose parameters differ from the training graph's.
+
+    Args:
+        graphs: role -> facts of each ``.onnx`` graph of the folder.
+
+    Raises:
+        ArtifactError: naming the file, what it holds and what to do.
+    """
+    for role, facts in graphs.items():
+        if facts.role != role:
+            raise ArtifactError(
+                f"{facts.path} holds {_described(facts)}, not the {role.replace('_model', '')} graph its name says "
+                f"(files swapped or copied over each other); {_ADVICE}."
+            )
+    training, evaluation = graphs.get("training_model"), graphs.get("eval_model")
+    if training is None or evaluation is None:
+        return
+    shapes = {spec.name: spec.shape for spec in training.inputs}
+    for spec in evaluation.inputs:
+        if spec.name in shapes and _conflict(shapes[spec.name], spec.shape):
+            raise ArtifactError(
+                f"{evaluation.path.name} takes {spec.name} of shape {list(spec.shape)}, but {training.path.name} "
+                f"takes {list(shapes[spec.name])}: the two graphs are of different models; {_ADVICE}."
+            )
+
+
+def _conflict(first: tuple[int | str, ...], second: tuple[int | str, ...]) -> bool:
+    """Whether two shapes cannot be the same tensor's: other ranks, or two fixed sizes that differ.
+
+    NOTE: symbolic dimensions may be named differently in two graphs of one model; they never conflict.
+    """
+    return len(first) != len(second) or any(
+        isinstance(a, int) and isinstance(b, int) and a > 0 and b > 0 and a != b
+        for a, b in zip(first, second, strict=True)
+    )
+
+
+def _described(facts: GraphFacts) -> str:
+    return {
+        "optimizer_model": f"an optimizer update ({', '.join(sorted(facts.op_types & set(_ort.OPTIMIZER_NODES)))})",
+        "training_model": "a training graph (it takes lazy_reset_grad and gradient buffers)",
+        "eval_model": "no gradients and no optimizer node (an eval or inference graph)",
+    }[facts.role]
+
+
+def check_manifest(manifest: Manifest, graphs: Mapping[str, GraphFacts], folder: Path) -> None:
+    """Refuse a manifest whose values are not what the folder's ``.onnx`` graphs say.
+
+    Args:
+        manifest: the manifest read from `folder`.
+        graphs: role -> facts of each ``.onnx`` graph (an ``.ort`` one is absent: checked by ONNX Runtime).
+        folder: the artifacts folder, for messages.
+
+    Raises:
+        ArtifactError: naming the manifest's value, the graph's, and what to do.
+    """
+    source = folder / MANIFEST_NAME
+    training = graphs.get("training_model")
+    if training is not None:
+        _check_inputs(manifest, training, source)
+        _check_state(manifest, training, source)
+        _check_outputs(manifest, training, source)
+    _check_loss(manifest, source)
+    optimizer = graphs.get("optimizer_model")
+    if optimizer is not None:
+        kind = _ort.optimizer_kind_of(sorted(optimizer.op_types))
+        if kind != manifest.optimizer:
+            raise ArtifactError(
+                f"{source} says optimizer={manifest.optimizer!r}, but {optimizer.path.name} runs {kind!r} "
+                f"({', '.join(sorted(optimizer.op_types & set(_ort.OPTIMIZER_NODES)))}): the optimizer graph or the "
+                f"manifest is of another export; {_ADVICE}."
+            )
+
+
+def _describe(specs: Sequence[TensorSpec]) -> str:
+    return "[" + ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}" for s in specs) + "]"
+
+
+def _check_inputs(manifest: Manifest, training: GraphFacts, source: Path) -> None:
+    # NOTE: ORT puts the user inputs first, then the state tensors: the first state tensor ends them.
+    state = {*training.trained, *manifest.trainable, *manifest.frozen, *manifest.buffers}
+    ends = [index for index, spec in enumerate(training.inputs) if spec.name in state or _is_training_input(spec.name)]
+    actual = list(training.inputs[: ends[0] if ends else len(training.inputs)])
+    described = list(manifest.graph_inputs)
+    if [(s.name, s.dtype, tuple(s.shape)) for s in described] != [(s.name, s.dtype, tuple(s.shape)) for s in actual]:
+        raise ArtifactError(
+            f"{source} describes the inputs {_describe(described)}, but {training.path.name} takes "
+            f"{_describe(actual)}; the manifest belongs to another model. Re-export the artifacts with "
+            "export_artifacts() instead of copying files between folders."
+        )
+
+
+def _is_training_input(name: str) -> bool:
+    return name.endswith(GRAD_BUFFER) or name == _RESET
+
+
+def _check_state(manifest: Manifest, training: GraphFacts, source: Path) -> None:
+    """The trainable set is the graph's gradient buffers; trainable, frozen and buffers are its state inputs."""
+    trained = training.trained
+    if set(manifest.trainable) != trained:
+        raise ArtifactError(
+            f"{source} lists the trainable parameters {sorted(manifest.trainable)}, but {training.path.name} "
+            f"computes gradients for {sorted(trained)}; the manifest is of another export or was edited: {_ADVICE}."
+        )
+    inputs = {spec.name for spec in training.inputs}
+    unknown = sorted(name for name in (*manifest.frozen, *manifest.buffers) if name not in inputs)
+    if unknown:
+        raise ArtifactError(
+            f"{source} lists the frozen parameters or buffers {unknown}, which {training.path.name} does not take; "
+            f"the manifest is of another export or was edited: {_ADVICE}."
+        )
+
+
+def _check_outputs(manifest: Manifest, training: GraphFacts, source: Path) -> None:
+    outputs = [name for name in training.outputs if not name.endswith(_GRAD_OUT)]
+    if not outputs or manifest.loss_output != outputs[0] or not set(manifest.outputs) <= set(outputs[1:]):
+        raise ArtifactError(
+            f"{source} says the loss is {manifest.loss_output!r} and the model outputs {list(manifest.outputs)}, but "
+            f"{training.path.name} outputs {outputs} (the loss first); the manifest is of another export or was "
+            f"edited: {_ADVICE}."
+        )
+
+
+def _check_loss(manifest: Manifest, source: Path) -> None:
+    """Class losses take integer labels, value losses floating-point labels like the model's output."""
+    if not manifest.labels:
+        return
+    label = manifest.labels[0]
+    floating = label.dtype.startswith(("float", "bfloat"))
+    if (manifest.loss in _CLASS_LOSSES and floating) or (manifest.loss in _VALUE_LOSSES and not floating):
+        wanted = "integer class indices" if manifest.loss in _CLASS_LOSSES else "floating-point targets"
+        raise ArtifactError(
+            f"{source} says loss={manifest.loss!r}, which takes {wanted}, but the graphs take the label "
+            f"{label.name!r} as {label.dtype}; the manifest is of another export or was edited: {_ADVICE}."
+        )
+
+
+@functools.lru_cache(maxsize=32)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_digest(path: Path) -> str:
+    """The sha256 of a checkpoint file (cached while the file's size and mtime stay the same).
+
+    Example::
+
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "checkpoint"
+        >>> _ = path.write_bytes(b"")
+        >>> checkpoint_digest(path)[:16]
+        'e3b0c44298fc1c14'
+    """
+    stat = path.stat()
+    return _sha256(os.fspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+def check_checkpoint_digest(manifest: Manifest, checkpoint: Path | None) -> None:
+    """Refuse a complete checkpoint whose sha256 is not the one the manifest recorded at export.
+
+    A manifest written before the digest was recorded, or a folder without the complete checkpoint
+    (a device's), has nothing to check.
+
+    Raises:
+        ArtifactError: naming the file, both digests, and what to do.
+    """
+    if manifest.checkpoint_sha256 is None or checkpoint is None:
+        return
+    found = checkpoint_digest(checkpoint)
+    if found != manifest.checkpoint_sha256:
+        raise ArtifactError(
+            f"{checkpoint} has sha256 {found[:16]}..., but {checkpoint.parent / MANIFEST_NAME} records "
+            f"{manifest.checkpoint_sha256[:16]}... for the checkpoint exported with these graphs: the file was damaged "
+            f"(flipped or lost bytes) or replaced by another export's, or the manifest is another export's; {_ADVICE}."
+        )
