@@ -2,10 +2,11 @@
 
 A finite loss does not prove a finite update: inputs near float32's limit (1e38) give a finite loss
 and gradients or moments that overflow, and the update writes NaN into the parameters. The step
-path (`ort_lightning.training.step`) checks the parameters after every update with `FiniteCheck`
-(one ``aminmax`` per parameter into preallocated slots, one over the slots, two ``item()`` reads)
-and stops the fit with `nonfinite_parameters`' error, under either ``on_nonfinite`` policy: the
-update has already run.
+path (`ort_lightning.training.step`) checks the parameters with `FiniteCheck` (one ``aminmax`` per
+parameter into preallocated slots, one over the slots, two ``item()`` reads) where a NaN/inf loss
+shows that something overflowed, at the end of each epoch and before a checkpoint is saved, and
+stops the fit with `nonfinite_parameters`' error, under either ``on_nonfinite`` policy: the update
+has already run.
 
 Example::
 
@@ -65,13 +66,16 @@ class FiniteCheck:
         return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
-def nonfinite_parameters(trainer: Any) -> NonFiniteLossError:
-    """The error for an update that left NaN/inf in the parameters (a finite loss; the update overflowed)."""
+def nonfinite_parameters(trainer: Any, *, update: int) -> NonFiniteLossError:
+    """The error for an update that left NaN/inf in the parameters (a finite loss; the update overflowed).
+
+    `update` is the global step of the update found to have overflowed (the last one run).
+    """
     module = trainer.lightning_module
     names = [name for name, parameter in module.named_parameters()
              if parameter.requires_grad and not bool(torch.isfinite(parameter).all())]
     return NonFiniteLossError(
-        f"ORT's optimizer update at global_step={trainer.global_step} (epoch {trainer.current_epoch}) left NaN/inf "
+        f"ORT's optimizer update at global_step={max(update, 0)} (epoch {trainer.current_epoch}) left NaN/inf "
         f"values in the parameters {names} although the loss was finite: the gradients or the update overflowed "
         "float32 (inputs or targets near 1e38, or an lr far too large). The update has run, so 'skip' cannot undo it "
         "and training cannot go on from these parameters; scale the data, lower the lr or clip the gradients "

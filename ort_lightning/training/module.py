@@ -466,7 +466,11 @@ class ORTLightningModule(pl.LightningModule):
 
         Returns:
             The path written.
+
+        Raises:
+            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
         """
+        self._check_parameters()
         return self._checkpoints.save_ort_checkpoint(
             path, include_optimizer_state=include_optimizer_state, properties=properties
         )
@@ -514,8 +518,22 @@ class ORTLightningModule(pl.LightningModule):
         """Store the full ORT state (weights, optimizer step and moments) as uint8 bytes, the progress and identity.
 
         Under hybrid training the weights only: the torch optimizer's state is Lightning's own entry.
+
+        Raises:
+            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
         """
+        self._check_parameters()
         self._checkpoints.dump(checkpoint)
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        """Stop the fit when the epoch's last update left NaN/inf in the parameters (no later loss shows it)."""
+        self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        # NOTE: between two saves the next step's NaN loss shows an overflowed update; the steps pay nothing.
+        if self._trainer is not None and self._trainer.training:
+            self._steps.check_parameters(self._trainer)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -14,9 +14,7 @@ hands it to `StepPath.step`, which runs, in order:
 6. **all-reduce, clip**: Lightning's strategy (``ort_ddp`` averages the gradients) and precision
    plugin (``on_before_optimizer_step``, gradient clipping) run right after the closure returns;
 7. **update**: ``optimizer.step`` itself, the one place where parameters change: ORT's
-   optimizer graph for `ORTOptimizer`, or any torch optimizer over the same views; then the
-   trained parameters must still be finite (`ort_lightning.training.finite`): an update that
-   overflowed (finite loss, NaN parameters) stops the fit;
+   optimizer graph for `ORTOptimizer`, or any torch optimizer over the same views;
 8. **reset**: ORT's gradient buffers restart at the next micro-batch.
 
 Per micro-batch, `StepPath.train` seeds ORT's random stream (dropout) from the run's seed and
@@ -24,7 +22,10 @@ the micro-batch's place in training, so that a resumed run draws what the uninte
 would have drawn, runs the training graph (`ort_lightning.bridge.BatchBinder.step`) and lets
 `NonFiniteGuard` look at the loss (one ``math.isfinite`` on the 0-d loss; once per optimizer
 step, decided by all ranks together, ``"raise"`` stops before the update, ``"skip"`` drops the
-whole step and warns).
+whole step and warns). An update that overflowed (finite loss, NaN parameters: inputs near 1e38)
+stops the fit under either policy (`ort_lightning.training.finite`): the parameters are looked at
+only where a NaN/inf loss was seen (the next step's loss is NaN) and at the end of each epoch and
+before a checkpoint is written, so that the steps in between pay nothing for it.
 
 Example::
 
@@ -121,11 +122,16 @@ class NonFiniteGuard:
         if not math.isfinite(value) and self._pending is None:
             self._pending = f"{value} {_where(trainer, batch_idx)}"
 
-    def decide(self, trainer: Any) -> bool:
+    def decide(self, trainer: Any, *, parameters_finite: Callable[[], bool] = lambda: True) -> bool:
         """Whether this optimizer step is skipped; every rank gets the same answer.
 
+        Args:
+            trainer: the trainer (its progress names the step; its strategy shares the decision).
+            parameters_finite: asked only when a loss was NaN/inf: whether the parameters still are.
+
         Raises:
-            NonFiniteLossError: under ``"raise"``, on every rank, when any rank saw a NaN/inf loss.
+            NonFiniteLossError: under ``"raise"``, on every rank, when any rank saw a NaN/inf loss; under
+                either policy when an earlier update left NaN/inf in the parameters (skipping cannot help).
         """
         pending, self._pending = self._pending, None
         bad = pending is not None
@@ -133,6 +139,9 @@ class NonFiniteGuard:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if not bad:
             return False
+        # NOTE: every rank is here together and holds the same parameters, so all raise or none does.
+        if not parameters_finite():
+            raise nonfinite_parameters(trainer, update=trainer.global_step - 1)
         where = pending or f"non-finite on another rank at global_step={trainer.global_step}"
         if self.policy == "raise":
             raise NonFiniteLossError(
@@ -272,8 +281,6 @@ class StepPath:
                 optimizer.step()
             else:
                 optimizer.step(closure=lambda: self._close_window(closure, trainer))  # 7. update
-            if not self._finite.holds():  # 7b. the update left every trained parameter finite
-                raise nonfinite_parameters(trainer)
         finally:
             self.reset()  # 8. reset
 
@@ -287,11 +294,20 @@ class StepPath:
         if counted and accumulate > 1 and self._gradients.grads:
             torch._foreach_mul_(self._gradients.grads, 1.0 / accumulate)  # 3. scale: ORT sums, Lightning averages
         self._rebind()  # 4. re-bind the views of ORT's buffers
-        if self.nonfinite.decide(trainer):  # 5. skip, decided by all ranks together
+        if self.nonfinite.decide(trainer, parameters_finite=self._finite.holds):  # 5. skip, decided by all ranks
             return None
         if result is None and counted:
             return _WINDOW_LOSS
         return result
+
+    def check_parameters(self, trainer: Any) -> None:
+        """Stop the fit if the last update left NaN/inf in the trained parameters (at an epoch's end, a save).
+
+        Raises:
+            NonFiniteLossError: naming the update and the parameters.
+        """
+        if trainer.global_step > 0 and not self._finite.holds():
+            raise nonfinite_parameters(trainer, update=trainer.global_step - 1)
 
     def reset(self) -> None:
         """Restart ORT's gradient buffers at the next micro-batch and the window's bookkeeping."""
