@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule, export_artifacts
 from ort_lightning.errors import CheckpointError, ConfigurationError, StorageError
-from ort_lightning.training.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
-from ort_lightning.training.temps import TEMP_MARK
+from ort_lightning.storage.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
+from ort_lightning.storage.temps import TEMP_MARK
 from tests.conftest import Exported, blobs
 
 ROOT = Path(__file__).resolve().parents[1]
