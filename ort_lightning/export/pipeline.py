@@ -39,12 +39,13 @@ import torch
 from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
-from ort_lightning.export.external import external_data_wanted
+from ort_lightning.export.external import external_data_wanted, state_bytes
 from ort_lightning.export.legalize import engine as _legalize
 from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
 from ort_lightning.export.source import ModelSource, load_source
 from ort_lightning.export.verify.verifier import verify_export
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.storage.staging import staged_folder
 
 __all__ = ["export_artifacts"]
 
@@ -215,62 +216,65 @@ def export_artifacts(
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
-    folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _weights_folder(folder, external_data_wanted(model, external_data)) as weights_dir:
-        # 1. source
-        proto, parameters, buffers = load_source(
-            model, example_inputs, input_names, loss is None, output, weights_dir=weights_dir
-        )
-        trainable, frozen_names = _split_parameters(
-            parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
-        )
-        # 2. passes before generation
-        before_generation.prepare(proto, model=model, weights_dir=weights_dir)
-        model_inputs = [info.name for info in proto.graph.input]
-        model_outputs = [info.name for info in proto.graph.output]
-        # 3. generation
-        (folder / UNVERIFIED_NAME).unlink(missing_ok=True)
-        _generate(
-            proto,
-            loss if loss_spec is None else loss_spec,
-            trainable=trainable,
-            frozen=[*frozen_names, *sorted(buffers)],
+    external = external_data_wanted(model, external_data)
+    # NOTE: every file is written into a staging folder and moved into place only when all stages have
+    # passed, so that a full disk or a failing stage leaves an earlier export in `output_dir` as it was.
+    with staged_folder(
+        output_dir, needed=_bytes_needed(model, external), last=(MANIFEST_NAME,), obsolete=(UNVERIFIED_NAME,)
+    ) as folder:
+        with _weights_folder(folder, external) as weights_dir:
+            # 1. source
+            proto, parameters, buffers = load_source(
+                model, example_inputs, input_names, loss is None, output, weights_dir=weights_dir
+            )
+            trainable, frozen_names = _split_parameters(
+                parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
+            )
+            # 2. passes before generation
+            before_generation.prepare(proto, model=model, weights_dir=weights_dir)
+            model_inputs = [info.name for info in proto.graph.input]
+            model_outputs = [info.name for info in proto.graph.output]
+            # 3. generation
+            _generate(
+                proto,
+                loss if loss_spec is None else loss_spec,
+                trainable=trainable,
+                frozen=[*frozen_names, *sorted(buffers)],
+                optimizer=optimizer,
+                optimizer_options=options,
+                directory=folder,
+                weights_dir=weights_dir,
+            )
+        # 4. passes after generation
+        training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
+        # 5. verification, 6. the manifest
+        state = set(trainable) | set(frozen_names) | buffers
+        inputs, labels = _graph_io(training_graph, state, model_inputs)
+        manifest = Manifest(
+            inputs=tuple(inputs),
+            labels=tuple(labels),
+            loss=loss_kind,
+            loss_options=loss_spec.options if loss_spec is not None else {},
+            loss_output=training_graph.graph.output[0].name,
+            outputs=tuple(model_outputs[1:] if loss is None else model_outputs),
             optimizer=optimizer,
             optimizer_options=options,
-            directory=folder,
-            weights_dir=weights_dir,
+            trainable=tuple(trainable),
+            frozen=tuple(frozen_names),
+            buffers=tuple(sorted(buffers)),
+            versions=_versions(),
+            parameter_order=_model_order(model, training_graph, state),
         )
-    # 4. passes after generation
-    training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
-    # 5. verification, 6. the manifest
-    state = set(trainable) | set(frozen_names) | buffers
-    inputs, labels = _graph_io(training_graph, state, model_inputs)
-    manifest = Manifest(
-        inputs=tuple(inputs),
-        labels=tuple(labels),
-        loss=loss_kind,
-        loss_options=loss_spec.options if loss_spec is not None else {},
-        loss_output=training_graph.graph.output[0].name,
-        outputs=tuple(model_outputs[1:] if loss is None else model_outputs),
-        optimizer=optimizer,
-        optimizer_options=options,
-        trainable=tuple(trainable),
-        frozen=tuple(frozen_names),
-        buffers=tuple(sorted(buffers)),
-        versions=_versions(),
-        parameter_order=_model_order(model, training_graph, state),
-    )
-    manifest = verify_export(
-        manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
-    )
-    (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-    # 7. what a device ships, from the final graphs
-    _ort.write_device_files(
-        folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],
-        folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
-    )
-    return TrainingArtifacts.load(folder)
+        manifest = verify_export(
+            manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
+        )
+        (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        # 7. what a device ships, from the final graphs
+        _ort.write_device_files(
+            folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],
+            folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
+        )
+    return TrainingArtifacts.load(output_dir)
 
 
 @contextlib.contextmanager
@@ -285,6 +289,15 @@ def _weights_folder(folder: Path, external: bool) -> Iterator[Path | None]:
         return
     with tempfile.TemporaryDirectory(prefix=".weights-", dir=folder) as work:
         yield Path(work)
+
+
+def _bytes_needed(model: ModelSource, external: bool) -> int:
+    """About what an export writes: the checkpoint holds the weights, the work folder of external data again.
+
+    NOTE: the graphs take the weights as inputs, so they add kilobytes; a graph's own constants are
+    not counted (the writers' failure reports those).
+    """
+    return state_bytes(model) * (2 if external else 1)
 
 
 def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -> tuple[str, ...]:
