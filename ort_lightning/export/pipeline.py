@@ -12,6 +12,9 @@ The pipeline, stage by stage (each a module of this package):
 7. on request, what a device ships (``.ort`` graphs, a nominal checkpoint), from the final
    graphs; the folder is read back by `TrainingArtifacts.load`.
 
+Every stage writes into a staging folder (`ort_lightning.storage.staging`) whose files move into
+``output_dir`` only after the last stage, so that a failure leaves an earlier export intact.
+
 Example::
 
     >>> import tempfile, torch
@@ -26,11 +29,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import onnx
@@ -39,7 +39,7 @@ import torch
 from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
-from ort_lightning.export.external import external_data_wanted, state_bytes
+from ort_lightning.export.external import bytes_needed, external_data_wanted, weights_folder
 from ort_lightning.export.legalize import engine as _legalize
 from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
 from ort_lightning.export.source import ModelSource, load_source
@@ -170,7 +170,9 @@ def export_artifacts(
             or a dict of keyword tensors (``{"input_ids": ..., "attention_mask": ...}``), whose keys
             name the graph's inputs; the first dimension of every input and output becomes a dynamic
             batch dimension.
-        output_dir: folder for the artifacts; created if missing, files in it overwritten.
+        output_dir: folder for the artifacts; created if missing, the export's files in it replaced, other
+            files left alone. The files are written into a hidden staging folder inside it and moved into
+            place only when every stage has passed: a failed export leaves the folder as it was.
         loss: ``"cross_entropy"`` or ``"nll"`` (labels ``labels``, int64, class axis 1 as in torch),
             ``"mse"``, ``"bce_with_logits"``, ``"l1"``, ``"smooth_l1"``, ``"huber"`` (target
             ``target``, like the output), a torch loss module with its options
@@ -213,6 +215,8 @@ def export_artifacts(
             class axis is ambiguous, a model that cannot be exported, a layer ORT cannot differentiate
             and no rewrite covers (the message names the ONNX op, the node and the torch module), or
             artifacts whose first training step crashes, fails, or disagrees with torch autograd.
+        StorageError: when the file system of `output_dir` has too little space for the weights, or
+            runs out while the files are written; nothing in `output_dir` has changed.
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
@@ -220,9 +224,9 @@ def export_artifacts(
     # NOTE: every file is written into a staging folder and moved into place only when all stages have
     # passed, so that a full disk or a failing stage leaves an earlier export in `output_dir` as it was.
     with staged_folder(
-        output_dir, needed=_bytes_needed(model, external), last=(MANIFEST_NAME,), obsolete=(UNVERIFIED_NAME,)
+        output_dir, needed=bytes_needed(model, external=external), last=(MANIFEST_NAME,), obsolete=(UNVERIFIED_NAME,)
     ) as folder:
-        with _weights_folder(folder, external) as weights_dir:
+        with weights_folder(folder, external=external) as weights_dir:
             # 1. source
             proto, parameters, buffers = load_source(
                 model, example_inputs, input_names, loss is None, output, weights_dir=weights_dir
@@ -275,29 +279,6 @@ def export_artifacts(
             folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
         )
     return TrainingArtifacts.load(output_dir)
-
-
-@contextlib.contextmanager
-def _weights_folder(folder: Path, external: bool) -> Iterator[Path | None]:
-    """A work folder inside `folder` for the weights' external data (None without), removed afterwards.
-
-    NOTE: inside the output folder, not the system's temporary one: the weights need as much disk
-    as the checkpoint, and the user chose that disk for it.
-    """
-    if not external:
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix=".weights-", dir=folder) as work:
-        yield Path(work)
-
-
-def _bytes_needed(model: ModelSource, external: bool) -> int:
-    """About what an export writes: the checkpoint holds the weights, the work folder of external data again.
-
-    NOTE: the graphs take the weights as inputs, so they add kilobytes; a graph's own constants are
-    not counted (the writers' failure reports those).
-    """
-    return state_bytes(model) * (2 if external else 1)
 
 
 def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -> tuple[str, ...]:
