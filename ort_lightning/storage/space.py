@@ -81,7 +81,8 @@ def check_space(path: Path, *, needed: int | None, folder: bool = False) -> None
     """
     if not needed:
         return
-    free = free_bytes(path)
+    # NOTE: a folder's files land inside it, and it may be a mount point of its own (its parent is not).
+    free = free_bytes(path / "_" if folder else path)
     if free is not None and free < needed + _SLACK:
         raise _no_space_error(path, needed, free, folder=folder)
 
@@ -134,7 +135,7 @@ def folder_space_failure(
         writes: the error types a writer raises (a full disk may say nothing of space: protobuf's
             "Protobuf serialization failed"); a nearly full disk explains only those.
     """
-    free = free_bytes(folder / "_")
+    free = free_bytes(folder / "_")  # NOTE: inside it: the folder may be a mount point of its own
     chain = _causes(error)
     nearly_full = free is not None and free < _NEARLY_FULL and any(isinstance(cause, writes) for cause in chain)
     if not (_says_no_space(error) or nearly_full):
