@@ -35,9 +35,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from ort_lightning.errors import CheckpointError, ConfigurationError
-from ort_lightning.training.atomic import remove_with_digest
+from ort_lightning.storage.atomic import remove_with_digest
+from ort_lightning.storage.temps import check_writable, remove_stale_temps
 from ort_lightning.training.checkpoints import Checkpointable
-from ort_lightning.training.temps import check_writable, remove_stale_temps
 
 __all__ = ["ORTCheckpoint"]
 

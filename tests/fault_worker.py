@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.errors import CheckpointError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.atomic import verify_digest
-from ort_lightning.training.temps import TEMP_SUFFIX
+from ort_lightning.storage.atomic import verify_digest
+from ort_lightning.storage.temps import TEMP_SUFFIX
 
 STEPS = 300
 BATCH = 16

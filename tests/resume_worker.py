@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
-from ort_lightning.training.temps import TEMP_MARK
+from ort_lightning.storage.temps import TEMP_MARK
 
 STEPS = 24
 BATCH = 16

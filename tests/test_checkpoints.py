@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ort_lightning
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.errors import CheckpointError, ConfigurationError
-from ort_lightning.training.atomic import atomic_write, digest_path, verify_digest
+from ort_lightning.storage.atomic import atomic_write, digest_path, verify_digest
 from tests.conftest import Exported, blobs
 
 pytestmark = [

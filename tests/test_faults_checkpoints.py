@@ -25,11 +25,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from ort_lightning import ORTCheckpoint, ORTLightningModule, export_artifacts
-from ort_lightning.errors import CheckpointError, ConfigurationError, StorageError
-from ort_lightning.training.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
-from ort_lightning.training.temps import TEMP_MARK
-from tests.conftest import Exported, blobs
+from ort_lightning import ORTCheckpoint, ORTLightningModule, TrainingArtifacts, export_artifacts
+from ort_lightning.errors import CheckpointError, ConfigurationError, ExportError, StorageError
+from ort_lightning.storage.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
+from ort_lightning.storage.temps import TEMP_MARK
+from tests.conftest import MLP, Exported, blobs
+from tests.test_verify import TripledMLP
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("resume_worker.py")
@@ -249,6 +250,72 @@ def test_a_full_disk_raises_storage_error_and_keeps_every_previous_file(wide: Pa
     # the previous files still load: ORT's through the module, Lightning's through torch
     assert ORTLightningModule(wide, checkpoint=ort_file).start_progress["global_step"] == 0
     assert int(torch.load(ckpt, weights_only=True)["global_step"]) == 1
+
+
+# ----------------------------------------------------------------------------- exports: all files or none
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+class _BigConstant(torch.nn.Module):
+    """A few weights, and a 1 MB constant its forward reads: the graphs carry it, the weights do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(512, 4)
+        self.scale = torch.linspace(0.5, 1.5, 512 * 512).reshape(512, 512)  # a plain attribute: a graph constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x @ self.scale)
+
+
+def test_an_export_larger_than_the_free_space_keeps_the_previous_export(small_disk: Path) -> None:
+    folder = small_disk / "artifacts"
+    export_artifacts(torch.nn.Linear(16, 4), torch.zeros(2, 16), folder, verify=False, ort_format=True)
+    _ = (folder / "notes.txt").write_text("mine")  # a user's file in the folder stays
+    before = _snapshot(folder)
+    _fill(small_disk, leave=600 << 10)
+    # refused before writing: the weights alone (1 MB) exceed the room
+    message = r"No space left on device: writing .*artifacts needs ~1\.0 MB, 0\.\d MB free .*as they were"
+    with pytest.raises(StorageError, match=message):
+        export_artifacts(torch.nn.Linear(512, 512), torch.zeros(2, 512), folder, verify=False)
+    # the weights fit, the graphs' constants do not: the writers themselves run out of space
+    # (the size it names is at least what they wrote before failing, never the 8 kB of weights)
+    with pytest.raises(StorageError, match=r"No space left on device: writing .*artifacts needs ~(?!0\.0 )[\d.]+ MB"):
+        export_artifacts(_BigConstant(), torch.zeros(2, 512), folder, verify=False, ort_format=True)
+    with pytest.raises(StorageError, match=r"No space left on device: writing .*fresh needs"):
+        export_artifacts(_BigConstant(), torch.zeros(2, 512), small_disk / "fresh", verify=False)
+    assert _snapshot(folder) == before
+    assert sorted(path.name for path in small_disk.iterdir()) == ["artifacts", "filler"]
+    assert TrainingArtifacts.load(folder).manifest.inputs[0].shape == ("batch", 16)
+
+
+def test_an_export_whose_verification_or_a_stage_fails_keeps_the_previous_export(tmp_path: Path) -> None:
+    folder = tmp_path / "artifacts"
+    torch.manual_seed(3)
+    reference = torch.nn.Linear(4, 3)
+    export_artifacts(reference, torch.zeros(2, 4), folder, nominal_checkpoint=True)
+    _ = (folder / "model.onnx").write_bytes(b"the source, kept beside its artifacts")
+    before = _snapshot(folder)
+    with pytest.raises(ExportError, match=r"disagrees with torch autograd"):
+        export_artifacts(TripledMLP(), torch.zeros(2, 4), folder)
+    with pytest.raises(ExportError, match=r"Cannot freeze \['nope'\]"):
+        export_artifacts(TripledMLP(), torch.zeros(2, 4), folder, frozen=["nope"])
+    assert _snapshot(folder) == before
+    with pytest.raises(ExportError, match=r"Cannot freeze"):
+        export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "new", frozen=["nope"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["artifacts"]
+    # the folder still loads as the previous export: the weights of the torch model it came from
+    weights = dict(ORTLightningModule(folder).named_parameters())
+    torch.testing.assert_close(weights["weight"], reference.weight.detach())
+    torch.testing.assert_close(weights["bias"], reference.bias.detach())
+    # a re-export that succeeds replaces the export's files and keeps the others
+    export_artifacts(MLP(), torch.zeros(2, 4), folder, verify=False)
+    after = _snapshot(folder)
+    assert after["model.onnx"] == before["model.onnx"]
+    assert after["nominal_checkpoint"] == before["nominal_checkpoint"]  # not written this time: the old one stays
+    assert after["checkpoint"] != before["checkpoint"]
+    assert not [name for name in after if TEMP_MARK in name]
 
 
 # ----------------------------------------------------------------------------- code named in a checkpoint

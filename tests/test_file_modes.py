@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ort_lightning import ORTLightningModule
-from ort_lightning.training.atomic import digest_path
+from ort_lightning.storage.atomic import digest_path
 from tests.conftest import Exported
 
 

@@ -23,7 +23,7 @@ from onnxruntime.training.api import CheckpointState
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
-from ort_lightning.training.atomic import verify_digest
+from ort_lightning.storage.atomic import verify_digest
 
 from .conftest import MLP, Exported, blobs
 

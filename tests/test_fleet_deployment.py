@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ort_lightning.training.atomic import verify_digest
+from ort_lightning.storage.atomic import verify_digest
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 

@@ -167,7 +167,7 @@ def weightless_rows(artifacts: Any) -> Rows:
 def checkpoint_rows(path: Path) -> Rows:
     """Rows for an ORT checkpoint file: parameter counts and the stored properties, explained."""
     from ort_lightning.ort import runtime as _ort
-    from ort_lightning.training.atomic import verify_digest
+    from ort_lightning.storage.atomic import verify_digest
 
     verify_digest(path)  # a sidecar written by ORTCheckpoint guards against silent corruption
     try:

@@ -30,8 +30,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection, Mapping
+import tempfile
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +46,13 @@ __all__ = [
     "AUTO_BYTES",
     "WEIGHTS_FILE",
     "attach_weights",
+    "bytes_needed",
     "external_data_wanted",
     "externalize",
     "is_external",
     "read_array",
     "state_bytes",
+    "weights_folder",
 ]
 
 #: Parameters and buffers above this many bytes go through external data by default (protobuf's
@@ -195,3 +199,38 @@ def externalize(
             _point(tensor, offset, len(data))
             written += len(data)
     return written
+
+
+def bytes_needed(model: Any, *, external: bool) -> int:
+    """About what an export writes: the checkpoint holds the weights, the work folder of external data again.
+
+    NOTE: the graphs take the weights as inputs, so they add kilobytes; a graph's own constants are
+    not counted (the writers' failure reports those).
+
+    Example::
+
+        >>> bytes_needed(torch.nn.Linear(4, 3), external=True)
+        120
+    """
+    return state_bytes(model) * (2 if external else 1)
+
+
+@contextlib.contextmanager
+def weights_folder(folder: Path, *, external: bool) -> Iterator[Path | None]:
+    """A work folder inside `folder` for the weights' external data (None without), removed afterwards.
+
+    NOTE: inside the output folder, not the system's temporary one: the weights need as much disk
+    as the checkpoint, and the user chose that disk for it.
+
+    Example::
+
+        >>> import tempfile
+        >>> with weights_folder(Path(tempfile.mkdtemp()), external=True) as work:
+        ...     work.name.startswith(".weights-")
+        True
+    """
+    if not external:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix=".weights-", dir=folder) as work:
+        yield Path(work)

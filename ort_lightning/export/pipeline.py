@@ -12,6 +12,9 @@ The pipeline, stage by stage (each a module of this package):
 7. on request, what a device ships (``.ort`` graphs, a nominal checkpoint), from the final
    graphs; the folder is read back by `TrainingArtifacts.load`.
 
+Every stage writes into a staging folder (`ort_lightning.storage.staging`) whose files move into
+``output_dir`` only after the last stage, so that a failure leaves an earlier export intact.
+
 Example::
 
     >>> import tempfile, torch
@@ -26,11 +29,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import onnx
@@ -40,12 +40,13 @@ from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manif
 from ort_lightning.artifacts.checks import checkpoint_digest
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
-from ort_lightning.export.external import external_data_wanted
+from ort_lightning.export.external import bytes_needed, external_data_wanted, weights_folder
 from ort_lightning.export.legalize import engine as _legalize
 from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
 from ort_lightning.export.source import ModelSource, load_source
 from ort_lightning.export.verify.verifier import verify_export
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.storage.staging import staged_folder
 
 __all__ = ["export_artifacts"]
 
@@ -170,7 +171,9 @@ def export_artifacts(
             or a dict of keyword tensors (``{"input_ids": ..., "attention_mask": ...}``), whose keys
             name the graph's inputs; the first dimension of every input and output becomes a dynamic
             batch dimension.
-        output_dir: folder for the artifacts; created if missing, files in it overwritten.
+        output_dir: folder for the artifacts; created if missing, the export's files in it replaced, other
+            files left alone. The files are written into a hidden staging folder inside it and moved into
+            place only when every stage has passed: a failed export leaves the folder as it was.
         loss: ``"cross_entropy"`` or ``"nll"`` (labels ``labels``, int64, class axis 1 as in torch),
             ``"mse"``, ``"bce_with_logits"``, ``"l1"``, ``"smooth_l1"``, ``"huber"`` (target
             ``target``, like the output), a torch loss module with its options
@@ -213,80 +216,71 @@ def export_artifacts(
             class axis is ambiguous, a model that cannot be exported, a layer ORT cannot differentiate
             and no rewrite covers (the message names the ONNX op, the node and the torch module), or
             artifacts whose first training step crashes, fails, or disagrees with torch autograd.
+        StorageError: when the file system of `output_dir` has too little space for the weights, or
+            runs out while the files are written; nothing in `output_dir` has changed.
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
-    folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _weights_folder(folder, external_data_wanted(model, external_data)) as weights_dir:
-        # 1. source
-        proto, parameters, buffers = load_source(
-            model, example_inputs, input_names, loss is None, output, weights_dir=weights_dir
-        )
-        trainable, frozen_names = _split_parameters(
-            parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
-        )
-        # 2. passes before generation
-        before_generation.prepare(proto, model=model, weights_dir=weights_dir)
-        model_inputs = [info.name for info in proto.graph.input]
-        model_outputs = [info.name for info in proto.graph.output]
-        # 3. generation
-        (folder / UNVERIFIED_NAME).unlink(missing_ok=True)
-        _generate(
-            proto,
-            loss if loss_spec is None else loss_spec,
-            trainable=trainable,
-            frozen=[*frozen_names, *sorted(buffers)],
+    external = external_data_wanted(model, external_data)
+    # NOTE: every file is written into a staging folder and moved into place only when all stages have
+    # passed, so that a full disk or a failing stage leaves an earlier export in `output_dir` as it was.
+    with staged_folder(
+        output_dir, needed=bytes_needed(model, external=external), last=(MANIFEST_NAME,), obsolete=(UNVERIFIED_NAME,)
+    ) as folder:
+        with weights_folder(folder, external=external) as weights_dir:
+            # 1. source
+            proto, parameters, buffers = load_source(
+                model, example_inputs, input_names, loss is None, output, weights_dir=weights_dir
+            )
+            trainable, frozen_names = _split_parameters(
+                parameters, [*frozen, *_frozen_in_torch(model, parameters, frozen)], _torch_names(model) - parameters
+            )
+            # 2. passes before generation
+            before_generation.prepare(proto, model=model, weights_dir=weights_dir)
+            model_inputs = [info.name for info in proto.graph.input]
+            model_outputs = [info.name for info in proto.graph.output]
+            # 3. generation
+            _generate(
+                proto,
+                loss if loss_spec is None else loss_spec,
+                trainable=trainable,
+                frozen=[*frozen_names, *sorted(buffers)],
+                optimizer=optimizer,
+                optimizer_options=options,
+                directory=folder,
+                weights_dir=weights_dir,
+            )
+        # 4. passes after generation
+        training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
+        # 5. verification, 6. the manifest
+        state = set(trainable) | set(frozen_names) | buffers
+        inputs, labels = _graph_io(training_graph, state, model_inputs)
+        manifest = Manifest(
+            inputs=tuple(inputs),
+            labels=tuple(labels),
+            loss=loss_kind,
+            loss_options=loss_spec.options if loss_spec is not None else {},
+            loss_output=training_graph.graph.output[0].name,
+            outputs=tuple(model_outputs[1:] if loss is None else model_outputs),
             optimizer=optimizer,
             optimizer_options=options,
-            directory=folder,
-            weights_dir=weights_dir,
+            trainable=tuple(trainable),
+            frozen=tuple(frozen_names),
+            buffers=tuple(sorted(buffers)),
+            versions=_versions(),
+            parameter_order=_model_order(model, training_graph, state),
+            checkpoint_sha256=checkpoint_digest(folder / FILES["checkpoint"]),
         )
-    # 4. passes after generation
-    training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
-    # 5. verification, 6. the manifest
-    state = set(trainable) | set(frozen_names) | buffers
-    inputs, labels = _graph_io(training_graph, state, model_inputs)
-    manifest = Manifest(
-        inputs=tuple(inputs),
-        labels=tuple(labels),
-        loss=loss_kind,
-        loss_options=loss_spec.options if loss_spec is not None else {},
-        loss_output=training_graph.graph.output[0].name,
-        outputs=tuple(model_outputs[1:] if loss is None else model_outputs),
-        optimizer=optimizer,
-        optimizer_options=options,
-        trainable=tuple(trainable),
-        frozen=tuple(frozen_names),
-        buffers=tuple(sorted(buffers)),
-        versions=_versions(),
-        parameter_order=_model_order(model, training_graph, state),
-        checkpoint_sha256=checkpoint_digest(folder / FILES["checkpoint"]),
-    )
-    manifest = verify_export(
-        manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
-    )
-    (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
-    # 7. what a device ships, from the final graphs
-    _ort.write_device_files(
-        folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],
-        folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
-    )
-    return TrainingArtifacts.load(folder)
-
-
-@contextlib.contextmanager
-def _weights_folder(folder: Path, external: bool) -> Iterator[Path | None]:
-    """A work folder inside `folder` for the weights' external data (None without), removed afterwards.
-
-    NOTE: inside the output folder, not the system's temporary one: the weights need as much disk
-    as the checkpoint, and the user chose that disk for it.
-    """
-    if not external:
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix=".weights-", dir=folder) as work:
-        yield Path(work)
+        manifest = verify_export(
+            manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
+        )
+        (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        # 7. what a device ships, from the final graphs
+        _ort.write_device_files(
+            folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],
+            folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
+        )
+    return TrainingArtifacts.load(output_dir)
 
 
 def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ temporary file lies in the system's temp folder: its commit is a copy into place
 another file system, neither atomic nor flushed, so a kill or a full disk during it leaves
 ``last.ckpt`` truncated, and a resume from it fails. `AtomicCheckpointIO` serializes the
 checkpoint in memory, checks the free space against its size, and writes it with
-`ort_lightning.training.atomic.atomic_write` (a temporary file beside it, fsync, rename); a
+`ort_lightning.storage.atomic.atomic_write` (a temporary file beside it, fsync, rename); a
 failure raises `StorageError` naming the path, with the previous file intact.
 
 `ORTLightningModule.setup` installs it (`install_atomic_io`) when the strategy uses Lightning's
@@ -32,7 +32,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from ort_lightning.training.atomic import atomic_write
+from ort_lightning.storage.atomic import atomic_write
 
 __all__ = ["AtomicCheckpointIO", "install_atomic_io"]
 

@@ -38,7 +38,7 @@ import torch
 from ort_lightning.artifacts.state import state_specs, state_summary
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.atomic import atomic_write, verify_digest
+from ort_lightning.storage.atomic import atomic_write, verify_digest
 from ort_lightning.training.schedules import Progress
 
 if TYPE_CHECKING:

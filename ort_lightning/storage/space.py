@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ort_lightning.errors import StorageError
 
-__all__ = ["check_space", "free_bytes", "size_of", "write_failure"]
+__all__ = ["check_space", "folder_space_failure", "free_bytes", "size_of", "write_failure"]
 
 _MB = 1 << 20
 #: Below this much free space a failed write is taken for a full disk even when its error does not say so.
@@ -51,27 +51,40 @@ def _mb(size: int) -> str:
     return f"{size / _MB:.1f} MB"
 
 
-def _no_space_error(path: Path, needed: int | None, free: int | None) -> StorageError:
+_FILE_OUTCOME = (
+    "the previous file at that path (if any) is intact and no partial file is left. Free some space there (old "
+    "checkpoints, save_top_k), or write to another folder, then save again."
+)
+_FOLDER_OUTCOME = (
+    "the files already in that folder are as they were and no partial or temporary file is left. Free some space "
+    "there, or pass another output folder, then export again."
+)
+
+
+def _no_space_error(path: Path, needed: int | None, free: int | None, *, folder: bool = False) -> StorageError:
     need = f"needs ~{_mb(needed)}" if needed else "needs more room"
     have = f"{_mb(free)} free" if free is not None else "free space unknown"
-    return StorageError(
-        f"No space left on device: writing {path} {need}, {have} on that file system; the previous file at that "
-        "path (if any) is intact and no partial file is left. Free some space there (old checkpoints, "
-        "save_top_k), or write to another folder, then save again."
-    )
+    outcome = _FOLDER_OUTCOME if folder else _FILE_OUTCOME
+    return StorageError(f"No space left on device: writing {path} {need}, {have} on that file system; {outcome}")
 
 
-def check_space(path: Path, *, needed: int | None) -> None:
+def check_space(path: Path, *, needed: int | None, folder: bool = False) -> None:
     """Refuse a write of about `needed` bytes before it starts when the file system has less room.
+
+    Args:
+        path: the file (or, with `folder`, the folder of files) to be written.
+        needed: bytes the write will about take; None or 0 checks nothing.
+        folder: word the error for a folder written as a whole (an export) rather than one file.
 
     Raises:
         StorageError: naming the path, the size needed and the space free.
     """
     if not needed:
         return
-    free = free_bytes(path)
+    # NOTE: a folder's files land inside it, and it may be a mount point of its own (its parent is not).
+    free = free_bytes(path / "_" if folder else path)
     if free is not None and free < needed + _SLACK:
-        raise _no_space_error(path, needed, free)
+        raise _no_space_error(path, needed, free, folder=folder)
 
 
 def _says_no_space(error: BaseException) -> bool:
@@ -104,6 +117,41 @@ def write_failure(path: Path, error: BaseException, *, written: int, needed: int
         f"Could not write {path} ({type(error).__name__}: {cause}); the previous file at that path (if any) is intact "
         "and no partial file is left. Check that the folder exists and can be written, then save again."
     )
+
+
+def folder_space_failure(
+    folder: Path, error: BaseException, *, written: int, needed: int | None, writes: tuple[type[BaseException], ...]
+) -> StorageError | None:
+    """The package's error for a folder whose files could not all be written for want of space, else None.
+
+    Unlike `write_failure`, any other failure stays the caller's to raise as it was: a stage that
+    writes a folder also fails for reasons that have nothing to do with the disk.
+
+    Args:
+        folder: the folder that was being written.
+        error: what a writer of it raised.
+        written: bytes its partial files held when the write failed (before they are removed).
+        needed: the size the folder was expected to reach, if known.
+        writes: the error types a writer raises (a full disk may say nothing of space: protobuf's
+            "Protobuf serialization failed"); a nearly full disk explains only those.
+    """
+    free = free_bytes(folder / "_")  # NOTE: inside it: the folder may be a mount point of its own
+    chain = _causes(error)
+    nearly_full = free is not None and free < _NEARLY_FULL and any(isinstance(cause, writes) for cause in chain)
+    if not (_says_no_space(error) or nearly_full):
+        return None
+    # NOTE: measured before the partial files are removed: they hold what the write could use. What the
+    # writers managed is a floor of the size when the estimate missed part of it (a graph's constants).
+    return _no_space_error(folder, max(needed or 0, written + _SLACK if written else 0) or None, free, folder=True)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return chain
 
 
 def size_of(path: Path) -> int | None:

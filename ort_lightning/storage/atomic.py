@@ -6,7 +6,7 @@ over the target (a rename within one folder is atomic on POSIX and Windows). A s
 lists both the old and the new digest, so that whichever of the two files a crash leaves
 behind still verifies, and a corrupted or truncated file verifies as neither.
 
-Temporary files carry this package's name pattern (see `ort_lightning.training.temps`), so
+Temporary files carry this package's name pattern (see `ort_lightning.storage.temps`), so
 that a clean-up never touches a user's file. A writer may leave companions beside its file:
 ONNX Runtime writes a checkpoint over 2 GB as ``path`` plus ``path.data``; the companion is
 fsynced, digested and renamed with it (first, so the main file never names missing data).
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from ort_lightning.errors import CheckpointError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.space import check_space, size_of, write_failure
-from ort_lightning.training.temps import COMPANION_SUFFIXES, TEMP_SUFFIX, temp_prefix
+from ort_lightning.storage.space import check_space, size_of, write_failure
+from ort_lightning.storage.temps import COMPANION_SUFFIXES, TEMP_SUFFIX, temp_prefix
 
 __all__ = [
     "DIGEST_SUFFIX",

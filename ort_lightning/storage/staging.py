@@ -1,0 +1,133 @@
+"""A folder of files written as a whole: staged inside the destination, then moved into place.
+
+`export_artifacts` writes several files (graphs, checkpoints, the manifest, ``.ort`` graphs) with
+several writers, some of them ONNX Runtime's, none of which can be told to write atomically. They
+all write into a hidden staging folder inside the destination (the same file system, so a move is
+a rename), named with the package's temporary pattern (`ort_lightning.storage.temps`). Only when
+every writer and every check has succeeded are the files fsynced and renamed over the
+destination's, one by one, the files named in `last` last; files of the destination that the new
+set does not hold stay (a user's files, a source model kept beside its artifacts).
+
+A failure before that point (a full disk, a stage that raises) removes the staging folder, and the
+destination folder if this call created it: the destination's files are as they were. A full disk
+becomes `StorageError` naming the folder, the size and the free space, however a writer said it.
+
+Example::
+
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> out = Path(tempfile.mkdtemp()) / "out"
+    >>> with staged_folder(out, needed=10) as stage:
+    ...     _ = (stage / "a.bin").write_bytes(b"new")
+    >>> sorted(path.name for path in out.iterdir())
+    ['a.bin']
+    >>> try:
+    ...     with staged_folder(out, needed=10) as stage:
+    ...         _ = (stage / "a.bin").write_bytes(b"newer")
+    ...         raise ValueError("a stage failed")
+    ... except ValueError:
+    ...     pass
+    >>> (out / "a.bin").read_bytes(), sorted(path.name for path in out.iterdir())
+    (b'new', ['a.bin'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Collection, Iterator
+from pathlib import Path
+
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.storage.space import check_space, folder_space_failure
+from ort_lightning.storage.temps import TEMP_SUFFIX, temp_prefix
+
+__all__ = ["staged_folder"]
+
+
+@contextlib.contextmanager
+def staged_folder(
+    destination: str | os.PathLike[str],
+    *,
+    needed: int | None,
+    last: Collection[str] = (),
+    obsolete: Collection[str] = (),
+) -> Iterator[Path]:
+    """Yield an empty staging folder; on success move its files into `destination`.
+
+    Args:
+        destination: the folder the files belong in; created when missing (and removed again
+            when this call created it and the block fails).
+        needed: bytes the files will about take, checked against the free space first; None checks nothing.
+        last: names moved after all others (a manifest that describes the rest).
+        obsolete: names removed from `destination` after the move when the new set does not hold
+            them (a marker an earlier failed write left).
+
+    Raises:
+        StorageError: when the file system has too little space, before anything is written, or
+            when a writer runs out of it; the destination's files are as they were.
+    """
+    folder = Path(destination)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        check_space(folder, needed=needed, folder=True)
+        stage = Path(tempfile.mkdtemp(prefix=temp_prefix("export"), suffix=TEMP_SUFFIX, dir=folder))
+    except BaseException:
+        _remove_if_created(folder, created)
+        raise
+    try:
+        yield stage
+        _publish(stage, folder, last=last, obsolete=obsolete)
+    except BaseException as error:
+        failure = folder_space_failure(
+            folder, error, written=_tree_bytes(stage), needed=needed, writes=_ort.WRITE_ERRORS
+        )
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_if_created(folder, created)
+        if failure is not None:
+            raise failure from error
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publish(stage: Path, folder: Path, *, last: Collection[str], obsolete: Collection[str]) -> None:
+    """Flush the staged files, then rename each over the destination's (`last` ones last)."""
+    files = sorted((path for path in stage.iterdir() if path.is_file()), key=lambda path: path.name in last)
+    for path in files:
+        _fsync(path)
+    # NOTE: every byte is on disk before the first rename: a rename cannot run out of space, so from
+    # here on the export cannot fail half-way for want of room.
+    for path in files:
+        os.replace(path, folder / path.name)
+    for name in obsolete:
+        if not (folder / name).exists() or name in {path.name for path in files}:
+            continue
+        (folder / name).unlink()
+    _fsync(folder)
+
+
+def _tree_bytes(folder: Path) -> int:
+    if not folder.is_dir():
+        return 0
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def _remove_if_created(folder: Path, created: bool) -> None:
+    if created:
+        with contextlib.suppress(OSError):  # NOTE: not empty means someone else wrote there meanwhile: keep it
+            folder.rmdir()
+
+
+def _fsync(path: Path) -> None:
+    # NOTE: the files and the renames are durable only once the data and the folder entries are on disk.
+    if os.name == "nt" and path.is_dir():  # pragma: no cover - folders cannot be opened on Windows
+        return
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
