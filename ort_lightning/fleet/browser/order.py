@@ -68,4 +68,5 @@ def check_buffer_order(names: Sequence[str], training_model: Path, checkpoint: P
         raise ConfigurationError(f"The browser fleet declares its flat weights in the order {list(names)}, but ONNX "
                                  f"Runtime's parameter buffer over {training_model.name} and {checkpoint.name} holds "
                                  f"{measured}; a page would load each value into another tensor. Give the fleet the "
-                                 "training graph and checkpoint of one export (export_artifacts, then prepare_for_web).")
+                                 "training graph and checkpoint of one export (export_artifacts, then "
+                                 "prepare_for_web).")
