@@ -189,3 +189,13 @@ def test_a_claim_over_max_examples_is_refused_with_the_stated_bound() -> None:
     with pytest.raises(DeviceReplyError, match=r"d claims 41 examples per epoch from its own data, but the fleet "
                                                r"allows 1 to 40 \(max_examples=40\); the device is refused"):
         read_result(*unpack(frame), device="d", parameters=3, given=40, stated=True)
+
+
+def test_page_data_in_a_fleet_config_needs_browsers() -> None:
+    from ort_lightning.fleet.experiment import FleetConfig
+
+    config = FleetConfig.from_dict({"engine": "browser", "page_data": str(DATA_MODULE), "max_examples": 40})
+    assert (config.page_data, config.max_examples) == (str(DATA_MODULE), 40)
+    with pytest.raises(ConfigurationError, match=r"Expected `engine: browser` with `page_data`, but got engine "
+                                                 r"'local': only browser pages import a data module"):
+        FleetConfig.from_dict({"page_data": str(DATA_MODULE), "max_examples": 40})
