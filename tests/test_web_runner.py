@@ -153,8 +153,8 @@ def _node_run(job: Path) -> tuple[dict[str, object], np.ndarray, np.ndarray]:
 
 # ----------------------------------------------------------------------------- the folder's contract
 def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_device: Device) -> None:
-    # The runner's weights are "flat, in the manifest's parameter_order"; ORT's buffer follows the training
-    # graph's parameter inputs. For an exported folder the two must agree, or a device scrambles its weights.
+    # For this model (no buffers) the manifest's parameter_order is the training graph's order of its state
+    # inputs, the order of ORT's buffer; tests/test_browser_data.py covers a model where they differ.
     session = onnxruntime.InferenceSession(str(digits_device.folder / "training_model.onnx"))
     graph_order = [arg.name for arg in session.get_inputs() if arg.name in digits_device.order]
     assert tuple(graph_order) == digits_device.order == ("0.weight", "0.bias", "2.weight", "2.bias")
@@ -226,8 +226,8 @@ def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_
 @requires_node
 def test_weights_of_the_wrong_length_are_refused_with_the_expected_count(digits_device: Device, tmp_path: Path) -> None:
     job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights[:-1], _digits_batches(1))
-    message = (r"setWeights expects a Float32Array of 4810 values \(all parameters, flat, in the manifest's "
-               r"parameter_order\), but got a Float32Array of 4809 values; send the weights of the artifacts")
+    message = (r"setWeights expects a Float32Array of 4810 values \(all parameters, flat, in the training graph's "
+               r"order of its state inputs\), but got a Float32Array of 4809 values; send the weights of the artifacts")
     with pytest.raises(NodeError, match=message):
         run_node(DRIVER, str(job))
 

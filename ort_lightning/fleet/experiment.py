@@ -81,6 +81,10 @@ class FleetConfig:
             one device is lost (0 is for Flower's run config, which has no null).
         ort_web: ``engine: browser``: onnxruntime-web's ``dist/`` folder or a URL (None: found as
             `ort_lightning.web.find_ort_web` finds it).
+        page_data: ``engine: browser``: an ES module the pages import to make their own batches (the
+            contract is in `ort_lightning.fleet.browser`), instead of the digits partitions; None: the
+            server ships each page its digits partition.
+        max_examples: ``engine: browser`` with ``page_data``: the most examples per epoch a page may claim.
     """
 
     out: str = "fleet-digits"
@@ -104,6 +108,8 @@ class FleetConfig:
     device_timeout: float | None = DEVICE_TIMEOUT
     min_nodes: int | None = None
     ort_web: str | None = None
+    page_data: str | None = None
+    max_examples: int | None = None
 
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
@@ -119,6 +125,11 @@ class FleetConfig:
             raise ConfigurationError(
                 "Expected `optimizer_state: fresh` with `engine: browser`, but got \"keep\": a browser returns its "
                 "weights only (onnxruntime-web saves no optimizer state); use engine: local or simulation to keep it."
+            )
+        if self.page_data is not None and self.engine != "browser":
+            raise ConfigurationError(
+                f"Expected `engine: browser` with `page_data`, but got engine {self.engine!r}: only browser pages "
+                "import a data module; set engine: browser (or --browsers), or drop page_data."
             )
         if self.devices < 1 or self.rounds < 1 or self.epochs < 1:
             raise ConfigurationError(

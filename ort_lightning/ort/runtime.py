@@ -30,7 +30,14 @@ from ort_lightning.ort.files import (
     set_properties,
 )
 from ort_lightning.ort.generate import OPTIMIZER_NODES, generate, is_block, optimizer_kind_of, write_device_files
-from ort_lightning.ort.session import TrainingSession, assemble, optimizer_kind_in, parse_device, session_options
+from ort_lightning.ort.session import (
+    TrainingSession,
+    assemble,
+    buffer_order,
+    optimizer_kind_in,
+    parse_device,
+    session_options,
+)
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",
@@ -40,6 +47,7 @@ __all__ = [
     "TrainingSession",
     "WRITE_ERRORS",
     "assemble",
+    "buffer_order",
     "checkpoint_summary",
     "export_for_inferencing",
     "generate",

@@ -37,6 +37,7 @@ __all__ = [
     "OrtValueVector",
     "TrainingSession",
     "assemble",
+    "buffer_order",
     "copy_parameters",
     "optimizer_kind_in",
     "parse_device",
@@ -262,6 +263,26 @@ def copy_parameters(module: Any, parameters: np.ndarray) -> None:
     # NOTE: the 1.19.2 wrapper (Module.copy_buffer_to_parameters) hands the binding its Python
     # OrtValue, which the binding refuses; the binding itself takes the C-level one.
     module._model.copy_buffer_to_parameters(buffer, False)
+
+
+def buffer_order(training_model: os.PathLike[str] | str, checkpoint: os.PathLike[str] | str) -> list[str]:
+    """The state's names in the order of ONNX Runtime's contiguous parameter buffer, as ORT itself lays it out.
+
+    Measured, not assumed: a buffer ``0, 1, 2, ...`` goes in through `copy_parameters`, and each
+    parameter's first value then says where its values start.
+
+    Args:
+        training_model: the training graph (``.onnx`` or ``.ort``).
+        checkpoint: its checkpoint, complete or nominal.
+    """
+    state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
+    module = Module(os.fspath(training_model), state, None, "cpu")
+    # NOTE: float32 holds every offset below 2**24 exactly; above, rounding keeps the starts in order.
+    copy_parameters(module, np.arange(module.get_parameters_size(False), dtype=np.float32))
+    names = state._state.parameter_names()
+    starts = {name: float(np.asarray(state._state.get_parameter(name).data.numpy()).ravel()[:1].sum())
+              for name in names}
+    return sorted(names, key=lambda name: starts[name])
 
 
 def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:

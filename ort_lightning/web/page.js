@@ -9,6 +9,11 @@
 // starts its optimizer anew, as the simulated fleet's devices do; the result frame carries the
 // weights, one epoch's example count, the losses and timings. A failure is sent as an `error` frame.
 //
+// A fleet with a data module (`BrowserFleet(page_data=...)`) names it in the welcome: the page
+// imports it, and its train frames carry no batches but `local: {partition, partitions, epochs}`;
+// the page then calls the module's `batches({partition, partitions, round, epoch, inputNames})`
+// once per local epoch and trains what it returns, so the data never leaves the device.
+//
 // `hold=N` in the page's query makes it never answer round N: how a hung device looks to the server.
 
 import {openDevice} from './runner.js';
@@ -18,6 +23,7 @@ const query = new URLSearchParams(location.search);
 const hold = Number(query.get('hold') ?? 0);
 let ort = null;
 let files = null;
+let data = null;
 
 function show(status, line) {
   document.getElementById('status').textContent = status;
@@ -63,11 +69,38 @@ async function welcome(socket, message) {
   ort = await import(message.ort);
   const entries = await Promise.all(Object.entries(message.files).map(async ([role, url]) => [role, await fetchBytes(url)]));
   files = Object.fromEntries(entries);
+  if (message.data) data = await importData(message.data);
   const device = await openDevice(ort, files);
   const parameters = device.parameterCount;
   await device.release();
   socket.send(JSON.stringify({type: 'ready', parameters}));
   show(`${message.device}: ready, waiting for a round`, `${message.device}: ${parameters} parameters loaded`);
+}
+
+/** The fleet's data module, once it is known to export `batches`. */
+async function importData(url) {
+  const module = await import(url);
+  if (typeof module.batches !== 'function') {
+    throw new Error(`the fleet's data module exports [${Object.keys(module).join(', ')}], but a function ` +
+      '`batches` was expected; export async function batches({partition, partitions, round, epoch, inputNames}) ' +
+      'returning the batches of one epoch (see examples/browser_data.js)');
+  }
+  return module;
+}
+
+/** One epoch's batches: decoded from the frame, or made by the data module for a `local` frame. */
+async function epochBatches(header, decoded, index, device) {
+  if (!header.local) return decoded[index];
+  if (data === null) throw new Error('the server sent a round without batches, but this page has no data module');
+  const {partition, partitions} = header.local;
+  const batches = await data.batches({partition, partitions, round: header.round, epoch: index,
+    inputNames: device.inputNames});
+  if (!Array.isArray(batches) || batches.length === 0) {
+    throw new Error(`the data module's batches() returned ${Array.isArray(batches) ? 'no batches' : typeof batches} ` +
+      `for partition ${partition} of ${partitions}, but a non-empty Array of batches was expected, each an Array ` +
+      `of tensors {type, data, dims} for the inputs [${device.inputNames.join(', ')}]`);
+  }
+  return batches;
 }
 
 async function train(socket, buffer) {
@@ -80,7 +113,8 @@ async function train(socket, buffer) {
   show(`training round ${header.round}…`);
   const {start, bytes} = frame.blob(header.weights);
   const weights = new Float32Array(buffer, start, bytes / 4);
-  const epochs = header.epochs.map((batches) => batches.map((batch) => batch.map((t) => tensor(buffer, frame, t))));
+  const decoded = header.epochs.map((batches) => batches.map((batch) => batch.map((t) => tensor(buffer, frame, t))));
+  const epochCount = header.local ? header.local.epochs : decoded.length;
   const opened = performance.now();
   const device = await openDevice(ort, files);
   try {
@@ -89,10 +123,13 @@ async function train(socket, buffer) {
     const losses = [];
     let examples = 0;
     let firstStep = NaN;
-    for (const [index, batches] of epochs.entries()) {
+    let lastEpochSteps = 0;
+    for (let index = 0; index < epochCount; index += 1) {
+      const batches = await epochBatches(header, decoded, index, device);
       // NOTE: the first step alone, timed: it carries onnxruntime-web's one-off costs in a new session.
       const parts = index === 0 && batches.length > 1 ? [batches.slice(0, 1), batches.slice(1)] : [batches];
       examples = 0;
+      lastEpochSteps = losses.length;
       for (const part of parts) {
         const stepStarted = performance.now();
         const result = await device.train(part);
@@ -100,10 +137,12 @@ async function train(socket, buffer) {
         losses.push(...result.losses);
         examples += result.examples;
       }
+      lastEpochSteps = losses.length - lastEpochSteps;
     }
     const seconds = (performance.now() - started) / 1000;
     const trained = await device.getWeights();
     const reply = {type: 'result', id: header.id, examples, steps: losses.length, losses, seconds,
+      last_epoch_steps: lastEpochSteps,
       first_step_seconds: firstStep, open_seconds: (started - opened) / 1000};
     socket.send(pack(reply, trained));
     const last = losses[losses.length - 1];

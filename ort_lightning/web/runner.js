@@ -67,7 +67,7 @@ export async function openDevice(ort, files) {
  *
  * @param {object} ort onnxruntime-web's namespace, from its training build.
  * @param {object} files The graphs and the checkpoint as bytes (see `openDevice`).
- * @param {Float32Array} weights All parameters, flat, in the manifest's parameter_order.
+ * @param {Float32Array} weights All parameters, flat, in ONNX Runtime's buffer order (see `setWeights`).
  * @param {Array<Array<object>>} batches The batches (see `Device.train`).
  * @param {{epochs?: number}} [options] Passes over the batches.
  * @returns {Promise<{weights: Float32Array, examples: number, losses: number[], steps: number}>}
@@ -97,16 +97,22 @@ export class Device {
     this.parameterCount = parameterCount;
   }
 
+  /** The training graph's input names, in the order a batch holds its tensors (model inputs, then labels). */
+  get inputNames() {
+    return [...this.session.trainingInputNames];
+  }
+
   /**
    * Replaces every parameter's value.
    *
-   * @param {Float32Array} weights All parameters, flat, in the manifest's parameter_order (the
-   *     training graph's order of its parameter inputs).
+   * @param {Float32Array} weights All parameters, flat, in the order of ONNX Runtime's parameter buffer:
+   *     the training graph's order of its state inputs (not the manifest's parameter_order, which
+   *     lists a model's buffers, such as BatchNorm's running statistics, after all its parameters).
    */
   async setWeights(weights) {
     if (!(weights instanceof Float32Array) || weights.length !== this.parameterCount) {
       throw new Error(`setWeights expects a Float32Array of ${this.parameterCount} values (all parameters, ` +
-        `flat, in the manifest's parameter_order), but got ${describe(weights)}; send the weights of the ` +
+        `flat, in the training graph's order of its state inputs), but got ${describe(weights)}; send the weights of the ` +
         'artifacts this device opened');
     }
     // NOTE: `false`: a nominal checkpoint refuses a load of the trainable parameters alone.

@@ -26,7 +26,7 @@ const device = await openDevice(ort, {
   training: await read(`training_model.${format}`), eval: await read(`eval_model.${format}`),
   optimizer: await read(`optimizer_model.${format}`), checkpoint: await read('nominal_checkpoint'),
 });
-await device.setWeights(weights); // Float32Array: every parameter, flat, in the manifest's parameter_order
+await device.setWeights(weights); // Float32Array: every parameter, flat, in the training graph's order of its state inputs
 const { losses, steps, examples } = await device.train(batches, { epochs }); // one loss per step
 const evaluation = await device.evaluate(batches, { outputs: true }); // {loss, examples, outputs}
 const trained = await device.getWeights(); // Float32Array, in the same order as the weights sent

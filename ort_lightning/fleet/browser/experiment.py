@@ -4,7 +4,9 @@ The server's folder is the exported digits artifacts; the browsers load a device
 from it by `prepare_for_web` (``out/web``: the optimizer graph computes the config's ``lr``,
 constant, since a browser cannot set one). Each browser that opens the printed URL trains the
 partition a simulated device of the same config would (`DigitsPartitions` with the same
-split, batch size and seed), so the accuracy per round is the simulated fleet's.
+split, batch size and seed), so the accuracy per round is the simulated fleet's; with
+``page_data``, each page makes its own batches with that module instead (64 float32 features,
+int64 labels 0-9, as the digits model takes them) and the server evaluates on the held-out digits.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ def run_browser_experiment(
         The `FleetServer`, whose ``history`` holds each round's record.
     """
     web = prepare_for_web(artifacts, Path(config.out) / "web", lr=config.lr)
-    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+    data = None if config.page_data else DigitsPartitions(split=config.split, batch_size=config.batch_size,
+                                                          seed=config.seed)
     server = fleet_server(config, artifacts)
-    with BrowserFleet(web, data, host=config.host, port=config.port, devices=config.devices, epochs=config.epochs,
+    with BrowserFleet(web, data, page_data=config.page_data, max_examples=config.max_examples, host=config.host,
+                      port=config.port, devices=config.devices, epochs=config.epochs,
                       device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
                       ort_web=config.ort_web) as fleet:
         if echo:

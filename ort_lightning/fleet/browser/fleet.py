@@ -20,12 +20,12 @@ import uvicorn
 from flwr.app import Context, RecordDict
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.artifacts.state import state_specs
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.app import FleetServer
 from ort_lightning.fleet.browser.frames import HEADER_LIMIT
-from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs
+from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs, PageData
 from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, Refusal
+from ort_lightning.fleet.browser.order import weight_order
 from ort_lightning.fleet.browser.site import web_app
 from ort_lightning.fleet.client import DataFn
 from ort_lightning.fleet.local import _RUN_ID
@@ -53,20 +53,33 @@ def device_files(artifacts: TrainingArtifacts) -> dict[str, Path]:
     return files
 
 
-def _specs(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ...]]]:
-    specs = state_specs(artifacts)
-    wrong = [spec.name for spec in specs if spec.dtype != "float32"]
-    if wrong:
-        raise ConfigurationError(f"A browser device exchanges float32 weights, but the state tensors {wrong} of "
-                                 f"{artifacts.directory} are not float32; train such a model in a simulated fleet.")
-    return [(spec.name, tuple(int(dim) for dim in spec.shape)) for spec in specs]
-
-
 def _ordered(batch: object, names: Sequence[str]) -> Sequence[torch.Tensor]:
     """A batch in the training graph's input order (a dict is keyed by input name)."""
     if isinstance(batch, Mapping):
         return [batch[name] for name in names]
     return list(batch)  # type: ignore[call-overload]
+
+
+def _page_data(
+    data: DataFn | None, page_data: str | os.PathLike[str] | None, max_examples: int | None
+) -> Path | None:
+    """The data module's path, once `data`, `page_data` and `max_examples` are known to fit together."""
+    if (data is None) == (page_data is None):
+        given = "both" if data is not None else "neither"
+        raise ConfigurationError("Expected exactly one of `data` (the server ships each device's batches) and "
+                                 f"`page_data` (the pages make their own), but got {given}; pass one of them.")
+    if page_data is None:
+        return None
+    path = Path(page_data).expanduser().resolve()
+    if path.suffix not in (".js", ".mjs") or not path.is_file():
+        raise ConfigurationError(f"Expected `page_data` to be an ES module file (.js or .mjs) that exports "
+                                 f"`batches`, but got {os.fspath(page_data)!r}, which is not such a file; pass the "
+                                 "path of your data module (see examples/browser_data.js).")
+    if max_examples is None or max_examples < 1:
+        raise ConfigurationError(f"Expected `max_examples` >= 1 with `page_data`, but got {max_examples}: the server "
+                                 "cannot count what a page makes, so it checks each device's claim against your bound; "
+                                 "pass the most examples per epoch one device's data module makes.")
+    return path
 
 
 class BrowserFleet:
@@ -77,6 +90,12 @@ class BrowserFleet:
             ``prepare_for_web`` trains at its own learning rate, a plain one at ORT's default 1e-3).
         data: ``(partition, partitions) -> ClientData``, as `FleetClient` takes it: each round, a
             device gets the batches of ``data(its partition, devices).train``, iterated once per epoch.
+            None with `page_data`.
+        page_data: an ES module (``.js`` or ``.mjs`` file) that the pages import to make their own
+            batches, instead of `data` (the contract is in the package docstring): only the
+            weights travel, the data never leaves the device.
+        max_examples: with `page_data`, the most examples per epoch a device may claim (the server
+            cannot count them); a device that claims more, or none, is refused.
         host: the address to listen on (loopback by default; ``"0.0.0.0"`` for other machines).
         port: the port; 0 picks a free one (`url` tells which).
         devices: how many browsers the fleet waits for (each takes one partition, in joining order).
@@ -86,14 +105,17 @@ class BrowserFleet:
         token: the join token (a random one by default).
 
     Raises:
-        ConfigurationError: for non-positive counts, a folder a browser cannot train, no onnxruntime-web.
+        ConfigurationError: for non-positive counts, a folder a browser cannot train, no onnxruntime-web,
+            both or neither of `data` and `page_data`, `page_data` that is no ES module file or lacks `max_examples`.
     """
 
     def __init__(
         self,
         artifacts: TrainingArtifacts | str | os.PathLike[str],
-        data: DataFn,
+        data: DataFn | None = None,
         *,
+        page_data: str | os.PathLike[str] | None = None,
+        max_examples: int | None = None,
         host: str = "127.0.0.1",
         port: int = 8000,
         devices: int = 3,
@@ -106,15 +128,18 @@ class BrowserFleet:
             raise ConfigurationError(f"Expected devices >= 1, epochs >= 1 and device_timeout > 0, but got {devices}, "
                                      f"{epochs} and {device_timeout}; pass the browsers to wait for, the local epochs "
                                      "per round and the seconds a browser may take for a round.")
+        self.page_data = _page_data(data, page_data, max_examples)
+        self.max_examples = max_examples
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
         self.data, self.devices, self.epochs = data, devices, epochs
         self.host = host
         self.token = token or secrets.token_urlsafe(16)
-        self.hub = Hub(partitions=devices, specs=_specs(self.artifacts), device_timeout=device_timeout)
+        files = device_files(self.artifacts)
+        self.hub = Hub(partitions=devices, specs=weight_order(self.artifacts, files), device_timeout=device_timeout)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
-        self._app = web_app(self.hub, token=self.token, files=device_files(self.artifacts),
-                            ort=find_ort_web(ort_web), frame_limit=self.frame_limit)
+        self._app = web_app(self.hub, token=self.token, files=files, ort=find_ort_web(ort_web),
+                            frame_limit=self.frame_limit, page_data=self.page_data)
         self._socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self._socket.getsockname()[1]
         self._server: uvicorn.Server | None = None
@@ -173,7 +198,8 @@ class BrowserFleet:
             raise ConfigurationError(f"{len(self.hub.node_ids())} of {self.devices} browsers joined within "
                                      f"{join_timeout} s; open {self.url} in {self.devices} browsers (tabs), or pass "
                                      "fewer devices.")
-        grid = BrowserGrid(self.hub, self._epochs)
+        local = None if self.page_data is None else PageData(self.epochs, int(self.max_examples or 0))
+        grid = BrowserGrid(self.hub, local or self._epochs)
         server.main(grid, Context(_RUN_ID, 0, {}, RecordDict(), {}))
         return server
 
@@ -202,6 +228,7 @@ class BrowserFleet:
 
     def _epochs(self, partition: int) -> Epochs:
         names = [spec.name for spec in self.artifacts.manifest.graph_inputs]
+        assert self.data is not None, "a fleet without data has page_data, whose grid never asks for batches"
         loader = self.data(partition, self.devices).train
         # NOTE: a fresh loader each round, iterated once per epoch, as FleetClient's Trainer iterates it:
         # the same seeds give the same batches in the same order.

@@ -5,16 +5,19 @@ Text frames are JSON objects with a ``"type"``; binary frames carry tensors::
     uint32 little-endian H | H bytes of UTF-8 JSON header | zero padding to a multiple of 8 | payload
 
 Server to page: ``welcome`` (text: the device's name and partition, where onnxruntime-web and
-the device files are, the parameter count) and ``train`` (binary: the header lists each tensor
-as ``{"type", "dims", "blob"}``, and ``"blobs"`` gives each blob's ``[offset, nbytes]`` in the
-payload, offsets multiples of 8 so that a ``Float32Array`` or ``BigInt64Array`` views them in
-place; ``"weights"`` is the blob of the round's weights, ``"epochs"`` a list of epochs, each a
-list of batches, each a list of tensors in the training graph's input order).
+the device files are, the parameter count, ``"order"``: the state tensors' names in the order of
+the flat weights, and ``"data"``: the URL of the fleet's data module or null) and ``train``
+(binary: the header lists each tensor as ``{"type", "dims", "blob"}``, and ``"blobs"`` gives
+each blob's ``[offset, nbytes]`` in the payload, offsets multiples of 8 so that a
+``Float32Array`` or ``BigInt64Array`` views them in place; ``"weights"`` is the blob of the
+round's weights, ``"epochs"`` a list of epochs, each a list of batches, each a list of tensors
+in the training graph's input order; with a data module, ``"epochs"`` is empty and ``"local"``
+is ``{"partition", "partitions", "epochs"}``).
 
 Page to server: ``ready`` (text, ``{"parameters": P}`` once the device has loaded the files),
-``result`` (binary: header ``{"id", "examples", "steps", "losses"}``, payload the trained weights
-as float32) and ``error`` (text, ``{"id", "message"}``). `read_result` checks a result before it
-becomes a reply to the strategy.
+``result`` (binary: header ``{"id", "examples", "steps", "losses", "last_epoch_steps"}``,
+payload the trained weights as float32) and ``error`` (text, ``{"id", "message"}``).
+`read_result` checks a result before it becomes a reply to the strategy.
 
 Example::
 
@@ -69,6 +72,8 @@ class Result:
     examples: int
     steps: int
     losses: list[float]
+    #: Steps of the last local epoch, as the device counted them (None when it did not say).
+    last_epoch_steps: int | None = None
 
 
 def _padded(size: int) -> int:
@@ -131,11 +136,18 @@ def _tensor(tensor: object, blobs: list[np.ndarray]) -> dict[str, Any]:
 
 
 def train_frame(
-    message_id: str, server_round: int, weights: np.ndarray, epochs: Sequence[Sequence[Sequence[torch.Tensor]]]
+    message_id: str,
+    server_round: int,
+    weights: np.ndarray,
+    epochs: Sequence[Sequence[Sequence[torch.Tensor]]],
+    *,
+    local: dict[str, int] | None = None,
 ) -> bytes:
     """The train frame of one round: the weights and each epoch's batches, in the order the device trains them.
 
     The header's ``"examples"`` is the first epoch's examples (the first dimension of each batch's first tensor).
+    With `local` (``{"partition", "partitions", "epochs"}``) the frame carries no batches: the page
+    makes its own with the fleet's data module, ``epochs`` times.
 
     Raises:
         BatchError: for a batch tensor of a dtype onnxruntime-web does not take.
@@ -145,6 +157,8 @@ def train_frame(
     examples = sum(int(batch[0]["dims"][0]) for batch in layout[0]) if layout else 0
     header = {"type": "train", "id": message_id, "round": server_round, "weights": 0, "epochs": layout,
               "examples": examples}
+    if local is not None:
+        header["local"] = local
     return pack(header, blobs)
 
 
@@ -164,7 +178,16 @@ def _losses(header: dict[str, Any], device: str) -> list[float]:
     return [math.nan if v is None else float(v) for v in losses]
 
 
-def read_result(header: dict[str, Any], payload: memoryview, *, device: str, parameters: int, given: int) -> Result:
+def _last_epoch_steps(header: dict[str, Any], steps: int) -> int | None:
+    value = header.get("last_epoch_steps")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= steps:
+        return None
+    return value
+
+
+def read_result(
+    header: dict[str, Any], payload: memoryview, *, device: str, parameters: int, given: int, stated: bool = False
+) -> Result:
     """Check a result frame before it reaches the strategy.
 
     Args:
@@ -173,6 +196,8 @@ def read_result(header: dict[str, Any], payload: memoryview, *, device: str, par
         device: the device's name, for the messages.
         parameters: how many float32 values the weights must hold.
         given: the examples per epoch the server sent; the device may claim 1 to `given`.
+        stated: `given` is the bound the user stated (``max_examples``), not a count of what was sent:
+            the device made its own batches.
 
     Raises:
         DeviceReplyError: for weights of the wrong length or not finite, an example count out of bounds.
@@ -189,6 +214,12 @@ def read_result(header: dict[str, Any], payload: memoryview, *, device: str, par
                                "if every device diverges).")
     examples = _count(header, "examples", device)
     if not 1 <= examples <= given:
+        if stated:
+            raise DeviceReplyError(f"{device} claims {examples} examples per epoch from its own data, but the fleet "
+                                   f"allows 1 to {given} (max_examples={given}); the device is refused (raise "
+                                   "max_examples if the data module makes more).")
         raise DeviceReplyError(f"{device} claims {examples} examples, but it was given {given} per epoch; a device may "
                                f"claim 1 to {given}, so the device is refused.")
-    return Result(weights, examples, _count(header, "steps", device), _losses(header, device))
+    losses = _losses(header, device)
+    return Result(weights, examples, _count(header, "steps", device), losses,
+                  _last_epoch_steps(header, len(losses)))

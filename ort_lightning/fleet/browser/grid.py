@@ -12,6 +12,7 @@ node does in Flower's runtimes, and the strategy aggregates the others.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import count
 from uuid import uuid4
 
@@ -27,10 +28,23 @@ from ort_lightning.fleet.browser.hub import Hub
 from ort_lightning.fleet.client import ARRAYS_KEY
 from ort_lightning.fleet.local import _RUN_ID, _claim_identity
 
-__all__ = ["BrowserGrid", "Epochs"]
+__all__ = ["BrowserGrid", "Epochs", "PageData"]
 
 #: A partition's batches for one round: per local epoch, its batches, each in the training graph's input order.
 Epochs = list[list[Sequence[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class PageData:
+    """The pages make their own batches (the fleet's data module): only the weights travel.
+
+    Attributes:
+        epochs: local epochs per round (the page calls the module's ``batches`` once per epoch).
+        max_examples: the most examples per epoch a device may claim (the server cannot count them).
+    """
+
+    epochs: int
+    max_examples: int
 
 
 class BrowserGrid(Grid):
@@ -38,10 +52,11 @@ class BrowserGrid(Grid):
 
     Args:
         hub: the fleet's devices and the replies they owe.
-        batches: ``partition -> Epochs``, what a device of that partition trains in a round.
+        batches: ``partition -> Epochs``, what a device of that partition trains in a round; or
+            `PageData` when the pages make their own batches.
     """
 
-    def __init__(self, hub: Hub, batches: Callable[[int], Epochs]) -> None:
+    def __init__(self, hub: Hub, batches: Callable[[int], Epochs] | PageData) -> None:
         _claim_identity()
         self._hub = hub
         self._batches = batches
@@ -90,7 +105,7 @@ class BrowserGrid(Grid):
         """Send every message, then wait up to `timeout` seconds for the replies (each device has its own timeout)."""
         return self._hub.collect(list(self.push_messages(messages)), wait=timeout)
 
-    def _frame(self, message: Message) -> tuple[Message, bytes, int, int, int] | None:
+    def _frame(self, message: Message) -> tuple[Message, bytes, int, int | None, int] | None:
         """What `Hub.send` takes for a train message: (message, frame, examples given, last epoch's steps, round)."""
         if message.metadata.message_type != MessageType.TRAIN:
             kind = message.metadata.message_type
@@ -101,8 +116,12 @@ class BrowserGrid(Grid):
         if device is None:
             self._hub.answer(message, f"node {message.metadata.dst_node_id} is not a connected browser (it left)")
             return None
-        epochs = self._batches(device.partition)
         server_round = _round(message)
+        if isinstance(self._batches, PageData):
+            local = {"partition": device.partition, "partitions": self._hub.partitions, "epochs": self._batches.epochs}
+            frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local)
+            return message, frame, self._batches.max_examples, None, server_round
+        epochs = self._batches(device.partition)
         frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs)
         given = sum(int(batch[0].shape[0]) for batch in epochs[0])
         return message, frame, given, len(epochs[-1]), server_round

@@ -78,7 +78,8 @@ class _Owed:
     device: BrowserDevice
     message: Message
     given: int
-    last_epoch: int
+    #: Steps of the last epoch (None: the page made its own batches and says; then `given` is max_examples).
+    last_epoch: int | None
     deadline: float
     server_round: int
 
@@ -174,11 +175,13 @@ class Hub:
                 raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
                                        f"{frame.get('message', 'no reason given')}")
             header, payload = unpack(frame, device=device.name)
-            result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given)
+            result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given,
+                                 stated=owed.last_epoch is None)
         except DeviceReplyError as error:
             self.refuse(device, str(error))
             return
-        last = result.losses[-owed.last_epoch :] if owed.last_epoch else []
+        steps = owed.last_epoch if owed.last_epoch is not None else result.last_epoch_steps
+        last = result.losses[-steps:] if steps else []
         metrics: dict[str, int | float | list[int] | list[float]] = {
             WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
             "steps": result.steps, **_timings(header),
@@ -214,7 +217,7 @@ class Hub:
         with self._changed:
             return self._changed.wait_for(lambda: len(self._devices) >= count, timeout)
 
-    def send(self, message: Message, frame: bytes, given: int, last_epoch: int, server_round: int) -> None:
+    def send(self, message: Message, frame: bytes, given: int, last_epoch: int | None, server_round: int) -> None:
         """Send `frame` to the message's device; its reply (or failure) comes to `collect`."""
         node_id = message.metadata.dst_node_id
         with self._changed:

@@ -5,6 +5,7 @@ Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
 - ``GET /?token=T``: the page (``ort_lightning/web/page.html``); a missing or wrong token is a 403.
 - ``GET /page.js``, ``GET /runner.js``: the page's scripts, shipped with the package.
 - ``GET /device/<role>?token=T``: the device files (``training``, ``eval``, ``optimizer``, ``checkpoint``).
+- ``GET /data.js?token=T``: the user's data module, when the fleet has one (``page_data``).
 - ``GET /ort/...``: onnxruntime-web's ``dist/`` folder, when `find_ort_web` found one on disk (a
   URL given instead is imported by the page from there).
 - ``WS /join?token=T&name=N``: the device's connection (frames: `ort_lightning.fleet.browser.frames`).
@@ -47,8 +48,11 @@ def _close_reason(code: int | None, frame_limit: int) -> str:
 class _Site:
     """The handlers of `web_app`, over one `Hub`."""
 
-    def __init__(self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int) -> None:
+    def __init__(
+        self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None
+    ) -> None:
         self.hub, self.token, self.files, self.frame_limit = hub, token, files, frame_limit
+        self.page_data = page_data
         self.ort_module = f"{ort}/{TRAINING_BUILD}" if ort.startswith(("http://", "https://")) else \
             f"/ort/{TRAINING_BUILD}"
 
@@ -71,6 +75,14 @@ class _Site:
             return PlainTextResponse(f"No device file {role!r}; the roles are {list(ROLES)}.", status_code=404)
         return FileResponse(self.files[role], media_type="application/octet-stream")
 
+    async def data_module(self, request: Request) -> Response:
+        if not self.admitted(request.query_params.get("token")):
+            return PlainTextResponse(_WRONG_TOKEN, status_code=403)
+        if self.page_data is None:
+            return PlainTextResponse("This fleet ships its batches to the pages; it has no data module.",
+                                     status_code=404)
+        return FileResponse(self.page_data, media_type="text/javascript")
+
     async def join(self, socket: WebSocket) -> None:
         await socket.accept()
         if not self.admitted(socket.query_params.get("token")):
@@ -83,8 +95,10 @@ class _Site:
                                close=lambda code, why: _close(socket, code, why))
         self.hub.join(device)
         files = {role: f"/device/{role}?token={self.token}" for role in self.files}
+        data = None if self.page_data is None else f"/data.js?token={self.token}"
         await socket.send_text(json.dumps({"type": "welcome", "device": device.name, "ort": self.ort_module,
-                                           "files": files, "parameters": self.hub.parameters}))
+                                           "files": files, "parameters": self.hub.parameters, "data": data,
+                                           "order": [name for name, _ in self.hub.specs]}))
         reason = await self._listen(socket, device)
         self.hub.lost(device, f"{device.name} {reason}")
 
@@ -129,7 +143,9 @@ async def _close(socket: WebSocket, code: int, reason: str) -> None:
         await socket.close(code=code, reason=reason)
 
 
-def web_app(hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int) -> Starlette:
+def web_app(
+    hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None = None
+) -> Starlette:
     """The fleet's Starlette application.
 
     Args:
@@ -138,8 +154,9 @@ def web_app(hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_lim
         files: the device files by role (`ROLES`).
         ort: onnxruntime-web's ``dist/`` folder, or a URL that serves it (from `find_ort_web`).
         frame_limit: the largest frame a page may send, in bytes (uvicorn's ``ws_max_size`` enforces it).
+        page_data: the user's data module (an ES module the page imports), or None.
     """
-    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit)
+    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit, page_data=page_data)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -153,7 +170,8 @@ def web_app(hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_lim
 
     routes: list[Any] = [
         Route("/", site.page), Route("/page.js", site.script), Route("/runner.js", site.script),
-        Route("/device/{role}", site.device_file), WebSocketRoute("/join", site.join),
+        Route("/device/{role}", site.device_file), Route("/data.js", site.data_module),
+        WebSocketRoute("/join", site.join),
     ]
     if not ort.startswith(("http://", "https://")):
         routes.append(Mount("/ort", StaticFiles(directory=ort), name="ort"))
