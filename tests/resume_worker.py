@@ -36,12 +36,17 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from fault_worker import _child, _wait
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.storage.temps import TEMP_MARK
+
+# NOTE: a script beside fault_worker.py when a test runs it, a module of `tests` when pytest collects it.
+if __package__:
+    from tests.fault_worker import _child, _wait
+else:
+    from fault_worker import _child, _wait
 
 STEPS = 24
 BATCH = 16
