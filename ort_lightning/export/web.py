@@ -41,6 +41,7 @@ from ort_lightning.errors import ArtifactError, ExportError
 from ort_lightning.export.lr_graph import bake_lr
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.limits import lower_ir_version
+from ort_lightning.storage.atomic import fsync
 
 __all__ = ["prepare_for_web"]
 
@@ -216,22 +217,11 @@ def _write(
 def _publish(staging: Path, output: Path) -> None:
     """Move the finished `staging` folder to `output`, replacing an earlier device folder there."""
     for path in staging.iterdir():
-        _fsync(path)
-    _fsync(staging)
+        fsync(path)
+    fsync(staging)
     previous = staging.with_name(staging.name + ".previous")
     if output.exists():
         os.replace(output, previous)
     os.replace(staging, output)
-    _fsync(output.parent)
+    fsync(output.parent)
     shutil.rmtree(previous, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    # NOTE: the files and the renames are durable only once the data and the folder entries are on disk.
-    if os.name == "nt" and path.is_dir():  # pragma: no cover - folders cannot be opened on Windows
-        return
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -30,7 +30,7 @@ def root_logger_kept() -> Iterator[None]:
     """Give the root logger back with the handlers and level it had; drop ORT's INFO records meanwhile.
 
     NOTE: ONNX Runtime configures the root logger, which a library must never do: importing its
-    tools runs ``logging.basicConfig`` (``onnxruntime/tools/logger.py``, the quantization package),
+    tools runs ``basicConfig`` of the logging module (``onnxruntime/tools/logger.py``, the quantization package),
     and ``generate_artifacts`` logs through the module-level ``logging.info``, which calls
     ``basicConfig`` when the root logger has no handler. The handler left behind prints every
     record that propagates to the root, so Flower's and Lightning's lines appear twice. Its INFO

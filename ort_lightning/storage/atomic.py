@@ -41,6 +41,7 @@ __all__ = [
     "DIGEST_SUFFIX",
     "atomic_write",
     "digest_path",
+    "fsync",
     "remove_with_digest",
     "sha256_of",
     "verify_digest",
@@ -64,20 +65,22 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with path.open("rb+") as stream:
-        os.fsync(stream.fileno())
+def fsync(path: Path) -> None:
+    """Put a file's data, or a folder's entries (a rename, a new file), on disk.
 
+    Example::
 
-def _fsync_dir(folder: Path) -> None:
-    # NOTE: the rename itself is only durable once the folder's entry is on disk.
-    if os.name == "nt":  # pragma: no cover - folders cannot be opened on Windows
+        >>> import tempfile
+        >>> fsync(Path(tempfile.mkdtemp()))
+    """
+    # NOTE: a file's data and a rename are durable only once they and the folder's entry are on disk.
+    if os.name == "nt" and path.is_dir():  # pragma: no cover - folders cannot be opened on Windows
         return
-    fd = os.open(folder, os.O_RDONLY)
+    descriptor = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        os.fsync(descriptor)
     finally:
-        os.close(fd)
+        os.close(descriptor)
 
 
 def _umask() -> int:
@@ -122,9 +125,9 @@ def _replace(path: Path, write: Callable[[Path], object]) -> None:
     """Write through `write(temp)`, flush, rename over `path`, flush the folder."""
     with _staged(path) as temp:
         write(temp)
-        _fsync_file(temp)
+        fsync(temp)
         os.replace(temp, path)
-    _fsync_dir(path.parent)
+    fsync(path.parent)
 
 
 def _read_digests(sidecar: Path) -> list[str]:
@@ -187,7 +190,7 @@ def atomic_write(
             raise write_failure(target, error, written=_size_on_disk(temp), needed=needed) from error
         for source, destination, _ in moves:
             os.replace(source, destination)
-    _fsync_dir(target.parent)
+    fsync(target.parent)
     if digest:
         for _, destination, settled in moves:
             if settled is not None:
@@ -208,7 +211,7 @@ def _write_staged(
     moves: list[tuple[Path, Path, str | None]] = []
     new = ""
     for file in files:
-        _fsync_file(file)
+        fsync(file)
         destination = target if file == temp else target.with_name(target.name + file.name[len(temp.name):])
         new = sha256_of(file)
         settled: str | None = None

@@ -41,6 +41,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.storage.atomic import fsync
 from ort_lightning.storage.space import check_space, folder_space_failure
 from ort_lightning.storage.temps import TEMP_SUFFIX, temp_prefix
 
@@ -98,7 +99,7 @@ def _publish(stage: Path, folder: Path, *, last: Collection[str], obsolete: Coll
     """Flush the staged files, then rename each over the destination's (`last` ones last)."""
     files = sorted((path for path in stage.iterdir() if path.is_file()), key=lambda path: path.name in last)
     for path in files:
-        _fsync(path)
+        fsync(path)
     # NOTE: every byte is on disk before the first rename: a rename cannot run out of space, so from
     # here on the export cannot fail half-way for want of room.
     for path in files:
@@ -107,7 +108,7 @@ def _publish(stage: Path, folder: Path, *, last: Collection[str], obsolete: Coll
         if not (folder / name).exists() or name in {path.name for path in files}:
             continue
         (folder / name).unlink()
-    _fsync(folder)
+    fsync(folder)
 
 
 def _tree_bytes(folder: Path) -> int:
@@ -120,14 +121,3 @@ def _remove_if_created(folder: Path, created: bool) -> None:
     if created:
         with contextlib.suppress(OSError):  # NOTE: not empty means someone else wrote there meanwhile: keep it
             folder.rmdir()
-
-
-def _fsync(path: Path) -> None:
-    # NOTE: the files and the renames are durable only once the data and the folder entries are on disk.
-    if os.name == "nt" and path.is_dir():  # pragma: no cover - folders cannot be opened on Windows
-        return
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
