@@ -46,7 +46,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from ort_lightning.errors import ConfigurationError
 
-__all__ = ["CLIENT_ERROR_CODE", "TIMEOUT_ERROR_CODE", "LocalGrid", "run_local"]
+__all__ = ["CLIENT_ERROR_CODE", "TIMEOUT_ERROR_CODE", "LocalGrid", "ServerGrid", "run_local"]
 
 #: Error code of the reply to a message whose ClientApp raised (Flower's ClientApp exception code).
 CLIENT_ERROR_CODE = 1
@@ -55,7 +55,34 @@ TIMEOUT_ERROR_CODE = ErrorCode.REPLY_MESSAGE_UNAVAILABLE
 _RUN_ID = 1
 
 
-class LocalGrid(Grid):
+class ServerGrid(Grid):
+    """What a Grid run by this process's ServerApp shares: one run, its identity claimed, messages built.
+
+    `LocalGrid` (devices in this process) and the browser fleet's grid (devices in pages) add how
+    messages reach their nodes and come back.
+    """
+
+    def __init__(self) -> None:
+        _claim_identity()
+        self._run = Run.create_empty(_RUN_ID)
+
+    def set_run(self, run: Run) -> None:
+        """Adopt `run` (the grid serves one run at a time)."""
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        """The run this grid serves."""
+        return self._run
+
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
+        """A message to `dst_node_id` (Flower deprecates this in favour of the Message constructor)."""
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+
+class LocalGrid(ServerGrid):
     """A Flower ``Grid`` whose nodes run `client_app` in this process, one message after another.
 
     Args:
@@ -75,9 +102,8 @@ class LocalGrid(Grid):
         if nodes < 1:
             raise ValueError(f"Expected `nodes` >= 1, but got {nodes}; pass the number of simulated devices.")
         _check_timeout(device_timeout)
-        _claim_identity()
+        super().__init__()
         self._app = client_app
-        self._run = Run.create_empty(_RUN_ID)
         config = dict(run_config or {})
         self._contexts = {
             node_id: Context(_RUN_ID, node_id, {"partition-id": i, "num-partitions": nodes}, RecordDict(), config)
@@ -92,21 +118,6 @@ class LocalGrid(Grid):
     def context(self, node_id: int) -> Context:
         """The Context of node `node_id` (its ``state`` is what the node keeps between rounds)."""
         return self._contexts[node_id]
-
-    def set_run(self, run: Run) -> None:
-        """Adopt `run` (the grid serves one run at a time)."""
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        """The run this grid serves."""
-        return self._run
-
-    def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
-    ) -> Message:
-        """A message to `dst_node_id` (Flower deprecates this in favour of the Message constructor)."""
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         """The ids of the nodes, in order."""

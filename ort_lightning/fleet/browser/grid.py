@@ -18,15 +18,13 @@ from uuid import uuid4
 
 import numpy as np
 import torch
-from flwr.app import Message, MessageType, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+from flwr.app import Message, MessageType
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.browser.frames import train_frame
 from ort_lightning.fleet.browser.hub import Hub
 from ort_lightning.fleet.client import ARRAYS_KEY
-from ort_lightning.fleet.local import _RUN_ID, _claim_identity
+from ort_lightning.fleet.local import ServerGrid
 
 __all__ = ["BrowserGrid", "Epochs", "PageData"]
 
@@ -47,7 +45,7 @@ class PageData:
     max_examples: int
 
 
-class BrowserGrid(Grid):
+class BrowserGrid(ServerGrid):
     """The connected browsers as Flower nodes (see the module docstring).
 
     Args:
@@ -57,26 +55,10 @@ class BrowserGrid(Grid):
     """
 
     def __init__(self, hub: Hub, batches: Callable[[int], Epochs] | PageData) -> None:
-        _claim_identity()
+        super().__init__()
         self._hub = hub
         self._batches = batches
-        self._run = Run.create_empty(_RUN_ID)
         self._ids = count()
-
-    def set_run(self, run: Run) -> None:
-        """Adopt `run` (the grid serves one run at a time)."""
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        """The run this grid serves."""
-        return self._run
-
-    def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
-    ) -> Message:
-        """A message to `dst_node_id` (Flower deprecates this in favour of the Message constructor)."""
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         """The node ids of the browsers that are ready, in joining order."""
