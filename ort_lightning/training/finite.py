@@ -49,7 +49,11 @@ class FiniteCheck:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         # NOTE: detached once: views of the same memory, which ORT's updates write in place.
         self.tensors = [tensor.detach() for tensor in tensors if tensor.numel()]
-        device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        if not self.tensors:
+            # NOTE: no buffers at all: an empty storage cannot be shared with a spawned process (its fd is
+            # invalid), and a module pickled for ``ort_ddp_spawn`` carries an unattached check.
+            return
+        device = self.tensors[0].device
         extremes = torch.empty(2 * len(self.tensors), device=device)
         self._slots = [(extremes[2 * i], extremes[2 * i + 1]) for i in range(len(self.tensors))]
         self._extremes = extremes
