@@ -241,7 +241,7 @@ MESSAGES = {
     'manifest-not-json': r'ort_lightning\.json is not valid JSON',
     'manifest-not-utf8': r'ort_lightning\.json is not UTF-8 text \(invalid continuation byte at byte 24\)',
     # NOTE: json's own detail depends on where the cut falls; the package's part of the message is pinned.
-    'manifest-truncated': r'ort_lightning\.json is not valid JSON \(.*\); re-export the artifacts with export_artifacts',
+    'manifest-truncated': r'ort_lightning\.json is not valid JSON \(.*\); re-export the artifacts',
     'manifest-a-list': r'is not an ort-lightning manifest',
     'manifest-trainable-5': r'has trainable=5, but expected a list of names; the manifest is damaged or was edited',
     'manifest-loss-hinge': r'has loss=\"hinge\", but expected one of \[\'cross_entropy\'',
