@@ -15,7 +15,7 @@ import torch
 
 from ort_lightning import ORTDDPStrategy, ORTLightningModule
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.training.threads import ThreadPolicy, available_cores, user_torch_threads
+from ort_lightning.training.threads.policy import ThreadPolicy, available_cores, user_torch_threads
 from tests.conftest import THREAD_ENVIRONMENT, Exported
 from tests.test_parity import _loader, _trainer
 
@@ -103,14 +103,14 @@ def test_the_candidates_are_measured_and_the_choice_is_kept(
 ) -> None:
     probe = _ThreadProbe()
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
-    with caplog.at_level("INFO", logger="ort_lightning.training.threads"):
+    with caplog.at_level("INFO", logger="ort_lightning.training.threads.policy"):
         _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
     plan = 1 + 3 * len(module._threads.candidates(available_cores(), session=True))
     choice = module._threads.choice
     assert choice is not None
     assert module._threads.reason.startswith("measured per step")
     assert set(probe.seen[plan:]) == {choice.torch_threads}
-    logged = [r.message for r in caplog.records if r.name == "ort_lightning.training.threads"]
+    logged = [r.message for r in caplog.records if r.name == "ort_lightning.training.threads.policy"]
     assert len(logged) == 1
     assert logged[0].startswith(f"Thread policy: {choice.name}, the fastest of")
     assert torch.get_num_threads() == default_threads

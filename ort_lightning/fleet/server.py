@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.fleet.client import WEIGHT_KEY, evaluate_module
 from ort_lightning.fleet.parameters import get_values, set_values
-from ort_lightning.training.checkpoints import read_checkpoint
+from ort_lightning.training.checkpointing.files import read_checkpoint
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["ROUND_PROPERTY", "CheckpointEachRound", "GlobalModel", "round_path"]

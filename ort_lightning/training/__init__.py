@@ -1,13 +1,16 @@
 """Training: `ORTLightningModule` and its collaborators.
 
-``module`` (the Lightning hooks, short, delegating), ``session`` (the ORT session, the torch
-views of its memory and what pickles), ``step`` (one optimizer step), ``views`` (parameters and
-gradients as views of ORT memory), ``optim``,
-``hybrid`` and ``schedules`` (optimizers and LR schedules), ``checkpoints``
-(checkpoint files; their atomic writes live in `ort_lightning.storage`), ``guards`` and ``metrics``.
+``module`` (the Lightning hooks, short, delegating), ``guards`` and ``metrics`` beside it, and one
+room per concern, each importing only the rooms below it:
+
+- ``checkpointing/``: what is written and read (``.ckpt`` contents, ORT checkpoint files, atomic
+  ``.ckpt`` writes, `ORTCheckpoint`); the writes themselves live in `ort_lightning.storage`.
+- ``threads/``: the thread policy and its trial.
+- ``session/``: the ORT session and the torch views of its memory, one optimizer step.
+- ``optim/``: ORT and hybrid optimizers, learning-rate schedules.
 """
 
 from ort_lightning.training.module import ORTLightningModule
-from ort_lightning.training.optim import ORTOptimizer
+from ort_lightning.training.optim.ort_optimizer import ORTOptimizer
 
 __all__ = ["ORTLightningModule", "ORTOptimizer"]

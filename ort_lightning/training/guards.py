@@ -1,7 +1,7 @@
 """Guards of `ORTLightningModule` against set-ups that ONNX Runtime would train on silently.
 
 Checked once, not per step (the per-batch checks live where batches go: the label range in
-`ort_lightning.bridge.LabelRange`, the NaN/inf loss decision in `ort_lightning.training.step`):
+`ort_lightning.bridge.LabelRange`, the NaN/inf loss decision in `ort_lightning.training.session.step`):
 
 - `label_range_of`: the cross-entropy/NLL label check of an artifacts folder, when its logits
   have a fixed class axis (ORT 1.19.2 trains on labels outside ``[0, C)`` with a wrong loss).

@@ -28,11 +28,9 @@ from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy
-from ort_lightning.training import hybrid as _hybrid
-from ort_lightning.training.checkpoint_connector import CheckpointConnector, find_artifacts
-from ort_lightning.training.checkpoint_io import install_atomic_io
-from ort_lightning.training.checkpoints import RunOrigin, read_checkpoint
-from ort_lightning.training.graph_schedule import check_graph_schedule
+from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
+from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
+from ort_lightning.training.checkpointing.io import install_atomic_io
 from ort_lightning.training.guards import (
     SUPPORTED_PRECISION,
     check_can_train,
@@ -43,8 +41,10 @@ from ort_lightning.training.guards import (
     updated_parameters,
 )
 from ort_lightning.training.metrics import stage_metrics_for
-from ort_lightning.training.optim import LinearLRSchedule, ORTOptimizer
-from ort_lightning.training.schedules import (
+from ort_lightning.training.optim import hybrid as _hybrid
+from ort_lightning.training.optim.graph_schedule import check_graph_schedule
+from ort_lightning.training.optim.ort_optimizer import LinearLRSchedule, ORTOptimizer
+from ort_lightning.training.optim.schedules import (
     SchedulerFactory,
     check_lr_scheduler,
     check_not_finished,
@@ -54,10 +54,10 @@ from ort_lightning.training.schedules import (
     resolve_schedule,
     total_steps_of,
 )
-from ort_lightning.training.session import DEVICE_KEY, SessionViews, load_values, values_of
-from ort_lightning.training.step import NonFiniteGuard, StepPath
-from ort_lightning.training.threads import ThreadPolicy
-from ort_lightning.training.views import GradientViews, check_conversion
+from ort_lightning.training.session.parameters import GradientViews, check_conversion
+from ort_lightning.training.session.session_views import DEVICE_KEY, SessionViews, load_values, values_of
+from ort_lightning.training.session.step import NonFiniteGuard, StepPath
+from ort_lightning.training.threads.policy import ThreadPolicy
 
 __all__ = ["ORTLightningModule"]
 
@@ -118,7 +118,7 @@ class ORTLightningModule(pl.LightningModule):
             a fit: ORT's pool sized to the cores the process may use (per rank under ``"ort_ddp"``),
             torch's threads lowered while ORT computes (a torch optimizer's update included) and
             restored when the fit ends, the fastest setting measured on the first steps (see
-            `ort_lightning.training.threads`); a thread count the user set is never overridden.
+            `ort_lightning.training.threads.policy`); a thread count the user set is never overridden.
             ``"off"`` leaves both pools as they are.
 
     Raises:
@@ -257,7 +257,7 @@ class ORTLightningModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters.
 
-        Also makes Lightning's ``.ckpt`` writes atomic (`ort_lightning.training.checkpoint_io`).
+        Also makes Lightning's ``.ckpt`` writes atomic (`ort_lightning.training.checkpointing.io`).
         """
         check_strategy(self.trainer.strategy)
         install_atomic_io(self.trainer.strategy)

@@ -36,7 +36,7 @@ import torch
 from ort_lightning.bridge import hand_over_to_ort
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort.runtime import TrainingSession
-from ort_lightning.training.optim import linear_lr_factor, run_closure
+from ort_lightning.training.optim.ort_optimizer import linear_lr_factor, run_closure
 
 __all__ = ["OptimizerFactory", "TorchOverORT", "check_optimizer", "describe_optimizer", "linear_schedule"]
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ort_lightning.errors import ArtifactError, CheckpointError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.checkpoints import (
+from ort_lightning.training.checkpointing.files import (
     ORT_STATE_KEY,
     PROGRESS_KEY,
     RunOrigin,
@@ -44,9 +44,7 @@ from ort_lightning.training.checkpoints import (
     state_digest,
     write_ort_checkpoint,
 )
-from ort_lightning.training.schedules import schedule_properties
-from ort_lightning.training.session import SessionViews, load_values, picklable, state_values, values_of
-from ort_lightning.training.travel import (
+from ort_lightning.training.checkpointing.travel import (
     IDENTITY_KEY,
     check_identity,
     check_metrics,
@@ -57,7 +55,9 @@ from ort_lightning.training.travel import (
     read_lightning_checkpoint,
     resolve_artifacts,
 )
-from ort_lightning.training.trust import check_code_hyperparameters
+from ort_lightning.training.checkpointing.trust import check_code_hyperparameters
+from ort_lightning.training.optim.schedules import schedule_properties
+from ort_lightning.training.session.session_views import SessionViews, load_values, picklable, state_values, values_of
 
 if TYPE_CHECKING:
     from ort_lightning.training.module import ORTLightningModule
@@ -204,7 +204,7 @@ def find_artifacts(checkpoint_path: Any, kwargs: dict[str, Any]) -> dict[str, An
     ``.ckpt`` and in its parent folders; an ``artifacts=`` the caller gave wins.
 
     Stored hyper-parameters that name code to load or run are refused first, unless `kwargs` passes
-    them again (`ort_lightning.training.trust`); with ``hparams_file=`` the caller's file replaces them.
+    them again (`ort_lightning.training.checkpointing.trust`); with ``hparams_file=`` the caller's file replaces them.
 
     Raises:
         CheckpointError: for a file that is not a ``.ckpt`` torch wrote or holds no dict, artifacts found

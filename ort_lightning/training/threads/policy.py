@@ -55,7 +55,7 @@ from typing_extensions import override
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies import ORTDDPStrategy, thread_spinning
-from ort_lightning.training.trial import Trial, fastest, session_tunable, should_skip_tuning
+from ort_lightning.training.threads.trial import Trial, fastest, session_tunable, should_skip_tuning
 
 __all__ = [
     "THREAD_MODES",

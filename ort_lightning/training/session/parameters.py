@@ -3,7 +3,7 @@
 `bind_views` registers the ORT parameters (and buffers) on a module under the torch model's
 own names; each trainable parameter's ``.grad`` is a view of ORT's gradient buffer. Lightning
 and torch both reach for ``.grad = None`` and ``module._apply`` at times: the step path
-(`ort_lightning.training.step`) re-binds the `GradientViews` after each step, and
+(`ort_lightning.training.session.step`) re-binds the `GradientViews` after each step, and
 `check_conversion` refuses a dtype conversion that would copy the parameters away from the
 memory ORT trains.
 

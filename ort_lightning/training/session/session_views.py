@@ -21,7 +21,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,18 @@ from ort_lightning.artifacts.state import check_shapes, flat_values, state_specs
 from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, torch_device
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.checkpoints import snapshot
-from ort_lightning.training.views import GradientViews, bind_views
+from ort_lightning.training.session.parameters import GradientViews, bind_views
 
-__all__ = ["DEVICE_KEY", "SessionViews", "load_values", "picklable", "start_checkpoint", "state_values", "values_of"]
+__all__ = [
+    "DEVICE_KEY",
+    "SessionViews",
+    "load_values",
+    "picklable",
+    "snapshot",
+    "start_checkpoint",
+    "state_values",
+    "values_of",
+]
 
 #: Where a module's pickle says which device its ORT objects ran on.
 DEVICE_KEY = "_ort_device"
@@ -62,6 +71,15 @@ def start_checkpoint(artifacts: TrainingArtifacts, checkpoint: Path | None, *, w
     nominal = artifacts.nominal_checkpoint
     assert nominal is not None  # a weightless folder is one whose only checkpoint is the nominal one
     return nominal
+
+
+@contextlib.contextmanager
+def snapshot(session: _ort.TrainingSession, *, include_optimizer_state: bool) -> Iterator[Path]:
+    """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh)."""
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
+        path = Path(folder) / "state"
+        _ort.save_checkpoint(session, path, include_optimizer_state=include_optimizer_state)
+        yield path
 
 
 class SessionViews:

@@ -9,7 +9,7 @@ graph trains at, and refuses others by name.
 Example::
 
     >>> from ort_lightning.artifacts.schedule import GraphSchedule
-    >>> from ort_lightning.training.schedules import Schedule
+    >>> from ort_lightning.training.optim.schedules import Schedule
     >>> baked = GraphSchedule("linear", 0.05, warmup_steps=3, total_steps=8)
     >>> agrees(baked, Schedule(lr=0.05, warmup_steps=3, total_steps=8), "linear")
     True
@@ -25,7 +25,7 @@ from typing import Any
 
 from ort_lightning.artifacts.schedule import GraphSchedule
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.training.schedules import Schedule, describe, resolve_warmup
+from ort_lightning.training.optim.schedules import Schedule, describe, resolve_warmup
 
 __all__ = ["agrees", "check_graph_schedule"]
 

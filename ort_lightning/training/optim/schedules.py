@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.training.hybrid import linear_schedule
-from ort_lightning.training.optim import LinearLRSchedule, ORTOptimizer
+from ort_lightning.training.optim.hybrid import linear_schedule
+from ort_lightning.training.optim.ort_optimizer import LinearLRSchedule, ORTOptimizer
 
 __all__ = [
     "SCHEDULE_PROPERTIES",

@@ -23,7 +23,7 @@ would have drawn, runs the training graph (`ort_lightning.bridge.BatchBinder.ste
 `NonFiniteGuard` look at the loss (one ``math.isfinite`` on the 0-d loss; once per optimizer
 step, decided by all ranks together, ``"raise"`` stops before the update, ``"skip"`` drops the
 whole step and warns). An update that overflowed (finite loss, NaN parameters: inputs near 1e38)
-stops the fit under either policy (`ort_lightning.training.finite`): the parameters are looked at
+stops the fit under either policy (`ort_lightning.training.session.finite`): the parameters are looked at
 only where a NaN/inf loss was seen (the next step's loss is NaN) and at the end of each epoch and
 before a checkpoint is written, so that the steps in between pay nothing for it.
 
@@ -48,8 +48,8 @@ import torch
 from ort_lightning.bridge import BatchBinder, LabelRange
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.finite import FiniteCheck, nonfinite_parameters
-from ort_lightning.training.views import GradientViews
+from ort_lightning.training.session.finite import FiniteCheck, nonfinite_parameters
+from ort_lightning.training.session.parameters import GradientViews
 
 __all__ = ["POLICIES", "NonFiniteGuard", "StepPath", "seed_of"]
 

@@ -2,7 +2,7 @@
 
 A finite loss does not prove a finite update: inputs near float32's limit (1e38) give a finite loss
 and gradients or moments that overflow, and the update writes NaN into the parameters. The step
-path (`ort_lightning.training.step`) checks the parameters with `FiniteCheck` (one ``aminmax`` per
+path (`ort_lightning.training.session.step`) checks the parameters with `FiniteCheck` (one ``aminmax`` per
 parameter into preallocated slots, one over the slots, two ``item()`` reads) where a NaN/inf loss
 shows that something overflowed, at the end of each epoch and before a checkpoint is saved, and
 stops the fit with `nonfinite_parameters`' error, under either ``on_nonfinite`` policy: the update

@@ -39,7 +39,8 @@ from ort_lightning.artifacts.state import state_specs, state_summary
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.storage.atomic import atomic_write, verify_digest
-from ort_lightning.training.schedules import Progress
+from ort_lightning.training.optim.schedules import Progress
+from ort_lightning.training.session.session_views import snapshot
 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
@@ -52,7 +53,6 @@ __all__ = [
     "export_inference",
     "read_checkpoint",
     "restored_state",
-    "snapshot",
     "state_bytes",
     "state_digest",
     "write_ort_checkpoint",
@@ -230,15 +230,6 @@ def _read_nominal(
             f"{artifacts.directory} takes {sorted(expected)}; pass the nominal checkpoint written with these artifacts."
         )
     return properties
-
-
-@contextlib.contextmanager
-def snapshot(session: _ort.TrainingSession, *, include_optimizer_state: bool) -> Iterator[Path]:
-    """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh)."""
-    with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
-        path = Path(folder) / "state"
-        _ort.save_checkpoint(session, path, include_optimizer_state=include_optimizer_state)
-        yield path
 
 
 def state_bytes(session: _ort.TrainingSession, *, include_optimizer_state: bool = True) -> torch.Tensor:

@@ -1,0 +1,292 @@
+"""`ORTCheckpoint`: Lightning's `ModelCheckpoint`, writing ONNX Runtime checkpoint files.
+
+Everything that decides *when* and *which* files exist is Lightning's own ``ModelCheckpoint``:
+file names (``filename="{epoch}-{val_loss:.3f}"``), ``save_top_k``/``monitor``/``mode``,
+``every_n_train_steps``/``every_n_epochs``, ``save_last``, nothing under ``fast_dev_run`` or the
+sanity check, ``best_model_path``, ``state_key``. Only the file itself differs: each is what
+``onnxruntime.training.api.CheckpointState.load_checkpoint`` reads, written atomically with a
+``.sha256`` sidecar, and carries the properties ``epoch``, ``global_step``, ``lr``,
+``ort_lightning_version`` and, with `monitor`, ``monitor`` and ``monitor_value``. Steps and
+epochs in names and properties count across resumes from ``ORTLightningModule(..., checkpoint=...)``.
+
+Example::
+
+    >>> from ort_lightning import ORTCheckpoint
+    >>> callback = ORTCheckpoint("checkpoints", monitor="val_loss", save_top_k=2)
+    >>> callback.format_name({"epoch": 3, "step": 120})
+    'epoch=3-step=120'
+    >>> ORTCheckpoint("checkpoints", filename="{val_loss}-{val_loss_ema}").format_name(
+    ...     {"val_loss": 0.5, "val_loss_ema": 0.25})
+    'val_loss=0.5-val_loss_ema=0.25'
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from weakref import proxy
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from ort_lightning.errors import CheckpointError, ConfigurationError
+from ort_lightning.storage.atomic import remove_with_digest
+from ort_lightning.storage.temps import check_writable, remove_stale_temps
+from ort_lightning.training.checkpointing.files import Checkpointable
+
+__all__ = ["ORTCheckpoint"]
+
+EXTENSION = ".ortckpt"
+
+
+class ORTCheckpoint(ModelCheckpoint):
+    """Save ORT CheckpointState files with `ModelCheckpoint`'s rules; optionally an inference model.
+
+    Only global rank 0 writes; the other ranks wait at the strategy's barrier.
+
+    Args:
+        dirpath: folder of the checkpoint files (None: as ``ModelCheckpoint``, the logger's
+            ``checkpoints`` folder, or ``default_root_dir/checkpoints``).
+        filename: name template without extension, as ``ModelCheckpoint``'s: ``{epoch}``, ``{step}``
+            and logged metrics (``{val_loss:.3f}``) become ``epoch=3``, ``step=120``, ``val_loss=0.123``.
+        every_n_train_steps: save after every N optimizer steps.
+        every_n_epochs: save every N epochs (after validation when there is one); None means 1
+            unless `every_n_train_steps` or `train_time_interval` is given (they are exclusive).
+        save_last: also write ``last.ortckpt`` at each save: the file to resume from.
+        monitor: logged metric that ranks the files; None keeps the latest one.
+        mode: ``"min"`` or ``"max"``: which `monitor` value is best.
+        save_top_k: files kept besides ``last`` (-1: all, 0: none); more than 1 needs a `monitor`
+            (``monitor="step", mode="max"`` keeps the most recent k).
+        include_optimizer_state: store the optimizer's step and moments (needed to resume exactly).
+        inference_model: write a plain ONNX inference model there when ``fit`` ends.
+        verbose: log each save, as ``ModelCheckpoint`` does.
+        auto_insert_metric_name: ``{val_loss}`` becomes ``val_loss=0.12`` (False: ``0.12``).
+        train_time_interval: save at this wall-clock interval instead.
+        save_on_train_epoch_end: as ``ModelCheckpoint`` (None: after validation when there is one).
+        enable_version_counter: add ``-v1``, ``-v2`` to a name that exists already.
+
+    Raises:
+        ConfigurationError: for an option out of range or a combination ``ModelCheckpoint`` refuses.
+    """
+
+    FILE_EXTENSION = EXTENSION
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        filename: str | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        save_last: bool = True,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        include_optimizer_state: bool = True,
+        inference_model: str | os.PathLike[str] | None = None,
+        verbose: bool = False,
+        auto_insert_metric_name: bool = True,
+        train_time_interval: timedelta | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+    ) -> None:
+        _check_options(every_n_train_steps, every_n_epochs, mode, save_top_k, monitor)
+        try:
+            super().__init__(
+                dirpath=None if dirpath is None else os.fspath(dirpath), filename=filename, monitor=monitor,
+                verbose=verbose, save_last=save_last, save_top_k=save_top_k, mode=mode,
+                auto_insert_metric_name=auto_insert_metric_name, every_n_train_steps=every_n_train_steps,
+                train_time_interval=train_time_interval, every_n_epochs=every_n_epochs,
+                save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
+            )
+        except MisconfigurationException as error:
+            raise ConfigurationError(f"{str(error).rstrip('.')}; pass only one of every_n_train_steps, "
+                                     "every_n_epochs and train_time_interval.") from error
+        self.include_optimizer_state = include_optimizer_state
+        self.inference_model = None if inference_model is None else Path(inference_model)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """Separate state per folder and per rule, so that two instances resume their own."""
+        return self._generate_state_key(
+            dirpath=None if self.dirpath is None else os.fspath(self.dirpath), filename=self.filename,
+            monitor=self.monitor, mode=self.mode, every_n_train_steps=self._every_n_train_steps,
+            every_n_epochs=self._every_n_epochs, train_time_interval=self._train_time_interval,
+        )
+
+    # ----------------------------------------------------------------------------- public helpers
+    @property
+    def best_path(self) -> Path | None:
+        """`best_model_path` as a `Path` (None before the first save)."""
+        return Path(self.best_model_path) if self.best_model_path else None
+
+    @property
+    def last_path(self) -> Path | None:
+        """`last_model_path` as a `Path`: the file to resume from (None before the first save)."""
+        return Path(self.last_model_path) if self.last_model_path else None
+
+    def format_name(self, metrics: dict[str, Any]) -> str:
+        """The file name, without folder and extension, that `metrics` give (``ModelCheckpoint``'s rules)."""
+        values = {name: value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                  for name, value in metrics.items()}
+        name = os.path.basename(self.format_checkpoint_name(values))
+        return name[: -len(self.FILE_EXTENSION)]
+
+    # ----------------------------------------------------------------------------- hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a module or a folder that cannot take ORT checkpoints; clear temp files of an interrupted write.
+
+        Raises:
+            ConfigurationError: for a module other than `ORTLightningModule`.
+            CheckpointError: for a `dirpath` that cannot be created or written (found before any step).
+        """
+        if not isinstance(pl_module, Checkpointable):
+            raise ConfigurationError(
+                f"ORTCheckpoint saves ONNX Runtime state, but the module is a {type(pl_module).__name__}; use it "
+                "with ORTLightningModule, or use lightning's ModelCheckpoint for torch modules."
+            )
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and stage == "fit" and not _fast_dev_run(trainer):
+            folder = Path(os.fspath(self.dirpath or "."))
+            check_writable(folder)
+            remove_stale_temps(folder)
+        if stage == "fit":
+            self._continue_last(pl_module)
+
+    def _continue_last(self, pl_module: pl.LightningModule) -> None:
+        """A run resumed with ``checkpoint=`` replaces the folder's ``last`` file instead of adding ``last-v1``.
+
+        NOTE: ``ModelCheckpoint`` keeps an existing ``last`` of another run and versions its own; a
+        ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
+        restored state names the file to replace).
+        """
+        if self.last_model_path or not self.save_last or _module(pl_module).start_progress["global_step"] == 0:
+            return
+        last = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
+        if os.path.isfile(last):
+            self.last_model_path = last
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write ``last`` if no save happened yet, except where ``ModelCheckpoint`` writes nothing."""
+        # NOTE: ModelCheckpoint's own on_train_end writes `last` even under fast_dev_run, where its
+        # `_should_skip_saving_checkpoint` (the rule everywhere else) writes nothing.
+        if not _fast_dev_run(trainer):
+            super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Export the inference model when `inference_model` is set."""
+        if self.inference_model is None or _fast_dev_run(trainer):
+            return
+        if trainer.is_global_zero:
+            _module(pl_module).export_inference_model(self.inference_model)
+        trainer.strategy.barrier("ORTCheckpoint.inference_model")
+
+    # ----------------------------------------------------------------------------- ModelCheckpoint's file access
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """None: ``Trainer.fit(ckpt_path="last")`` must never take an ORT file for a Lightning ``.ckpt``.
+
+        NOTE: Lightning asks every ModelCheckpoint for its ``last`` files and loads the newest with
+        torch.load; ``last.ortckpt`` is often the newest (a kill between it and ``last.ckpt``), and
+        torch cannot read it. Lightning's own ModelCheckpoint answers for the ``.ckpt`` files.
+
+        Raises:
+            CheckpointError: when this callback's ``last`` file is the only one a ``"last"`` resume could use.
+        """
+        mine = super()._find_last_checkpoints(trainer)
+        others = [cb for cb in trainer.checkpoint_callbacks if not isinstance(cb, ORTCheckpoint)]
+        if mine and not others:
+            last = sorted(mine)[-1]
+            raise CheckpointError(
+                f"Trainer.fit(ckpt_path='last') found only {last}, an ORT checkpoint, which Lightning cannot load "
+                "as a .ckpt; resume from it with ORTLightningModule(artifacts, checkpoint="
+                f"{last!r}) and fit without ckpt_path, or add lightning's ModelCheckpoint(save_last=True) to the "
+                "callbacks so that 'last' finds a Lightning .ckpt."
+            )
+        return set()
+
+    @override
+    def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        candidates = super()._monitor_candidates(trainer)
+        start = _module(trainer.lightning_module).start_progress
+        candidates["epoch"] = candidates["epoch"] + start["epoch"]
+        candidates["step"] = candidates["step"] + start["global_step"]
+        return candidates
+
+    @override
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        if self.save_top_k != 0 and self.monitor is not None and self.monitor not in monitor_candidates:
+            # NOTE: ModelCheckpoint only warns before the first validation and then saves nothing.
+            raise CheckpointError(
+                f"ORTCheckpoint(monitor={self.monitor!r}) found no such logged metric (logged: "
+                f"{sorted(k for k in monitor_candidates if k not in ('epoch', 'step'))}); log it with self.log, "
+                "or save after validation (every_n_epochs) so that validation metrics exist when it saves."
+            )
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        module = _module(trainer.lightning_module)
+        if trainer.is_global_zero:
+            module.save_ort_checkpoint(
+                filepath, include_optimizer_state=self.include_optimizer_state, properties=self._properties(trainer)
+            )
+        trainer.strategy.barrier("ORTCheckpoint.save")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    @override
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if trainer.is_global_zero:
+            remove_with_digest(Path(filepath))
+
+    def _properties(self, trainer: pl.Trainer) -> dict[str, int | float | str]:
+        candidates = self._monitor_candidates(trainer)
+        properties: dict[str, int | float | str] = {
+            "epoch": int(candidates["epoch"]), "global_step": int(candidates["step"])
+        }
+        if self.monitor is not None and self.monitor in candidates:
+            properties["monitor"] = self.monitor
+            properties["monitor_value"] = float(candidates[self.monitor])
+        return properties
+
+
+def _fast_dev_run(trainer: pl.Trainer) -> bool:
+    # NOTE: the Trainer sets `fast_dev_run` in its connectors, so type checkers do not see it.
+    return bool(getattr(trainer, "fast_dev_run", False))
+
+
+def _module(pl_module: pl.LightningModule) -> Checkpointable:
+    assert isinstance(pl_module, Checkpointable)  # checked in setup
+    return pl_module
+
+
+def _check_options(
+    every_n_train_steps: int | None, every_n_epochs: int | None, mode: str, save_top_k: int, monitor: str | None
+) -> None:
+    for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ConfigurationError(f"Expected argument `{name}` to be an int >= 0 or None, but got {value!r}.")
+    if mode not in ("min", "max"):
+        raise ConfigurationError(f"Expected argument `mode` to be 'min' or 'max', but got {mode!r}.")
+    if not isinstance(save_top_k, int) or save_top_k < -1:
+        raise ConfigurationError(
+            f"Expected argument `save_top_k` to be an int >= -1 (-1 keeps all files), but got {save_top_k!r}."
+        )
+    if monitor is None and save_top_k > 1:
+        raise ConfigurationError(
+            f"ORTCheckpoint(save_top_k={save_top_k}, monitor=None) has nothing to rank files by; pass a `monitor` "
+            "(monitor='step', mode='max' keeps the most recent files) or save_top_k in (-1, 0, 1)."
+        )
