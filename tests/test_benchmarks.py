@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+from tests.helpers import RunIf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +70,7 @@ def test_soak_rss_stays_flat_and_a_leak_would_fail() -> None:
     assert "above the bound 1.0 KB/step: a leak" in leaking.stdout
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the script runs for real there")
+@RunIf(cuda=False)  # where there is a GPU, the script runs for real
 def test_gpu_script_without_a_gpu_says_so_and_fails() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False

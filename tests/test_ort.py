@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +17,7 @@ from ort_lightning.bridge import BatchBinder, parameter_views, to_torch, torch_d
 from ort_lightning.errors import ArtifactError, DeviceError
 from ort_lightning.ort import runtime as _ort
 from tests.conftest import Exported, blobs
-
-_HAS_CUDA_BUILD = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+from tests.helpers import RunIf
 
 
 def _assemble(artifacts: TrainingArtifacts, device: str = "cpu", **paths: Path) -> _ort.TrainingSession:
@@ -110,7 +108,7 @@ def test_misspelled_device_names_the_accepted_spellings(mlp_adamw: Exported, dev
         _assemble(mlp_adamw.artifacts, device)
 
 
-@pytest.mark.skipif(_HAS_CUDA_BUILD, reason="this ONNX Runtime build has CUDA")
+@RunIf(cuda_build=False)
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
 def test_cuda_on_cpu_build_names_the_install_command(mlp_adamw: Exported, device: str) -> None:
     expected = (
@@ -121,10 +119,7 @@ def test_cuda_on_cpu_build_names_the_install_command(mlp_adamw: Exported, device
         _assemble(mlp_adamw.artifacts, device)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or not _HAS_CUDA_BUILD,
-    reason="needs a CUDA device and the CUDA build of ONNX Runtime training",
-)
+@RunIf(cuda=True)
 def test_cuda_session_moves_cpu_batches_to_the_gpu(mlp_adamw: Exported) -> None:
     session = _assemble(mlp_adamw.artifacts, "cuda")
     assert session.device == "cuda:0"
