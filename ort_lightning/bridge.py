@@ -92,7 +92,6 @@ class BatchBinder:
         self.names = [spec.name for spec in self.specs]
         self.device = device
         self.graph = graph
-        self._device = device
         self._plan = tuple((spec.name, spec.torch_dtype, spec.dtype == "bool") for spec in self.specs)
         self._shapes = tuple(_enforced_shape(spec) for spec in self.specs)
         # NOTE: inputs whose first axis is the first input's named batch axis: one sample per row in each.
@@ -188,7 +187,7 @@ class BatchBinder:
                 # code 6"); it takes the same bytes as uint8 with its is_bool flag set.
                 tensor = tensor.view(torch.uint8)
             vector.push_back(_from_dlpack(tensor.__dlpack__(), is_bool))
-        hand_over_to_ort(self._device)
+        hand_over_to_ort(self.device)
         return vector
 
     def check_shapes(self, tensors: Sequence[torch.Tensor], *, cause: BaseException | None = None) -> None:

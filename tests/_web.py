@@ -1,4 +1,4 @@
-"""Helpers of the web tests: where onnxruntime-web, Node and Chromium are, skip markers, a Node run.
+"""Helpers of the web tests: where onnxruntime-web, Node and Chromium are, what is missing, a Node run.
 
 A web test skips only where its program (``node``, ``chromium``) or onnxruntime-web's ``dist/``
 folder is missing, and says which; ``.ci/run`` installs all three, so that they run there.
@@ -10,12 +10,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.web import find_ort_web
 
-__all__ = ["ROOT", "NodeError", "chromium_program", "ort_web_dist", "requires_chromium", "requires_node", "run_node"]
+__all__ = ["CHROMIUM_MISSING", "NODE_MISSING", "ROOT", "NodeError", "chromium_program", "ort_web_dist", "run_node"]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Debian's package installs ``chromium``; other distributions name it ``chromium-browser``.
@@ -45,11 +43,10 @@ def _missing(program: str | None, name: str) -> str | None:
     return None
 
 
-_NODE_MISSING = _missing(shutil.which("node"), "node (Node.js 20)")
-_CHROMIUM_MISSING = _missing(chromium_program(), "Chromium")
+#: Why a Node or Chromium test cannot run here (``RunIf(node=True)``, ``RunIf(chromium=True)``), or None.
+NODE_MISSING = _missing(shutil.which("node"), "node (Node.js 20)")
+CHROMIUM_MISSING = _missing(chromium_program(), "Chromium")
 
-requires_node = pytest.mark.skipif(_NODE_MISSING is not None, reason=_NODE_MISSING or "")
-requires_chromium = pytest.mark.skipif(_CHROMIUM_MISSING is not None, reason=_CHROMIUM_MISSING or "")
 
 
 class NodeError(RuntimeError):
@@ -63,7 +60,7 @@ def run_node(script: Path, *args: str, timeout: float = 120) -> str:
     runner's own message, is what the error carries (the whole stderr when there is no such line).
     """
     node = shutil.which("node")
-    assert node is not None, "run_node needs the requires_node marker"
+    assert node is not None, "run_node needs the RunIf(node=True) marker"
     result = subprocess.run(
         [node, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
     )

@@ -128,18 +128,6 @@ def blob_loaders() -> tuple[DataLoader, DataLoader]:
     return train, val
 
 
-def checkpointing_for(options: dict[str, object]) -> bool:
-    """``enable_checkpointing`` for a test Trainer: on exactly when a callback is a ModelCheckpoint.
-
-    NOTE: ORTCheckpoint is a ModelCheckpoint, which Lightning accepts only with checkpointing enabled;
-    without one, the tests keep Lightning's own ``.ckpt`` writer off.
-    """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    callbacks = options.get("callbacks") or ()
-    return any(isinstance(callback, ModelCheckpoint) for callback in callbacks)  # type: ignore[attr-defined]
-
-
 #: Set in this process by in-process Trainer runs under ort_ddp (Lightning's launcher writes them into
 #: os.environ); a child process that inherits them takes itself for an already launched rank and never
 #: starts its other ranks, so a later test that launches a DDP run would wait until its timeout.

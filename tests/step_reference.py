@@ -11,37 +11,21 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
+from tests.helpers import GradientProbe, quiet_trainer
 from tools._step import torch_step
 
 __all__ = ["assert_gradients_close", "ort_steps", "torch_step", "trainer"]
 
 
-class _Capture(Callback):
-    """Keeps the first training loss and the gradients the optimizer is about to apply."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if not self.grads:
-            self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 def trainer(steps: int, callbacks: list[Callback]) -> L.Trainer:
-    return L.Trainer(max_steps=steps, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    return quiet_trainer(max_steps=steps, num_sanity_val_steps=0, callbacks=callbacks)
 
 
 def ort_steps(artifacts: TrainingArtifacts, batch: Any, *, steps: int = 1,
               lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor], ORTLightningModule]:
     """Train `steps` steps on the same batch under a real Trainer: losses, step-1 gradients, module."""
     module = ORTLightningModule(artifacts, lr=lr, lr_scheduler="constant")
-    capture = _Capture()
+    capture = GradientProbe()
     trainer(steps, [capture]).fit(module, DataLoader([batch] * steps, batch_size=None))
     return capture.losses, capture.grads, module
 

@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import onnx
 import pytest
 import torch
 from onnxruntime.training import artifacts as ort_artifacts
 from onnxruntime.training import onnxblock
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
 from ort_lightning.errors import ArtifactError, ConfigurationError
+from tests.helpers import ort_device_loop, quiet_trainer
 
 LR = 0.05
 STEPS = 3
@@ -159,34 +159,9 @@ def _batches(case: Case, count: int) -> list[tuple[torch.Tensor, ...]]:
     return result
 
 
-def _graph(folder: Path, prefix: str, role: str) -> str:
-    onnx_path = folder / f"{prefix}{role}.onnx"
-    return str(onnx_path if onnx_path.is_file() else folder / f"{prefix}{role}.ort")
-
-
-def ort_loop(folder: Path, batches: list[tuple[torch.Tensor, ...]], *, lr: float = LR,
-             checkpoint: Path | None = None, prefix: str = "") -> dict[str, np.ndarray]:
-    """ONNX Runtime's documented training loop; returns the parameters after it."""
-    state = CheckpointState.load_checkpoint(str(checkpoint or folder / f"{prefix}checkpoint"))
-    module = Module(_graph(folder, prefix, "training_model"), state, _graph(folder, prefix, "eval_model"))
-    optimizer = Optimizer(_graph(folder, prefix, "optimizer_model"), module)
-    optimizer.set_learning_rate(lr)
-    module.train()
-    for batch in batches:
-        module(*(tensor.numpy() for tensor in batch))
-        optimizer.step()
-        module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
-
-
-def _trainer(steps: int, **options: Any) -> pl.Trainer:
-    return pl.Trainer(max_steps=steps, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                      enable_checkpointing=False, num_sanity_val_steps=0, **options)
-
-
 def lightning_fit(module: ORTLightningModule, batches: list[tuple[torch.Tensor, ...]]) -> None:
     data = TensorDataset(*(torch.cat(column) for column in zip(*batches, strict=True)))
-    _trainer(len(batches)).fit(module, DataLoader(data, batch_size=BATCH, shuffle=False))
+    quiet_trainer(max_steps=len(batches)).fit(module, DataLoader(data, batch_size=BATCH, shuffle=False))
 
 
 def _params(module: ORTLightningModule) -> dict[str, np.ndarray]:
@@ -207,7 +182,7 @@ def test_trainer_equals_ort_loop(case: Case, folders: dict[str, Path], tmp_path:
     before = _listing(folder)
     batches = _batches(case, STEPS)
     prefix = case.options.get("prefix", "")
-    expected = ort_loop(_copy(folder, tmp_path, "reference"), batches, prefix=prefix)
+    expected = ort_device_loop(_copy(folder, tmp_path, "reference"), batches, lr=LR, prefix=prefix)
     module = ORTLightningModule(folder, lr=LR, lr_scheduler="constant", labels=case.labels_arg)
     lightning_fit(module, batches)
     got = _params(module)
@@ -244,7 +219,7 @@ def test_forward_gives_model_output(folders: dict[str, Path]) -> None:
     x = torch.randn(6, 4)
     module = ORTLightningModule(folders["logits"])
     torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
-    predicted = _trainer(1).predict(module, DataLoader(TensorDataset(x), batch_size=3))
+    predicted = quiet_trainer().predict(module, DataLoader(TensorDataset(x), batch_size=3))
     torch.testing.assert_close(torch.cat(predicted), reference(x), rtol=1e-5, atol=1e-6)
 
 
@@ -279,17 +254,17 @@ def test_folder_without_optimizer_evaluates_but_does_not_fit(tmp_path: Path) -> 
     module = ORTLightningModule(folder)
     batches = _batches(case, 2)
     data = DataLoader(TensorDataset(*(torch.cat(c) for c in zip(*batches, strict=True))), batch_size=BATCH)
-    (result,) = _trainer(1).validate(module, data)
+    (result,) = quiet_trainer().validate(module, data)
     assert np.isfinite(result["val_loss"])
     with pytest.raises(ConfigurationError, match=r"has no optimizer graph .* but not fit"):
-        _trainer(1).fit(module, data)
+        quiet_trainer(max_steps=1).fit(module, data)
 
 
 def test_hybrid_optimizer_on_adopted_folder(folders: dict[str, Path]) -> None:
     """ORT's gradients, torch's SGD: equals ORT's own SGD graph, which is plain ``w -= lr * g``."""
     case = next(c for c in CASES if c.name == "ce-sgd")
     batches = _batches(case, STEPS)
-    expected = ort_loop(folders["ce-sgd"], batches)
+    expected = ort_device_loop(folders["ce-sgd"], batches, lr=LR)
     module = ORTLightningModule(folders["ce-adamw"], lr_scheduler="constant",
                                 optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     lightning_fit(module, batches)
@@ -301,7 +276,7 @@ def test_resume_from_ort_checkpoint(folders: dict[str, Path], tmp_path: Path) ->
     """3 steps, an ORT checkpoint with optimizer state, 2 more steps == 5 steps of ORT's loop."""
     case = next(c for c in CASES if c.name == "ce-adamw")
     batches = _batches(case, 5)
-    expected = ort_loop(folders["ce-adamw"], batches)
+    expected = ort_device_loop(folders["ce-adamw"], batches, lr=LR)
     first = ORTLightningModule(folders["ce-adamw"], lr=LR, lr_scheduler="constant")
     lightning_fit(first, batches[:3])
     saved = first.save_ort_checkpoint(tmp_path / "last.ortckpt")
@@ -431,13 +406,12 @@ def test_ort_checkpoint_callback_on_adopted_folder(folders: dict[str, Path], tmp
 
     case = next(c for c in CASES if c.name == "ce-adamw")
     batches = _batches(case, 5)
-    expected = ort_loop(folders["ce-adamw"], batches)
+    expected = ort_device_loop(folders["ce-adamw"], batches, lr=LR)
     module = ORTLightningModule(folders["ce-adamw"], lr=LR, lr_scheduler="constant")
     data = TensorDataset(*(torch.cat(column) for column in zip(*batches[:3], strict=True)))
-    trainer = pl.Trainer(max_steps=3, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                         callbacks=[ORTCheckpoint(tmp_path / "ckpts", every_n_train_steps=3)])
+    trainer = quiet_trainer(max_steps=3, callbacks=[ORTCheckpoint(tmp_path / "ckpts", every_n_train_steps=3)])
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
-    continued = ort_loop(folders["ce-adamw"], batches[3:], checkpoint=tmp_path / "ckpts" / "last.ortckpt")
+    continued = ort_device_loop(folders["ce-adamw"], batches[3:], lr=LR, checkpoint=tmp_path / "ckpts" / "last.ortckpt")
     for name, value in expected.items():
         np.testing.assert_allclose(continued[name], value, rtol=0, atol=1e-6, err_msg=name)
 
@@ -447,8 +421,7 @@ def test_lightning_ckpt_of_custom_loss_folder_reloads_with_its_labels(folders: d
     batches = _batches(case, 2)
     module = ORTLightningModule(folders["custom-loss"], lr=LR, lr_scheduler="constant", labels=["my_target"])
     data = TensorDataset(*(torch.cat(column) for column in zip(*batches, strict=True)))
-    trainer = pl.Trainer(max_steps=2, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                         default_root_dir=tmp_path)
+    trainer = quiet_trainer(max_steps=2, enable_checkpointing=True, default_root_dir=tmp_path)
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
     (saved,) = tmp_path.rglob("*.ckpt")
     reloaded = ORTLightningModule.load_from_checkpoint(saved)
@@ -472,7 +445,7 @@ def test_ort_ddp_on_adopted_folder_equals_ort_loop_on_double_batch(folders: dict
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     x, y = ddp_run.dataset("mlp", steps * 8)
-    expected = ort_loop(folders["ce-adamw"], [(x[i:i + 8], y[i:i + 8]) for i in range(0, steps * 8, 8)], lr=0.01)
+    expected = ort_device_loop(folders["ce-adamw"], [(x[i:i + 8], y[i:i + 8]) for i in range(0, steps * 8, 8)], lr=0.01)
     for rank in (0, 1):
         state = ddp_run.load(out, rank)["state"]
         for name, value in expected.items():

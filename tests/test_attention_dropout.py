@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ort_lightning import ORTLightningModule, export_artifacts
+from tests.helpers import quiet_trainer
 
 DRAWS = 64
 
@@ -68,8 +69,7 @@ def test_attention_dropout_draws_as_torch_does(case: Any) -> None:
     module = ORTLightningModule(artifacts, lr=1e-12, lr_scheduler="constant")
     eval_loss = float(module.evaluate_batch(batch)[0])
     capture = _Losses()
-    L.Trainer(max_steps=DRAWS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, callbacks=[capture]).fit(module, DataLoader([batch] * DRAWS, batch_size=None))
+    quiet_trainer(max_steps=DRAWS, callbacks=[capture]).fit(module, DataLoader([batch] * DRAWS, batch_size=None))
     reference = copy.deepcopy(model).train()
     generator_seed = torch.initial_seed()
     torch.manual_seed(1)

@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,15 +22,13 @@ from torch.utils.data import DataLoader
 from ort_lightning import ORTLightningModule, export_artifacts
 from ort_lightning.errors import BatchError, NonFiniteLossError
 from tests.conftest import MLP, Exported, blobs
+from tests.helpers import quiet_trainer
 
 BATCH = 8
 
 
-def _trainer(**options: object) -> pl.Trainer:
-    return pl.Trainer(
-        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, **options,  # type: ignore[arg-type]
-    )
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_epochs=1, accelerator="cpu", num_sanity_val_steps=0)
 
 
 def _batches(*batches: tuple[torch.Tensor, torch.Tensor]) -> DataLoader:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import onnxruntime
 import pytest
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, export_artifacts
+from tests.helpers import quiet_trainer
 
 STEPS, BATCH, LR = 12, 8, 0.1
 
@@ -72,8 +72,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     artifacts = export_artifacts(copy.deepcopy(model), torch.zeros(2, *shape), tmp_path_factory.mktemp("bn"),
                                  optimizer="sgd")
     module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
-    L.Trainer(max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    quiet_trainer(max_steps=STEPS).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
     return module, _torch_loop(model, x, y), x, shape
 
 
@@ -105,7 +104,7 @@ def test_validation_and_inference_model_equal_torch(trained, tmp_path: Path) -> 
     x, y = _data(shape, seed=9)
     with torch.no_grad():
         logits = reference(x)
-    result = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
+    result = quiet_trainer().validate(
         module, DataLoader(TensorDataset(x, y), batch_size=len(x)), verbose=False
     )[0]
     assert result["val_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -15,16 +16,13 @@ from ort_lightning import ORTLightningModule
 from ort_lightning.bridge import parameter_views
 from ort_lightning.errors import BatchError, ConfigurationError
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 LR = 0.1
 
 
-def _trainer(**options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, num_sanity_val_steps=0)
 
 
 def _loader(n: int = 256) -> DataLoader:

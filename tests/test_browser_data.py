@@ -13,16 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
-from onnxruntime import OrtValue
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState, Module
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.errors import ConfigurationError, DeviceReplyError
 
-from ._web import ROOT, ort_web_dist, requires_chromium
+from ._web import ROOT, ort_web_dist
+from .helpers import RunIf, ort_device_loop
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -92,27 +91,6 @@ def _batches(partition: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 # ----------------------------------------------------------------------------- the reference
-def _graph_order(folder: Path, names: set[str]) -> list[str]:
-    return [value.name for value in onnx.load(str(folder / "training_model.onnx")).graph.input if value.name in names]
-
-
-def _ort_round(folder: Path, start: dict[str, np.ndarray], partition: int) -> dict[str, np.ndarray]:
-    """One device's round in ONNX Runtime's documented loop on the device files, from `start`."""
-    state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
-    module = Module(str(folder / "training_model.ort"), state, str(folder / "eval_model.ort"))
-    buffer = np.concatenate([start[name].ravel() for name in _graph_order(folder, set(start))]).astype(np.float32)
-    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue; it takes the C one.
-    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(buffer)._ortvalue, False)
-    optimizer = Optimizer(str(folder / "optimizer_model.ort"), module)
-    optimizer.set_learning_rate(LR)
-    module.train()
-    for x, y in _batches(partition):
-        module(x, y)
-        optimizer.step()
-        module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
-
-
 def _values(path: Path) -> dict[str, np.ndarray]:
     return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(path)).parameters}
 
@@ -126,7 +104,7 @@ def test_the_python_replica_makes_the_modules_first_values() -> None:
     assert y[:8].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
 
 
-@requires_chromium
+@RunIf(chromium=True)
 def test_pages_train_their_own_data_as_onnx_runtimes_loop_does(
     unsorted_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
@@ -139,7 +117,8 @@ def test_pages_train_their_own_data_as_onnx_runtimes_loop_does(
     [record] = server.history
     assert record.devices == 2
     start = _values(exported.checkpoint)
-    fits = [(_ort_round(web.directory, start, p), 24 + 8 * p) for p in (0, 1)]
+    fits = [(ort_device_loop(web.directory, _batches(p), lr=LR, graphs="ort", values=start), 24 + 8 * p)
+            for p in (0, 1)]
     expected = {name: sum(values[name].astype(np.float64) * count for values, count in fits) / 56 for name in start}
     _assert_round(record.checkpoint, expected)
 

@@ -27,19 +27,18 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
 import yaml
-from onnxruntime import OrtValue
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
 from ort_lightning.errors import BatchError, ConfigurationError, DeviceReplyError
 
-from ._web import ROOT, chromium_program, ort_web_dist, requires_chromium
+from ._web import ROOT, chromium_program, ort_web_dist
 from .conftest import Exported
+from .helpers import RunIf, ort_device_loop
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -75,36 +74,15 @@ def digits_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingAr
 
 
 # ----------------------------------------------------------------------------- the reference
-def _graph_order(folder: Path) -> list[str]:
-    return [value.name for value in onnx.load(str(folder / "training_model.onnx")).graph.input]
-
-
-def _ort_round(folder: Path, start: dict[str, np.ndarray], partition: int, partitions: int) -> dict[str, np.ndarray]:
-    """One device's round in ONNX Runtime's documented loop, on the device folder's files, from `start`."""
-    order = [name for name in _graph_order(folder) if name in start]
-    state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
-    module = Module(str(folder / "training_model.ort"), state, str(folder / "eval_model.ort"))
-    buffer = np.concatenate([start[name].ravel() for name in order]).astype(np.float32)
-    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue; it takes the C one.
-    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(buffer)._ortvalue, False)
-    optimizer = Optimizer(str(folder / "optimizer_model.ort"), module)
-    # NOTE: the rate the server's Lightning devices use; a folder whose graph ignores it must train at it anyway.
-    optimizer.set_learning_rate(LR)
-    module.train()
-    for x, y in DATA(partition, partitions).train:
-        module(x.numpy(), y.numpy())
-        optimizer.step()
-        module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
-
-
 def _reference(
     folder: Path, start: dict[str, np.ndarray], rounds: list[list[int]], partitions: int = DEVICES
 ) -> list[dict[str, np.ndarray]]:
     """Per round, the example-weighted float64 average of the listed partitions' rounds; float32 goes on."""
     averages = []
     for chosen in rounds:
-        fits = [(_ort_round(folder, start, p, partitions), len(DATA(p, partitions).train.dataset))  # type: ignore[arg-type]
+        # NOTE: the rate the server's Lightning devices use; a folder whose graph ignores it must train at it anyway.
+        fits = [(ort_device_loop(folder, DATA(p, partitions).train, lr=LR, graphs="ort", values=start),
+                 len(DATA(p, partitions).train.dataset))  # type: ignore[arg-type]
                 for p in chosen]
         total = sum(count for _, count in fits)
         average = {name: sum(values[name].astype(np.float64) * count for values, count in fits) / total
@@ -181,7 +159,7 @@ def _accuracies(folder: Path) -> list[float]:
     return [record["accuracy"] for record in json.loads((folder / "history.json").read_text())["rounds"]]
 
 
-@requires_chromium
+@RunIf(chromium=True)
 @pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`.*:UserWarning")
 def test_the_readme_command_runs_three_browsers_as_ort_and_the_simulated_fleet_would(tmp_path: Path) -> None:
     config = {"devices": DEVICES, "rounds": ROUNDS, "epochs": 1, "lr": LR, "batch_size": DATA.batch_size,
@@ -229,7 +207,7 @@ class _KillWhenSent(logging.Handler):
             self.killed.set()
 
 
-@requires_chromium
+@RunIf(chromium=True)
 def test_a_browser_closed_during_round_two_leaves_the_round_to_the_other_two(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
@@ -283,7 +261,7 @@ def _bad_device(fleet: BrowserFleet, name: str, behaviour: str, closed: dict[str
             closed[name] = (error.rcvd.code, error.rcvd.reason) if error.rcvd else (0, "")
 
 
-@requires_chromium
+@RunIf(chromium=True)
 def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browsers(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:

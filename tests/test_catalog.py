@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -18,15 +18,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTCheckpoint, ORTLightningModule, TrainingArtifacts
 from ort_lightning.artifacts import MANIFEST_NAME
 from ort_lightning.errors import ArtifactError, BatchError, CheckpointError, ConfigurationError
-from tests.conftest import Exported, blobs, checkpointing_for
+from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
-
-def _trainer(**options: object) -> pl.Trainer:
-    defaults: dict[str, object] = {
-        "max_epochs": 1, "accelerator": "cpu", "logger": False, "enable_checkpointing": checkpointing_for(options),
-        "enable_progress_bar": False, "enable_model_summary": False,
-    }
-    return pl.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_epochs=1, accelerator="cpu")
 
 
 def _loader(labels: torch.Tensor | None = None, n: int = 16) -> DataLoader:

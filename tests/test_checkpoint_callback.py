@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
@@ -41,8 +42,8 @@ def _loaders() -> tuple[DataLoader, DataLoader]:
 def _fit(
     exported: Exported, callbacks: list[Any], root: Path, ckpt_path: Path | None = None, **options: Any
 ) -> L.Trainer:
-    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=root, callbacks=callbacks, **{"max_epochs": 6, **options})
+    trainer = quiet_trainer(default_root_dir=root, callbacks=callbacks,
+                            **{"max_epochs": 6, "enable_checkpointing": True, **options})
     trainer.fit(_Noisy(exported.artifacts, lr=0.01), *_loaders(), ckpt_path=ckpt_path)
     return trainer
 

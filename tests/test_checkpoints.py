@@ -19,6 +19,7 @@ from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.storage.atomic import atomic_write, digest_path, verify_digest
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
@@ -31,13 +32,7 @@ SCHEDULE = dict(lr=0.05, warmup_steps=4, total_steps=2 * STEPS_PER_EPOCH)
 
 
 def _trainer(root: Path, **options: object) -> L.Trainer:
-    # NOTE: ORTCheckpoint is a ModelCheckpoint, which Lightning accepts only with checkpointing enabled.
-    checkpointing = any(isinstance(c, ModelCheckpoint) for c in options.get("callbacks", ()))  # type: ignore[attr-defined]
-    defaults: dict[str, object] = dict(
-        enable_progress_bar=False, logger=False, enable_checkpointing=checkpointing, enable_model_summary=False,
-        default_root_dir=root,
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+    return quiet_trainer(**{"default_root_dir": root, **options})
 
 
 def _loader() -> DataLoader:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.conftest import MLP, Exported
+from tests.helpers import quiet_trainer
 
 WORKER = Path(__file__).with_name("damage_worker.py")
 Damage = Callable[[Path, "Sources"], None]
@@ -416,14 +417,12 @@ def _generated(model: torch.nn.Module, folder: Path) -> Path:
 
 
 def _fitted_ckpt(folder: Path, path: Path) -> Path:
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from ort_lightning import ORTLightningModule
 
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
-    trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=path.parent)
+    trainer = quiet_trainer(max_steps=2, default_root_dir=path.parent)
     trainer.fit(ORTLightningModule(folder), DataLoader(data, batch_size=8))
     trainer.save_checkpoint(path)
     return path

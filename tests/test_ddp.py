@@ -19,6 +19,7 @@ from ort_lightning.strategies import thread_spinning
 from ort_lightning.strategies.buckets import plan_buckets
 from tests import ddp_run
 from tests.conftest import Exported
+from tests.helpers import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 20, 8
@@ -76,8 +77,7 @@ def _resume(artifacts: Exported, checkpoint: Path, root: Path) -> ORTLightningMo
     """Two more steps in one process on the double batch, from a Lightning checkpoint of STEPS steps."""
     module = ORTLightningModule(artifacts.artifacts, lr=0.01, lr_scheduler="constant")
     x, y = ddp_run.dataset("mlp", STEPS * 2 * BATCH)
-    trainer = L.Trainer(max_steps=STEPS + 2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=root)
+    trainer = quiet_trainer(max_steps=STEPS + 2, use_distributed_sampler=False, default_root_dir=root)
     trainer.fit(module, datamodule=ddp_run.RankSlices(x, y, 2 * BATCH), ckpt_path=checkpoint)
     assert trainer.global_step == STEPS + 2
     return module
@@ -132,9 +132,8 @@ def test_spawn_keeps_batchnorm_buffers_identical_and_returns_rank_zero(bn_dropou
 
 def _fit(module: ORTLightningModule, strategy: Any, **options: Any) -> L.Trainer:
     x, y = ddp_run.dataset("mlp", 64)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, **options)
+    trainer = quiet_trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2,
+                            use_distributed_sampler=False, **options)
     trainer.fit(module, datamodule=ddp_run.RankSlices(x, y, BATCH))
     return trainer
 

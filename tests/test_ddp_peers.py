@@ -13,11 +13,12 @@ import pytest
 from ort_lightning.errors import DistributedError
 from ort_lightning.strategies.peers import lost_rank
 from tests.conftest import Exported
+from tests.helpers import RunIf
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kills a rank with SIGKILL")
+@RunIf(linux=True)  # kills a rank with SIGKILL
 @pytest.mark.parametrize("dead", [1, 0], ids=["child-rank-dies", "launching-rank-dies"])
 def test_the_peer_of_a_dead_rank_ends_with_one_line_naming_it(mlp_adamw: Exported, tmp_path: Path, dead: int) -> None:
     command = [sys.executable, "-m", "tests.ddp_peer_lost_run", str(mlp_adamw.artifacts.directory), str(tmp_path),

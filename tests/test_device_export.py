@@ -13,17 +13,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
-from onnxruntime import OrtValue
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.artifacts.state import flat_values
 from ort_lightning.errors import CheckpointError, ConfigurationError
-from tests.test_adopt import BATCH, LR, Net, lightning_fit, ort_loop
+from tests.helpers import ort_device_loop
+from tests.test_adopt import BATCH, LR, Net, lightning_fit
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +62,8 @@ def test_ort_loop_on_ort_graphs_equals_onnx_graphs(device_ready: TrainingArtifac
     lightning_fit(module, _batches(2))
     trained = module.save_ort_checkpoint(tmp_path / "last.ortckpt")
     batches = _batches(5)[2:]
-    on_onnx = ort_loop(_only(device_ready.directory, ".onnx", tmp_path), batches, checkpoint=trained)
-    on_ort = ort_loop(_only(device_ready.directory, ".ort", tmp_path), batches, checkpoint=trained)
+    on_onnx = ort_device_loop(_only(device_ready.directory, ".onnx", tmp_path), batches, lr=LR, checkpoint=trained)
+    on_ort = ort_device_loop(_only(device_ready.directory, ".ort", tmp_path), batches, lr=LR, checkpoint=trained)
     for name, value in on_onnx.items():
         np.testing.assert_allclose(on_ort[name], value, rtol=0, atol=1e-6, err_msg=name)
 
@@ -75,7 +74,7 @@ def test_round_trip_lightning_then_device_equals_lightning(device_ready: Trainin
     first = ORTLightningModule(device_ready, lr=LR, lr_scheduler="constant")
     lightning_fit(first, batches[:3])
     handed = first.save_ort_checkpoint(tmp_path / "last.ortckpt")
-    device = ort_loop(_only(device_ready.directory, ".ort", tmp_path), batches[3:], checkpoint=handed, lr=LR)
+    device = ort_device_loop(_only(device_ready.directory, ".ort", tmp_path), batches[3:], checkpoint=handed, lr=LR)
     whole = ORTLightningModule(device_ready, lr=LR, lr_scheduler="constant")
     lightning_fit(whole, batches)
     for name, tensor in whole.named_parameters():
@@ -88,32 +87,6 @@ def _received(artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
     state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
     return {name: torch.from_numpy(np.array(p.data)) + 0.3 * torch.randn(p.data.shape, generator=generator)
             for name, p in state.parameters}
-
-
-def ort_device_loop(
-    folder: Path, values: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, ...]]
-) -> dict[str, np.ndarray]:
-    """ONNX Runtime's documented start of a device from a nominal checkpoint and received weights, then its loop.
-
-    ``load_checkpoint(nominal)``, ``Module``, ``copy_buffer_to_parameters`` (every state tensor, in the
-    training graph's input order, read here from the ``.onnx`` graph), ``Optimizer``, the loop.
-    """
-    graph_inputs = [value.name for value in onnx.load(str(folder / "training_model.onnx")).graph.input]
-    order = [name for name in graph_inputs if name in values]
-    state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
-    module = Module(str(folder / "training_model.ort"), state, str(folder / "eval_model.ort"))
-    buffer = np.concatenate([values[name].numpy().ravel() for name in order]).astype(np.float32)
-    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
-    # binding refuses; the binding takes the C-level one.
-    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(buffer)._ortvalue, False)
-    optimizer = Optimizer(str(folder / "optimizer_model.ort"), module)
-    optimizer.set_learning_rate(LR)
-    module.train()
-    for batch in batches:
-        module(*(tensor.numpy() for tensor in batch))
-        optimizer.step()
-        module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
 
 
 def test_nominal_checkpoint_needs_weights(device_ready: TrainingArtifacts) -> None:
@@ -154,7 +127,7 @@ def test_device_files_from_nominal_checkpoint_and_received_weights_equal_orts_lo
     for name, tensor in module.named_parameters():
         assert torch.equal(tensor.detach(), values[name].float()), name
     lightning_fit(module, batches)
-    reference = ort_device_loop(device_ready.directory, values, batches)
+    reference = ort_device_loop(device_ready.directory, batches, lr=LR, graphs="ort", values=values)
     for name, tensor in module.named_parameters():
         assert not np.allclose(reference[name], values[name].numpy(), atol=1e-3), f"{name} did not train"
         np.testing.assert_allclose(tensor.detach().numpy(), reference[name], rtol=0, atol=1e-6, err_msg=name)

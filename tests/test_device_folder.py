@@ -17,16 +17,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import onnxruntime
 import pytest
 import torch
-from onnxruntime import OrtValue
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.cli.describe import describe
 from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.fleet import get_values
+from tests.helpers import ort_device_loop
 from tests.test_adopt import BATCH, LR, Case, Net, _generate, lightning_fit
 
 STEPS = 4
@@ -91,35 +90,6 @@ def _server_values(shipped: Shipped) -> dict[str, torch.Tensor]:
     return get_values(server)
 
 
-def _graph(folder: Path, prefix: str, role: str) -> str:
-    onnx_path = folder / f"{prefix}{role}.onnx"
-    return str(onnx_path if onnx_path.is_file() else folder / f"{prefix}{role}.ort")
-
-
-def orts_device_loop(
-    folder: Path, values: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, ...]], *, prefix: str = ""
-) -> dict[str, np.ndarray]:
-    """ONNX Runtime's documented device start from the nominal checkpoint and received weights, then its loop."""
-    training = _graph(folder, prefix, "training_model")
-    session = onnxruntime.InferenceSession(training, providers=["CPUExecutionProvider"])
-    order = [arg.name for arg in session.get_inputs() if arg.name in values]
-    assert sorted(order) == sorted(values), "every state tensor is a training graph input"
-    state = CheckpointState.load_checkpoint(str(folder / f"{prefix}nominal_checkpoint"))
-    module = Module(training, state, _graph(folder, prefix, "eval_model"))
-    buffer = np.concatenate([values[name].numpy().ravel() for name in order]).astype(np.float32)
-    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
-    # binding refuses; the binding takes the C-level one.
-    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(buffer)._ortvalue, False)
-    optimizer = Optimizer(_graph(folder, prefix, "optimizer_model"), module)
-    optimizer.set_learning_rate(LR)
-    module.train()
-    for batch in batches:
-        module(*(tensor.numpy() for tensor in batch))
-        optimizer.step()
-        module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
-
-
 def _assert_trains_as_orts_loop(
     shipped: Shipped, tmp_path: Path
 ) -> tuple[ORTLightningModule, dict[str, torch.Tensor]]:
@@ -131,7 +101,7 @@ def _assert_trains_as_orts_loop(
         assert torch.equal(tensor.detach(), values[name]), f"{name} is not the server's value"
     lightning_fit(module, batches)
     reference = Path(shutil.copytree(shipped.device, tmp_path / "reference"))  # the same files, read apart
-    expected = orts_device_loop(reference, values, batches, prefix=shipped.prefix)
+    expected = ort_device_loop(reference, batches, lr=LR, prefix=shipped.prefix, values=values)
     trained = dict(module.named_parameters())
     assert sorted(trained) == sorted(expected)
     moved = max(float(np.abs(expected[name] - values[name].numpy()).max()) for name in expected)
@@ -243,7 +213,7 @@ def test_inspect_of_the_full_export_lists_exactly_what_a_device_loads(exported: 
         shutil.copyfile(exported.complete / name, listed / name)
     state = CheckpointState.load_checkpoint(str(exported.complete / "checkpoint"))
     values = {name: torch.from_numpy(np.array(parameter.data)) for name, parameter in state.parameters}
-    trained = orts_device_loop(listed, values, _batches(2, seed=5))
+    trained = ort_device_loop(listed, _batches(2, seed=5), lr=LR, values=values)
     assert sorted(trained) == sorted(values)
     assert max(float(np.abs(trained[name] - values[name].numpy()).max()) for name in values) > 1e-3
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -12,13 +12,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import BatchError
 from tests.conftest import Exported
+from tests.helpers import quiet_trainer
 
-
-def _trainer() -> pl.Trainer:
-    return pl.Trainer(
-        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu",
-    )
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_epochs=1, accelerator="cpu")
 
 
 def _loader(x: torch.Tensor) -> DataLoader:

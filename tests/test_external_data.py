@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import onnx
 import pytest
 import torch
@@ -26,6 +25,7 @@ from ort_lightning.export.source import load_source
 from ort_lightning.export.verify import verifier
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort._api import CheckpointState
+from tests.helpers import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -158,10 +158,7 @@ def test_checkpoint_and_verification_match_the_inline_export(exported: dict[str,
 
 def _train_ort(artifacts: TrainingArtifacts, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
-    L.Trainer(
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    ).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    quiet_trainer(max_steps=STEPS).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
     return {name: parameter.detach().clone() for name, parameter in module.named_parameters()}
 
 

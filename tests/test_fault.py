@@ -13,15 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import Exported
+from tests.helpers import RunIf
 
 TRIALS = 40
 WORKER = Path(__file__).with_name("fault_worker.py")
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker forks one child per trial")
+@RunIf(fork=True)  # the worker forks one child per trial
 def test_sigkill_never_loses_the_last_checkpoint(mlp_adamw: Exported, tmp_path: Path) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     result = subprocess.run(

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -30,6 +31,7 @@ from ort_lightning.errors import CheckpointError, ConfigurationError, ExportErro
 from ort_lightning.storage.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
 from ort_lightning.storage.temps import TEMP_MARK
 from tests.conftest import MLP, Exported, blobs
+from tests.helpers import RunIf, quiet_trainer
 from tests.test_verify import TripledMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +46,8 @@ pytestmark = [
 ]
 
 
-def _trainer(**options: object) -> pl.Trainer:
-    defaults: dict[str, object] = {
-        "max_epochs": 1, "accelerator": "cpu", "logger": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "enable_checkpointing": True,
-    }
-    return pl.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_epochs=1, accelerator="cpu", enable_checkpointing=True)
 
 
 def _loader(n: int = 32) -> DataLoader:
@@ -66,7 +64,7 @@ def _temps(folder: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- kills, both resume paths
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker forks one child per run")
+@RunIf(fork=True)  # the worker forks one child per run
 def test_every_kill_resumes_both_ways_bit_equal_to_a_run_never_killed(mlp_adamw: Exported, tmp_path: Path) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     result = subprocess.run(

@@ -13,10 +13,10 @@ import json
 import re
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from onnxruntime.training.api import CheckpointState
@@ -26,6 +26,7 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.storage.atomic import verify_digest
 
 from .conftest import MLP, Exported, blobs
+from .helpers import quiet_trainer
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -69,9 +70,8 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in (*module.named_parameters(), *module.named_buffers())}
 
 
-def _trainer() -> pl.Trainer:
-    return pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_epochs=EPOCHS, accelerator="cpu", devices=1)
 
 
 def _fit(exported: Exported, start: Path | None, data: ClientData) -> tuple[dict[str, torch.Tensor], int]:

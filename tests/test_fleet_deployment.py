@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from ort_lightning.storage.atomic import verify_digest
+from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -121,7 +122,7 @@ def _started(
         _end(process)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ends the processes it starts through /proc")
+@RunIf(linux=True)  # ends the processes it starts through /proc
 def test_readme_deployment_steps_run_one_round_on_a_superlink_and_two_supernodes(tmp_path: Path) -> None:
     commands, toml = _readme_steps()
     port = _free_port()
@@ -168,7 +169,7 @@ def test_run_config_without_artifacts_is_named() -> None:
         read_run_config({"devices": 2, "rounds": 1})
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ends the processes it starts through /proc")
+@RunIf(linux=True)  # ends the processes it starts through /proc
 def test_a_supernode_lost_after_round_one_leaves_round_two_to_the_rest(tmp_path: Path) -> None:
     """The README's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written."""
     commands, toml = _readme_steps()

@@ -7,18 +7,15 @@ after the step path synchronizes torch's stream.
 
 from __future__ import annotations
 
-import onnxruntime
 import pytest
 import torch
 
 from ort_lightning import ORTLightningModule
 from tests.conftest import Exported
+from tests.helpers import RunIf
 from tests.test_parity import ADAMW_LR, _loader, _torch_train, _trainer
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or "CUDAExecutionProvider" not in onnxruntime.get_available_providers(),
-    reason="needs a CUDA GPU and the CUDA build of onnxruntime-training",
-)
+pytestmark = RunIf(cuda=True)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])

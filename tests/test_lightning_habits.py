@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 
 def test_to_onnx_writes_the_inference_model_that_predicts_as_torch(mlp_adamw: Exported, tmp_path: Path) -> None:
@@ -46,8 +47,7 @@ class _Stream(IterableDataset):
 
 
 def _fit(module: ORTLightningModule, **options: Any) -> pl.Trainer:
-    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", **options)
+    trainer = quiet_trainer(accelerator="cpu", **options)
     trainer.fit(module, DataLoader(_Stream(), batch_size=16))
     return trainer
 

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from tests.conftest import Exported, blobs
-
-
-def _trainer(**options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+from tests.helpers import quiet_trainer
 
 
 def test_fit_lowers_val_loss_and_reaches_accuracy(mlp_adamw: Exported, blob_loaders) -> None:
     train, val = blob_loaders
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.05)
-    trainer = _trainer(max_epochs=2)
+    trainer = quiet_trainer(max_epochs=2)
     before = trainer.validate(module, val, verbose=False)[0]["val_loss"]
     trainer.fit(module, train, val)
     after = trainer.callback_metrics["val_loss"].item()
@@ -35,4 +28,4 @@ def test_precision_other_than_32_true_is_refused(mlp_adamw: Exported, blob_loade
     train, _ = blob_loaders
     module = ORTLightningModule(mlp_adamw.artifacts)
     with pytest.raises(ConfigurationError, match=r"precision=.*use Trainer\(precision='32-true'\)"):
-        _trainer(max_epochs=1, precision=precision).fit(module, train)
+        quiet_trainer(max_epochs=1, precision=precision).fit(module, train)

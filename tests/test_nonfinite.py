@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 BATCH = 8
 
@@ -24,11 +26,8 @@ def _loader(poisoned: int, value: float) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH)
 
 
-def _trainer(**options: object) -> pl.Trainer:
-    return pl.Trainer(
-        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, **options,  # type: ignore[arg-type]
-    )
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_epochs=1, accelerator="cpu")
 
 
 def _weights(module: ORTLightningModule) -> dict[str, torch.Tensor]:

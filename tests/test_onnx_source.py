@@ -6,7 +6,6 @@ import copy
 import re
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import onnx
 import pytest
@@ -19,6 +18,7 @@ from ort_lightning import ORTLightningModule, export_artifacts
 from ort_lightning.cli import main
 from ort_lightning.ort.runtime import checkpoint_summary
 from tests.conftest import blobs
+from tests.helpers import quiet_trainer
 
 STEPS, LR = 10, 0.05
 CONSTANTS = ["cap", "exponent", "half"]
@@ -85,8 +85,7 @@ def test_training_matches_the_torch_model(scaled: tuple[Scaled, Path]) -> None:
     model, artifacts = scaled
     x, y = blobs(STEPS * 16, seed=13)
     module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
-    L.Trainer(max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False).fit(module, DataLoader(TensorDataset(x, y), batch_size=16))
+    quiet_trainer(max_steps=STEPS).fit(module, DataLoader(TensorDataset(x, y), batch_size=16))
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)  # the artifacts' AdamW defaults are torch's
     for batch, labels in zip(x.split(16), y.split(16), strict=True):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +17,7 @@ from ort_lightning.bridge import BatchBinder, parameter_views, to_torch, torch_d
 from ort_lightning.errors import ArtifactError, DeviceError
 from ort_lightning.ort import runtime as _ort
 from tests.conftest import Exported, blobs
-
-_HAS_CUDA_BUILD = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+from tests.helpers import RunIf
 
 
 def _assemble(artifacts: TrainingArtifacts, device: str = "cpu", **paths: Path) -> _ort.TrainingSession:
@@ -110,7 +108,7 @@ def test_misspelled_device_names_the_accepted_spellings(mlp_adamw: Exported, dev
         _assemble(mlp_adamw.artifacts, device)
 
 
-@pytest.mark.skipif(_HAS_CUDA_BUILD, reason="this ONNX Runtime build has CUDA")
+@RunIf(cuda_build=False)
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
 def test_cuda_on_cpu_build_names_the_install_command(mlp_adamw: Exported, device: str) -> None:
     expected = (
@@ -121,10 +119,7 @@ def test_cuda_on_cpu_build_names_the_install_command(mlp_adamw: Exported, device
         _assemble(mlp_adamw.artifacts, device)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or not _HAS_CUDA_BUILD,
-    reason="needs a CUDA device and the CUDA build of ONNX Runtime training",
-)
+@RunIf(cuda=True)
 def test_cuda_session_moves_cpu_batches_to_the_gpu(mlp_adamw: Exported) -> None:
     session = _assemble(mlp_adamw.artifacts, "cuda")
     assert session.device == "cuda:0"
@@ -197,25 +192,10 @@ def _run_steps(
     return lrs
 
 
-@pytest.mark.parametrize(("warmup", "total"), [(2, 10), (0, 10), (3, 7)], ids=["W2-T10", "W0-T10", "W3-T7"])
-def test_linear_scheduler_warms_up_then_decays(mlp_sgd: Exported, warmup: int, total: int) -> None:
-    peak = 0.1
-    session = _assemble(mlp_sgd.artifacts)
-    session.set_lr(peak)
-    scheduler = session.linear_scheduler(warmup_steps=warmup, total_steps=total, lr=peak)
-    # Creating the scheduler sets the lr of step 0 at once (0 during a warmup).
-    assert session.get_lr() == pytest.approx(_warmup_then_decay(0, warmup=warmup, total=total, peak=peak))
-
-    lrs = _run_steps(session, _binder(mlp_sgd.artifacts), scheduler.scheduler_step, 12)
-
-    expected = [_warmup_then_decay(step, warmup=warmup, total=total, peak=peak) for step in range(12)]
-    assert lrs == pytest.approx(expected, rel=1e-6, abs=1e-9)
-
-
 def test_ort_python_linear_scheduler_still_swaps_warmup_and_total(mlp_sgd: Exported) -> None:
-    """ORT 1.19.2's own wrapper, asked for W=2, T=10, ramps for 10 steps: the trap our binding call avoids.
+    """ORT 1.19.2's own wrapper, asked for W=2, T=10, ramps for 10 steps: why the README's device call passes (T, W).
 
-    If this fails after an ONNX Runtime upgrade, the wrapper was fixed; re-check `linear_scheduler`.
+    If this fails after an ONNX Runtime upgrade, the wrapper was fixed; re-check ``README_DEVICE_CALL``.
     """
     from onnxruntime.training.api import LinearLRScheduler
 

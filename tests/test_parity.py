@@ -9,10 +9,10 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from itertools import cycle
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 STEPS = 50
 ADAMW_LR = 0.01
@@ -33,16 +34,8 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
 
 
-def _trainer(**options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        max_steps=STEPS,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, max_steps=STEPS, num_sanity_val_steps=0)
 
 
 def _batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from ort_lightning.errors import ConfigurationError
-from tests.conftest import Exported, blobs, checkpointing_for
+from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")]
 
@@ -43,13 +44,11 @@ def _val_loader() -> DataLoader:
 
 
 def _trainer(root: Path, **options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        accelerator="cpu", enable_progress_bar=False, enable_checkpointing=checkpointing_for(options),
-        enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=root, logger=CSVLogger(root, name="lr"), log_every_n_steps=1,
-    )
+    """The quiet Trainer that logs the learning rate of every step to a CSV file under `root`."""
     callbacks = [LearningRateMonitor(logging_interval="step"), *options.pop("callbacks", [])]  # type: ignore[misc]
-    return L.Trainer(**{**defaults, **options}, callbacks=callbacks)  # type: ignore[arg-type]
+    defaults = dict(accelerator="cpu", num_sanity_val_steps=0, default_root_dir=root,
+                    logger=CSVLogger(root, name="lr"), log_every_n_steps=1)
+    return quiet_trainer(**{**defaults, **options, "callbacks": callbacks})
 
 
 def _logged_lrs(trainer: L.Trainer, key: str = "lr-ORTOptimizer") -> list[float]:
@@ -121,8 +120,8 @@ class _RecordLr(L.Callback):
 def test_fast_dev_run_with_a_long_warmup_runs_its_step_at_the_warmup_lr(mlp_adamw: Exported, tmp_path: Path) -> None:
     recorder = _RecordLr()
     module = ORTLightningModule(mlp_adamw.artifacts, lr=LR, warmup_steps=100)
-    L.Trainer(fast_dev_run=True, accelerator="cpu", callbacks=[recorder], enable_progress_bar=False,
-              default_root_dir=tmp_path).fit(module, _loader())
+    quiet_trainer(fast_dev_run=True, accelerator="cpu", callbacks=[recorder], default_root_dir=tmp_path).fit(
+        module, _loader())
     reference = mlp_adamw.reference()
     used = _torch_fit(reference, 1, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _linear(s, 100, 1)))
     assert recorder.lrs == used == [0.0]

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
 from tests import ddp_run
-from tests.conftest import Exported, checkpointing_for
+from tests.conftest import Exported
+from tests.helpers import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
@@ -28,11 +29,7 @@ def _loader() -> DataLoader:
 
 
 def _trainer(root: Path, **options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=checkpointing_for(options), enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root,
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+    return quiet_trainer(**{"accelerator": "cpu", "default_root_dir": root, **options})
 
 
 def _state(module: ORTLightningModule) -> dict[str, torch.Tensor]:

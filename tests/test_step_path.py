@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
 from tests.conftest import Exported, blobs
+from tests.helpers import quiet_trainer
 
 BATCH, STEPS = 16, 12
 
@@ -21,12 +22,8 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def _trainer(**options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+#: The quiet Trainer with this file's settings; a call's options override them.
+_trainer = partial(quiet_trainer, accelerator="cpu", num_sanity_val_steps=0)
 
 
 class _RunsThenDrops(ORTLightningModule):

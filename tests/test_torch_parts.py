@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.utilities.model_summary import ModelSummary
@@ -13,6 +12,7 @@ from torch.utils.data import DataLoader
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from tests.conftest import Exported
+from tests.helpers import quiet_trainer
 
 
 class WithTrunk(ORTLightningModule):
@@ -29,8 +29,7 @@ class WithTrunk(ORTLightningModule):
 
 
 def _fit(module: ORTLightningModule, train: DataLoader) -> None:
-    trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         accelerator="cpu")
+    trainer = quiet_trainer(max_steps=2, accelerator="cpu")
     trainer.fit(module, train)
 
 

@@ -22,13 +22,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ort_lightning import ORTLightningModule
 from tests.conftest import Exported, blobs
-
-
-def _trainer(**options: object) -> L.Trainer:
-    defaults: dict[str, object] = dict(
-        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False
-    )
-    return L.Trainer(**{**defaults, **options})  # type: ignore[arg-type]
+from tests.helpers import quiet_trainer
 
 
 def _loaders(train: int = 256, val: int = 128) -> tuple[DataLoader, DataLoader]:
@@ -64,7 +58,7 @@ def _reference_loss(exported: Exported, module: ORTLightningModule, x: torch.Ten
 def test_max_steps(mlp_adamw: Exported) -> None:
     train, _ = _loaders()
     counter = _Counter()
-    trainer = _trainer(max_steps=5, callbacks=[counter])
+    trainer = quiet_trainer(max_steps=5, callbacks=[counter])
     trainer.fit(ORTLightningModule(mlp_adamw.artifacts), train)
     assert trainer.global_step == 5
     assert counter.counts["train"] == 5
@@ -73,7 +67,7 @@ def test_max_steps(mlp_adamw: Exported) -> None:
 def test_val_check_interval(mlp_adamw: Exported) -> None:
     train, val = _loaders()
     counter = _Counter()
-    _trainer(max_epochs=1, val_check_interval=0.25, num_sanity_val_steps=0, callbacks=[counter]).fit(
+    quiet_trainer(max_epochs=1, val_check_interval=0.25, num_sanity_val_steps=0, callbacks=[counter]).fit(
         ORTLightningModule(mlp_adamw.artifacts), train, val
     )
     assert counter.counts["validations"] == 4
@@ -83,7 +77,7 @@ def test_val_check_interval(mlp_adamw: Exported) -> None:
 def test_limit_batches(mlp_adamw: Exported) -> None:
     train, val = _loaders()
     counter = _Counter()
-    trainer = _trainer(
+    trainer = quiet_trainer(
         max_epochs=2, limit_train_batches=3, limit_val_batches=2, num_sanity_val_steps=0, callbacks=[counter]
     )
     module = ORTLightningModule(mlp_adamw.artifacts)
@@ -91,7 +85,7 @@ def test_limit_batches(mlp_adamw: Exported) -> None:
     assert counter.counts["train"] == 6
     assert trainer.global_step == 6
     assert counter.counts["val"] == 4
-    limited = _trainer(limit_test_batches=1).test(module, val, verbose=False)[0]["test_loss"]
+    limited = quiet_trainer(limit_test_batches=1).test(module, val, verbose=False)[0]["test_loss"]
     vx, vy = blobs(128, seed=1)
     assert limited == pytest.approx(_reference_loss(mlp_adamw, module, vx[:32], vy[:32]), rel=1e-5)
 
@@ -99,7 +93,7 @@ def test_limit_batches(mlp_adamw: Exported) -> None:
 def test_fast_dev_run(mlp_adamw: Exported) -> None:
     train, val = _loaders()
     counter = _Counter()
-    trainer = _trainer(fast_dev_run=True, callbacks=[counter])
+    trainer = quiet_trainer(fast_dev_run=True, callbacks=[counter])
     trainer.fit(ORTLightningModule(mlp_adamw.artifacts), train, val)
     assert trainer.global_step == 1
     assert counter.counts == Counter({"train": 1, "val": 1, "validations": 1})
@@ -108,7 +102,7 @@ def test_fast_dev_run(mlp_adamw: Exported) -> None:
 def test_num_sanity_val_steps(mlp_adamw: Exported) -> None:
     train, val = _loaders()
     counter = _Counter()
-    _trainer(max_steps=1, num_sanity_val_steps=2, callbacks=[counter]).fit(
+    quiet_trainer(max_steps=1, num_sanity_val_steps=2, callbacks=[counter]).fit(
         ORTLightningModule(mlp_adamw.artifacts), train, val
     )
     assert counter.counts["sanity"] == 2
@@ -139,7 +133,7 @@ def test_model_summary_counts_ort_parameters(mlp_adamw: Exported) -> None:
     level, logger.level = logger.level, logging.INFO
     logger.addHandler(lines)
     try:
-        _trainer(max_steps=1, enable_model_summary=True, callbacks=[ModelSummary(max_depth=2)]).fit(module, train)
+        quiet_trainer(max_steps=1, enable_model_summary=True, callbacks=[ModelSummary(max_depth=2)]).fit(module, train)
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
@@ -180,10 +174,10 @@ def test_early_stopping_stops_where_lightning_stops_a_torch_module(mlp_adamw: Ex
     train, val = _loaders()
     options = dict(monitor="val_loss", patience=2, min_delta=0.01)
     recorder, stopper = _Record(), EarlyStopping(**options)  # type: ignore[arg-type]
-    trainer = _trainer(max_epochs=40, num_sanity_val_steps=0, callbacks=[recorder, stopper])
+    trainer = quiet_trainer(max_epochs=40, num_sanity_val_steps=0, callbacks=[recorder, stopper])
     trainer.fit(ORTLightningModule(mlp_adamw.artifacts, lr=0.05, lr_scheduler="constant"), train, val)
     reference = EarlyStopping(**options)  # type: ignore[arg-type]
-    replayed = _trainer(max_epochs=40, num_sanity_val_steps=0, callbacks=[reference])
+    replayed = quiet_trainer(max_epochs=40, num_sanity_val_steps=0, callbacks=[reference])
     replayed.fit(_Replay(recorder.values + [math.inf] * 40), train, val)
     assert 0 < reference.stopped_epoch < 39, "the logged losses plateau, so Lightning stops early"
     assert (stopper.stopped_epoch, trainer.current_epoch) == (reference.stopped_epoch, replayed.current_epoch)
@@ -199,7 +193,7 @@ def test_csv_logger_records_losses_equal_to_torch(mlp_adamw: Exported, tmp_path:
     train, val = _loaders()
     logger = CSVLogger(tmp_path)
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
-    _trainer(max_epochs=2, logger=logger, log_every_n_steps=1).fit(module, train, val)
+    quiet_trainer(max_epochs=2, logger=logger, log_every_n_steps=1).fit(module, train, val)
     rows = _csv_rows(logger)
     assert sum(1 for row in rows if row.get("train_loss")) == 2 * len(train)
     val_losses = [float(row["val_loss"]) for row in rows if row.get("val_loss")]
@@ -214,7 +208,7 @@ def test_tensorboard_logger_writes_losses(mlp_adamw: Exported, tmp_path: Path) -
     train, val = _loaders()
     logger = TensorBoardLogger(tmp_path)
     module = ORTLightningModule(mlp_adamw.artifacts)
-    _trainer(max_epochs=1, logger=logger, log_every_n_steps=2).fit(module, train, val)
+    quiet_trainer(max_epochs=1, logger=logger, log_every_n_steps=2).fit(module, train, val)
     events = EventAccumulator(logger.log_dir)
     events.Reload()
     assert {"train_loss", "val_loss"} <= set(events.Tags()["scalars"])
@@ -224,7 +218,7 @@ def test_tensorboard_logger_writes_losses(mlp_adamw: Exported, tmp_path: Path) -
 
 def test_progress_bar_shows_losses(mlp_adamw: Exported, capsys: pytest.CaptureFixture[str]) -> None:
     train, val = _loaders()
-    trainer = _trainer(max_epochs=1, enable_progress_bar=True, callbacks=[TQDMProgressBar(refresh_rate=1)])
+    trainer = quiet_trainer(max_epochs=1, enable_progress_bar=True, callbacks=[TQDMProgressBar(refresh_rate=1)])
     trainer.fit(ORTLightningModule(mlp_adamw.artifacts), train, val)
     assert {"train_loss", "val_loss"} <= set(trainer.progress_bar_metrics)
     assert "train_loss=" in capsys.readouterr().out
@@ -234,7 +228,7 @@ def test_validate_test_predict_match_torch(mlp_adamw: Exported) -> None:
     _, val = _loaders()
     vx, vy = blobs(128, seed=1)
     module = ORTLightningModule(mlp_adamw.artifacts)
-    trainer = _trainer()
+    trainer = quiet_trainer()
     expected = F.cross_entropy(mlp_adamw.reference()(vx), vy).item()
     assert trainer.validate(module, val, verbose=False)[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
     assert trainer.test(module, val, verbose=False)[0]["test_loss"] == pytest.approx(expected, rel=1e-5)
@@ -255,7 +249,7 @@ def test_metrics_are_logged_per_stage(mlp_adamw: Exported) -> None:
     vx, vy = blobs(128, seed=1)
     metric = MulticlassAccuracy(num_classes=3, average="micro")
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01, metrics=metric)
-    trainer = _trainer(max_epochs=1, num_sanity_val_steps=0)
+    trainer = quiet_trainer(max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(module, train, val)
     assert "train_MulticlassAccuracy" in trainer.callback_metrics
     logged = trainer.callback_metrics["val_MulticlassAccuracy"].item()
@@ -270,5 +264,5 @@ def test_metrics_dict_names(mlp_adamw: Exported) -> None:
     module = ORTLightningModule(
         mlp_adamw.artifacts, metrics={"acc": MulticlassAccuracy(num_classes=3, average="micro")}
     )
-    result = _trainer().validate(module, val, verbose=False)[0]
+    result = quiet_trainer().validate(module, val, verbose=False)[0]
     assert result["val_acc"] == pytest.approx(_accuracy(mlp_adamw, module, vx, vy))

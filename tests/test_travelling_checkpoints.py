@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -14,12 +13,12 @@ from torchmetrics.classification import MulticlassAccuracy
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.errors import CheckpointError
 from tests.conftest import MLP, Exported
+from tests.helpers import quiet_trainer
 
 
 def _trained_ckpt(artifacts: object, loader: DataLoader, path: Path, **options: object) -> ORTLightningModule:
     module = ORTLightningModule(artifacts, lr=1e-2, **options)  # type: ignore[arg-type]
-    trainer = pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu")
+    trainer = quiet_trainer(max_steps=3, accelerator="cpu")
     trainer.fit(module, loader)
     trainer.save_checkpoint(path)
     return module

@@ -13,6 +13,7 @@ from ort_lightning.cli.describe import describe, format_rows
 from ort_lightning.cli.factory import export_factory, parse_shape
 from ort_lightning.cli.lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
 from ort_lightning.cli.usage import OneLineParser, UsageError, one_line_argument_error
+from tests.helpers import RunIf
 from tests.test_cli import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_accelerators_ort_cannot_use_are_refused(accelerator: str, pattern: str)
         _check_accelerator(accelerator)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+@RunIf(cuda=False)
 def test_gpu_without_cuda_is_refused_before_training() -> None:
     with pytest.raises(UsageError, match=r"--trainer\.accelerator 'gpu', but torch sees no CUDA device"):
         _check_accelerator("gpu")

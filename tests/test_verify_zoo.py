@@ -33,6 +33,7 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.errors import ExportError
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.reference import Call, labels_for, reference_loss
+from tests.helpers import GradientProbe, quiet_trainer
 from tests.test_verify import _scale_gradient
 
 CLASSES = 10
@@ -343,21 +344,11 @@ def test_a_wrong_artifact_is_refused_naming_the_parameter(tmp_path: Path, tamper
     assert re.match(expected, named.group(1)), message
 
 
-class _FirstGradients(L.Callback):
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step == 0:
-            self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-
-
 def _trainer_gradients(artifacts: TrainingArtifacts, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     tensors = [torch.from_numpy(arrays[f"i{index}"]) for index in range(len(arrays))]
     loader = DataLoader(TensorDataset(*tensors), batch_size=len(tensors[0]), shuffle=False)
-    probe = _FirstGradients()
-    trainer = L.Trainer(max_steps=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[probe])
+    probe = GradientProbe()
+    trainer = quiet_trainer(max_steps=1, num_sanity_val_steps=0, callbacks=[probe])
     trainer.fit(ORTLightningModule(artifacts, lr=1e-3), loader)
     return probe.grads
 
@@ -404,8 +395,7 @@ def test_a_correct_model_trains_under_a_trainer(tmp_path: Path, case: Correct) -
         def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *_: Any) -> None:
             losses.append(float(outputs["loss"]))
 
-    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[_Losses()])
+    trainer = quiet_trainer(max_steps=2, callbacks=[_Losses()])
     trainer.fit(module, DataLoader([(example, *labels)], batch_size=None))
     assert len(losses) == 2
     assert all(np.isfinite(losses))

@@ -19,7 +19,6 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
@@ -29,6 +28,7 @@ from ort_lightning.cli.describe import describe
 from ort_lightning.errors import ConfigurationError, ExportError
 from ort_lightning.export import prepare_for_web
 from tests.conftest import Exported, blobs
+from tests.helpers import ort_device_loop
 from tests.step_reference import trainer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
@@ -70,20 +70,6 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, STEPS * BATCH, BATCH)]
 
 
-def ort_loop_without_lr(folder: Path, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                        suffix: str = ".ort") -> dict[str, np.ndarray]:
-    """ONNX Runtime's documented loop, never calling ``set_learning_rate``: what onnxruntime-web can do."""
-    state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
-    module = Module(str(folder / f"training_model{suffix}"), state, str(folder / f"eval_model{suffix}"))
-    optimizer = Optimizer(str(folder / f"optimizer_model{suffix}"), module)
-    module.train()
-    for x, y in batches:
-        module(x.numpy(), y.numpy())
-        optimizer.step()
-        module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
-
-
 def lightning_fit(module: ORTLightningModule, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     x, y = (torch.cat(column) for column in zip(*batches, strict=True))
     trainer(len(batches), []).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False))
@@ -114,7 +100,7 @@ def test_ort_loop_without_an_lr_equals_the_module_on_the_original_folder(
     exported: dict[str, Exported], prepared: dict[str, TrainingArtifacts], optimizer: str, schedule: str
 ) -> None:
     batches = _batches()
-    device = ort_loop_without_lr(prepared[f"{optimizer}-{schedule}"].directory, batches)
+    device = ort_device_loop(prepared[f"{optimizer}-{schedule}"].directory, batches, lr=None, graphs="ort")
     module = ORTLightningModule(exported[optimizer].artifacts, **SCHEDULES[schedule])
     lightning_fit(module, batches)
     for name, tensor in module.named_parameters():
@@ -131,7 +117,7 @@ def test_ort_loop_without_an_lr_equals_the_module_on_the_original_folder(
 def test_a_plain_folder_trains_at_orts_default_rate_without_an_lr(mlp_adamw: Exported) -> None:
     """What the README says a plain folder does in a browser: ORT's default 1e-3."""
     batches = _batches()
-    device = ort_loop_without_lr(mlp_adamw.artifacts.directory, batches, suffix=".onnx")
+    device = ort_device_loop(mlp_adamw.artifacts.directory, batches, lr=None, graphs="onnx")
     reference = mlp_adamw.reference()
     torch_fit(reference, "adamw", dict(lr=1e-3, lr_scheduler="constant"), batches)
     for name, parameter in reference.named_parameters():
@@ -141,8 +127,8 @@ def test_a_plain_folder_trains_at_orts_default_rate_without_an_lr(mlp_adamw: Exp
 def test_the_onnx_and_ort_graphs_agree(prepared: dict[str, TrainingArtifacts]) -> None:
     folder = prepared["adamw-linear"].directory
     batches = _batches()
-    on_ort = ort_loop_without_lr(folder, batches)
-    on_onnx = ort_loop_without_lr(folder, batches, suffix=".onnx")
+    on_ort = ort_device_loop(folder, batches, lr=None, graphs="ort")
+    on_onnx = ort_device_loop(folder, batches, lr=None, graphs="onnx")
     for name, value in on_onnx.items():
         np.testing.assert_array_equal(on_ort[name], value, err_msg=name)
 
@@ -273,7 +259,7 @@ def test_the_module_trains_a_prepared_folder_at_its_schedule(
     batches = _batches()
     module = ORTLightningModule(web, **SCHEDULES[schedule])
     lightning_fit(module, batches)
-    device = ort_loop_without_lr(web.directory, batches)
+    device = ort_device_loop(web.directory, batches, lr=None, graphs="ort")
     for name, tensor in module.named_parameters():
         np.testing.assert_allclose(device[name], tensor.detach().numpy(), rtol=0, atol=1e-6, err_msg=name)
 

@@ -25,8 +25,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-from onnxruntime import OrtValue
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState
 from sklearn.datasets import load_digits
 
 from ort_lightning import TrainingArtifacts, export_artifacts
@@ -34,7 +33,8 @@ from ort_lightning.demo import digits_mlp
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
 from ort_lightning.web import ENVIRONMENT_VARIABLE, TRAINING_BUILD, asset, find_ort_web
-from tests._web import ROOT, NodeError, ort_web_dist, requires_node, run_node
+from tests._web import ROOT, NodeError, ort_web_dist, run_node
+from tests.helpers import RunIf, ort_device_start
 from tests.test_adopt import Case, _generate
 
 DRIVER = ROOT / "tests" / "web" / "train_device.mjs"
@@ -120,12 +120,7 @@ def orts_python_loop(
 
     ``rate(s)`` is the learning rate of the optimizer step taken after `s` completed ones.
     """
-    state = CheckpointState.load_checkpoint(str(folder / "nominal_checkpoint"))
-    module = Module(str(folder / f"training_model.{graphs}"), state, str(folder / f"eval_model.{graphs}"))
-    # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
-    # binding refuses; the binding takes the C-level one.
-    module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(weights)._ortvalue, False)
-    optimizer = Optimizer(str(folder / f"optimizer_model.{graphs}"), module)
+    _, module, optimizer = ort_device_start(folder, graphs=graphs, values=weights)
     module.train()
     losses: list[float] = []
     for _ in range(EPOCHS):
@@ -161,7 +156,7 @@ def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_d
 
 
 # ----------------------------------------------------------------------------- Node trains as ORT's Python loop
-@requires_node
+@RunIf(node=True)
 @pytest.mark.parametrize("graphs", ["ort", "onnx"], ids=["ort-graphs", "onnx-graphs"])
 def test_node_runner_trains_and_evaluates_as_orts_python_loop(
     digits_device: Device, graphs: str, tmp_path: Path
@@ -197,7 +192,7 @@ SCHEDULES: dict[str, tuple[dict[str, object], Callable[[int], float]]] = {
 }
 
 
-@requires_node
+@RunIf(node=True)
 @pytest.mark.parametrize("schedule", list(SCHEDULES), ids=list(SCHEDULES))
 def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_it(
     digits_device: Device, schedule: str, tmp_path: Path
@@ -223,7 +218,7 @@ def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_
 
 
 # ----------------------------------------------------------------------------- bad inputs, refused by name
-@requires_node
+@RunIf(node=True)
 def test_weights_of_the_wrong_length_are_refused_with_the_expected_count(digits_device: Device, tmp_path: Path) -> None:
     job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights[:-1], _digits_batches(1))
     message = (r"setWeights expects a Float32Array of 4810 values \(all parameters, flat, in the training graph's "
@@ -232,7 +227,7 @@ def test_weights_of_the_wrong_length_are_refused_with_the_expected_count(digits_
         run_node(DRIVER, str(job))
 
 
-@requires_node
+@RunIf(node=True)
 def test_a_batch_with_the_wrong_number_of_tensors_is_refused_with_the_inputs(
     digits_device: Device, tmp_path: Path
 ) -> None:
@@ -245,7 +240,7 @@ def test_a_batch_with_the_wrong_number_of_tensors_is_refused_with_the_inputs(
     assert not (tmp_path / "trained.bin").exists()
 
 
-@requires_node
+@RunIf(node=True)
 def test_int32_labels_are_explained_where_onnxruntime_web_throws_a_bare_number(
     digits_device: Device, tmp_path: Path
 ) -> None:
@@ -279,7 +274,7 @@ MISTAKES = {
 }
 
 
-@requires_node
+@RunIf(node=True)
 @pytest.mark.parametrize("mistake", list(MISTAKES), ids=list(MISTAKES))
 def test_a_callers_mistake_is_refused_by_name(digits_device: Device, tmp_path: Path, mistake: str) -> None:
     job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, _digits_batches(1))
@@ -287,7 +282,7 @@ def test_a_callers_mistake_is_refused_by_name(digits_device: Device, tmp_path: P
         run_node(ROOT / "tests" / "web" / "mistakes.mjs", str(job), mistake)
 
 
-@requires_node
+@RunIf(node=True)
 @pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning")
 def test_eval_outputs_of_a_generated_folder_without_model_outputs_are_refused(tmp_path: Path) -> None:
     # generate_artifacts without additional_output_names: the eval graph outputs the loss alone.

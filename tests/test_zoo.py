@@ -12,9 +12,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, export_artifacts
+from tests.helpers import GradientProbe, quiet_trainer
 
 EXAMPLE_BATCH, TRAIN_BATCH, CLASSES = 4, 8, 3
 
@@ -153,23 +152,6 @@ ZOO = [
 ]
 
 
-class _FirstGradients(L.Callback):
-    """Records ORT's gradients (the parameters' .grad views) before the first update, and every loss."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-        self.losses: list[float] = []
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if trainer.global_step == 0:
-            self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
-
-
 def _torch_gradients(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
     *inputs, labels = batch
     F.cross_entropy(model(*inputs), labels).backward()
@@ -185,9 +167,8 @@ def test_zoo_model_trains_and_matches_torch(tmp_path: Path, zoo: Zoo) -> None:
     inputs = zoo.inputs(32, 0)
     labels = torch.randint(0, CLASSES, (32,), generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(*inputs, labels), batch_size=TRAIN_BATCH, shuffle=False)
-    probe = _FirstGradients()
-    trainer = L.Trainer(max_epochs=8, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[probe])
+    probe = GradientProbe()
+    trainer = quiet_trainer(max_epochs=8, num_sanity_val_steps=0, callbacks=[probe])
     trainer.fit(ORTLightningModule(artifacts, lr=1e-2), loader)
 
     expected = _torch_gradients(reference, next(iter(loader)))

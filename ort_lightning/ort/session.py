@@ -140,19 +140,6 @@ class TrainingSession:
         """Return the outputs of the training (or eval) graph, in order."""
         return list(self._module._model.output_names(training))
 
-    @property
-    def has_optimizer(self) -> bool:
-        """Whether the artifacts had an optimizer graph (without one, the session only evaluates)."""
-        return self._optimizer is not None
-
-    def linear_scheduler(self, *, warmup_steps: int, total_steps: int, lr: float) -> Any:
-        """Create ORT's LinearLRScheduler; its lr applies to the optimizer at once.
-
-        Returns an object whose ``scheduler_step()`` recomputes the lr from the optimizer's step.
-        """
-        # NOTE: the 1.19.2 Python wrapper passes (warmup, total) to a C binding that takes
-        # (total, warmup); calling the binding directly with the right order avoids the swap.
-        return _C.LinearLRScheduler(self._optimizer._optimizer, total_steps, warmup_steps, lr)
 
 
 def _no_optimizer(*_: Any) -> None:
