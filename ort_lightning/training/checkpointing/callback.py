@@ -9,6 +9,11 @@ sanity check, ``best_model_path``, ``state_key``. Only the file itself differs: 
 ``ort_lightning_version`` and, with `monitor`, ``monitor`` and ``monitor_value``. Steps and
 epochs in names and properties count across resumes from ``ORTLightningModule(..., checkpoint=...)``.
 
+``ModelCheckpoint`` writes, removes and finds its files through private methods; ``ORTCheckpoint``
+defines only the public-named methods `lightning_private.ModelCheckpointAdapter` hands them to
+(``write_file``, ``remove_file``, ``resumable``, ``with_progress``, ``before_top_k``), so that no
+private member of Lightning is named here.
+
 Example::
 
     >>> from ort_lightning import ORTCheckpoint
@@ -26,25 +31,24 @@ import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.storage.atomic import remove_with_digest
 from ort_lightning.storage.temps import check_writable, remove_stale_temps
 from ort_lightning.training.checkpointing.files import Checkpointable
+from ort_lightning.training.checkpointing.lightning_private import ModelCheckpointAdapter
 
 __all__ = ["ORTCheckpoint"]
 
 EXTENSION = ".ortckpt"
 
 
-class ORTCheckpoint(ModelCheckpoint):
+class ORTCheckpoint(ModelCheckpointAdapter):
     """Save ORT CheckpointState files with `ModelCheckpoint`'s rules; optionally an inference model.
 
     Only global rank 0 writes; the other ranks wait at the strategy's barrier.
@@ -114,11 +118,7 @@ class ORTCheckpoint(ModelCheckpoint):
     @override
     def state_key(self) -> str:
         """Separate state per folder and per rule, so that two instances resume their own."""
-        return self._generate_state_key(
-            dirpath=None if self.dirpath is None else os.fspath(self.dirpath), filename=self.filename,
-            monitor=self.monitor, mode=self.mode, every_n_train_steps=self._every_n_train_steps,
-            every_n_epochs=self._every_n_epochs, train_time_interval=self._train_time_interval,
-        )
+        return self.rule_key(dirpath=None if self.dirpath is None else os.fspath(self.dirpath), filename=self.filename)
 
     # ----------------------------------------------------------------------------- public helpers
     @property
@@ -158,20 +158,7 @@ class ORTCheckpoint(ModelCheckpoint):
             check_writable(folder)
             remove_stale_temps(folder)
         if stage == "fit":
-            self._continue_last(pl_module)
-
-    def _continue_last(self, pl_module: pl.LightningModule) -> None:
-        """A run resumed with ``checkpoint=`` replaces the folder's ``last`` file instead of adding ``last-v1``.
-
-        NOTE: ``ModelCheckpoint`` keeps an existing ``last`` of another run and versions its own; a
-        ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
-        restored state names the file to replace).
-        """
-        if self.last_model_path or not self.save_last or _module(pl_module).start_progress["global_step"] == 0:
-            return
-        last = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
-        if os.path.isfile(last):
-            self.last_model_path = last
+            _continue_last(self, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -192,7 +179,23 @@ class ORTCheckpoint(ModelCheckpoint):
 
     # ----------------------------------------------------------------------------- ModelCheckpoint's file access
     @override
-    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+    def write_file(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Write the ORT checkpoint `filepath` on global rank 0 (atomically, with its digest); the others wait."""
+        module = _module(trainer.lightning_module)
+        if trainer.is_global_zero:
+            module.save_ort_checkpoint(
+                filepath, include_optimizer_state=self.include_optimizer_state, properties=_properties(self, trainer)
+            )
+        trainer.strategy.barrier("ORTCheckpoint.save")
+
+    @override
+    def remove_file(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Remove a replaced file with its ``.sha256`` digest."""
+        if trainer.is_global_zero:
+            remove_with_digest(Path(filepath))
+
+    @override
+    def resumable(self, trainer: pl.Trainer, last_files: set[str]) -> set[str]:
         """None: ``Trainer.fit(ckpt_path="last")`` must never take an ORT file for a Lightning ``.ckpt``.
 
         NOTE: Lightning asks every ModelCheckpoint for its ``last`` files and loads the newest with
@@ -202,10 +205,9 @@ class ORTCheckpoint(ModelCheckpoint):
         Raises:
             CheckpointError: when this callback's ``last`` file is the only one a ``"last"`` resume could use.
         """
-        mine = super()._find_last_checkpoints(trainer)
         others = [cb for cb in trainer.checkpoint_callbacks if not isinstance(cb, ORTCheckpoint)]
-        if mine and not others:
-            last = sorted(mine)[-1]
+        if last_files and not others:
+            last = sorted(last_files)[-1]
             raise CheckpointError(
                 f"Trainer.fit(ckpt_path='last') found only {last}, an ORT checkpoint, which Lightning cannot load "
                 "as a .ckpt; resume from it with ORTLightningModule(artifacts, checkpoint="
@@ -215,52 +217,53 @@ class ORTCheckpoint(ModelCheckpoint):
         return set()
 
     @override
-    def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-        candidates = super()._monitor_candidates(trainer)
+    def with_progress(self, trainer: pl.Trainer, candidates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``epoch`` and ``step`` counted across resumes from ``ORTLightningModule(..., checkpoint=...)``."""
         start = _module(trainer.lightning_module).start_progress
         candidates["epoch"] = candidates["epoch"] + start["epoch"]
         candidates["step"] = candidates["step"] + start["global_step"]
         return candidates
 
     @override
-    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        if self.save_top_k != 0 and self.monitor is not None and self.monitor not in monitor_candidates:
-            # NOTE: ModelCheckpoint only warns before the first validation and then saves nothing.
+    def before_top_k(self, trainer: pl.Trainer, candidates: dict[str, torch.Tensor]) -> None:
+        """Refuse a `monitor` that was never logged.
+
+        NOTE: ModelCheckpoint only warns before the first validation and then saves nothing.
+
+        Raises:
+            CheckpointError: when `monitor` is not among the logged metrics.
+        """
+        if self.save_top_k != 0 and self.monitor is not None and self.monitor not in candidates:
             raise CheckpointError(
                 f"ORTCheckpoint(monitor={self.monitor!r}) found no such logged metric (logged: "
-                f"{sorted(k for k in monitor_candidates if k not in ('epoch', 'step'))}); log it with self.log, "
+                f"{sorted(k for k in candidates if k not in ('epoch', 'step'))}); log it with self.log, "
                 "or save after validation (every_n_epochs) so that validation metrics exist when it saves."
             )
-        super()._save_topk_checkpoint(trainer, monitor_candidates)
 
-    @override
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        module = _module(trainer.lightning_module)
-        if trainer.is_global_zero:
-            module.save_ort_checkpoint(
-                filepath, include_optimizer_state=self.include_optimizer_state, properties=self._properties(trainer)
-            )
-        trainer.strategy.barrier("ORTCheckpoint.save")
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = filepath
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(proxy(self))
 
-    @override
-    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        if trainer.is_global_zero:
-            remove_with_digest(Path(filepath))
+def _continue_last(callback: ORTCheckpoint, pl_module: pl.LightningModule) -> None:
+    """A run resumed with ``checkpoint=`` replaces the folder's ``last`` file instead of adding ``last-v1``.
 
-    def _properties(self, trainer: pl.Trainer) -> dict[str, int | float | str]:
-        candidates = self._monitor_candidates(trainer)
-        properties: dict[str, int | float | str] = {
-            "epoch": int(candidates["epoch"]), "global_step": int(candidates["step"])
-        }
-        if self.monitor is not None and self.monitor in candidates:
-            properties["monitor"] = self.monitor
-            properties["monitor_value"] = float(candidates[self.monitor])
-        return properties
+    NOTE: ``ModelCheckpoint`` keeps an existing ``last`` of another run and versions its own; a
+    ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
+    restored state names the file to replace).
+    """
+    if callback.last_model_path or not callback.save_last or _module(pl_module).start_progress["global_step"] == 0:
+        return
+    last = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
+    if os.path.isfile(last):
+        callback.last_model_path = last
+
+
+def _properties(callback: ORTCheckpoint, trainer: pl.Trainer) -> dict[str, int | float | str]:
+    candidates = callback.candidates(trainer)
+    properties: dict[str, int | float | str] = {
+        "epoch": int(candidates["epoch"]), "global_step": int(candidates["step"])
+    }
+    if callback.monitor is not None and callback.monitor in candidates:
+        properties["monitor"] = callback.monitor
+        properties["monitor_value"] = float(candidates[callback.monitor])
+    return properties
 
 
 def _fast_dev_run(trainer: pl.Trainer) -> bool:
