@@ -187,8 +187,9 @@ def test_missing_monitor_is_a_clear_error(mlp_adamw: Exported, tmp_path: Path) -
         (dict(every_n_train_steps=-1), r"`every_n_train_steps` to be an int >= 0"),
         (dict(save_top_k=2), r"save_top_k=2, monitor=None\) has nothing to rank files by; pass a `monitor`"),
         (dict(every_n_train_steps=2, every_n_epochs=1), r"mutually exclusive; pass only one of every_n_train_steps"),
+        (dict(save_last="link"), r"`save_last` to be True or False, but got 'link'; ORTCheckpoint writes last.ortckpt"),
     ],
-    ids=["mode", "top_k", "steps", "top_k_without_monitor", "exclusive_triggers"],
+    ids=["mode", "top_k", "steps", "top_k_without_monitor", "exclusive_triggers", "save_last_link"],
 )
 def test_bad_options_are_refused(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):

@@ -99,7 +99,7 @@ class ORTCheckpoint(ModelCheckpointAdapter):
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
     ) -> None:
-        _check_options(every_n_train_steps, every_n_epochs, mode, save_top_k, monitor)
+        _check_options(every_n_train_steps, every_n_epochs, mode, save_top_k, monitor, save_last)
         try:
             super().__init__(
                 dirpath=None if dirpath is None else os.fspath(dirpath), filename=filename, monitor=monitor,
@@ -277,8 +277,15 @@ def _module(pl_module: pl.LightningModule) -> Checkpointable:
 
 
 def _check_options(
-    every_n_train_steps: int | None, every_n_epochs: int | None, mode: str, save_top_k: int, monitor: str | None
+    every_n_train_steps: int | None, every_n_epochs: int | None, mode: str, save_top_k: int, monitor: str | None,
+    save_last: object = True,
 ) -> None:
+    if not isinstance(save_last, bool):
+        # NOTE: Lightning's save_last="link" links the .ortckpt but not the sha256 file beside it.
+        raise ConfigurationError(
+            f"Expected argument `save_last` to be True or False, but got {save_last!r}; ORTCheckpoint writes "
+            "last.ortckpt as a file of its own (with its digest), so pass save_last=True."
+        )
     for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ConfigurationError(f"Expected argument `{name}` to be an int >= 0 or None, but got {value!r}.")
