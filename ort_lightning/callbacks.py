@@ -167,11 +167,28 @@ class ORTCheckpoint(ModelCheckpoint):
         ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
         restored state names the file to replace).
         """
-        if self.last_model_path or not self.save_last or _module(pl_module).start_progress["global_step"] == 0:
+        if _module(pl_module).start_progress["global_step"] != 0:
+            self._adopt_last()
+
+    def _adopt_last(self) -> None:
+        """Take the folder's ``last`` file as this run's own, when no other is known."""
+        if self.last_model_path or not self.save_last:
             return
         last = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
         if os.path.isfile(last):
             self.last_model_path = last
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state a ``ckpt_path=`` resume's ``.ckpt`` holds, and go on replacing its ``last`` file.
+
+        NOTE: Lightning's ModelCheckpoint saves the ``.ckpt`` before this callback saves the same step,
+        so a ``.ckpt`` of the first save names no ``last`` file of this callback yet; without adopting
+        it, the version counter would write ``last-v1`` from then on and leave ``last`` behind, stale.
+        """
+        super().load_state_dict(state_dict)
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            self._adopt_last()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

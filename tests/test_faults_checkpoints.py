@@ -94,8 +94,9 @@ def test_every_kill_resumes_both_ways_bit_equal_to_a_run_never_killed(mlp_adamw:
 
 def test_last_takes_the_lightning_ckpt_when_the_ort_file_is_newer(mlp_adamw: Exported, tmp_path: Path) -> None:
     # The state a kill between the two writes of one step leaves: last.ortckpt newer than last.ckpt.
+    # (save_top_k=1: ModelCheckpoint then writes last.ckpt at the epoch's end, before ORTCheckpoint's first file.)
     def callbacks() -> list[pl.Callback]:
-        return [ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0), ORTCheckpoint(tmp_path)]
+        return [ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=1), ORTCheckpoint(tmp_path)]
 
     first = ORTLightningModule(mlp_adamw.artifacts, lr=0.05, lr_scheduler="constant")
     _trainer(callbacks=callbacks()).fit(first, _loader())
@@ -105,6 +106,11 @@ def test_last_takes_the_lightning_ckpt_when_the_ort_file_is_newer(mlp_adamw: Exp
     trainer = _trainer(callbacks=callbacks(), max_epochs=2)
     trainer.fit(resumed, _loader(), ckpt_path="last")
     assert trainer.ckpt_path == os.path.normpath(tmp_path / "last.ckpt")
+    # last.ckpt holds ORTCheckpoint's state from before its own save of that step (no `last` yet): the
+    # resumed run still writes last.ortckpt, the file to resume from, not a last-v1.ortckpt beside it
+    assert sorted(path.name for path in tmp_path.glob("last*.ortckpt")) == ["last.ortckpt"]
+    assert ORTLightningModule(mlp_adamw.artifacts, checkpoint=tmp_path / "last.ortckpt").start_progress[
+        "global_step"] == 8
     # the reference: the same two epochs never interrupted
     whole = ORTLightningModule(mlp_adamw.artifacts, lr=0.05, lr_scheduler="constant")
     _trainer(max_epochs=2, enable_checkpointing=False, default_root_dir=tmp_path / "whole").fit(whole, _loader())
