@@ -206,7 +206,7 @@ def main() -> None:
     reference = _child(lambda: _reference(artifacts, out))
     counts: dict[str, Any] = dict(trials=0, killed=0, finished_before_kill=0, unresumable=0, start_steps=[],
                                   ckpt_path_equal=0, checkpoint_equal=0, ortckpt_newer=0, misses=[],
-                                  ended_run_resumes=0, ortckpt_behind=0)
+                                  ended_run_resumes=0, ortckpt_versioned=0)
     run_index, run, checks = 0, out / "run0", None
     while counts["killed"] < args.kills and counts["trials"] < 3 * args.kills:
         counts["trials"] += 1
@@ -305,14 +305,15 @@ def _collect(checks: Checks | None, counts: dict[str, Any]) -> None:
     """
     if checks is None:
         return
-    steps = {way: _count(way, _wait(pid), checks, counts) for way, pid in checks.children.items()}
-    # NOTE: each step writes last.ckpt, then last.ortckpt: the ORT file is of that step or the one before
-    if steps["ckpt_path"] is not None and steps["checkpoint"] is not None:
-        counts["ortckpt_behind"] += steps["checkpoint"] < steps["ckpt_path"] - 1
+    for way, pid in checks.children.items():
+        _count(way, _wait(pid), checks, counts)
+    # NOTE: a run resumed through ckpt_path goes on writing last.ortckpt: a last-v1.ortckpt beside it
+    # would leave last.ortckpt, the file a checkpoint= resume takes, behind for good
+    counts["ortckpt_versioned"] += any(name.startswith("last-v") and ".ortckpt" in name for name in checks.listing)
 
 
-def _count(way: str, code: int, checks: Checks, counts: dict[str, Any]) -> int | None:
-    """Count one resume's outcome; return the step it started at (None: it failed, reported as a miss)."""
+def _count(way: str, code: int, checks: Checks, counts: dict[str, Any]) -> None:
+    """Count one resume's outcome (a failed one is reported as a miss)."""
     result = checks.out / f"{way}.json"
     if code != 0 or not result.exists():
         counts["unresumable"] += 1
@@ -321,13 +322,12 @@ def _count(way: str, code: int, checks: Checks, counts: dict[str, Any]) -> int |
                                  "stderr": stderr})
         print(f"unresumable by {way}: trial {checks.trial} (exit {code}); files at the kill: {checks.listing}\n"
               f"{stderr}", file=sys.stderr)
-        return None
+        return
     outcome = json.loads(result.read_text())
     print(f"trial {checks.trial} {way}: {outcome}", file=sys.stderr)
     counts["start_steps"].append(outcome["step"])
     counts[f"{way}_equal"] += outcome["start_equal"] and outcome["end_equal"]
     counts["ended_run_resumes"] += way == "ckpt_path" and outcome["ended"]
-    return int(outcome["step"])
 
 
 def _temps_after_finishing(artifacts: Path, run: Path) -> int:
