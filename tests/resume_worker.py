@@ -11,8 +11,7 @@ forks a child per run (no ORT session exists in the parent when it forks). Each 
 2. on a copy of the run folder, one child resumes with ``Trainer.fit(ckpt_path="last")``, another
    with ``ORTLightningModule(..., checkpoint=last.ortckpt)``; each compares its parameters where it
    starts and where it ends with an uninterrupted run's at the same steps, bit for bit; a resume
-   that fails is reported with its stderr and the files the kill left (``misses``). These two
-   resumes run while the next trial's trainer child runs.
+   that fails is reported with its stderr and the files the kill left (``misses``).
 
 Last, the run is finished, started once more and resumed both ways: the state that a kill just after
 the last step's writes leaves, which random kills meet about once in 40.
@@ -207,20 +206,18 @@ def main() -> None:
     counts: dict[str, Any] = dict(trials=0, killed=0, finished_before_kill=0, unresumable=0, start_steps=[],
                                   ckpt_path_equal=0, checkpoint_equal=0, ortckpt_newer=0, misses=[],
                                   ended_run_resumes=0, ortckpt_versioned=0)
-    run_index, run, checks = 0, out / "run0", None
+    run_index, run = 0, out / "run0"
     while counts["killed"] < args.kills and counts["trials"] < 3 * args.kills:
         counts["trials"] += 1
         code = _train_and_kill(artifacts, run, rng, args.max_delay, counts)
         if reference is not None and _wait(reference) != 0:
             raise SystemExit("the uninterrupted reference run failed")
+        # NOTE: the reference run (needed from the first resume on) runs beside the first trial's trainer
         reference = None
-        # NOTE: one trial's resumes run while the next trial trains (the cores are otherwise half idle)
-        _collect(checks, counts)
-        checks = _start_checks(artifacts, run, out, counts["trials"])
+        _collect(_start_checks(artifacts, run, out, counts["trials"]), counts)
         if code == 0:
             run_index += 1
             run = out / f"run{run_index}"
-    _collect(checks, counts)
     counts["temps_left"] = _temps_after_finishing(artifacts, run)
     _resume_ended_run(artifacts, run, out, counts)
     counts["seconds"] = round(time.perf_counter() - started, 1)
@@ -298,13 +295,11 @@ def _start_checks(artifacts: Path, run: Path, out: Path, trial: int) -> Checks:
     return Checks(trial, out, children, _listing(run))
 
 
-def _collect(checks: Checks | None, counts: dict[str, Any]) -> None:
-    """Wait for one trial's resumes and count what each found (nothing for None).
+def _collect(checks: Checks, counts: dict[str, Any]) -> None:
+    """Wait for one trial's resumes and count what each found.
 
     A resume that fails is reported with its stderr and the files the kill left, so that a miss explains itself.
     """
-    if checks is None:
-        return
     for way, pid in checks.children.items():
         _count(way, _wait(pid), checks, counts)
     # NOTE: a run resumed through ckpt_path goes on writing last.ortckpt: a last-v1.ortckpt beside it
