@@ -161,6 +161,18 @@ class ORTCheckpoint(ModelCheckpointAdapter):
             _continue_last(self, pl_module)
 
     @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state a ``ckpt_path=`` resume's ``.ckpt`` holds, and go on replacing its ``last`` file.
+
+        NOTE: Lightning's ModelCheckpoint saves the ``.ckpt`` before this callback saves the same step,
+        so a ``.ckpt`` of the first save names no ``last`` file of this callback yet; without adopting
+        it, the version counter would write ``last-v1`` from then on and leave ``last`` behind, stale.
+        """
+        super().load_state_dict(state_dict)
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            _adopt_last(self)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write ``last`` if no save happened yet, except where ``ModelCheckpoint`` writes nothing."""
         # NOTE: ModelCheckpoint's own on_train_end writes `last` even under fast_dev_run, where its
@@ -248,7 +260,13 @@ def _continue_last(callback: ORTCheckpoint, pl_module: pl.LightningModule) -> No
     ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
     restored state names the file to replace).
     """
-    if callback.last_model_path or not callback.save_last or _module(pl_module).start_progress["global_step"] == 0:
+    if _module(pl_module).start_progress["global_step"] != 0:
+        _adopt_last(callback)
+
+
+def _adopt_last(callback: ORTCheckpoint) -> None:
+    """Take the folder's ``last`` file as `callback`'s own, when it knows no other."""
+    if callback.last_model_path or not callback.save_last:
         return
     last = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
     if os.path.isfile(last):
