@@ -71,10 +71,10 @@ class ORTOptimizer(torch.optim.Optimizer):
         """Update `session` from now on: a rebuild of the running session (`ort_lightning.training.session.live`).
 
         ``param_groups`` hold the module's parameters, which a rebuild re-points at the new memory
-        (the same objects), and ORT keeps the moments and the step; a scheduler holds this object.
+        (the same objects), and ORT keeps the moments and the step; a scheduler holds this object. The
+        lr reaches the new session at the next `step`, as it does every step.
         """
         self.session = session
-        session.set_lr(float(self.param_groups[0]["lr"]))
         device = torch.device(session.device)
         self._cuda_device = device if device.type == "cuda" else None
 

@@ -68,8 +68,9 @@ class LiveSession:
         module: the module the ORT parameters are registered on.
         artifacts: what to build from.
         steps: the module's step path; it follows every build.
-        optimizers: returns the optimizers of the fit in progress (none outside one); those with a
-            ``follow(session)`` method (`SessionFollower`) follow every rebuild.
+        optimizers: returns the trainer's optimizers (none without a trainer); those with a
+            ``follow(session)`` method (`SessionFollower`) follow every rebuild. A finished fit's
+            optimizers may follow too: harmless, the next fit configures new ones.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         spinning: whether ORT's worker threads spin between steps.
         intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
