@@ -90,7 +90,7 @@ class LightningORT:
 
     def describe(self) -> str:
         """The thread policy's choice after the warm-up, and why."""
-        return self.module._threads.reason
+        return self.module.thread_policy.reason
 
 
 class LightningORTHybrid(LightningORT):

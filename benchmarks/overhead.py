@@ -84,7 +84,7 @@ class _TimedSession(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         # NOTE: after on_fit_start, where the thread policy may have rebuilt the session.
-        session = pl_module._session
+        session = pl_module.ort_session
         self._saved = (session, session._train, session.optimizer_step)
         session._train = self.clock.timed(session._train)
         session.optimizer_step = self.clock.timed(session.optimizer_step, ends_step=True)

@@ -56,7 +56,7 @@ class DumpState(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # NOTE: ORT's own state, not the module's tensors: it is what the next step trains.
-        state = {view.name: view.data.clone() for view in parameter_views(pl_module._session)}
+        state = {view.name: view.data.clone() for view in parameter_views(pl_module.ort_session)}
         syncs = getattr(trainer.strategy, "gradient_syncs", None)
         torch.save({"state": state, "syncs": syncs, "world": trainer.world_size},
                    self.out / f"rank{trainer.global_rank}.pt")

@@ -28,7 +28,7 @@ class _Ranks(L.Callback):
         ranks = {"global_rank": trainer.global_rank, "node_rank": trainer.node_rank,
                  "local_rank": trainer.local_rank, "world_size": trainer.world_size}
         (self.folder / "rank.json").write_text(json.dumps(ranks))
-        torch.save({view.name: view.data.clone() for view in parameter_views(pl_module._session)},
+        torch.save({view.name: view.data.clone() for view in parameter_views(pl_module.ort_session)},
                    self.folder / "state.pt")
 
 

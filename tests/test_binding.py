@@ -34,7 +34,7 @@ def _ort_pointers(module: ORTLightningModule) -> dict[str, tuple[int, int | None
     """Addresses of ORT's parameter and gradient buffers, read from ORT's state itself."""
     return {
         view.name: (view.data.data_ptr(), None if view.grad is None else view.grad.data_ptr())
-        for view in parameter_views(module._session)
+        for view in parameter_views(module.ort_session)
     }
 
 

@@ -162,7 +162,7 @@ def test_a_cut_gradient_view_is_bound_again_before_the_all_reduce(mlp_adamw: Exp
     trainer = _fit(module, "ort_ddp", callbacks=[_CutGradients()])
     assert trainer.strategy.gradient_syncs == 2
     weight = module.get_parameter("fc1.weight")
-    (view,) = [grad for parameter, grad in module._gradients.pairs if parameter is weight]
+    (view,) = [grad for parameter, grad in module._live.views.gradients.pairs if parameter is weight]
     assert weight.grad is view, "the view of ORT's gradient buffer is .grad again"
     assert not torch.equal(weight.detach(), before), "the update reached the parameter whose .grad was cut"
 
@@ -218,12 +218,12 @@ def test_ort_threads_stop_spinning_when_ranks_share_the_cpu() -> None:
 
 def test_a_session_rebuilt_without_spinning_keeps_training_from_where_it_was(mlp_adamw: Exported) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts)
-    assert module._session.spinning is True
+    assert module.ort_session.spinning is True
     before = module.get_parameter("fc1.weight").detach().clone()
     trainer = _fit(module, ORTDDPStrategy(allow_spinning=False))
-    assert module._session.spinning is False
+    assert module.ort_session.spinning is False
     weight = module.get_parameter("fc1.weight")
     assert not torch.equal(weight.detach(), before), "the rebuilt session trained"
-    views = {view.name: view for view in parameter_views(module._session)}
+    views = {view.name: view for view in parameter_views(module.ort_session)}
     assert weight.data_ptr() == views["fc1.weight"].data.data_ptr(), "the parameter is a view of the new session"
     assert trainer.strategy.gradient_syncs == 2

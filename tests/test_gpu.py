@@ -23,7 +23,7 @@ def test_gpu_fit_with_accumulation_and_clipping_matches_torch(mlp_adamw: Exporte
     module = ORTLightningModule(mlp_adamw.artifacts, lr=ADAMW_LR, lr_scheduler="constant")
     trainer = _trainer(accelerator="gpu", devices=1, accumulate_grad_batches=accumulate, gradient_clip_val=0.1)
     trainer.fit(module, _loader())
-    assert module._session.device.startswith("cuda")
+    assert module.ort_session.device.startswith("cuda")
     assert all(p.is_cuda for p in module.parameters())
     reference = mlp_adamw.reference().cuda()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)

@@ -69,7 +69,7 @@ def default_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
 def _tuned(module: ORTLightningModule) -> ORTLightningModule:
     """Make the module's policy measure its candidates within a short fit (warm-up 1, 3 batches each)."""
-    policy = module._threads
+    policy = module.thread_policy
     policy.min_fit_steps, policy.warmup, policy.block, policy.rounds = 0, 1, 3, 1
     return module
 
@@ -82,9 +82,9 @@ def test_torch_threads_are_lowered_during_the_fit_and_restored_after(
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
     _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
     assert probe.seen == [1] * STEPS  # a short fit keeps the first candidate, unmeasured
-    assert "unmeasured" in module._threads.reason
+    assert "unmeasured" in module.thread_policy.reason
     assert torch.get_num_threads() == default_threads
-    assert module._session.intra_op_threads == available_cores()
+    assert module.ort_session.intra_op_threads == available_cores()
 
 
 @multicore
@@ -105,10 +105,10 @@ def test_the_candidates_are_measured_and_the_choice_is_kept(
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     with caplog.at_level("INFO", logger="ort_lightning.training.threads.policy"):
         _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
-    plan = 1 + 3 * len(module._threads.candidates(available_cores(), session=True))
-    choice = module._threads.choice
+    plan = 1 + 3 * len(module.thread_policy.candidates(available_cores(), session=True))
+    choice = module.thread_policy.choice
     assert choice is not None
-    assert module._threads.reason.startswith("measured per step")
+    assert module.thread_policy.reason.startswith("measured per step")
     assert set(probe.seen[plan:]) == {choice.torch_threads}
     logged = [r.message for r in caplog.records if r.name == "ort_lightning.training.threads.policy"]
     assert len(logged) == 1
@@ -135,11 +135,11 @@ def test_a_fit_whose_own_torch_work_outweighs_orts_keeps_torchs_threads(
     probe = _ThreadProbe()
     module = _tuned(_TorchHeavy(mlp_adamw.artifacts, lr=0.01))
     _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
-    choice = module._threads.choice
+    choice = module.thread_policy.choice
     assert choice is not None
-    assert module._threads.reason.startswith("measured per step"), module._threads.reason
-    assert choice.torch_threads == available_cores(), module._threads.reason
-    plan = 1 + 3 * len(module._threads.candidates(available_cores(), session=True))
+    assert module.thread_policy.reason.startswith("measured per step"), module.thread_policy.reason
+    assert choice.torch_threads == available_cores(), module.thread_policy.reason
+    plan = 1 + 3 * len(module.thread_policy.candidates(available_cores(), session=True))
     assert set(probe.seen[plan:]) == {available_cores()}
     assert torch.get_num_threads() == default_threads
 
@@ -152,7 +152,7 @@ def test_a_torch_optimizer_updates_on_one_thread_beside_spinning_ort(
     optimizer.seen = []
     probe = _ThreadProbe()
     module = ORTLightningModule(mlp_adamw.artifacts, optimizer=lambda p: optimizer(p, lr=0.01), lr_scheduler="constant")
-    assert module._session.spinning is True
+    assert module.ort_session.spinning is True
     _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
     assert set(optimizer.seen) == {1}
     assert set(probe.seen) == {1}
@@ -166,7 +166,7 @@ class _SessionProbe(L.Callback):
         self.seen: list[tuple[bool, int]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        session = pl_module._session  # type: ignore[attr-defined]
+        session = pl_module.ort_session  # type: ignore[attr-defined]
         self.seen.append((session.spinning, session.intra_op_threads))
 
 
@@ -179,22 +179,22 @@ def test_ort_on_one_thread_is_measured_between_steps(
     _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
     cores = available_cores()
     assert {(True, cores), (True, 1)} <= set(probe.seen)
-    choice = module._threads.choice
+    choice = module.thread_policy.choice
     assert choice is not None
     expected = (True, choice.ort_threads or cores)
-    assert probe.seen[-1] == expected == (module._session.spinning, module._session.intra_op_threads)
+    assert probe.seen[-1] == expected == (module.ort_session.spinning, module.ort_session.intra_op_threads)
 
 
 @multicore
 def test_a_later_fit_keeps_the_measured_choice(mlp_adamw: Exported, default_threads: int) -> None:
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     _trainer(max_steps=STEPS).fit(module, _loader())
-    measured = module._threads.choice
-    module._threads.min_fit_steps = 10_000  # the next fit is too short to measure anything
+    measured = module.thread_policy.choice
+    module.thread_policy.min_fit_steps = 10_000  # the next fit is too short to measure anything
     probe = _SessionProbe()
     _trainer(max_steps=4, callbacks=[probe]).fit(module, _loader())
-    assert module._threads.choice == measured
-    assert module._threads.reason.startswith("measured in an earlier fit")
+    assert module.thread_policy.choice == measured
+    assert module.thread_policy.reason.startswith("measured in an earlier fit")
     assert measured is not None
     assert set(probe.seen) == {(True, measured.ort_threads or available_cores())}
 
@@ -237,7 +237,7 @@ def test_a_thread_count_the_user_set_is_left_alone(mlp_adamw: Exported, default_
     _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
     assert set(probe.seen) == {mine}
     assert torch.get_num_threads() == mine
-    assert "torch.set_num_threads" in module._threads.reason
+    assert "torch.set_num_threads" in module.thread_policy.reason
 
 
 def test_omp_num_threads_in_the_environment_is_left_alone(
@@ -248,7 +248,7 @@ def test_omp_num_threads_in_the_environment_is_left_alone(
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
     _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
     assert set(probe.seen) == {default_threads}
-    assert "OMP_NUM_THREADS" in module._threads.reason
+    assert "OMP_NUM_THREADS" in module.thread_policy.reason
 
 
 def test_threads_off_changes_nothing(mlp_adamw: Exported, default_threads: int) -> None:
@@ -256,7 +256,7 @@ def test_threads_off_changes_nothing(mlp_adamw: Exported, default_threads: int) 
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01, threads="off")
     _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
     assert set(probe.seen) == {default_threads}
-    assert (module._session.spinning, module._session.intra_op_threads) == (True, 0)
+    assert (module.ort_session.spinning, module.ort_session.intra_op_threads) == (True, 0)
 
 
 def test_ranks_sharing_the_cpu_share_ort_threads_and_an_explicit_spinning_wins() -> None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SUPPORTED_PRECISION",
     "check_can_train",
+    "check_precision",
     "check_model_outputs",
     "check_torch_parameters",
     "label_range_of",
@@ -74,6 +75,19 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
     ignore_index = manifest.loss_options.get("ignore_index")
     return LabelRange(manifest.labels[0].name, index=len(manifest.inputs), classes=classes, ignore_index=ignore_index,
                       reduction=manifest.loss_options.get("reduction", "mean"))
+
+
+def check_precision(precision: Any) -> None:
+    """Refuse a Trainer precision other than ``"32-true"``.
+
+    Raises:
+        ConfigurationError: naming the precision to use.
+    """
+    if not precision_supported(str(precision)):
+        raise ConfigurationError(
+            f"ORT training graphs run in float32, but the Trainer has precision={str(precision)!r}; "
+            f"use Trainer(precision={SUPPORTED_PRECISION!r})."
+        )
 
 
 def check_can_train(artifacts: TrainingArtifacts) -> None:

@@ -19,53 +19,46 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, to_torch
-from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.strategies import check_strategy
-from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
+from ort_lightning.training.checkpointing.connector import CheckpointConnector
 from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
 from ort_lightning.training.checkpointing.io import install_atomic_io
-from ort_lightning.training.guards import (
-    SUPPORTED_PRECISION,
-    check_can_train,
-    check_model_outputs,
-    check_torch_parameters,
-    label_range_of,
-    precision_supported,
-    updated_parameters,
-)
+from ort_lightning.training.checkpointing.methods import CheckpointMethods
+from ort_lightning.training.guards import check_precision, check_torch_parameters, label_range_of, updated_parameters
 from ort_lightning.training.metrics import stage_metrics_for
 from ort_lightning.training.optim import hybrid as _hybrid
-from ort_lightning.training.optim.graph_schedule import check_graph_schedule
-from ort_lightning.training.optim.ort_optimizer import LinearLRSchedule, ORTOptimizer
+from ort_lightning.training.optim.configure import configure
+from ort_lightning.training.optim.graph_schedule import module_schedule
+from ort_lightning.training.optim.ort_optimizer import LinearLRSchedule
 from ort_lightning.training.optim.schedules import (
     SchedulerFactory,
     check_lr_scheduler,
     check_not_finished,
-    check_schedule,
     describe,
-    lr_scheduler_config,
-    resolve_schedule,
     total_steps_of,
 )
-from ort_lightning.training.session.parameters import GradientViews, check_conversion
-from ort_lightning.training.session.session_views import DEVICE_KEY, SessionViews, load_values, values_of
+from ort_lightning.training.session.evaluation import EvaluationMethods
+from ort_lightning.training.session.live import LiveSession
+from ort_lightning.training.session.session_views import DEVICE_KEY, state_values
 from ort_lightning.training.session.step import NonFiniteGuard, StepPath
 from ort_lightning.training.threads.policy import ThreadPolicy
 
 __all__ = ["ORTLightningModule"]
 
+#: What a pickle of the module leaves out: ORT's objects (they do not pickle) and what holds them.
+_UNPICKLED = ("_live", "_checkpoints", "_schedule")
+
+
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
-class ORTLightningModule(pl.LightningModule):
+class ORTLightningModule(CheckpointMethods, EvaluationMethods):
     """Train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
     The ORT components (CheckpointState, Module, Optimizer) are built at once on the CPU, and
@@ -155,9 +148,8 @@ class ORTLightningModule(pl.LightningModule):
         self._optimizer_factory = optimizer
         self._nonfinite = NonFiniteGuard(on_nonfinite)
         self.custom_op_library = None if custom_op_library is None else os.fspath(custom_op_library)
-        self.artifacts = (
-            artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts, labels=labels)
-        )
+        self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(
+            artifacts, labels=labels)
         self.artifacts.check_labels(labels)
         # NOTE: a subclass's training_step may run ORT's graph and then return None; under
         # accumulation that micro-batch's gradients are then kept apart until it counts.
@@ -165,19 +157,13 @@ class ORTLightningModule(pl.LightningModule):
         self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
-        self._schedule: Any = None  # the scheduler of the current fit
-        self._checkpoints = CheckpointConnector(self)
         source = None if checkpoint is None else Path(checkpoint)
         self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(
             read_checkpoint(source, self.artifacts, weights_given=values is not None)))
-        self._attach(SessionViews(self, self.artifacts, device=device, checkpoint=source, values=values,
-                                  custom_op_library=self.custom_op_library, **self._thread_options(None)))
-        schedule = resolve_schedule(
-            lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=self._origin.properties
-        )
-        check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
-        check_graph_schedule(self.artifacts.manifest.lr_schedule, schedule, lr_scheduler,
-                             folder=self.artifacts.directory, on_nonfinite=on_nonfinite, hybrid=optimizer is not None)
+        self._start_session(device, checkpoint=source, values=values)
+        schedule = module_schedule(self.artifacts, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                                   stored=self._origin.properties, lr_scheduler=lr_scheduler,
+                                   on_nonfinite=on_nonfinite, hybrid=optimizer is not None)
         self.lr, self.warmup_steps, self.total_steps = schedule.lr, schedule.warmup_steps, schedule.total_steps
         self.lr_scheduler = lr_scheduler
         self.save_hyperparameters(
@@ -193,64 +179,36 @@ class ORTLightningModule(pl.LightningModule):
             self.add_module(f"{stage}_metrics", collection)
         self._label_index = len(self.artifacts.manifest.inputs)
         self._labels = label_range_of(self.artifacts) if check_labels else None
+        self._connect_checkpoints()
 
     # ----------------------------------------------------------------------------- the ORT session
-    def _attach(self, views: SessionViews) -> None:
-        """Make `views` this module's ORT session; the step path follows it."""
-        self._ort = views
-        self._steps.attach(views.session, views.gradients)
-
     @property
-    def _session(self) -> _ort.TrainingSession:
-        return self._ort.session
+    def ort_session(self) -> _ort.TrainingSession:
+        """The running ORT objects (``device``, ``spinning``, ``intra_op_threads``, ``get_lr()``), read-only.
 
-    @property
-    def _gradients(self) -> GradientViews:
-        return self._ort.gradients
-
-    @property
-    def _train_inputs(self) -> BatchBinder:
-        return self._ort.train_inputs
-
-    @property
-    def _train_step(self) -> Callable[[Any], Any]:
-        return self._ort.train_step
-
-    def _thread_options(self, strategy: Any) -> dict[str, Any]:
-        """ORT's spinning and intra-op pool size under `strategy`, as the thread policy wants them."""
-        policy = self._threads
-        return {"spinning": policy.spinning(strategy), "intra_op_threads": policy.session_threads(strategy)}
-
-    def _use_session_threads(self, spinning: bool, intra_op_threads: int) -> None:
-        """Run ORT with these thread settings from the next step on (the thread policy's candidates).
-
-        Between two optimizer steps only: the session is rebuilt from a snapshot of its exact state
-        (weights, the optimizer's step and moments), and the fit's optimizers follow it.
+        Another object after every rebuild (a new device, thread setting, restored ``.ckpt`` or
+        fresh optimizer state): read it again rather than keep it.
         """
-        session = self._session
-        if (session.spinning, session.intra_op_threads) == (spinning, intra_op_threads):
-            return
-        self._attach(self._ort.rebuilt(self, spinning=spinning, intra_op_threads=intra_op_threads))
-        for optimizer in self.trainer.optimizers:
-            if hasattr(optimizer, "session"):
-                optimizer.session = self._session
+        return self._live.session
 
-    def _set_origin(self, origin: RunOrigin) -> None:
-        """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
-        self._origin = origin
-        self._steps.step_offset = origin.step
-        if origin.seed is not None:
-            self._steps.seed = origin.seed
+    @property
+    def thread_policy(self) -> ThreadPolicy:
+        """The thread policy of this module's fits: its ``choice`` and the ``reason`` for it (see `ThreadPolicy`)."""
+        return self._threads
 
-    def _restart_optimizer(self) -> None:
-        """Rebuild the ORT components from the current weights with a fresh optimizer state.
+    def _start_session(self, device: str, *, checkpoint: Path | None = None, values: Any = None) -> None:
+        """Build the ORT session (`LiveSession`, the only place it is built and changed)."""
+        threads = self._threads
+        self._schedule: Any = None  # the scheduler of the current fit
+        self._live = LiveSession(
+            self, self.artifacts, self._steps, device=device, spinning=threads.spinning(None),
+            intra_op_threads=threads.session_threads(None), custom_op_library=self.custom_op_library,
+            checkpoint=checkpoint, values=values,
+            optimizers=lambda: () if self._trainer is None else self.trainer.optimizers)
 
-        What torch Lightning gets on every ``fit``: ``configure_optimizers`` makes a new optimizer
-        (step 0, no moments), so a second ``fit`` warms up and decays again instead of staying at
-        the end of the first one's schedule; its steps and epochs count from 0.
-        """
-        self._attach(self._ort.rebuilt(self, include_optimizer_state=False))
-        self._set_origin(RunOrigin(seed=self._steps.seed))
+    def _connect_checkpoints(self) -> None:
+        self._checkpoints = CheckpointConnector(self._live, self._steps, self.artifacts, metrics=self._metrics,
+                                                hybrid=self._optimizer_factory is not None)
 
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
@@ -261,16 +219,11 @@ class ORTLightningModule(pl.LightningModule):
         """
         check_strategy(self.trainer.strategy)
         install_atomic_io(self.trainer.strategy)
-        self._threads.register(self.trainer)
-        precision = str(self.trainer.precision)
-        if not precision_supported(precision):
-            raise ConfigurationError(
-                f"ORT training graphs run in float32, but the Trainer has precision={precision!r}; "
-                f"use Trainer(precision={SUPPORTED_PRECISION!r})."
-            )
+        self._threads.register(self.trainer, self._live.use_threads)
+        check_precision(self.trainer.precision)
         if stage == "fit" and type(self).configure_optimizers is ORTLightningModule.configure_optimizers:
             # NOTE: before ModelSummary prints, so that it never counts an idle torch part as trainable.
-            check_torch_parameters(self, _hybrid.trainable(self._gradients.pairs))
+            check_torch_parameters(self, self._live.views.trainable)
 
     @override
     def configure_model(self) -> None:
@@ -283,52 +236,19 @@ class ORTLightningModule(pl.LightningModule):
         """
         if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
             return
-        device = _device_string(self.trainer.strategy.root_device)
-        threads = self._thread_options(self.trainer.strategy)
-        session = self._session
-        rebuild = device != session.device or (threads["spinning"], threads["intra_op_threads"]) != (
-            session.spinning, session.intra_op_threads)
-        if not rebuild and self._ort.attached(self):
-            return
-        values = values_of(self)
-        if rebuild:
-            self._attach(self._ort.rebuilt(self, device=device, **threads))
-        else:
-            self._ort.reattach(self)
-            self._steps.attach(self._session, self._gradients)
-        load_values(self, values)
-
-    @override
-    def forward(self, *inputs: torch.Tensor) -> Any:
-        """Run the eval graph on model inputs; return its model outputs as torch tensors.
-
-        Labels are not needed: placeholders fill the label inputs (the loss is discarded).
-        """
-        return self._outputs(self._ort.infer(inputs, entry="forward()", labels_allowed=False))
+        strategy, threads = self.trainer.strategy, self._threads
+        self._live.replace(device=_device_string(strategy.root_device), spinning=threads.spinning(strategy),
+                           intra_op_threads=threads.session_threads(strategy))
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
-        tensors, fetches, loss = self._steps.train(self._ort.train_inputs, batch, self.trainer, batch_idx, self._labels)
+        tensors, fetches, loss = self._steps.train(
+            self._live.train_inputs, batch, self.trainer, batch_idx, self._labels)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
         if self._metrics:
             self._update_metrics("train", fetches, tensors)
         return loss
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Run the eval graph and log ``val_loss`` (and the ``val_`` metrics)."""
-        return self._evaluate("val", batch)
-
-    @override
-    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Run the eval graph and log ``test_loss`` (and the ``test_`` metrics)."""
-        return self._evaluate("test", batch)
-
-    @override
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
-        """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
-        return self._outputs(self._ort.infer(batch, entry="predict_step()", labels_allowed=True))
 
     @override
     def configure_optimizers(self) -> Any:
@@ -336,28 +256,17 @@ class ORTLightningModule(pl.LightningModule):
 
         As in torch Lightning, every ``fit`` starts a fresh optimizer (step 0, no moments), except
         when the state was just restored (``checkpoint=`` before the first fit, or ``ckpt_path=``),
-        so that a resume continues exactly.
+        so that a resume continues exactly: a second ``fit`` warms up and decays again, its steps count from 0.
         """
         if self._optimizers_configured and not self._state_restored:
-            self._restart_optimizer()
+            self._live.replace(include_optimizer_state=False)  # the weights kept, a fresh optimizer state
+            self._set_origin(RunOrigin(seed=self._steps.seed))  # its steps and epochs count from 0
         self._optimizers_configured, self._state_restored = True, False
-        params = _hybrid.trainable(self._gradients.pairs)
-        optimizer: torch.optim.Optimizer
-        if self._optimizer_factory is None:
-            check_can_train(self.artifacts)
-            optimizer = ORTOptimizer(self._session, params, lr=self.lr)
-        else:
-            optimizer = _hybrid.build(self._optimizer_factory, self._session, params)
-
-        def total_steps() -> int:
-            return total_steps_of(self.trainer, self.total_steps)
-
-        scheduler = lr_scheduler_config(
-            optimizer, self.lr_scheduler, warmup_steps=self.warmup_steps, total_steps=total_steps,
-            start=self._origin.schedule,
-        )
-        self._schedule = None if scheduler is None else scheduler["scheduler"]
-        return optimizer if scheduler is None else {"optimizer": optimizer, "lr_scheduler": scheduler}
+        configured, self._schedule = configure(
+            self._live.session, self._live.views.trainable, self.artifacts,
+            factory=self._optimizer_factory, lr=self.lr, lr_scheduler=self.lr_scheduler, warmup_steps=self.warmup_steps,
+            total_steps=lambda: total_steps_of(self.trainer, self.total_steps), start=self._origin.schedule)
+        return configured
 
     @override
     def on_train_start(self) -> None:
@@ -424,196 +333,30 @@ class ORTLightningModule(pl.LightningModule):
         Raises:
             ConfigurationError: for a conversion to a dtype other than float32.
         """
-        ort: SessionViews | None = self.__dict__.get("_ort")
-        if ort is None:
+        live: LiveSession | None = self.__dict__.get("_live")
+        if live is None:
             return super()._apply(fn, recurse)
-        device = ort.device
-        try:
-            check_conversion(fn, device)
-            for name, child in self._modules.items():
-                if name not in ort.ort_children and child is not None:
-                    child._apply(fn, recurse)
-        finally:
-            # NOTE: Lightning's .to()/.half() record the new device and dtype before calling
-            # _apply; the module still lives where ORT runs it, in float32.
-            self._device = device
-            self._dtype = torch.float32
+        live.views.apply_beside(self, fn, recurse)
         return self
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save_ort_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        include_optimizer_state: bool = True,
-        properties: dict[str, int | float | str] | None = None,
-    ) -> Path:
-        """Write the ORT CheckpointState to `path` atomically, with a ``.sha256`` sidecar digest.
-
-        The file is what ``onnxruntime.training.api.CheckpointState.load_checkpoint`` reads and
-        what ``ORTLightningModule(artifacts, checkpoint=path)`` resumes from.
-
-        Args:
-            path: the checkpoint file to create or replace.
-            include_optimizer_state: also store the optimizer's step count and moments, which an
-                exact resume needs. Under hybrid training (``optimizer=`` a torch optimizer) the file
-                holds the weights only: the torch optimizer's state is in Lightning's ``.ckpt``.
-            properties: int, float or str values stored in the file. Always added: ``lr``,
-                ``ort_lightning_version``, ``optimizer_state`` (1 or 0) and ``seed`` (ORT's random
-                stream); the linear schedule's ``schedule_lr``, ``schedule_warmup_steps`` and
-                ``schedule_total_steps``; inside a fit, ``global_step``, ``epoch`` and ``next_epoch``
-                (the epoch a resume starts in), counted across resumes.
-
-        Returns:
-            The path written.
-
-        Raises:
-            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
-        """
-        self._check_parameters()
-        return self._checkpoints.save_ort_checkpoint(
-            path, include_optimizer_state=include_optimizer_state, properties=properties
-        )
-
-    def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None = None) -> Path:
-        """Write the eval graph with the current weights as a plain ONNX inference model.
-
-        The model takes the model inputs only (no labels) and runs in
-        ``onnxruntime.InferenceSession``.
-
-        Args:
-            path: the ``.onnx`` file to create or replace (atomically).
-            outputs: eval graph outputs to keep; None keeps the model's own outputs.
-
-        Returns:
-            The path written.
-
-        Raises:
-            ConfigurationError: for an output name the eval graph does not have.
-        """
-        return self._checkpoints.export_inference_model(path, outputs)
-
-    @override
-    def to_onnx(self, file_path: Any = None, input_sample: Any = None, **kwargs: Any) -> None:
-        """Write the inference model, as `export_inference_model` does (`input_sample` is not needed).
-
-        Lightning's ``to_onnx`` traces ``forward`` with ``torch.onnx``; here the graph already exists.
-
-        Raises:
-            ConfigurationError: for no file path (or a buffer), or ``torch.onnx.export`` options.
-        """
-        self._checkpoints.to_onnx(file_path, kwargs)
-
-    @property
-    def start_progress(self) -> dict[str, int]:
-        """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run.
-
-        Nonzero when the run started from an ORT checkpoint: the first epoch of this run is epoch
-        ``start_progress["epoch"]`` of the whole training, so that numbers never repeat.
-        """
-        return {"global_step": self._origin.step, "epoch": self._origin.epoch}
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the full ORT state (weights, optimizer step and moments) as uint8 bytes, the progress and identity.
-
-        Under hybrid training the weights only: the torch optimizer's state is Lightning's own entry.
-
-        Raises:
-            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
-        """
-        self._check_parameters()
-        self._checkpoints.dump(checkpoint)
-
     @override
     def on_train_epoch_end(self) -> None:
         """Stop the fit when the epoch's last update left NaN/inf in the parameters (no later loss shows it)."""
         self._check_parameters()
 
-    def _check_parameters(self) -> None:
-        # NOTE: between two saves the next step's NaN loss shows an overflowed update; the steps pay nothing.
-        if self._trainer is not None and self._trainer.training:
-            self._steps.check_parameters(self._trainer)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Rebuild the ORT components from the stored state (before ``configure_optimizers`` runs).
-
-        Raises:
-            CheckpointError: for a ``.ckpt`` of other artifacts, or metrics it was trained with and that
-                are not passed again.
-        """
-        if self._checkpoints.restore(checkpoint):
-            self._state_restored = True
-
-    @classmethod
-    @override
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's ``load_from_checkpoint``, finding a moved artifacts folder relative to the ``.ckpt``.
-
-        The stored artifacts path is used when it exists; else the folder is looked for beside the
-        ``.ckpt`` and in its parent folders; ``artifacts=`` overrides both. The ``.ckpt``'s artifacts
-        (graph digests, parameters, optimizer kind) must be the ones it is loaded onto.
-
-        Nothing the ``.ckpt`` names is loaded or run as code: a stored ``custom_op_library`` (or a
-        factory, or a path to a shared library) is refused unless passed again,
-        ``load_from_checkpoint(path, custom_op_library=...)``.
-
-        Raises:
-            CheckpointError: for artifacts found nowhere (pass ``artifacts=``), artifacts of another model
-                or optimizer, metrics the ``.ckpt`` was trained with and that are not passed again, or a stored
-                hyper-parameter naming code to load that is not passed again.
-        """
-        return super().load_from_checkpoint(checkpoint_path, *args, **find_artifacts(checkpoint_path, kwargs))
-
     @override
     def __getstate__(self) -> dict[str, Any]:
-        """Leave the ORT objects out (they do not pickle); `__setstate__` rebuilds them."""
-        return self._checkpoints.getstate(super().__getstate__())
+        """Leave out ORT's objects and what holds them (`_UNPICKLED`); keep the device to rebuild them on."""
+        state = {name: value for name, value in super().__getstate__().items() if name not in _UNPICKLED}
+        return {**state, DEVICE_KEY: self._live.session.device}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild the ORT objects from the artifacts, then restore the pickled parameter values."""
+        """Rebuild ORT's objects from the artifacts on the pickled device, then copy the pickled values in by name."""
         device = state.pop(DEVICE_KEY)
         super().__setstate__(state)
-        self._checkpoints.rebuild(device)
-
-    @torch.no_grad()
-    def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
-        """Run the eval graph on one labelled batch, outside any Trainer; return ``(loss, *model_outputs)``.
-
-        Args:
-            batch: a tuple/list in the order of the graph's inputs (model inputs, then labels), or a
-                dict keyed by input name, as for ``validation_step``.
-
-        Example::
-
-            >>> import tempfile
-            >>> from ort_lightning import export_artifacts
-            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
-            >>> module = ORTLightningModule(artifacts)
-            >>> loss, logits = module.evaluate_batch((torch.zeros(2, 4), torch.tensor([0, 2])))
-            >>> tuple(loss.shape), tuple(logits.shape)
-            ((), (2, 3))
-        """
-        _, fetches, loss = self._ort.eval_inputs.step(self._ort.eval_step, batch, self._labels)
-        return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
-
-    # ----------------------------------------------------------------------------- helpers
-    def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
-        tensors, fetches, loss = self._ort.eval_inputs.step(self._ort.eval_step, batch, self._labels)
-        size = tensors[0].shape[0]
-        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
-        if self._metrics:
-            self._update_metrics(stage, fetches, tensors)
-        return loss
-
-    def _update_metrics(self, stage: str, fetches: Any, tensors: Any) -> None:
-        collection = self._metrics[stage]
-        collection.update(to_torch(fetches[1]), tensors[self._label_index])
-        self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
-
-    def _outputs(self, fetches: Any) -> Any:
-        """The model outputs of an eval step (its first output is the loss), as torch tensors."""
-        check_model_outputs(self.artifacts, len(fetches))
-        outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
-        return outputs[0] if len(outputs) == 1 else outputs
+        values = state_values(self, self.artifacts)
+        # NOTE: a weightless folder has no weights to build from: its nominal checkpoint takes the pickled ones.
+        self._start_session(device, values=values if self.artifacts.weightless else None)
+        self._live.load(values)
+        self._connect_checkpoints()

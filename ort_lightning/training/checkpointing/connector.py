@@ -9,9 +9,7 @@ The module's hooks and public methods hand their checkpoint work to it, as Light
   weights;
 - Lightning's ``.ckpt`` (``on_save_checkpoint``, ``on_load_checkpoint``,
   ``load_from_checkpoint``): ORT's state as bytes, the run's progress and the artifacts'
-  identity, checked on load;
-- pickling (``__getstate__``, ``__setstate__``): the module without ORT's objects, rebuilt from
-  the artifacts on the other side.
+  identity, checked on load.
 
 Example::
 
@@ -28,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +55,11 @@ from ort_lightning.training.checkpointing.travel import (
 )
 from ort_lightning.training.checkpointing.trust import check_code_hyperparameters
 from ort_lightning.training.optim.schedules import schedule_properties
-from ort_lightning.training.session.session_views import SessionViews, load_values, picklable, state_values, values_of
 
 if TYPE_CHECKING:
-    from ort_lightning.training.module import ORTLightningModule
+    from ort_lightning.artifacts import TrainingArtifacts
+    from ort_lightning.training.session.live import LiveSession
+    from ort_lightning.training.session.step import StepPath
 
 __all__ = ["STATE_DIGEST_KEY", "CheckpointConnector", "find_artifacts"]
 
@@ -69,45 +68,46 @@ STATE_DIGEST_KEY = "ort_state_sha256"
 
 
 class CheckpointConnector:
-    """The checkpoint work of one `ORTLightningModule`.
+    """The checkpoint work of one `ORTLightningModule`, given what it works on.
 
     Args:
-        module: the module whose ORT state, progress and identity are written and read.
+        live: the module's running ORT session (read to write, replaced to restore).
+        steps: the module's step path (the seed of ORT's random stream in use).
+        artifacts: what is trained (identity, outputs).
+        hybrid: whether a torch optimizer updates (its state is in Lightning's ``.ckpt``, ORT's is unused).
+        metrics: the module's metrics by stage (a ``.ckpt`` records their names).
     """
 
-    def __init__(self, module: ORTLightningModule) -> None:
-        self.module = module
-
-    @property
-    def _hybrid(self) -> bool:
-        """Whether a torch optimizer updates (its state is in Lightning's ``.ckpt``, ORT's is unused)."""
-        return self.module._optimizer_factory is not None
+    def __init__(
+        self, live: LiveSession, steps: StepPath, artifacts: TrainingArtifacts, *, hybrid: bool,
+        metrics: Mapping[str, Any],
+    ) -> None:
+        self.live, self.steps, self.artifacts = live, steps, artifacts
+        self.hybrid, self.metrics = hybrid, metrics
 
     def save_ort_checkpoint(
-        self, path: str | os.PathLike[str], *, include_optimizer_state: bool, properties: dict[str, Any] | None
+        self, path: str | os.PathLike[str], *, include_optimizer_state: bool, properties: dict[str, Any] | None,
+        origin: RunOrigin, schedule: Any, trainer: Any,
     ) -> Path:
-        """Write ORT's state with the run's progress, seed and schedule as properties; see the module's method."""
-        module = self.module
+        """Write ORT's state with the run's progress, seed and `schedule` as properties; see the module's method."""
         # NOTE: under a torch optimizer (hybrid training) ORT's optimizer state is never used;
         # the file holds the weights, and the torch optimizer's state lives in Lightning's .ckpt.
-        include_optimizer_state = include_optimizer_state and not self._hybrid
+        include_optimizer_state = include_optimizer_state and not self.hybrid
+        session = self.live.session
         values: dict[str, int | float | str] = {
-            "lr": float(module._session.get_lr()),
+            "lr": float(session.get_lr()),
             "optimizer_state": int(include_optimizer_state),
-            "seed": module._steps.seed_in_use(),
-            **schedule_properties(module._schedule),
-            **module._origin.progress_properties(module._trainer),
+            "seed": self.steps.seed_in_use(),
+            **schedule_properties(schedule),
+            **origin.progress_properties(trainer),
             **(properties or {}),
         }
-        return write_ort_checkpoint(
-            module._session, path, include_optimizer_state=include_optimizer_state, properties=values
-        )
+        return write_ort_checkpoint(session, path, include_optimizer_state=include_optimizer_state, properties=values)
 
     def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None) -> Path:
         """Write the eval graph with the current weights, keeping `outputs` (None: the model's own)."""
-        module = self.module
-        names = list(outputs) if outputs is not None else list(module.artifacts.manifest.outputs)
-        return export_inference(module._session, path, names)
+        names = list(outputs) if outputs is not None else list(self.artifacts.manifest.outputs)
+        return export_inference(self.live.session, path, names)
 
     def to_onnx(self, file_path: Any, options: dict[str, Any]) -> Path:
         """Lightning's ``to_onnx``: the inference model at `file_path`; torch.onnx `options` are refused.
@@ -124,24 +124,22 @@ class CheckpointConnector:
             )
         return self.export_inference_model(file_path, None)
 
-    def dump(self, checkpoint: dict[str, Any]) -> None:
-        """Store ORT's state (weights, and the optimizer's unless hybrid), the progress and the identity."""
-        module = self.module
-        state = state_bytes(module._session, include_optimizer_state=not self._hybrid)
+    def dump(self, checkpoint: dict[str, Any], origin: RunOrigin) -> None:
+        """Store ORT's state (weights, and the optimizer's unless hybrid), the progress since `origin`, the identity."""
+        state = state_bytes(self.live.session, include_optimizer_state=not self.hybrid)
         checkpoint[ORT_STATE_KEY] = state
-        checkpoint[PROGRESS_KEY] = {**module._origin.lightning_record(module._steps.seed_in_use()),
+        checkpoint[PROGRESS_KEY] = {**origin.lightning_record(self.steps.seed_in_use()),
                                     STATE_DIGEST_KEY: state_digest(state)}
-        checkpoint[IDENTITY_KEY] = {**identity_of(module.artifacts), "metrics": metric_names(module._metrics)}
+        checkpoint[IDENTITY_KEY] = {**identity_of(self.artifacts), "metrics": metric_names(self.metrics)}
 
-    def restore(self, checkpoint: dict[str, Any]) -> bool:
-        """Rebuild the module's ORT components from a ``.ckpt``'s state (True once done).
+    def restore(self, checkpoint: dict[str, Any]) -> RunOrigin:
+        """Replace the running session with a ``.ckpt``'s state; return the origin of the run it continues.
 
         Raises:
             CheckpointError: for a ``.ckpt`` without ORT state, of other artifacts, with a damaged state, digest,
                 progress or identity record, or metrics it was trained with and that are not passed again.
         """
-        module = self.module
-        artifacts, source = module.artifacts, "The Lightning checkpoint"
+        artifacts, source = self.artifacts, "The Lightning checkpoint"
         state = checkpoint.get(ORT_STATE_KEY)
         if state is None:
             raise CheckpointError(
@@ -154,32 +152,15 @@ class CheckpointConnector:
         stored = checkpoint.get(IDENTITY_KEY)
         if stored is not None:
             check_identity(stored, identity_of(artifacts), source=source, folder=artifacts.directory)
-            check_metrics(stored.get("metrics", {}), bool(module._metrics), source=source)
+            check_metrics(stored.get("metrics", {}), bool(self.metrics), source=source)
         with restored_state(state, digest=progress.get(STATE_DIGEST_KEY)) as path, _unreadable_state(source):
             if stored is None:  # NOTE: a .ckpt written before the identity was stored: check its parameters
                 check_identity(
                     identity_of_state(path, artifacts), identity_of(artifacts), source=source,
                     folder=artifacts.directory,
                 )
-            module._attach(module._ort.rebuilt(module, checkpoint=path))
-        module._set_origin(origin)
-        return True
-
-    def getstate(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The module's pickled ``__dict__``: without ORT's objects, with the device to rebuild them on."""
-        state = picklable(state, "_ort", self.module._ort)
-        state["_schedule"] = None  # it holds the optimizer, which holds ORT's objects
-        return state
-
-    def rebuild(self, device: str) -> None:
-        """After unpickling: rebuild ORT's objects on `device` from the artifacts, then restore the pickled values."""
-        module = self.module
-        values = values_of(module)
-        # NOTE: a weightless folder has no weights to build from: its nominal checkpoint takes the pickled ones.
-        named = state_values(module, module.artifacts) if module.artifacts.weightless else None
-        module._attach(SessionViews(module, module.artifacts, device=device, custom_op_library=module.custom_op_library,
-                                    values=named, **module._thread_options(None)))
-        load_values(module, values)
+            self.live.replace(checkpoint=path)
+        return origin
 
 
 @contextlib.contextmanager

@@ -23,11 +23,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.artifacts.schedule import GraphSchedule
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.training.optim.schedules import Schedule, describe, resolve_warmup
+from ort_lightning.training.optim.schedules import Schedule, check_schedule, describe, resolve_schedule, resolve_warmup
 
-__all__ = ["agrees", "check_graph_schedule"]
+__all__ = ["agrees", "check_graph_schedule", "module_schedule"]
 
 
 def agrees(baked: GraphSchedule, schedule: Schedule, lr_scheduler: Any) -> bool:
@@ -71,3 +72,19 @@ def check_graph_schedule(
             "on_nonfinite='skip' the two would part after the first skipped step. Pass on_nonfinite='raise', or "
             "train the folder that prepare_for_web() read."
         )
+
+
+def module_schedule(
+    artifacts: TrainingArtifacts, *, lr: float | None, warmup_steps: int | float | None, total_steps: int | None,
+    stored: dict[str, Any], lr_scheduler: Any, on_nonfinite: str, hybrid: bool,
+) -> Schedule:
+    """The module's schedule: the arguments given, else the `stored` checkpoint's, else the defaults; checked.
+
+    Raises:
+        ConfigurationError: for an inconsistent schedule, or one other than `artifacts`' optimizer graph computes.
+    """
+    schedule = resolve_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=stored)
+    check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
+    check_graph_schedule(artifacts.manifest.lr_schedule, schedule, lr_scheduler, folder=artifacts.directory,
+                         on_nonfinite=on_nonfinite, hybrid=hybrid)
+    return schedule

@@ -88,6 +88,16 @@ class TorchOverORT(torch.optim.Optimizer):
         self._cuda_device = device if device.type == "cuda" else None
         self._alias()
 
+    def follow(self, session: TrainingSession) -> None:
+        """Work with `session` from now on: a rebuild of the running session (`ort_lightning.training.session.live`).
+
+        The torch optimizer's parameters are the module's, which a rebuild re-points at the new memory:
+        the same objects, so its ``param_groups``, its state keyed by them and its schedulers stay valid.
+        """
+        self.session = session
+        device = torch.device(session.device)
+        self._cuda_device = device if device.type == "cuda" else None
+
     def _alias(self) -> None:
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

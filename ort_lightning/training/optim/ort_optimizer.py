@@ -67,6 +67,17 @@ class ORTOptimizer(torch.optim.Optimizer):
         # accumulation scaling, the DDP all-reduce and clipping wrote them on torch's stream.
         self._cuda_device = device if device.type == "cuda" else None
 
+    def follow(self, session: TrainingSession) -> None:
+        """Update `session` from now on: a rebuild of the running session (`ort_lightning.training.session.live`).
+
+        ``param_groups`` hold the module's parameters, which a rebuild re-points at the new memory
+        (the same objects), and ORT keeps the moments and the step; a scheduler holds this object. The
+        lr reaches the new session at the next `step`, as it does every step.
+        """
+        self.session = session
+        device = torch.device(session.device)
+        self._cuda_device = device if device.type == "cuda" else None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``.

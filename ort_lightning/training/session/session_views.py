@@ -1,4 +1,4 @@
-"""`SessionViews`: one module's ORT session and the torch views of its memory, built and rebuilt together.
+"""`SessionViews`: one module's ORT session and the torch views of its memory, built together.
 
 `ORTLightningModule` holds one `SessionViews`. Building it assembles ONNX Runtime's
 CheckpointState, Module and Optimizer, registers the ORT parameters (and buffers) on the module
@@ -6,7 +6,9 @@ as torch tensors that share ORT's memory, and prepares the batch binders of both
 same object answers the questions that follow the module through Lightning: is it still
 attached to ORT's memory (Lightning's spawn launcher replaces ``.data`` with copies), and what
 of it pickles (nothing: ONNX Runtime's objects do not pickle, so a module is pickled without
-it, with the device to rebuild it on, and `values_of` / `load_values` carry the values across).
+it, with the device to rebuild it on, and its values are copied back by name, `state_values`).
+It is built in one place only, `ort_lightning.training.session.live.LiveSession`, which also
+changes a running session.
 
 Example::
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +32,13 @@ import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.artifacts.state import check_shapes, flat_values, state_specs
-from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, torch_device
+from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, to_torch, torch_device
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.session.parameters import GradientViews, bind_views
+from ort_lightning.training.guards import check_model_outputs
+from ort_lightning.training.session.parameters import GradientViews, bind_views, check_conversion
 
-__all__ = [
-    "DEVICE_KEY",
-    "SessionViews",
-    "load_values",
-    "picklable",
-    "snapshot",
-    "start_checkpoint",
-    "state_values",
-    "values_of",
-]
+__all__ = ["DEVICE_KEY", "SessionViews", "snapshot", "start_checkpoint", "state_values"]
 
 #: Where a module's pickle says which device its ORT objects ran on.
 DEVICE_KEY = "_ort_device"
@@ -144,33 +138,6 @@ class SessionViews:
         self.train_step = self.session.train_step
         self.eval_step = self.session.eval_step
 
-    def rebuilt(
-        self, module: torch.nn.Module, *, device: str | None = None, spinning: bool | None = None,
-        intra_op_threads: int | None = None, checkpoint: Path | None = None, include_optimizer_state: bool = True,
-    ) -> SessionViews:
-        """A new `SessionViews` from `checkpoint`, else from a snapshot of this one's current state.
-
-        Args:
-            module: the module to register the new views on.
-            device: where to build; None keeps this one's device.
-            spinning: whether ORT's threads spin; None keeps this one's choice.
-            intra_op_threads: the size of ORT's intra-op pool; None keeps this one's.
-            checkpoint: the ORT checkpoint to build from; None snapshots this session.
-            include_optimizer_state: with a snapshot, keep the optimizer's step and moments.
-        """
-        with contextlib.ExitStack() as stack:
-            if checkpoint is None:
-                # NOTE: a rebuild on another device keeps the training progress of the running session.
-                kept = snapshot(self.session, include_optimizer_state=include_optimizer_state)
-                checkpoint = stack.enter_context(kept)
-            return SessionViews(
-                module, self.artifacts, checkpoint=checkpoint,
-                device=self.session.device if device is None else device,
-                spinning=self.session.spinning if spinning is None else spinning,
-                intra_op_threads=self.session.intra_op_threads if intra_op_threads is None else intra_op_threads,
-                custom_op_library=self.custom_op_library,
-            )
-
     def reattach(self, module: torch.nn.Module) -> None:
         """Register ORT's memory on `module` again, after something replaced the views with copies."""
         self.gradients = bind_views(module, self._views(), self.artifacts.manifest.buffers)
@@ -195,6 +162,52 @@ class SessionViews:
         rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
         return self.eval_inputs.run(self.eval_step, [*tensors, *self.label_placeholders(rows)])
 
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The module's trainable parameters (views of ORT's memory), in the model's order."""
+        return [parameter for parameter, _ in self.gradients.pairs]
+
+    def predict(self, batch: Any, *, entry: str, labels_allowed: bool) -> Any:
+        """The model outputs for the model inputs of `batch`: one tensor, or a tuple of several.
+
+        Raises:
+            BatchError: for a batch the eval graph cannot take.
+            ConfigurationError: for an eval graph whose only output is the loss.
+        """
+        outputs = self.outputs(self.infer(batch, entry=entry, labels_allowed=labels_allowed))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def evaluate(self, batch: Any, labels: Any) -> tuple[Any, Any, torch.Tensor]:
+        """Run the eval graph on a labelled `batch`; return its tensors, the fetches and the loss."""
+        return self.eval_inputs.step(self.eval_step, batch, labels)
+
+    def outputs(self, fetches: Any) -> tuple[torch.Tensor, ...]:
+        """The model outputs of an eval step (its first output is the loss), as torch tensors.
+
+        Raises:
+            ConfigurationError: for an eval graph whose only output is the loss.
+        """
+        check_model_outputs(self.artifacts, len(fetches))
+        return tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
+
+    def apply_beside(self, module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool) -> None:
+        """``module._apply(fn)`` on the torch-side children only (metrics): ORT's parameters stay in ORT's memory.
+
+        Raises:
+            ConfigurationError: for a conversion to a dtype other than float32.
+        """
+        device = self.device
+        try:
+            check_conversion(fn, device)
+            for name, child in module._modules.items():
+                if name not in self.ort_children and child is not None:
+                    child._apply(fn, recurse)
+        finally:
+            # NOTE: Lightning's .to()/.half() record the new device and dtype before calling
+            # _apply; the module still lives where ORT runs it, in float32.
+            module._device = device  # type: ignore[assignment]
+            module._dtype = torch.float32  # type: ignore[assignment]
+
     def _views(self) -> list[ParameterView]:
         """ORT's parameters in the model's own order (the manifest's), not ORT's alphabetical one."""
         views = {view.name: view for view in parameter_views(self.session)}
@@ -209,27 +222,7 @@ class SessionViews:
         return cached
 
 
-def picklable(state: dict[str, Any], views_key: str, session_views: SessionViews) -> dict[str, Any]:
-    """A module's ``__dict__`` without its `SessionViews` (under `views_key`), with the device to rebuild on."""
-    state = dict(state)
-    state.pop(views_key, None)
-    state[DEVICE_KEY] = session_views.session.device
-    return state
-
-
 def state_values(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
     """Name -> copy of every state tensor of `artifacts` that `module` holds (ORT's parameters and buffers)."""
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     return {spec.name: tensors[spec.name].detach().clone() for spec in state_specs(artifacts)}
-
-
-def values_of(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Copies of every parameter and buffer, to load into rebuilt ORT objects."""
-    return [t.detach().clone() for t in (*module.parameters(), *module.buffers())]
-
-
-@torch.no_grad()
-def load_values(module: torch.nn.Module, values: list[torch.Tensor]) -> None:
-    """Copy what `values_of` returned into the module's (ORT-backed) parameters and buffers."""
-    for tensor, value in zip((*module.parameters(), *module.buffers()), values, strict=True):
-        tensor.copy_(value)

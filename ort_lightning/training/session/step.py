@@ -232,6 +232,12 @@ class StepPath:
                      _finite=FiniteCheck(()))
         return state
 
+    def continue_run(self, step: int, seed: int | None) -> None:
+        """Count on from `step` optimizer steps (a run resumed from a checkpoint), with its `seed` when recorded."""
+        self.step_offset = step
+        if seed is not None:
+            self.seed = seed
+
     def seed_in_use(self) -> int:
         """The run's seed: Lightning's, else the module's own (drawn from torch or restored)."""
         base = lightning_seed()

@@ -46,6 +46,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,13 +176,14 @@ class ThreadPolicy(pl.Callback):
         self._saved: int | None = None
         self._candidates: list[ThreadSetting] = []
         self._trial: Trial | None = None
-        self._module: Any = None  # the module being fitted (its ORT session follows the setting)
+        self._route: Callable[[bool, int], None] | None = None  # how the module's ORT session changes its threads
+        self._rethread: Callable[[bool, int], None] | None = None  # the route, during a fit the policy acts in
         self._default = (True, 0)  # ORT's spinning and pool size before any candidate
         self._kept: ThreadSetting | None = None  # the setting measured fastest; later fits keep it
 
     def __getstate__(self) -> dict[str, Any]:
-        """Leave out the fit's module (it holds ONNX Runtime's objects, which do not pickle)."""
-        return {**self.__dict__, "_trial": None, "_module": None}
+        """Leave out the routes to the module's session (it holds ONNX Runtime's objects, which do not pickle)."""
+        return {**self.__dict__, "_trial": None, "_route": None, "_rethread": None}
 
     # ----------------------------------------------------------------------------- ORT's session
     def spinning(self, strategy: Any) -> bool:
@@ -223,8 +225,16 @@ class ThreadPolicy(pl.Callback):
             settings.append(ThreadSetting("ORT on 1 thread, torch 1 thread", 1, ort_threads=1))
         return settings
 
-    def register(self, trainer: Any) -> None:
-        """Be this trainer's policy (once; another module's policy leaves)."""
+    def register(self, trainer: Any, rethread: Callable[[bool, int], None] | None = None) -> None:
+        """Be this trainer's policy (once; another module's policy leaves).
+
+        Args:
+            trainer: the trainer of the fit to come.
+            rethread: ``(spinning, intra_op_threads) -> None``, the module's route to run its ORT session
+                with these settings from the next step on
+                (`ort_lightning.training.session.live.LiveSession.use_threads`); None: ORT's pool is not tuned.
+        """
+        self._route = rethread
         others = [c for c in trainer.callbacks if not isinstance(c, ThreadPolicy)]
         trainer.callbacks = [*others, self]
 
@@ -237,9 +247,9 @@ class ThreadPolicy(pl.Callback):
         if not active:
             return
         self._saved = torch.get_num_threads()
-        self._module = pl_module
+        self._rethread = self._route
         self._default = (self.spinning(trainer.strategy), max(1, self.session_threads(trainer.strategy)))
-        self._candidates = self.candidates(self._default[1], session=session_tunable(trainer, pl_module))
+        self._candidates = self.candidates(self._default[1], session=session_tunable(trainer, self._route is not None))
         if self._kept in self._candidates:
             self._apply(self._kept)
             self.reason = f"measured in an earlier fit of this module: {self._kept.name}"
@@ -299,7 +309,7 @@ class ThreadPolicy(pl.Callback):
     def restore(self) -> None:
         """Undo what the policy changed (idempotent)."""
         self._trial = None
-        self._module = None
+        self._rethread = None
         if self._saved is not None:
             torch.set_num_threads(self._saved)
             self._saved = None
@@ -317,6 +327,6 @@ class ThreadPolicy(pl.Callback):
         self.choice = setting
         if torch.get_num_threads() != setting.torch_threads:
             torch.set_num_threads(setting.torch_threads)
-        if self._module is not None:
+        if self._rethread is not None:
             spinning, threads = self._default
-            self._module._use_session_threads(spinning, threads if setting.ort_threads is None else setting.ort_threads)
+            self._rethread(spinning, threads if setting.ort_threads is None else setting.ort_threads)

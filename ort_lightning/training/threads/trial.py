@@ -54,15 +54,15 @@ def fastest(medians: list[float], *, margin: float) -> int:
     return best if medians[best] < medians[0] * (1.0 - margin) else 0
 
 
-def session_tunable(trainer: Any, module: Any) -> bool:
+def session_tunable(trainer: Any, rebuildable: bool) -> bool:
     """Whether ORT's session may be rebuilt between two steps of this fit: one process, no accumulation.
+
+    `rebuildable` says whether the module gave the policy a route to rebuild it.
 
     NOTE: a rebuild keeps the weights and the optimizer's state, not gradients summed across the
     micro-batches of an accumulation window; ranks of a DDP fit keep the strategy's settings.
     """
-    return (
-        trainer.world_size == 1 and trainer.accumulate_grad_batches == 1 and hasattr(module, "_use_session_threads")
-    )
+    return rebuildable and trainer.world_size == 1 and trainer.accumulate_grad_batches == 1
 
 
 def should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:

@@ -1,0 +1,192 @@
+"""`LiveSession`: a module's running ORT session, and the one way to change it.
+
+An `ORTLightningModule` builds its ORT session once and changes it later for five reasons: the
+trainer's device (``configure_model``), the thread policy's candidates between two steps, a
+Lightning ``.ckpt`` restored (``on_load_checkpoint``), a fresh optimizer state for a new fit
+(``configure_optimizers``) and new values (a fleet client, an unpickled module). Every one of them
+goes through `LiveSession.replace`, which keeps what the session's followers see in step: the
+module's parameters (the same ``Parameter`` objects, re-pointed at the new memory), the step path
+(`ort_lightning.training.session.step.StepPath`) and every optimizer of the fit (ORT's facade,
+a hybrid torch optimizer and, through them, their LR schedulers).
+
+What rebuilds and what does not:
+
+- a new device or thread setting, a `checkpoint` to start from, or a fresh optimizer state
+  (``include_optimizer_state=False``): ORT's objects are rebuilt (from a snapshot of the running
+  session, or from the checkpoint), then `values` (if given) are copied in;
+- `values` alone: copied into ORT's memory through the module's views, nothing rebuilt (exact:
+  the views are ORT's memory);
+- nothing: the module's views are attached again if something replaced them with copies
+  (Lightning's spawn launcher), with the copies' values; else nothing happens.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from ort_lightning import ORTLightningModule, export_artifacts
+    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> live = module._live
+    >>> weight = module.weight
+    >>> live.replace(intra_op_threads=1)  # rebuilt: another thread setting
+    True
+    >>> module.ort_session.intra_op_threads, module.weight is weight
+    (1, True)
+    >>> live.replace(values={"weight": torch.ones(3, 4), "bias": torch.zeros(3)})  # copied in place
+    False
+    >>> bool(module.weight.sum() == 12)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts.state import check_values, state_specs
+from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.session.session_views import SessionViews, snapshot, state_values
+from ort_lightning.training.session.step import StepPath
+
+__all__ = ["LiveSession", "SessionFollower"]
+
+
+class SessionFollower(Protocol):
+    """What works on the running session and must follow it when it is replaced (an optimizer)."""
+
+    def follow(self, session: _ort.TrainingSession) -> None:
+        """Work on `session` from now on."""
+
+
+class LiveSession:
+    """The running ORT session of one module: built once, changed only by `replace`.
+
+    Args:
+        module: the module the ORT parameters are registered on.
+        artifacts: what to build from.
+        steps: the module's step path; it follows every build.
+        optimizers: returns the trainer's optimizers (none without a trainer); those with a
+            ``follow(session)`` method (`SessionFollower`) follow every rebuild. A finished fit's
+            optimizers may follow too: harmless, the next fit configures new ones.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        spinning: whether ORT's worker threads spin between steps.
+        intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
+        custom_op_library: a shared library of custom operators to register with ONNX Runtime.
+        checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
+        values: name -> tensor for every state tensor, in place of the checkpoint's weights
+            (see `ort_lightning.training.session.session_views.SessionViews`).
+
+    Attributes:
+        views: the session and the torch views of its memory (replaced by every rebuild).
+        train_inputs: the training graph's batch binder, kept here for the per-step path.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, artifacts: TrainingArtifacts, steps: StepPath, *,
+        optimizers: Callable[[], Iterable[Any]], device: str, spinning: bool, intra_op_threads: int,
+        custom_op_library: str | None = None, checkpoint: Path | None = None, values: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.module, self.artifacts, self.steps, self.optimizers = module, artifacts, steps, optimizers
+        self.custom_op_library = custom_op_library
+        self._build(checkpoint=checkpoint, device=device, spinning=spinning, intra_op_threads=intra_op_threads,
+                    values=values)
+
+    @property
+    def session(self) -> _ort.TrainingSession:
+        """ORT's objects now running (another object after each rebuild)."""
+        return self.views.session
+
+    def replace(
+        self, *, device: str | None = None, spinning: bool | None = None, intra_op_threads: int | None = None,
+        values: Mapping[str, Any] | None = None, checkpoint: Path | None = None, include_optimizer_state: bool = True,
+    ) -> bool:
+        """Change the running session; the module, the step path and the fit's optimizers follow.
+
+        Between two optimizer steps only (gradients summed over an accumulation window are not kept).
+
+        Args:
+            device: where to run; None keeps the current device.
+            spinning: whether ORT's threads spin; None keeps the current choice.
+            intra_op_threads: the size of ORT's intra-op pool; None keeps the current size.
+            values: name -> tensor for every state tensor, copied in last (without a rebuild when
+                nothing else changes).
+            checkpoint: an ORT checkpoint file to rebuild from instead of the running state.
+            include_optimizer_state: False starts a fresh optimizer state (step 0, no moments), as
+                a new ``fit`` does; the weights are kept.
+
+        Returns:
+            Whether ORT's objects were rebuilt.
+
+        Raises:
+            ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
+
+        Example::
+
+            >>> # between two steps of a fit: the same state on one ORT thread, the optimizers follow
+            >>> # module._live.replace(intra_op_threads=1)
+            >>> # a new fit: the weights kept, a fresh optimizer state
+            >>> # module._live.replace(include_optimizer_state=False)
+        """
+        session = self.session
+        current = (session.device, session.spinning, session.intra_op_threads)
+        wanted = (current[0] if device is None else device, current[1] if spinning is None else spinning,
+                  current[2] if intra_op_threads is None else intra_op_threads)
+        # NOTE: views that something replaced with copies (Lightning's spawn launcher) hold the module's values.
+        detached = checkpoint is None and not self.views.attached(self.module)
+        if detached and values is None:
+            values = state_values(self.module, self.artifacts)
+        if wanted == current and checkpoint is None and include_optimizer_state:
+            if detached:
+                self._reattach()
+            if values is not None:
+                self.load(values)
+            return False
+        with contextlib.ExitStack() as stack:
+            if checkpoint is None:
+                # NOTE: a rebuild keeps the training progress of the running session (weights, step, moments).
+                checkpoint = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
+            self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2])
+        if values is not None:
+            self.load(values)
+        return True
+
+    def use_threads(self, spinning: bool, intra_op_threads: int) -> None:
+        """Run ORT with these thread settings from the next step on (the thread policy's route to `replace`)."""
+        session = self.session
+        if (session.spinning, session.intra_op_threads) != (spinning, intra_op_threads):
+            self.replace(spinning=spinning, intra_op_threads=intra_op_threads)
+
+    @torch.no_grad()
+    def load(self, values: Mapping[str, Any]) -> None:
+        """Copy `values` (name -> tensor, every state tensor) into ORT's memory through the views; nothing rebuilt.
+
+        Raises:
+            ConfigurationError: for missing, unexpected or misshapen values.
+        """
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        for name, value in check_values(values, state_specs(self.artifacts)).items():
+            tensors[name].copy_(value)
+
+    def _build(self, *, checkpoint: Path | None, device: str, spinning: bool, intra_op_threads: int,
+               values: Mapping[str, Any] | None = None) -> None:
+        """The one place ORT's objects are built; everything that works on them follows."""
+        self.views = SessionViews(self.module, self.artifacts, device=device, checkpoint=checkpoint,
+                                  spinning=spinning, intra_op_threads=intra_op_threads,
+                                  custom_op_library=self.custom_op_library, values=values)
+        self._follow()
+
+    def _reattach(self) -> None:
+        """Register ORT's memory on the module again (something replaced the views with copies)."""
+        self.views.reattach(self.module)
+        self._follow()
+
+    def _follow(self) -> None:
+        views = self.views
+        self.train_inputs = views.train_inputs
+        self.steps.attach(views.session, views.gradients)
+        for optimizer in self.optimizers():
+            if hasattr(optimizer, "follow"):
+                optimizer.follow(views.session)

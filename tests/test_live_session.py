@@ -1,0 +1,72 @@
+"""The one way to change a running ORT session: a rebuild between two steps changes nothing a fit computes.
+
+The reference is the same fit without the rebuild (ORT's state is copied, not recomputed, so the
+weights must agree to the bit), and torch's own ``Linear`` for values copied in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from ort_lightning import ORTLightningModule
+from tests.conftest import Exported
+from tests.test_parity import _loader, _trainer
+
+STEPS = 6
+
+
+class _Rebuilding(L.Callback):
+    """After every batch, rebuilds the module's session with ORT's spinning flipped (no effect on numbers)."""
+
+    def __init__(self) -> None:
+        self.sessions: list[Any] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        module: ORTLightningModule = pl_module  # type: ignore[assignment]
+        rebuilt = module._live.replace(spinning=not module.ort_session.spinning)
+        assert rebuilt
+        self.sessions.append(module.ort_session)
+
+
+def _fit(exported: Exported, callbacks: list[L.Callback], **options: Any) -> tuple[ORTLightningModule, L.Trainer]:
+    torch.manual_seed(0)
+    module = ORTLightningModule(exported.artifacts, lr=0.05, threads="off", lr_scheduler="constant", **options)
+    trainer = _trainer(max_steps=STEPS, callbacks=callbacks)
+    trainer.fit(module, _loader())
+    return module, trainer
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"optimizer": lambda params: torch.optim.AdamW(params, lr=0.05)}],
+    ids=["ort-optimizer", "torch-optimizer"],
+)
+def test_a_rebuild_between_steps_keeps_the_fit_exact(mlp_adamw: Exported, options: dict[str, Any]) -> None:
+    plain, _ = _fit(mlp_adamw, [], **options)
+    probe = _Rebuilding()
+    rebuilt, trainer = _fit(mlp_adamw, [probe], **options)
+    assert len({id(session) for session in probe.sessions}) == STEPS
+    (optimizer,) = trainer.optimizers
+    assert optimizer.session is probe.sessions[-1]  # the optimizer followed every rebuild
+    for (name, expected), (_, actual) in zip(plain.named_parameters(), rebuilt.named_parameters(), strict=True):
+        assert torch.equal(actual, expected), name
+
+
+def test_values_alone_are_copied_in_place_and_a_fresh_optimizer_rebuilds(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
+    generator = torch.Generator().manual_seed(3)
+    values = {name: torch.randn(tensor.shape, generator=generator) for name, tensor in module.named_parameters()}
+    session = module.ort_session
+    assert module._live.replace(values=values) is False
+    assert module.ort_session is session
+    x = torch.randn(5, 4, generator=generator)
+    reference = mlp_adamw.reference().eval()
+    reference.load_state_dict(values)
+    torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert module._live.replace(values=values, include_optimizer_state=False) is True
+    assert module.ort_session is not session
+    torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
