@@ -129,15 +129,26 @@ def _fleet(run: FleetRun) -> tuple[Any, Any]:
     return torch_client.client_app(mods=[timed]), TorchGlobalModel(run.hidden, run.seed)
 
 
+def _run(run: FleetRun, server: Any, client_app: Any) -> None:
+    from ort_lightning.fleet import run_local
+
+    if run.engine == "local":
+        run_local(server.server_app(), client_app, nodes=run.devices)
+        return
+    from flwr.simulation import run_simulation
+
+    backend = {"client_resources": {"num_cpus": 1.0, "num_gpus": 0.0}}
+    run_simulation(server.server_app(), client_app, num_supernodes=run.devices, backend_config=backend)
+
+
 def run_fleet(run: FleetRun) -> dict[str, Any]:
     """Run `run`'s rounds; write its final global values to ``out/final.pt``; return its per-round costs."""
-    from ort_lightning.fleet import FleetServer, run_local
+    from ort_lightning.fleet import FleetServer
     from ort_lightning.fleet.digits import digits_test_loader
     from ort_lightning.fleet.parameters import get_values
 
     for name in ("lightning.pytorch", "lightning.fabric", "flwr", "ray"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
     random.seed(run.seed)  # NOTE: Flower's sample_nodes draws from `random`: both fleets sample the same devices
     client_app, model = _fleet(run)
     floor = min(2, run.devices)
@@ -148,13 +159,9 @@ def run_fleet(run: FleetRun) -> dict[str, Any]:
                          test=digits_test_loader(run.seed))
     reset_peak_rss()
     started = time.perf_counter()
-    if run.engine == "local":
-        run_local(server.server_app(), client_app, nodes=run.devices)
-    else:
-        from flwr.simulation import run_simulation
-
-        backend = {"client_resources": {"num_cpus": 1.0, "num_gpus": 0.0}}
-        run_simulation(server.server_app(), client_app, num_supernodes=run.devices, backend_config=backend)
+    with warnings.catch_warnings():  # NOTE: a Trainer per device and round warns that devices do not validate
+        warnings.simplefilter("ignore")
+        _run(run, server, client_app)
     total = time.perf_counter() - started
     values = model.values() if run.fleet == "torch" else get_values(model.module)
     torch.save(values, out / "final.pt")

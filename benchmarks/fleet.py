@@ -11,7 +11,8 @@ same Flower engine, in two fleets:
   quickstart-pytorch writes one (`benchmarks._fleet_torch.TorchClient`).
 
 Each fleet runs in a fresh process (its device counts one after another, smallest first, the
-peak memory counted anew for each), so that one fleet's memory does not count in the other's. Per round it prints the wall time, the mean device set-up and training (the
+peak memory counted anew for each), so that one fleet's memory does not count in the other's.
+Per round it prints the wall time, the mean device set-up and training (the
 device's own ``fit_seconds``; set-up is the rest of its ``train`` call, timed by a Flower mod),
 FedAvg's aggregation, the round's checkpoint, the workers' peak resident memory and the global
 accuracy; then, per fleet, the least-squares slope of each against the devices trained per
@@ -22,6 +23,7 @@ Usage::
     python -m benchmarks.fleet                                   # 10, 100, 1,000 devices, 10 % each round
     python -m benchmarks.fleet --devices 10 100 --fraction 1.0   # every device every round
     python -m benchmarks.fleet --engine ray --plot fleet.png     # Flower's Ray engine; a PNG of the growth
+    python -m benchmarks.fleet --devices 4 --fraction 1 --in-process   # a smoke run of seconds (the test's)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks._fleet_run import FLEETS, FleetRun
+from benchmarks._fleet_run import FLEETS, FleetRun, run_fleet
 
 #: Columns of the per-round table: (header, key of RoundCosts, format).
 COLUMNS = [
@@ -64,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="keep artifacts, rounds and results here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the growth with the device count to this PNG")
     parser.add_argument("--json", type=Path, default=None, help="write every round of every run to this JSON file")
+    parser.add_argument("--artifacts", type=Path, default=None,
+                        help="an exported digits MLP to reuse (default: exported into the output folder)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the fleets in this process (seconds faster; memory then not one fleet's alone)")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -90,8 +96,6 @@ def _in_child(runs: list[FleetRun], folder: Path) -> list[dict[str, Any]]:
 
 
 def _child(spec: Path) -> None:
-    from benchmarks._fleet_run import run_fleet
-
     runs = [FleetRun(**run) for run in json.loads(spec.read_text(encoding="utf-8"))]
     (spec.parent / "result.json").write_text(json.dumps([run_fleet(run) for run in runs]), encoding="utf-8")
 
@@ -162,14 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as scratch:
         out = args.out or Path(scratch)
-        artifacts = _artifacts(out / "artifacts", args.seed)
+        artifacts = str(args.artifacts) if args.artifacts else _artifacts(out / "artifacts", args.seed)
         results = []
         for fleet in args.fleets:
             runs = [FleetRun(fleet=fleet, devices=devices, rounds=args.rounds, fraction=args.fraction,
                              engine=args.engine, artifacts=artifacts, out=str(out / f"{fleet}-{devices}"),
                              epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, split=args.split,
                              seed=args.seed) for devices in sorted(args.devices)]
-            results += _in_child(runs, out / fleet)
+            results += [run_fleet(run) for run in runs] if args.in_process else _in_child(runs, out / fleet)
     rows = _rows(results)
     print(f"{args.split} split, FedAvg fraction_train {args.fraction}, {args.epochs} local epoch(s), "
           f"{args.engine} engine; initial accuracy {results[0]['initial_accuracy']:.2%}")
