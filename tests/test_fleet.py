@@ -329,7 +329,7 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"split": "dirichlet"}, r"Expected `split` to be one of \['iid', 'label'\], but got 'dirichlet'"),
+        ({"split": "dirichlet"}, r"Expected `split` to be one of \['iid', 'label', 'writers'\], but got 'dirichlet'"),
         ({"strategy": "fedsgd"}, r"Expected `strategy` to be one of \['fedavg'.*but got 'fedsgd'"),
         ({"devices": 0}, r"Expected devices, rounds and epochs >= 1, but got 0, 5, 1"),
         ({"device": 10}, r"Unknown key `device` in the fleet config; did you mean `devices`\?"),

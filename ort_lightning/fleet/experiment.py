@@ -60,7 +60,8 @@ class FleetConfig:
         epochs: local epochs per round.
         lr: devices' learning rate (AdamW, constant).
         batch_size: devices' batch size.
-        split: ``"iid"`` or ``"label"`` (non-IID: each device holds one or two digits).
+        split: ``"iid"``, ``"label"`` (non-IID: each device holds one or two digits) or ``"writers"``
+            (non-IID: each device holds the digits of one writer-like group; `DigitsPartitions`).
         strategy: a key of `STRATEGIES`.
         strategy_options: keyword arguments of that Flower strategy (``fraction_train``, ``eta``...).
         optimizer_state: ``"fresh"`` or ``"keep"`` (see `FleetClient`).

@@ -1,0 +1,128 @@
+"""The fleet a user would build instead: Flower's quickstart-pytorch client, and a torch global model.
+
+`TorchClient` is a Flower ``ClientApp`` written the way Flower's quickstart-pytorch writes its
+``client_app.py``: the ``train`` handler builds the ``Net``, loads the message's state dict into
+it, trains it with a plain torch loop on the device's partition and replies with its
+``state_dict()`` and ``num-examples``. Its optimizer is torch's AdamW with the options the ORT
+artifacts' optimizer graph was exported with, so that both fleets train the same model the same
+way. `TorchGlobalModel` is the server's side: it holds the global values in the same ``Net``,
+evaluates them on the held-out digits and writes each round with ``torch.save`` (the
+quickstart's checkpoint), so that the same `FleetServer` round loop runs both fleets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch.utils.data import DataLoader
+
+from ort_lightning.demo import digits_mlp
+from ort_lightning.fleet.client import DataFn
+
+#: torch.optim.AdamW's defaults, the options ``export_artifacts(optimizer="adamw")`` exports.
+ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def train_fn(net: torch.nn.Module, loader: DataLoader, epochs: int, lr: float) -> float:
+    """The quickstart's ``train``: a plain torch loop; returns the mean training loss of the last epoch."""
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, **ADAMW)  # type: ignore[arg-type]
+    net.train()
+    total = batches = 0.0
+    for _ in range(epochs):
+        total = batches = 0.0
+        for images, labels in loader:
+            optimizer.zero_grad()
+            loss = criterion(net(images), labels)
+            loss.backward()
+            optimizer.step()
+            total += float(loss)
+            batches += 1
+    return total / max(batches, 1)
+
+
+@torch.no_grad()
+def test_fn(net: torch.nn.Module, loader: DataLoader) -> dict[str, float]:
+    """The quickstart's ``test``: mean cross-entropy and accuracy over `loader`."""
+    net.eval()
+    loss = correct = seen = 0.0
+    for images, labels in loader:
+        logits = net(images)
+        loss += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+        correct += float((logits.argmax(1) == labels).sum())
+        seen += len(labels)
+    return {"loss": loss / seen, "accuracy": correct / seen}
+
+
+@dataclass(frozen=True)
+class TorchClient:
+    """Each device of the torch fleet: its partition, local epochs and learning rate (picklable, for Ray)."""
+
+    data: DataFn
+    epochs: int = 1
+    lr: float = 0.01
+    hidden: int = 64
+    seed: int = 0
+
+    def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
+        """A Flower ``ClientApp`` with the quickstart's ``train`` handler."""
+        app = ClientApp(mods=mods)
+        app.train()(self.train)
+        return app
+
+    def train(self, msg: Message, context: Context) -> Message:
+        """Load the global state dict into a ``Net``, train it locally, reply with its state dict."""
+        model = digits_mlp(self.hidden, seed=self.seed)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        config = context.node_config
+        loader = self.data(int(config["partition-id"]), int(config["num-partitions"])).train
+        started = time.perf_counter()
+        train_loss = train_fn(model, loader, self.epochs, self.lr)
+        seconds = time.perf_counter() - started
+        metrics = {"train_loss": train_loss, "num-examples": len(loader.dataset),  # type: ignore[arg-type]
+                   "fit_seconds": seconds}
+        content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
+        return Message(content=content, reply_to=msg)
+
+
+class TorchGlobalModel:
+    """The torch fleet's global values: what `FleetServer` asks of a `GlobalModel`, on a torch ``Net``."""
+
+    def __init__(self, hidden: int = 64, seed: int = 0) -> None:
+        self.module = digits_mlp(hidden, seed=seed)
+        self.server_round = 0
+
+    def arrays(self) -> ArrayRecord:
+        """The global values as an ``ArrayRecord`` of the state dict."""
+        return ArrayRecord(self.module.state_dict())
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Copies of the global values, by name."""
+        return {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+
+    def load(self, arrays: ArrayRecord, *, server_round: int) -> None:
+        """Load aggregated values into the ``Net``."""
+        self.module.load_state_dict(arrays.to_torch_state_dict())
+        self.server_round = server_round
+
+    def save(self, path: str | os.PathLike[str], *, server_round: int | None = None) -> Path:
+        """``torch.save`` the state dict (the quickstart's checkpoint)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.module.state_dict(), path)
+        return Path(path)
+
+    def evaluate_fn(self, loader: DataLoader) -> Any:
+        """A centralized evaluation for ``Strategy.start(evaluate_fn=...)``."""
+
+        def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+            self.module.load_state_dict(arrays.to_torch_state_dict())
+            return MetricRecord(test_fn(self.module, loader))
+
+        return evaluate
