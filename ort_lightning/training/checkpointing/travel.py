@@ -19,8 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 import pickle
 import zipfile
@@ -28,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ort_lightning.artifacts.checks import checkpoint_digest
 from ort_lightning.artifacts.state import state_summary
 from ort_lightning.errors import CheckpointError
 from ort_lightning.ort import runtime as _ort
@@ -46,20 +45,6 @@ __all__ = [
 IDENTITY_KEY = "ort_lightning_artifacts"
 
 
-@functools.lru_cache(maxsize=16)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _file_digest(path: Path) -> str:
-    stat = path.stat()
-    return _digest(os.fspath(path), stat.st_size, stat.st_mtime_ns)
-
-
 def identity_of(artifacts: TrainingArtifacts) -> dict[str, Any]:
     """The graph digests, parameters ``[name, shape, trainable]`` and optimizer kind of `artifacts`.
 
@@ -72,10 +57,10 @@ def identity_of(artifacts: TrainingArtifacts) -> dict[str, Any]:
         path: Path | None = getattr(artifacts, name)
         if path is None:
             continue
-        graphs[name] = _file_digest(path)
+        graphs[name] = checkpoint_digest(path)
         for twin in (path.with_suffix(".onnx"), path.with_suffix(".ort")):
             if twin.is_file():
-                files[twin.name] = _file_digest(twin)
+                files[twin.name] = checkpoint_digest(twin)
     parameters = state_summary(artifacts)
     return {
         "graphs": graphs,
