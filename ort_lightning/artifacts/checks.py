@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import limits
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.graph_files import GRAD_OUT, RESET, is_ort_input, load_graph, trained_parameters
+from ort_lightning.storage.atomic import sha256_of
 
 __all__ = ["GraphFacts", "check_checkpoint_digest", "check_graphs", "check_manifest", "checkpoint_digest",
            "read_graph"]
@@ -241,11 +241,7 @@ def _check_loss(manifest: Manifest, source: Path) -> None:
 
 @functools.lru_cache(maxsize=32)
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_of(Path(path))
 
 
 def checkpoint_digest(path: Path) -> str:

@@ -156,6 +156,17 @@ def _projections(
     return projected, recurrent, recurrent_bias, _part(graph, node, h0, index) if h0 else ""
 
 
+def _times(length: int, backwards: bool) -> range:
+    """The time steps of a direction in the order it runs."""
+    return range(length - 1, -1, -1) if backwards else range(length)
+
+
+def _step_gates(graph: Graph, node: onnx.NodeProto, projected: str, t: int, h: str, recurrent: str) -> str:
+    """The gates at time step `t`: its input projection, plus ``h_{t-1} R^T`` after the first step."""
+    gates = take(graph, node, projected, np.array(t, _I64), 0, 3)
+    return graph.emit("Add", [gates, graph.emit("MatMul", [h, recurrent], node)], node) if h else gates
+
+
 def _lstm_direction(
     graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, length: int, backwards: bool
 ) -> tuple[list[str], list[str]]:
@@ -163,12 +174,8 @@ def _lstm_direction(
     projected, recurrent, _, h = _projections(graph, node, inputs, index, 4, both_biases=True)
     c = _part(graph, node, inputs[6], index) if inputs[6] else ""
     states = []
-    for step in range(length):
-        t = length - 1 - step if backwards else step
-        gates = take(graph, node, projected, np.array(t, _I64), 0, 3)
-        if h:
-            gates = graph.emit("Add", [gates, graph.emit("MatMul", [h, recurrent], node)], node)
-        i, o, f, g = _split(graph, node, gates, 4)
+    for t in _times(length, backwards):
+        i, o, f, g = _split(graph, node, _step_gates(graph, node, projected, t, h, recurrent), 4)
         i, o, f = (graph.emit("Sigmoid", [gate], node) for gate in (i, o, f))
         fresh = graph.emit("Mul", [i, graph.emit("Tanh", [g], node)], node)
         c = graph.emit("Add", [graph.emit("Mul", [f, c], node), fresh], node) if c else fresh
@@ -183,8 +190,7 @@ def _gru_direction(
     """Unroll direction `index` of a GRU (linear_before_reset): its hidden states in time order, the last one."""
     projected, recurrent, recurrent_bias, h = _projections(graph, node, inputs, index, 3, both_biases=False)
     states = []
-    for step in range(length):
-        t = length - 1 - step if backwards else step
+    for t in _times(length, backwards):
         xz, xr, xn = _split(graph, node, take(graph, node, projected, np.array(t, _I64), 0, 3), 3)
         carried = graph.emit("MatMul", [h, recurrent], node) if h else ""
         if carried and recurrent_bias:
@@ -208,12 +214,9 @@ def _rnn_direction(
     activations = [_text(a) for a in attr(node, "activations", [b"Tanh"])]
     projected, recurrent, _, h = _projections(graph, node, inputs, index, 1, both_biases=True)
     states = []
-    for step in range(length):
-        t = length - 1 - step if backwards else step
-        total = take(graph, node, projected, np.array(t, _I64), 0, 3)
-        if h:
-            total = graph.emit("Add", [total, graph.emit("MatMul", [h, recurrent], node)], node)
-        h = graph.emit(activations[index % len(activations)], [total], node)
+    for t in _times(length, backwards):
+        h = graph.emit(activations[index % len(activations)], [_step_gates(graph, node, projected, t, h, recurrent)],
+                       node)
         states.append(h)
     return (states[::-1] if backwards else states), [h]
 
