@@ -1,13 +1,12 @@
 """Legalization: rewrite the nodes ORT 1.19.2's gradient builder cannot take into exact equivalents.
 
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
-returns the nodes that replace one node (or None when that node needs no change); the graph is
+returns the nodes that replace one node (or a `Declined` saying why it leaves the node); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
 `rewrites/`: `pointwise` (activations, reductions, norms), `spatial` (pooling, resizing,
-slicing), `layers` (padding, transposed convolution, RNNs, einsum), `gather` (Gathers) and
-`recurrent` (LSTM, GRU, RNN). A rewrite that leaves its node to ORT returns a `Declined` with the
-reason; with the logger ``ort_lightning.export.legalize`` at DEBUG level (for instance
-``logging.getLogger("ort_lightning").setLevel(logging.DEBUG)``) each is logged as rule, node and reason.
+slicing), `layers` (padding, transposed convolution, bidirectional LSTM/GRU, einsum), `gather` (Gathers) and
+`recurrent` (LSTM, GRU, RNN unrolled). With the logger ``ort_lightning.export.legalize`` at DEBUG level (for instance
+``logging.getLogger("ort_lightning").setLevel(logging.DEBUG)``) each `Declined` is logged as rule, node and reason.
 
 Example::
 
