@@ -28,7 +28,7 @@ from ort_lightning.artifacts.manifest import Manifest, TensorSpec
 from ort_lightning.artifacts.schedule import graph_schedule
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.ort.graph_files import GRAD_OUT, is_ort_input, load_graph, trained_parameters
+from ort_lightning.ort.graph_files import GRAD_OUT, load_graph, ort_inputs, trained_parameters
 
 __all__ = ["CHECKPOINTS", "GRAPHS", "adopted_files", "adopted_manifest", "locate_prefix", "present_files"]
 
@@ -124,10 +124,7 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[str]]:
         return [TensorSpec(name, dtype, shape) for name, dtype, shape in inputs], outputs
     graph = load_graph(path, advice="it is damaged or truncated: copy it again from where the artifacts were "
                        "generated, or regenerate them").graph
-    specs = [
-        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
-        for info in graph.input
-    ]
+    specs = list(TensorSpec.of_inputs(graph.input))
     return specs, [info.name for info in graph.output]
 
 
@@ -166,7 +163,8 @@ def adopted_manifest(
     frozen = tuple(name for name, grad in parameters if not grad)
     _check_same_model(training, inputs, trainable, frozen, checkpoint)
     state = {*trainable, *frozen}
-    user = [spec for spec in inputs if spec.name not in state and not is_ort_input(spec.name)]
+    added = ort_inputs([spec.name for spec in inputs])
+    user = [spec for spec in inputs if spec.name not in state and spec.name not in added]
     label_names = _label_names(training, user, labels, own_loss=not _BLOCK_OUTPUT.fullmatch(outputs[0]))
     optimizer = files.get("optimizer_model")
     return Manifest(
@@ -212,7 +210,7 @@ def _checkpoint_parameters(path: Path, inputs: list[TensorSpec], *, weightless: 
         summary = _ort_checkpoint(path)[0]
         _check_shapes(path, inputs, summary)
         return [(name, grad) for name, _, grad in summary]
-    trained = trained_parameters(spec.name for spec in inputs)
+    trained = trained_parameters([spec.name for spec in inputs])
     return [(name, name in trained) for name in _nominal_names(path)]
 
 

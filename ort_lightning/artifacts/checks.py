@@ -34,7 +34,7 @@ from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import limits
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.ort.graph_files import GRAD_OUT, RESET, is_ort_input, load_graph, trained_parameters
+from ort_lightning.ort.graph_files import GRAD_OUT, RESET, load_graph, ort_inputs, trained_parameters
 from ort_lightning.storage.atomic import sha256_of
 
 __all__ = ["GraphFacts", "check_checkpoint_digest", "check_graphs", "check_manifest", "checkpoint_digest",
@@ -67,7 +67,7 @@ class GraphFacts:
     @property
     def trained(self) -> set[str]:
         """The parameters whose gradient buffers the graph takes (a training graph's trainable set)."""
-        return trained_parameters(spec.name for spec in self.inputs)
+        return trained_parameters([spec.name for spec in self.inputs])
 
 
 def read_graph(path: Path) -> GraphFacts:
@@ -97,10 +97,7 @@ def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
         raise ArtifactError(
             f"{path} holds no graph ({path.stat().st_size} bytes, no nodes): it is empty or truncated; {_ADVICE}."
         )
-    inputs = tuple(
-        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
-        for info in graph.input
-    )
+    inputs = TensorSpec.of_inputs(graph.input)
     return GraphFacts(path, inputs, tuple(info.name for info in graph.output),
                       frozenset(node.op_type for node in graph.node))
 
@@ -187,7 +184,8 @@ def _describe(specs: Sequence[TensorSpec]) -> str:
 def _check_inputs(manifest: Manifest, training: GraphFacts, source: Path) -> None:
     # NOTE: ORT puts the user inputs first, then the state tensors: the first state tensor ends them.
     state = {*training.trained, *manifest.trainable, *manifest.frozen, *manifest.buffers}
-    ends = [index for index, spec in enumerate(training.inputs) if spec.name in state or is_ort_input(spec.name)]
+    state |= ort_inputs([spec.name for spec in training.inputs])
+    ends = [index for index, spec in enumerate(training.inputs) if spec.name in state]
     actual = list(training.inputs[: ends[0] if ends else len(training.inputs)])
     described = list(manifest.graph_inputs)
     if [(s.name, s.dtype, tuple(s.shape)) for s in described] != [(s.name, s.dtype, tuple(s.shape)) for s in actual]:

@@ -32,7 +32,7 @@ from ort_lightning.artifacts.checks import read_graph
 from ort_lightning.artifacts.manifest import TensorSpec
 from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.ort.graph_files import is_ort_input
+from ort_lightning.ort.graph_files import ort_inputs
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -59,11 +59,9 @@ def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
         One `TensorSpec` per parameter and buffer, named as ``named_parameters()`` / ``named_buffers()`` name them.
     """
     path = artifacts.training_model
-    skip = {spec.name for spec in artifacts.manifest.graph_inputs}
-    return [
-        spec for spec in _graph_inputs(path, path.stat().st_mtime_ns)
-        if spec.name not in skip and not is_ort_input(spec.name)
-    ]
+    inputs = _graph_inputs(path, path.stat().st_mtime_ns)
+    skip = {spec.name for spec in artifacts.manifest.graph_inputs} | ort_inputs([spec.name for spec in inputs])
+    return [spec for spec in inputs if spec.name not in skip]
 
 
 def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ...], bool]]:

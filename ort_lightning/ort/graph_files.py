@@ -2,7 +2,7 @@
 
 No ONNX Runtime import here (onnx only): the exporter, the folder checks and the session read
 graphs through `load_graph`, and tell the inputs ``generate_artifacts`` adds from the user's
-with `is_ort_input`.
+with `ort_inputs`.
 
 Example::
 
@@ -15,8 +15,8 @@ Example::
     ...
     ort_lightning.errors.ArtifactError: ...damaged.onnx is not a readable ONNX model (...); copy it again.
     >>> names = ["input", "fc.weight", "fc.weight_grad.accumulation.buffer", "lazy_reset_grad"]
-    >>> [is_ort_input(name) for name in names], trained_parameters(names)
-    ([False, False, True, True], {'fc.weight'})
+    >>> sorted(ort_inputs(names)), trained_parameters(names)
+    (['fc.weight_grad.accumulation.buffer', 'lazy_reset_grad'], {'fc.weight'})
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from onnx.checker import ValidationError
 
 from ort_lightning.errors import ArtifactError, ORTLightningError
 
-__all__ = ["GRAD_BUFFER", "GRAD_OUT", "READ_ERRORS", "RESET", "is_ort_input", "load_graph", "trained_parameters"]
+__all__ = ["GRAD_BUFFER", "GRAD_OUT", "READ_ERRORS", "RESET", "load_graph", "ort_inputs", "trained_parameters"]
 
 #: The suffix of the gradient buffer ORT's training graph takes (and updates) for each trained parameter.
 GRAD_BUFFER = "_grad.accumulation.buffer"
@@ -44,12 +44,12 @@ RESET = "lazy_reset_grad"
 READ_ERRORS = (DecodeError, OSError, ValidationError)
 
 
-def is_ort_input(name: str) -> bool:
-    """Whether a training graph's input is one ``generate_artifacts`` adds (a gradient buffer, the reset flag).
+def ort_inputs(input_names: Iterable[str]) -> set[str]:
+    """The inputs of a training graph that ``generate_artifacts`` adds: the gradient buffers and the reset flag.
 
-    The user's inputs and the state tensors are the others.
+    The user's inputs and the state tensors are the others. (One call per graph, not per input.)
     """
-    return name.endswith(GRAD_BUFFER) or name == RESET
+    return {name for name in input_names if name.endswith(GRAD_BUFFER) or name == RESET}
 
 
 def trained_parameters(input_names: Iterable[str]) -> set[str]:
