@@ -7,6 +7,7 @@ Forward outputs must match torch within 1e-6 and every gradient within 1e-5 rela
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -226,6 +227,21 @@ def test_onnx_sources_are_legalized_too(tmp_path: Path, as_proto: bool) -> None:
     result = compare_step(model, inputs(4), inputs(6), source=source)
     assert result.output_rel <= FORWARD_TOLERANCE, result
     assert result.grad_rel <= GRADIENT_TOLERANCE, result
+
+
+def test_a_declined_rewrite_says_why_at_debug_level(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.ConstantPad1d(1, 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(4, 6),), str(tmp_path / "pad.onnx"), dynamo=False, opset_version=17)
+    proto = onnx.load(tmp_path / "pad.onnx")
+    said = "rule Pad declined node '/1/Pad': 'constant' mode: ORT 1.19.2 differentiates it"
+    with caplog.at_level(logging.INFO, logger="ort_lightning"):
+        legalize(copy.deepcopy(proto))
+    assert said not in caplog.text
+    with caplog.at_level(logging.DEBUG, logger="ort_lightning"):
+        legalize(proto)
+    assert said in caplog.text
 
 
 def _custom_op_model() -> onnx.ModelProto:

@@ -28,6 +28,7 @@ from ort_lightning.artifacts.manifest import Manifest, TensorSpec
 from ort_lightning.artifacts.schedule import graph_schedule
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.ort.graph_files import GRAD_OUT, load_graph, ort_inputs, trained_parameters
 
 __all__ = ["CHECKPOINTS", "GRAPHS", "adopted_files", "adopted_manifest", "locate_prefix", "present_files"]
 
@@ -37,9 +38,6 @@ GRAPHS = ("training_model", "eval_model", "optimizer_model")
 CHECKPOINTS = ("checkpoint", "nominal_checkpoint")
 #: Label input names that ORT's built-in losses add, and the loss each stands for.
 _BUILTIN_LABELS = {"labels": "cross_entropy", "target": "mse|l1|bce_with_logits"}
-_GRAD_BUFFER = "_grad.accumulation.buffer"
-_GRAD_OUT = "_grad.accumulation.out"
-_RESET = "lazy_reset_grad"
 #: How onnxblock names the outputs it adds (``onnx::loss::2``); a model that returns its own loss keeps its name.
 _BLOCK_OUTPUT = re.compile(r"onnx::\w+::\d+")
 
@@ -124,17 +122,9 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[str]]:
     if path.suffix == ".ort":
         inputs, outputs = _ort.ort_graph_io(path)
         return [TensorSpec(name, dtype, shape) for name, dtype, shape in inputs], outputs
-    try:
-        graph = onnx.load(path, load_external_data=False).graph
-    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-        raise ArtifactError(
-            f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: copy it again from where the "
-            "artifacts were generated, or regenerate them."
-        ) from error
-    specs = [
-        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
-        for info in graph.input
-    ]
+    graph = load_graph(path, advice="it is damaged or truncated: copy it again from where the artifacts were "
+                       "generated, or regenerate them").graph
+    specs = list(TensorSpec.of_inputs(graph.input))
     return specs, [info.name for info in graph.output]
 
 
@@ -173,7 +163,8 @@ def adopted_manifest(
     frozen = tuple(name for name, grad in parameters if not grad)
     _check_same_model(training, inputs, trainable, frozen, checkpoint)
     state = {*trainable, *frozen}
-    user = [spec for spec in inputs if spec.name not in state and not _is_training_input(spec.name)]
+    added = ort_inputs([spec.name for spec in inputs])
+    user = [spec for spec in inputs if spec.name not in state and spec.name not in added]
     label_names = _label_names(training, user, labels, own_loss=not _BLOCK_OUTPUT.fullmatch(outputs[0]))
     optimizer = files.get("optimizer_model")
     return Manifest(
@@ -181,7 +172,7 @@ def adopted_manifest(
         labels=tuple(spec for spec in user if spec.name in label_names),
         loss=_loss_name(label_names, labels),
         loss_output=outputs[0],
-        outputs=tuple(name for name in outputs[1:] if not name.endswith(_GRAD_OUT)),
+        outputs=tuple(name for name in outputs[1:] if not name.endswith(GRAD_OUT)),
         optimizer="none" if optimizer is None else _ort.optimizer_kind_in(optimizer),
         optimizer_options={} if optimizer is None else optimizer_attributes(optimizer),
         trainable=trainable,
@@ -219,8 +210,8 @@ def _checkpoint_parameters(path: Path, inputs: list[TensorSpec], *, weightless: 
         summary = _ort_checkpoint(path)[0]
         _check_shapes(path, inputs, summary)
         return [(name, grad) for name, _, grad in summary]
-    buffers = {spec.name for spec in inputs if spec.name.endswith(_GRAD_BUFFER)}
-    return [(name, f"{name}{_GRAD_BUFFER}" in buffers) for name in _nominal_names(path)]
+    trained = trained_parameters([spec.name for spec in inputs])
+    return [(name, name in trained) for name in _nominal_names(path)]
 
 
 def _check_shapes(path: Path, inputs: list[TensorSpec], summary: list[tuple[str, tuple[int, ...], bool]]) -> None:
@@ -268,16 +259,12 @@ def _ort_checkpoint(path: Path) -> tuple[list[tuple[str, tuple[int, ...], bool]]
         ) from error
 
 
-def _is_training_input(name: str) -> bool:
-    return name.endswith(_GRAD_BUFFER) or name == _RESET
-
-
 def _check_same_model(
     training: Path, inputs: list[TensorSpec], trainable: tuple[str, ...], frozen: tuple[str, ...], checkpoint: Path
 ) -> None:
     """Refuse a checkpoint whose parameters are not the ones the training graph trains and reads."""
     names = {spec.name for spec in inputs}
-    graph_trainable = {name[: -len(_GRAD_BUFFER)] for name in names if name.endswith(_GRAD_BUFFER)}
+    graph_trainable = trained_parameters(names)
     missing = sorted((set(trainable) ^ graph_trainable) | (set(frozen) - names))
     if missing:
         raise ArtifactError(

@@ -25,25 +25,21 @@ Example::
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
-
 from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort import limits
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.ort.graph_files import GRAD_OUT, RESET, load_graph, ort_inputs, trained_parameters
+from ort_lightning.storage.atomic import sha256_of
 
 __all__ = ["GraphFacts", "check_checkpoint_digest", "check_graphs", "check_manifest", "checkpoint_digest",
            "read_graph"]
 
-GRAD_BUFFER = "_grad.accumulation.buffer"
-_GRAD_OUT = "_grad.accumulation.out"
-_RESET = "lazy_reset_grad"
 #: Label element types per loss kind: class indices, or values like the model's output.
 _CLASS_LOSSES = ("cross_entropy", "nll")
 _VALUE_LOSSES = ("mse", "l1", "bce_with_logits", "smooth_l1", "huber", "mse|l1|bce_with_logits")
@@ -64,14 +60,14 @@ class GraphFacts:
         """``"training_model"``, ``"eval_model"`` or ``"optimizer_model"``: the slot this graph's content fits."""
         if self.op_types & set(_ort.OPTIMIZER_NODES):
             return "optimizer_model"
-        if any(spec.name == _RESET for spec in self.inputs):
+        if any(spec.name == RESET for spec in self.inputs):
             return "training_model"
         return "eval_model"
 
     @property
     def trained(self) -> set[str]:
         """The parameters whose gradient buffers the graph takes (a training graph's trainable set)."""
-        return {spec.name[: -len(GRAD_BUFFER)] for spec in self.inputs if spec.name.endswith(GRAD_BUFFER)}
+        return trained_parameters([spec.name for spec in self.inputs])
 
 
 def read_graph(path: Path) -> GraphFacts:
@@ -89,12 +85,7 @@ def read_graph(path: Path) -> GraphFacts:
 
 @functools.lru_cache(maxsize=32)
 def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-        raise ArtifactError(
-            f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: {_ADVICE}."
-        ) from error
+    model = load_graph(path, advice=f"it is damaged or truncated: {_ADVICE}")
     if model.ir_version > limits.MAX_IR_VERSION:
         raise ArtifactError(
             f"{path} has ONNX IR version {model.ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
@@ -106,10 +97,7 @@ def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
         raise ArtifactError(
             f"{path} holds no graph ({path.stat().st_size} bytes, no nodes): it is empty or truncated; {_ADVICE}."
         )
-    inputs = tuple(
-        TensorSpec.from_value_info(info) if info.type.HasField("tensor_type") else TensorSpec(info.name, "sequence", ())
-        for info in graph.input
-    )
+    inputs = TensorSpec.of_inputs(graph.input)
     return GraphFacts(path, inputs, tuple(info.name for info in graph.output),
                       frozenset(node.op_type for node in graph.node))
 
@@ -196,7 +184,8 @@ def _describe(specs: Sequence[TensorSpec]) -> str:
 def _check_inputs(manifest: Manifest, training: GraphFacts, source: Path) -> None:
     # NOTE: ORT puts the user inputs first, then the state tensors: the first state tensor ends them.
     state = {*training.trained, *manifest.trainable, *manifest.frozen, *manifest.buffers}
-    ends = [index for index, spec in enumerate(training.inputs) if spec.name in state or _is_training_input(spec.name)]
+    state |= ort_inputs([spec.name for spec in training.inputs])
+    ends = [index for index, spec in enumerate(training.inputs) if spec.name in state]
     actual = list(training.inputs[: ends[0] if ends else len(training.inputs)])
     described = list(manifest.graph_inputs)
     if [(s.name, s.dtype, tuple(s.shape)) for s in described] != [(s.name, s.dtype, tuple(s.shape)) for s in actual]:
@@ -205,10 +194,6 @@ def _check_inputs(manifest: Manifest, training: GraphFacts, source: Path) -> Non
             f"{_describe(actual)}; the manifest belongs to another model. Re-export the artifacts with "
             "export_artifacts() instead of copying files between folders."
         )
-
-
-def _is_training_input(name: str) -> bool:
-    return name.endswith(GRAD_BUFFER) or name == _RESET
 
 
 def _check_state(manifest: Manifest, training: GraphFacts, source: Path) -> None:
@@ -229,7 +214,7 @@ def _check_state(manifest: Manifest, training: GraphFacts, source: Path) -> None
 
 
 def _check_outputs(manifest: Manifest, training: GraphFacts, source: Path) -> None:
-    outputs = [name for name in training.outputs if not name.endswith(_GRAD_OUT)]
+    outputs = [name for name in training.outputs if not name.endswith(GRAD_OUT)]
     if not outputs or manifest.loss_output != outputs[0] or not set(manifest.outputs) <= set(outputs[1:]):
         raise ArtifactError(
             f"{source} says the loss is {manifest.loss_output!r} and the model outputs {list(manifest.outputs)}, but "
@@ -254,11 +239,7 @@ def _check_loss(manifest: Manifest, source: Path) -> None:
 
 @functools.lru_cache(maxsize=32)
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_of(Path(path))
 
 
 def checkpoint_digest(path: Path) -> str:

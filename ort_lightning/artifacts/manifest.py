@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,23 @@ class TensorSpec:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name
         shape = tuple(dim.dim_param or dim.dim_value for dim in tensor_type.shape.dim)
         return cls(info.name, dtype, shape)
+
+    @classmethod
+    def of_inputs(cls, infos: Iterable[onnx.ValueInfoProto]) -> tuple[TensorSpec, ...]:
+        """Read every input of a graph; one that is not a tensor (a sequence) has the dtype ``"sequence"``.
+
+        Example::
+
+            >>> from onnx import TensorProto, helper
+            >>> infos = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            ...          helper.make_tensor_sequence_value_info("xs", TensorProto.FLOAT, None)]
+            >>> [(spec.name, spec.dtype, spec.shape) for spec in TensorSpec.of_inputs(infos)]
+            [('x', 'float32', ('batch', 4)), ('xs', 'sequence', ())]
+        """
+        return tuple(
+            cls.from_value_info(info) if info.type.HasField("tensor_type") else cls(info.name, "sequence", ())
+            for info in infos
+        )
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ort_lightning.artifacts.checks import read_graph
 from ort_lightning.artifacts.manifest import TensorSpec
 from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.ort.graph_files import ort_inputs
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["check_shapes", "check_values", "flat_values", "state_specs", "state_summary"]
 
-_GRAD_BUFFER = ".buffer"
-_RESET = "lazy_reset_grad"
 
 
 @lru_cache(maxsize=32)
@@ -60,11 +59,9 @@ def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
         One `TensorSpec` per parameter and buffer, named as ``named_parameters()`` / ``named_buffers()`` name them.
     """
     path = artifacts.training_model
-    skip = {spec.name for spec in artifacts.manifest.graph_inputs}
-    return [
-        spec for spec in _graph_inputs(path, path.stat().st_mtime_ns)
-        if spec.name not in skip and not spec.name.endswith(_GRAD_BUFFER) and spec.name != _RESET
-    ]
+    inputs = _graph_inputs(path, path.stat().st_mtime_ns)
+    skip = {spec.name for spec in artifacts.manifest.graph_inputs} | ort_inputs([spec.name for spec in inputs])
+    return [spec for spec in inputs if spec.name not in skip]
 
 
 def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ...], bool]]:

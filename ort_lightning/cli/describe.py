@@ -172,7 +172,7 @@ def checkpoint_rows(path: Path) -> Rows:
     verify_digest(path)  # a sidecar written by ORTCheckpoint guards against silent corruption
     try:
         parameters, properties = _ort.checkpoint_summary(path)
-    except Exception as error:  # ORT raises its own types for a file it cannot parse
+    except _ort.CHECKPOINT_READ_ERRORS as error:
         raise ValueError(
             f"{path} is not an ONNX Runtime checkpoint; inspect reads an artifacts folder or an ORT checkpoint "
             "file (*.ortckpt from ORTCheckpoint, or the artifacts' checkpoint file)."

@@ -42,6 +42,8 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from ort_lightning.ort.graph_files import READ_ERRORS
+
 __all__ = [
     "AUTO_BYTES",
     "WEIGHTS_FILE",
@@ -98,7 +100,7 @@ def state_bytes(model: Any) -> int:
     if isinstance(model, (str, os.PathLike)) and Path(model).is_file():
         try:
             graph = onnx.load(os.fspath(model), load_external_data=False).graph
-        except Exception:  # noqa: BLE001 - not ONNX: the source stage says so, in the words it owes the user
+        except READ_ERRORS:  # not ONNX: the source stage says so, in the words it owes the user
             return 0
         return sum(_tensor_bytes(t) for t in graph.initializer)
     return 0

@@ -46,6 +46,7 @@ from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve
 from ort_lightning.export.source import ModelSource, load_source
 from ort_lightning.export.verify.verifier import verify_export
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.ort.graph_files import ort_inputs
 from ort_lightning.storage.staging import staged_folder
 
 __all__ = ["export_artifacts"]
@@ -134,10 +135,11 @@ def _graph_io(
     proto: onnx.ModelProto, state: set[str], model_inputs: Sequence[str]
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Split the user inputs of the training graph into model inputs and labels."""
+    added = ort_inputs([info.name for info in proto.graph.input])
     user = [
         TensorSpec.from_value_info(info)
         for info in proto.graph.input
-        if info.name not in state and not info.name.endswith(".buffer") and info.name != "lazy_reset_grad"
+        if info.name not in state and info.name not in added
     ]
     return [s for s in user if s.name in model_inputs], [s for s in user if s.name not in model_inputs]
 

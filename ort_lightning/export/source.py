@@ -29,6 +29,7 @@ from ort_lightning.export.model_io import copy_sharing_parameters, plan_io, stri
 from ort_lightning.export.onnx_nodes import is_ai_onnx
 from ort_lightning.export.weights import split_initializers
 from ort_lightning.ort import limits
+from ort_lightning.ort.graph_files import load_graph
 
 #: What `export_artifacts` takes as a model.
 ModelSource = Union[torch.nn.Module, onnx.ModelProto, str, "os.PathLike[str]"]
@@ -286,13 +287,8 @@ def _onnx_graph(model: ModelSource, *, external: bool) -> tuple[onnx.ModelProto,
         )
     if not Path(model).is_file():
         raise ExportError(f"ONNX file {model} does not exist; pass the path of an exported .onnx model.")
-    try:
-        return onnx.load(os.fspath(model), load_external_data=not external), Path(model).parent
-    except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-        raise ExportError(
-            f"{model} is not a readable ONNX model ({error}); pass a file written by torch.onnx.export "
-            "or onnx.save."
-        ) from error
+    advice = "pass a file written by torch.onnx.export or onnx.save"
+    return load_graph(model, advice=advice, load_external_data=not external, error=ExportError), Path(model).parent
 
 
 def describe_source(model: ModelSource) -> str:

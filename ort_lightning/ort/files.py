@@ -6,8 +6,10 @@ of a graph file (``.ort`` included).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import struct
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ort_lightning.errors import ArtifactError
@@ -69,15 +71,10 @@ def ort_node_attributes(path: os.PathLike[str] | str, op_types: Sequence[str]) -
     Raises:
         ArtifactError: for a file that is not an ``.ort`` graph.
     """
-    try:
-        graph = _fbs.InferenceSession.InferenceSession.GetRootAs(_read(path), 0).Model().Graph()
+    with _ort_model(path) as model:
+        graph = model.Graph()
         nodes = [graph.Nodes(index) for index in range(graph.NodesLength())]
         node = next((n for n in nodes if n.OpType().decode() in op_types), None)
-    except Exception as error:  # the flatbuffers readers raise struct/index/attribute errors on a damaged file
-        raise ArtifactError(
-            f"{os.fspath(path)} is not an ONNX Runtime .ort graph ({type(error).__name__}: {error}); copy it again "
-            "from where the artifacts were generated, or regenerate them."
-        ) from error
     if node is None:
         return {}
     readers = {_fbs.AttributeType.AttributeType.FLOAT: "F", _fbs.AttributeType.AttributeType.INT: "I"}
@@ -91,20 +88,28 @@ def ort_metadata(path: os.PathLike[str] | str) -> dict[str, str]:
     Raises:
         ArtifactError: for a file that is not an ``.ort`` graph.
     """
-    try:
-        model = _fbs.InferenceSession.InferenceSession.GetRootAs(_read(path), 0).Model()
+    with _ort_model(path) as model:
         entries = [model.MetadataProps(index) for index in range(model.MetadataPropsLength())]
         return {entry.Key().decode(): entry.Value().decode() for entry in entries}
-    except Exception as error:  # the flatbuffers readers raise struct/index/attribute errors on a damaged file
+
+
+#: What reading an ``.ort`` graph raises for a file that is not one: the OS's errors, and the flatbuffers
+#: readers' on a damaged buffer (struct.error, IndexError past its end, TypeError for a bad offset,
+#: AttributeError for a missing table, UnicodeDecodeError for a name that is not text).
+_ORT_GRAPH_ERRORS = (OSError, struct.error, IndexError, TypeError, AttributeError, UnicodeDecodeError)
+
+
+@contextlib.contextmanager
+def _ort_model(path: os.PathLike[str] | str) -> Iterator[Any]:
+    """The flatbuffers Model of an ``.ort`` graph, read within the block; an `ArtifactError` if it is not one."""
+    try:
+        with open(path, "rb") as stream:
+            yield _fbs.InferenceSession.InferenceSession.GetRootAs(stream.read(), 0).Model()
+    except _ORT_GRAPH_ERRORS as error:
         raise ArtifactError(
             f"{os.fspath(path)} is not an ONNX Runtime .ort graph ({type(error).__name__}: {error}); copy it again "
             "from where the artifacts were generated, or regenerate them."
         ) from error
-
-
-def _read(path: os.PathLike[str] | str) -> bytes:
-    with open(path, "rb") as stream:
-        return stream.read()
 
 
 #: ONNX Runtime's type strings -> numpy dtype names (what `TensorSpec` records).

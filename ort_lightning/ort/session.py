@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import onnx
 
 from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError, ORTLightningError
 from ort_lightning.ort._api import (
@@ -31,6 +30,7 @@ from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort.files import ort_graph_io
 from ort_lightning.ort.generate import OPTIMIZER_NODES as _OPTIMIZER_NODES
 from ort_lightning.ort.generate import optimizer_kind_of
+from ort_lightning.ort.graph_files import load_graph
 from ort_lightning.ort.options import session_options
 
 __all__ = [
@@ -292,13 +292,9 @@ def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
 def _optimizer_nodes(path: str) -> list[str]:
     """Node types of an optimizer graph; for an ``.ort`` graph, what its inputs and operator list say."""
     if not path.endswith(".ort"):
-        try:
-            return [node.op_type for node in onnx.load(path, load_external_data=False).graph.node]
-        except Exception as error:  # onnx raises DecodeError and friends for a damaged file
-            raise ArtifactError(
-                f"{path} is not a readable ONNX model ({error}); it is damaged or truncated: copy the artifacts again "
-                "from where they were exported, or re-export them with export_artifacts()."
-            ) from error
+        advice = ("it is damaged or truncated: copy the artifacts again from where they were exported, or re-export "
+                  "them with export_artifacts()")
+        return [node.op_type for node in load_graph(path, advice=advice).graph.node]
     config = path[: -len(".ort")] + ".required_operators.config"
     if os.path.isfile(config):
         try:

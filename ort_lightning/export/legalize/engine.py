@@ -1,11 +1,12 @@
 """Legalization: rewrite the nodes ORT 1.19.2's gradient builder cannot take into exact equivalents.
 
 `RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
-returns the nodes that replace one node (or None when that node needs no change); the graph is
+returns the nodes that replace one node (or a `Declined` saying why it leaves the node); the graph is
 otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
 `rewrites/`: `pointwise` (activations, reductions, norms), `spatial` (pooling, resizing,
-slicing), `layers` (padding, transposed convolution, RNNs, einsum), `gather` (Gathers) and
-`recurrent` (LSTM, GRU).
+slicing), `layers` (padding, transposed convolution, bidirectional LSTM/GRU, einsum), `gather` (Gathers) and
+`recurrent` (LSTM, GRU, RNN unrolled). With the logger ``ort_lightning.export.legalize`` at DEBUG level (for instance
+``logging.getLogger("ort_lightning").setLevel(logging.DEBUG)``) each `Declined` is logged as rule, node and reason.
 
 Example::
 
@@ -24,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +35,8 @@ import onnx
 import torch
 
 from ort_lightning.errors import ExportError
-from ort_lightning.export.legalize.graph import Graph, where
+from ort_lightning.export.legalize.declined import Declined, Replacement
+from ort_lightning.export.legalize.graph import SHAPE_INFERENCE_ERRORS, Graph, where
 from ort_lightning.export.legalize.rewrites import gather as _gather
 from ort_lightning.export.legalize.rewrites import layers as _layers
 from ort_lightning.export.legalize.rewrites import pointwise as _rewrites
@@ -43,12 +46,15 @@ from ort_lightning.export.onnx_nodes import is_ai_onnx
 
 __all__ = ["RULES", "Rule", "explain_gradient_error", "legalize", "padding_rows_of", "raise_explained"]
 
+#: Where a declined rewrite (rule, node, reason) and a failed shape inference are logged, at DEBUG level.
+_log = logging.getLogger("ort_lightning.export.legalize")
+
 
 @dataclass(frozen=True)
 class Rule:
     """How one ONNX op is made differentiable by ORT 1.19.2, and why it has to be."""
 
-    rewrite: Callable[[Graph, onnx.NodeProto], list[onnx.NodeProto] | None]
+    rewrite: Callable[[Graph, onnx.NodeProto], Replacement]
     reason: str
 
 
@@ -105,7 +111,7 @@ RULES: dict[str, Rule] = {
         "constant index becomes Slice, others along axis 0 GatherND; with padding_idx the padding row gets no "
         "gradient, as in torch",
     ),
-    "RNN": Rule(_layers.vanilla_rnn, f"{_NO_GRADIENT} (nn.RNN); unrolled over its fixed length: MatMul, Tanh/Relu"),
+    "RNN": Rule(_recurrent.rnn, f"{_NO_GRADIENT} (nn.RNN); unrolled over its fixed length: MatMul, Tanh/Relu"),
     "Einsum": Rule(_layers.einsum, f"{_NO_GRADIENT}; becomes aligned operands, Mul and ReduceSum"),
     "If": Rule(_rewrites.control_flow, "the gradient builder aborts the process on it: refused with an ExportError"),
     "Loop": Rule(_rewrites.control_flow, "as If"),
@@ -125,15 +131,21 @@ def legalize(
     """
     graph = Graph(proto, padding_rows=padding_rows, weights_dir=weights_dir)
     rewritten: list[str] = []
+    declined: list[tuple[str, str, str]] = []
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(proto.graph.node):
         rule = RULES.get(node.op_type)  # NOTE: the domain is asked only of the ops a rule covers
         replacement = rule.rewrite(graph, node) if rule is not None and is_ai_onnx(node) else None
+        if isinstance(replacement, Declined):
+            declined.append((node.op_type, node.name or f"{node.op_type}_{index}", replacement.reason))
+            replacement = None
         if replacement is None:
             nodes.append(node)
             continue
         rewritten.append(node.name or f"{node.op_type}_{index}")
         nodes.extend(replacement)
+    for op, name, reason in declined:
+        _log.debug("rule %s declined node %r: %s", op, name, reason)
     if rewritten:
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
@@ -150,7 +162,8 @@ def _record_shapes(proto: onnx.ModelProto) -> None:
     """
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
-    except Exception:  # onnx raises several types for a graph it cannot infer; ORT then infers alone
+    except SHAPE_INFERENCE_ERRORS as error:  # ORT then infers alone
+        _log.debug("shape inference of the legalized graph failed, ORT infers alone: %s", error)
         return
     known = {info.name for info in proto.graph.value_info}
     proto.graph.value_info.extend(info for info in inferred.graph.value_info if info.name not in known)

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,22 @@ import numpy as np
 import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
+from onnx.shape_inference import InferenceError
 
 from ort_lightning.export.external import is_external, read_array
 from ort_lightning.export.onnx_nodes import FLOAT_TYPES, NodeBuilder, ai_onnx_opset, graph_names
 
-__all__ = ["Graph", "attr", "module_of", "where"]
+__all__ = ["SHAPE_INFERENCE_ERRORS", "Graph", "attr", "module_of", "where"]
+
+_log = logging.getLogger("ort_lightning.export.legalize")
+
+#: What ONNX shape inference raises on a graph it cannot infer: an op it does not know (InferenceError),
+#: or a model too large to serialize for it (ValueError, above protobuf's 2 GB).
+SHAPE_INFERENCE_ERRORS = (InferenceError, ValueError)
+#: What the reference evaluator raises on a subgraph it cannot fold: an op or domain it does not know and a
+#: missing input (RuntimeError), numpy refusing the operands (TypeError, ValueError), an index or axis out of
+#: range (IndexError, numpy's AxisError).
+_FOLD_ERRORS = (RuntimeError, TypeError, ValueError, LookupError)
 
 
 class Graph:
@@ -102,7 +114,8 @@ class Graph:
         try:
             model = helper.make_model(graph, opset_imports=self.proto.opset_import)
             (result,) = ReferenceEvaluator(model).run(None, {})
-        except Exception:  # the reference evaluator raises many types; the value then stays unknown
+        except _FOLD_ERRORS as error:  # the value then stays unknown: a rewrite that needs it declines or refuses
+            _log.debug("cannot fold the constant %r: %s: %s", name, type(error).__name__, error)
             return None
         return np.asarray(result)
 
@@ -171,7 +184,8 @@ def _inputs_of(nodes: list[onnx.NodeProto]) -> set[str]:
 def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | None]], set[str]]:
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
-    except Exception:  # onnx raises several types for a graph it cannot infer; shapes stay unknown
+    except SHAPE_INFERENCE_ERRORS as error:  # shapes stay unknown: a rewrite that needs one declines or refuses
+        _log.debug("shape inference failed, shapes stay unknown: %s", error)
         inferred = proto
     shapes: dict[str, list[int | str | None]] = {}
     graph = inferred.graph

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ort_lightning.artifacts import TensorSpec
+from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.ort import runtime as _ort
 
 __all__ = ["EXIT_ORT_ERROR", "main"]
@@ -32,17 +34,13 @@ __all__ = ["EXIT_ORT_ERROR", "main"]
 EXIT_ORT_ERROR = 3
 
 
-def _bind(arrays: Any, count: int) -> Any:
-    vector = _ort.OrtValueVector()
-    tensors = [torch.from_numpy(np.ascontiguousarray(arrays[f"i{index}"])) for index in range(count)]
-    for tensor in tensors:
-        is_bool = tensor.dtype is torch.bool
-        # NOTE: ORT 1.19.2's DLPack import refuses torch's bool code (kDLBool, "Unsupported code 6");
-        # it takes the same bytes as uint8 with its is_bool flag set, as the bridge does.
-        shared = tensor.view(torch.uint8) if is_bool else tensor
-        vector.push_back(_ort.OrtValue.from_dlpack(shared.__dlpack__(), is_bool))
+def _bind(arrays: Any, names: list[str]) -> tuple[Any, list[torch.Tensor]]:
+    """The job's inputs as the OrtValues of one step, bound as training binds a batch (`BatchBinder`)."""
+    tensors = [torch.from_numpy(np.ascontiguousarray(arrays[f"i{index}"])) for index in range(len(names))]
+    specs = [TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+             for name, tensor in zip(names, tensors, strict=True)]
     # NOTE: the OrtValues borrow the tensors' memory; the caller keeps them alive for the step.
-    return vector, tensors
+    return BatchBinder(specs, torch.device("cpu"), graph="training").bind(tensors), tensors
 
 
 def _step(session: _ort.TrainingSession, folder: Path, batch: int, names: list[str]) -> None:
@@ -50,12 +48,12 @@ def _step(session: _ort.TrainingSession, folder: Path, batch: int, names: list[s
     order = session.input_names()
     if order != names:
         raise ValueError(f"the training graph takes inputs {order}, the job has {names}")
-    vector, _tensors = _bind(arrays, len(names))
+    vector, _tensors = _bind(arrays, names)
     session.lazy_reset_grad()
     fetches = session.train_step(vector)
     # NOTE: DLPack views of ORT's gradient buffers, not copies (a large model's gradients take GBs).
     gradients = {
-        name: torch.from_dlpack(grad.to_dlpack()).numpy()
+        name: to_torch(grad).numpy()
         for name, _data, grad, trainable in session.parameters()
         if trainable and grad is not None
     }

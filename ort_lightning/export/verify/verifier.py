@@ -65,9 +65,9 @@ _ZERO_RATIO = "ort_lightning_verify_zero_dropout_ratio"
 _RATIO_INPUT = {"Dropout": 1, "DropoutGrad": 2}
 
 # NOTE: `python -m ort_lightning.export.verify.child` would import the packages' __init__ files, hence
-# Lightning: 4.8 s per child instead of 1.8 s here. The child needs only `ort` and `errors`, so
-# `ort_lightning` and the two packages above the child are empty package objects whose __path__ are
-# the very folders of the parent's code.
+# Lightning: 4.8 s per child instead of 1.8 s here. The child needs only `ort`, `errors`, `artifacts` and
+# `bridge` (which binds its inputs as training does), so `ort_lightning` and the two packages above the
+# child are empty package objects whose __path__ are the very folders of the parent's code.
 _BOOTSTRAP = (
     "import sys, types, os; root = sys.argv[1]\n"
     "for name, path in (('ort_lightning', root), ('ort_lightning.export', os.path.join(root, 'export')),\n"

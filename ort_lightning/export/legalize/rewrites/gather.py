@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from ort_lightning.export.legalize.declined import Declined, Replacement
 from ort_lightning.export.legalize.graph import Graph, attr
 
 __all__ = ["gather", "take"]
@@ -41,15 +42,16 @@ _I64 = np.int64
 _END = np.iinfo(np.int64).max
 
 
-def gather(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """A Gather on the gradient path as Slice or GatherND; None for one left to ORT.
+def gather(graph: Graph, node: onnx.NodeProto) -> Replacement:
+    """A Gather on the gradient path as Slice or GatherND; `Declined` for one left to ORT.
 
     With ``padding_idx`` the padding row of an embedding also gets no gradient (`_padded_lookup`).
     """
     data, indices = node.input[0], node.input[1]
     weight = graph.is_weight(data)
     if not weight and not graph.is_float(data):
-        return None  # shape arithmetic and integer data: no gradient, and shape inference reads Gathers
+        # NOTE: shape inference reads these Gathers; a rewritten one would hide the shapes it computes
+        return Declined("not on the gradient path (shape arithmetic or integer data)")
     axis = int(attr(node, "axis", 0))
     shape = graph.shape(data)
     if axis < 0 and shape is not None:
@@ -61,7 +63,7 @@ def gather(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         take(graph, node, data, index, axis, len(shape), node.output[0])
         return graph.take()
     if axis != 0:
-        return None
+        return Declined(f"index computed from the inputs along axis {axis}: GatherND takes axis 0 only")
     graph.emit("GatherND", [data, _nd_positions(graph, node, indices)], node, output=node.output[0])
     return graph.take()
 

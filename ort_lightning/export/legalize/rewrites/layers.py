@@ -1,4 +1,4 @@
-"""Layer rewrites behind `_legalize.RULES`: padding modes, transposed convolution, bidirectional RNNs, embeddings.
+"""Layer rewrites behind `_legalize.RULES`: padding modes, transposed convolution, bidirectional RNNs, einsum.
 
 Like the other rewrites they are exact, need static sizes along the axes they touch (the batch
 may stay dynamic), and leave a node they cannot rewrite for ORT, or refuse it with an
@@ -11,11 +11,12 @@ import numpy as np
 import onnx
 
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.declined import Declined, Replacement
 from ort_lightning.export.legalize.graph import Graph, attr, where
 from ort_lightning.export.legalize.rewrites.gather import take
 from ort_lightning.export.legalize.rewrites.spatial import along_axis
 
-__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "pad", "vanilla_rnn"]
+__all__ = ["bidirectional_rnn", "conv_transpose", "einsum", "pad"]
 
 _I64 = np.int64
 _NUMPY_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
@@ -25,14 +26,14 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def pad(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def pad(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """Pad in reflect/edge/wrap mode as one gather of constant indices (`take`) per padded axis; constant mode is left.
 
     ORT 1.19.2's Pad gradient exists for constant mode only.
     """
     mode = _text(attr(node, "mode", "constant"))
     if mode not in _NUMPY_PAD_MODES:
-        return None
+        return Declined(f"{mode!r} mode: ORT 1.19.2 differentiates it")
     pads, shape = graph.value(node.input[1]), graph.shape(node.input[0])
     axes = graph.value(node.input[3]) if len(node.input) > 3 and node.input[3] else None
     if pads is None or shape is None:
@@ -70,7 +71,7 @@ def _transposed_weight(graph: Graph, node: onnx.NodeProto, weight: str, shape: l
     return current
 
 
-def conv_transpose(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def conv_transpose(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """ConvTranspose as zero-insertion (a 0/1 MatMul per strided axis) and a Conv with the flipped weight.
 
     ORT 1.19.2 has no CPU kernel for ConvTransposeGrad.
@@ -118,16 +119,18 @@ def _one_direction(graph: Graph, node: onnx.NodeProto, name: str, direction: int
     return graph.emit("Slice", [name, *bounds], node)
 
 
-def bidirectional_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def bidirectional_rnn(graph: Graph, node: onnx.NodeProto, *, why_kept: str) -> Replacement:
     """A bidirectional LSTM/GRU as two forward ones, the second over the time-reversed sequence.
 
-    ORT 1.19.2's LSTM and GRU training kernels take the forward direction only.
+    ORT 1.19.2's LSTM and GRU training kernels take the forward direction only; `why_kept` says why
+    the layer was not unrolled, for the `Declined` of a one-direction layer.
 
     Raises:
         ExportError: for variable sequence lengths, peepholes, batch-major layout or an unknown length.
     """
-    if _text(attr(node, "direction", "forward")) != "bidirectional":
-        return None
+    kind = _text(attr(node, "direction", "forward"))
+    if kind != "bidirectional":
+        return Declined(f"{why_kept}; a {kind} layer is left to ORT's kernel")
     inputs = [*node.input, *[""] * (8 - len(node.input))]
     shape = graph.shape(inputs[0])
     length = shape[0] if shape else None
@@ -157,7 +160,7 @@ def bidirectional_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto
     return graph.take()
 
 
-def einsum(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def einsum(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """Einsum as Transpose/Unsqueeze of each operand onto all the equation's letters, Mul, ReduceSum.
 
     Exact, and any number of operands; the product spans every letter at once, so its memory is the
@@ -166,11 +169,11 @@ def einsum(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """
     equation = _text(attr(node, "equation", "")).replace(" ", "")
     if "->" not in equation or "..." in equation:
-        return None
+        return Declined(f"equation {equation!r} has no explicit output or has '...'")
     operands, output = equation.split("->")
     terms = operands.split(",")
     if len(terms) != len(node.input) or any(len(set(term)) != len(term) for term in [*terms, output]):
-        return None
+        return Declined(f"equation {equation!r} does not match the inputs or repeats a letter within a term")
     letters = list(output) + sorted({letter for term in terms for letter in term} - set(output))
     aligned = []
     for term, name in zip(terms, node.input, strict=True):
@@ -188,68 +191,4 @@ def einsum(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         graph.emit("ReduceSum", [product, axes], node, output=node.output[0], keepdims=0)
     else:
         graph.emit("Identity", [product], node, output=node.output[0])
-    return graph.take()
-
-
-def _rnn_direction(graph: Graph, node: onnx.NodeProto, inputs: list[str], direction: int, length: int,
-                   activation: str) -> tuple[list[str], str]:
-    """Unroll one direction of a vanilla RNN: ``h_t = act(x_t W^T + h_{t-1} R^T + Wb + Rb)``; (h per t, last h)."""
-    x, w, r, b, h0 = inputs[0], inputs[1], inputs[2], inputs[3], inputs[5]
-    first = graph.const(np.array([0], _I64), node)
-
-    def part(name: str) -> str:  # direction `direction` of a (D, ...) tensor, without its leading axis
-        return graph.emit("Squeeze", [_one_direction(graph, node, name, direction), first], node)
-
-    projected = graph.emit("MatMul", [x, graph.emit("Transpose", [part(w)], node, perm=[1, 0])], node)
-    if b:
-        hidden = int((graph.shape(b) or [0, 0])[1] or 0) // 2
-        bounds = [graph.const(np.array([v], _I64), node) for v in (0, hidden, 2 * hidden)]
-        bias = part(b)
-        both = graph.emit("Add", [graph.emit("Slice", [bias, bounds[0], bounds[1]], node),
-                                  graph.emit("Slice", [bias, bounds[1], bounds[2]], node)], node)
-        projected = graph.emit("Add", [projected, both], node)
-    recurrent = graph.emit("Transpose", [part(r)], node, perm=[1, 0])
-    state = part(h0) if h0 else ""
-    states = []
-    for step in range(length):
-        t = step if direction == 0 else length - 1 - step
-        total = take(graph, node, projected, np.array(t, _I64), 0, 3)
-        if state:
-            total = graph.emit("Add", [total, graph.emit("MatMul", [state, recurrent], node)], node)
-        state = graph.emit(activation, [total], node)
-        states.append(state)
-    return states if direction == 0 else states[::-1], state
-
-
-def vanilla_rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """nn.RNN (ONNX RNN, no gradient in ORT 1.19.2) unrolled over its fixed length into MatMul/Add/Tanh|Relu.
-
-    Raises:
-        ExportError: for a sequence length not fixed at export, sequence_lens, clip or another activation.
-    """
-    inputs = [*node.input, *[""] * (6 - len(node.input))]
-    shape = graph.shape(inputs[0])
-    length = shape[0] if shape else None
-    activations = [_text(a) for a in attr(node, "activations", [b"Tanh"])]
-    directions = 2 if _text(attr(node, "direction", "forward")) == "bidirectional" else 1
-    reverse_only = _text(attr(node, "direction", "forward")) == "reverse"
-    if not isinstance(length, int) or inputs[4] or attr(node, "clip", None) is not None or reverse_only or int(
-        attr(node, "layout", 0)
-    ) or any(a not in ("Tanh", "Relu") for a in activations):
-        raise ExportError(
-            f"ORT 1.19.2 has no gradient for {where(node)}, and it cannot be unrolled (input shape {shape}, "
-            f"activations {activations}; unrolling needs a sequence length fixed at export, no packed sequences "
-            "and tanh/relu); export with a fixed sequence length, or use nn.GRU/nn.LSTM, which ORT trains."
-        )
-    zero = graph.const(np.array([0], _I64), node)
-    ys, lasts = [], []
-    for direction in range(directions):
-        states, last = _rnn_direction(graph, node, inputs, direction, length, activations[direction % len(activations)])
-        stacked = graph.emit("Concat", [graph.emit("Unsqueeze", [s, zero], node) for s in states], node, axis=0)
-        ys.append(graph.emit("Unsqueeze", [stacked, graph.const(np.array([1], _I64), node)], node))
-        lasts.append(graph.emit("Unsqueeze", [last, zero], node))
-    if node.output[0]:
-        graph.emit("Concat", ys, node, output=node.output[0], axis=1)
-    if len(node.output) > 1 and node.output[1]:
-        graph.emit("Concat", lasts, node, output=node.output[1], axis=0)
     return graph.take()

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.declined import Declined, Replacement
 from ort_lightning.export.legalize.graph import Graph, attr, where
 
 __all__ = [
@@ -21,10 +22,10 @@ __all__ = [
 _F32 = np.float32
 
 
-def layer_norm_outputs(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def layer_norm_outputs(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """Give LayerNormalization its optional Mean and InvStdDev outputs (the op itself is unchanged)."""
     if len(node.output) >= 3 and all(node.output):
-        return None
+        return Declined("its Mean and InvStdDev outputs are already there")
     outputs = list(node.output) + [""] * (3 - len(node.output))
     for index, role in ((1, "mean"), (2, "inv_std_dev")):
         if not outputs[index]:
@@ -164,15 +165,17 @@ def _reduce(graph: Graph, node: onnx.NodeProto, op: str, x: str) -> str:
     return graph.emit(op, [x], node, keepdims=keepdims, **({} if axes is None else {"axes": axes}))
 
 
-def _top_one(graph: Graph, node: onnx.NodeProto, *, largest: int) -> list[onnx.NodeProto] | None:
+def _top_one(graph: Graph, node: onnx.NodeProto, *, largest: int) -> Replacement:
     """ReduceMax/ReduceMin over one axis (or all) as TopK(k=1), whose gradient ORT has."""
     axes = attr(node, "axes", None)
     if axes is None and len(node.input) > 1 and node.input[1]:
         value = graph.value(node.input[1])
         axes = None if value is None else [int(a) for a in value.reshape(-1)]
     keepdims, shape, x = int(attr(node, "keepdims", 1)), graph.shape(node.input[0]), node.input[0]
-    if shape is None or (axes is not None and len(axes) != 1):
-        return None
+    if shape is None:
+        return Declined("the input's rank is unknown at export")
+    if axes is not None and len(axes) != 1:
+        return Declined(f"reduces over {len(axes)} axes; TopK takes one")
     one = graph.const(np.array([1], np.int64), node)
     if axes is None:  # every axis: the top of the flattened tensor, then the reduced shape
         flat = graph.emit("Reshape", [x, graph.const(np.array([-1], np.int64), node)], node)
@@ -192,24 +195,24 @@ def _top_one(graph: Graph, node: onnx.NodeProto, *, largest: int) -> list[onnx.N
     return graph.take()
 
 
-def reduce_max(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def reduce_max(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """``ReduceMax(x)`` over one axis or all axes as ``TopK(x, 1)``."""
     return _top_one(graph, node, largest=1)
 
 
-def reduce_min(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def reduce_min(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """``ReduceMin(x)`` over one axis or all axes as ``TopK(x, 1, largest=0)``."""
     return _top_one(graph, node, largest=0)
 
 
-def control_flow(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def control_flow(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """Refuse If/Loop/Scan with a floating-point output: ORT 1.19.2's gradient builder aborts the process on them.
 
     Raises:
         ExportError: naming the node and the torch module.
     """
     if not any(graph.is_float(output) for output in node.output):
-        return None
+        return Declined("no floating-point output: off the gradient path")
     raise ExportError(
         f"{where(node)} is control flow on the gradient path, and ORT 1.19.2's gradient builder aborts the "
         "process on it (it cannot be rewritten, as its branches depend on the data); write that layer without "

@@ -1,4 +1,4 @@
-"""nn.LSTM and nn.GRU unrolled over their fixed sequence length: the `LSTM` and `GRU` rules of `_legalize.RULES`.
+"""nn.LSTM, nn.GRU and nn.RNN unrolled over their fixed sequence length: the `LSTM`, `GRU` and `RNN` rules.
 
 ORT 1.19.2's CPU LSTMGrad and GRUGrad walk the batch one sample and one step at a time with
 matrix-vector products: 91% of the benchmarks' LSTM step, 14x torch's backward. The same
@@ -16,7 +16,9 @@ activations::
 A layer that cannot be unrolled (a sequence length not fixed at export or above `MAX_STEPS`,
 packed sequences, peepholes, clip, other activations, a GRU without linear_before_reset) keeps
 ORT's kernel; a bidirectional one is then split in two forward layers
-(`_rewrites_layers.bidirectional_rnn`), as ORT trains the forward direction only.
+(`_rewrites_layers.bidirectional_rnn`), as ORT trains the forward direction only. A vanilla RNN
+(``h_t = act(x_t W^T + h_{t-1} R^T + Wb + Rb)``, tanh or relu) has no ORT gradient at all: it is
+unrolled on the same scaffold, or refused.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ort_lightning.export.legalize.graph import Graph, attr
+from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.declined import Declined, Replacement
+from ort_lightning.export.legalize.graph import Graph, attr, where
 from ort_lightning.export.legalize.rewrites.gather import take
 from ort_lightning.export.legalize.rewrites.layers import bidirectional_rnn
 
-__all__ = ["MAX_STEPS", "gru", "lstm"]
+__all__ = ["MAX_STEPS", "gru", "lstm", "rnn"]
 
 #: Longest sequence unrolled: each step adds about 15 nodes to the forward graph and 30 to its gradient.
 MAX_STEPS = 256
@@ -44,46 +48,47 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _unrollable(graph: Graph, node: onnx.NodeProto, inputs: list[str]) -> int | None:
-    """The fixed sequence length of an LSTM/GRU that can be unrolled, else None."""
+def _unrollable(graph: Graph, node: onnx.NodeProto, inputs: list[str]) -> int | Declined:
+    """The fixed sequence length of an LSTM/GRU that can be unrolled, else why it cannot."""
     shape = graph.shape(inputs[0])
     length = shape[0] if shape else None
     count = 2 if _text(attr(node, "direction", "forward")) == "bidirectional" else 1
     activations = [_text(a) for a in attr(node, "activations", [])]
-    gru_reset = node.op_type == "GRU" and not int(attr(node, "linear_before_reset", 0))
-    if (
-        not isinstance(length, int)
-        or not 0 < length <= MAX_STEPS
-        or inputs[4]  # sequence_lens: packed sequences
-        or (node.op_type == "LSTM" and inputs[7])  # peepholes
-        or int(attr(node, "layout", 0))
-        or int(attr(node, "input_forget", 0))
-        or attr(node, "clip", None) is not None
-        or activations not in ([], _DEFAULT_ACTIVATIONS[node.op_type] * count)
-        or gru_reset
-    ):
-        return None
+    refusals = (
+        (not isinstance(length, int) or not 0 < length <= MAX_STEPS,
+         f"sequence length {length!r} (input shape {shape}) not fixed at export, or above {MAX_STEPS}"),
+        (bool(inputs[4]), "sequence_lens (packed sequences)"),
+        (node.op_type == "LSTM" and bool(inputs[7]), "peepholes"),
+        (bool(int(attr(node, "layout", 0))), "layout=1"),
+        (bool(int(attr(node, "input_forget", 0))), "input_forget"),
+        (attr(node, "clip", None) is not None, "clip"),
+        (activations not in ([], _DEFAULT_ACTIVATIONS[node.op_type] * count), f"activations {activations}"),
+        (node.op_type == "GRU" and not int(attr(node, "linear_before_reset", 0)), "no linear_before_reset"),
+    )
+    reasons = [reason for refused, reason in refusals if refused]
+    if reasons or not isinstance(length, int):
+        return Declined(f"not unrolled: {', '.join(reasons)}")
     return length
 
 
-def lstm(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def lstm(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """The LSTM unrolled when its length is fixed and small enough; otherwise `bidirectional_rnn`'s answer."""
     return _unrolled(graph, node, _lstm_direction, input_count=8)
 
 
-def gru(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def gru(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """The GRU unrolled when its length is fixed and small enough; otherwise `bidirectional_rnn`'s answer."""
     return _unrolled(graph, node, _gru_direction, input_count=6)
 
 
 def _unrolled(
     graph: Graph, node: onnx.NodeProto, direction: Callable[..., tuple[list[str], list[str]]], *, input_count: int
-) -> list[onnx.NodeProto] | None:
+) -> Replacement:
     """Unroll every direction of the layer with `direction`, or leave the layer to `bidirectional_rnn`."""
     inputs = [*node.input, *[""] * (input_count - len(node.input))]
     length = _unrollable(graph, node, inputs)
-    if length is None:
-        return bidirectional_rnn(graph, node)
+    if isinstance(length, Declined):
+        return bidirectional_rnn(graph, node, why_kept=length.reason)
     return _unroll(graph, node, [
         direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
     ])
@@ -126,27 +131,51 @@ def _halves(graph: Graph, node: onnx.NodeProto, bias: str, width: int) -> tuple[
             graph.emit("Slice", [bias, bounds[1], bounds[2]], node))
 
 
+def _projections(
+    graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, gates: int, *, both_biases: bool
+) -> tuple[str, str, str, str]:
+    """What each step of direction `index` reads: projection, recurrent weight, recurrent bias, initial state.
+
+    The input projection of all steps (T, B, gates*H), the transposed recurrent weight (H, gates*H),
+    the recurrent bias ('' when added to the projection, or absent) and the initial hidden state ('' for zeros).
+
+    `both_biases` adds ``Wb + Rb`` to the projection (LSTM, RNN); otherwise ``Wb`` alone (GRU, whose ``Rb``
+    is inside the reset gate's product).
+    """
+    hidden = int(attr(node, "hidden_size", 0))
+    x, w, r, b, h0 = (inputs[i] for i in (0, 1, 2, 3, 5))
+    weight = graph.emit("Transpose", [_part(graph, node, w, index)], node, perm=[1, 0])
+    projected = graph.emit("MatMul", [x, weight], node)
+    recurrent_bias = ""
+    if b:
+        input_bias, recurrent_bias = _halves(graph, node, _part(graph, node, b, index), gates * hidden)
+        if both_biases:
+            input_bias, recurrent_bias = graph.emit("Add", [input_bias, recurrent_bias], node), ""
+        projected = graph.emit("Add", [projected, input_bias], node)
+    recurrent = graph.emit("Transpose", [_part(graph, node, r, index)], node, perm=[1, 0])
+    return projected, recurrent, recurrent_bias, _part(graph, node, h0, index) if h0 else ""
+
+
+def _times(length: int, backwards: bool) -> range:
+    """The time steps of a direction in the order it runs."""
+    return range(length - 1, -1, -1) if backwards else range(length)
+
+
+def _step_gates(graph: Graph, node: onnx.NodeProto, projected: str, t: int, h: str, recurrent: str) -> str:
+    """The gates at time step `t`: its input projection, plus ``h_{t-1} R^T`` after the first step."""
+    gates = take(graph, node, projected, np.array(t, _I64), 0, 3)
+    return graph.emit("Add", [gates, graph.emit("MatMul", [h, recurrent], node)], node) if h else gates
+
+
 def _lstm_direction(
     graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, length: int, backwards: bool
 ) -> tuple[list[str], list[str]]:
     """Unroll direction `index` of an LSTM: its hidden states in time order, the last hidden and cell states."""
-    hidden = int(attr(node, "hidden_size", 0))
-    x, w, r, b, h0, c0 = (inputs[i] for i in (0, 1, 2, 3, 5, 6))
-    weight = graph.emit("Transpose", [_part(graph, node, w, index)], node, perm=[1, 0])
-    projected = graph.emit("MatMul", [x, weight], node)  # (T, B, 4H)
-    if b:
-        projected = graph.emit("Add", [projected, graph.emit("Add", list(_halves(
-            graph, node, _part(graph, node, b, index), 4 * hidden)), node)], node)
-    recurrent = graph.emit("Transpose", [_part(graph, node, r, index)], node, perm=[1, 0])  # (H, 4H)
-    h = _part(graph, node, h0, index) if h0 else ""
-    c = _part(graph, node, c0, index) if c0 else ""
+    projected, recurrent, _, h = _projections(graph, node, inputs, index, 4, both_biases=True)
+    c = _part(graph, node, inputs[6], index) if inputs[6] else ""
     states = []
-    for step in range(length):
-        t = length - 1 - step if backwards else step
-        gates = take(graph, node, projected, np.array(t, _I64), 0, 3)
-        if h:
-            gates = graph.emit("Add", [gates, graph.emit("MatMul", [h, recurrent], node)], node)
-        i, o, f, g = _split(graph, node, gates, 4)
+    for t in _times(length, backwards):
+        i, o, f, g = _split(graph, node, _step_gates(graph, node, projected, t, h, recurrent), 4)
         i, o, f = (graph.emit("Sigmoid", [gate], node) for gate in (i, o, f))
         fresh = graph.emit("Mul", [i, graph.emit("Tanh", [g], node)], node)
         c = graph.emit("Add", [graph.emit("Mul", [f, c], node), fresh], node) if c else fresh
@@ -159,19 +188,9 @@ def _gru_direction(
     graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, length: int, backwards: bool
 ) -> tuple[list[str], list[str]]:
     """Unroll direction `index` of a GRU (linear_before_reset): its hidden states in time order, the last one."""
-    hidden = int(attr(node, "hidden_size", 0))
-    x, w, r, b, h0 = (inputs[i] for i in (0, 1, 2, 3, 5))
-    weight = graph.emit("Transpose", [_part(graph, node, w, index)], node, perm=[1, 0])
-    projected = graph.emit("MatMul", [x, weight], node)  # (T, B, 3H)
-    recurrent_bias = ""
-    if b:
-        input_bias, recurrent_bias = _halves(graph, node, _part(graph, node, b, index), 3 * hidden)
-        projected = graph.emit("Add", [projected, input_bias], node)
-    recurrent = graph.emit("Transpose", [_part(graph, node, r, index)], node, perm=[1, 0])  # (H, 3H)
-    h = _part(graph, node, h0, index) if h0 else ""
+    projected, recurrent, recurrent_bias, h = _projections(graph, node, inputs, index, 3, both_biases=False)
     states = []
-    for step in range(length):
-        t = length - 1 - step if backwards else step
+    for t in _times(length, backwards):
         xz, xr, xn = _split(graph, node, take(graph, node, projected, np.array(t, _I64), 0, 3), 3)
         carried = graph.emit("MatMul", [h, recurrent], node) if h else ""
         if carried and recurrent_bias:
@@ -186,6 +205,44 @@ def _gru_direction(
             h = graph.emit("Sub", [n, graph.emit("Mul", [z, n], node)], node)  # h_{-1} = 0
         states.append(h)
     return (states[::-1] if backwards else states), [h]
+
+
+def _rnn_direction(
+    graph: Graph, node: onnx.NodeProto, inputs: list[str], index: int, length: int, backwards: bool
+) -> tuple[list[str], list[str]]:
+    """Unroll direction `index` of a vanilla RNN: its hidden states in time order, the last one."""
+    activations = [_text(a) for a in attr(node, "activations", [b"Tanh"])]
+    projected, recurrent, _, h = _projections(graph, node, inputs, index, 1, both_biases=True)
+    states = []
+    for t in _times(length, backwards):
+        h = graph.emit(activations[index % len(activations)], [_step_gates(graph, node, projected, t, h, recurrent)],
+                       node)
+        states.append(h)
+    return (states[::-1] if backwards else states), [h]
+
+
+def rnn(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """nn.RNN (ONNX RNN, no gradient in ORT 1.19.2) unrolled over its fixed length into MatMul/Add/Tanh|Relu.
+
+    Raises:
+        ExportError: for a sequence length not fixed at export, sequence_lens, clip or another activation.
+    """
+    inputs = [*node.input, *[""] * (6 - len(node.input))]
+    shape = graph.shape(inputs[0])
+    length = shape[0] if shape else None
+    activations = [_text(a) for a in attr(node, "activations", [b"Tanh"])]
+    reverse_only = _text(attr(node, "direction", "forward")) == "reverse"
+    if not isinstance(length, int) or inputs[4] or attr(node, "clip", None) is not None or reverse_only or int(
+        attr(node, "layout", 0)
+    ) or any(a not in ("Tanh", "Relu") for a in activations):
+        raise ExportError(
+            f"ORT 1.19.2 has no gradient for {where(node)}, and it cannot be unrolled (input shape {shape}, "
+            f"activations {activations}; unrolling needs a sequence length fixed at export, no packed sequences "
+            "and tanh/relu); export with a fixed sequence length, or use nn.GRU/nn.LSTM, which ORT trains."
+        )
+    return _unroll(graph, node, [
+        _rnn_direction(graph, node, inputs, index, length, backwards) for index, backwards in _directions(node)
+    ])
 
 
 def _add(graph: Graph, node: onnx.NodeProto, value: str, other: str) -> str:

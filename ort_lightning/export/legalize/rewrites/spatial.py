@@ -15,6 +15,7 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from ort_lightning.errors import ExportError
+from ort_lightning.export.legalize.declined import Declined, Replacement
 from ort_lightning.export.legalize.graph import Graph, attr
 from ort_lightning.export.legalize.rewrites.gather import take
 
@@ -67,7 +68,7 @@ def _dims(graph: Graph, node: onnx.NodeProto, shape: str, start: int, end: int) 
     return graph.emit("Slice", [shape, *bounds], node)
 
 
-def average_pool(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def average_pool(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """AveragePool over a dynamic batch as a one-channel Conv with a ones kernel over a (N*C, 1, ...) view.
 
     The divisor per output position comes from the static spatial sizes, so ``count_include_pad`` and
@@ -79,7 +80,7 @@ def average_pool(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | N
     """
     shape = graph.shape(node.input[0])
     if shape is not None and isinstance(shape[0], int) and shape[0] > 0:
-        return None
+        return Declined(f"static batch {shape[0]}: ORT's gradient works there")
     kernel = [int(k) for k in attr(node, "kernel_shape", [])]
     known = shape is not None and len(shape) == len(kernel) + 2 and all(isinstance(d, int) for d in shape[2:])
     spatial = [int(d) for d in shape[2:]] if known and shape is not None else None  # type: ignore[arg-type]
@@ -109,23 +110,23 @@ def average_pool(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | N
     return graph.take()
 
 
-def reversed_slice(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def reversed_slice(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """A Slice with a negative step (``torch.flip``, ``x[::-1]``) as gathers of constant indices (`take`).
 
     ORT 1.19.2's SliceGrad fails on negative steps (``narrowing_error`` at the first step).
     """
     steps = graph.value(node.input[4]) if len(node.input) > 4 else None
     if steps is None or not (steps < 0).any():
-        return None
+        return Declined("no negative step known at export: SliceGrad takes it")
     starts, ends, axes = (graph.value(name) if name else None for name in [*node.input[1:4], ""][:3])
     shape = graph.shape(node.input[0])
     if starts is None or ends is None or shape is None:
-        return None
+        return Declined("its starts, ends or input shape are not known at export")
     axes = np.arange(len(starts)) if axes is None else axes
     rank = len(shape)
     sizes = [shape[int(axis) % rank] for axis in axes]
     if not all(isinstance(size, int) and size > 0 for size in sizes):
-        return None
+        return Declined(f"the sliced axes have sizes {sizes}, not all fixed at export")
     current = node.input[0]
     for position, (start, end, axis, step) in enumerate(zip(starts, ends, axes, steps, strict=True)):
         index = np.arange(int(sizes[position] or 0))[slice(int(start), int(end), int(step))].astype(_I64)
@@ -134,11 +135,11 @@ def reversed_slice(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] |
     return graph.take()
 
 
-def depth_to_space(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def depth_to_space(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """DepthToSpace (``nn.PixelShuffle``) as Reshape -> Transpose -> Reshape, in either mode."""
     shape = graph.shape(node.input[0])
     if shape is None or len(shape) != 4 or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
-        return None
+        return Declined(f"input shape {shape}: needs 4 dimensions, all but the batch fixed at export")
     channels, height, width = (int(d or 0) for d in shape[1:])
     block = int(attr(node, "blocksize", 1))
     depth = channels // (block * block)
@@ -153,16 +154,16 @@ def depth_to_space(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] |
     return graph.take()
 
 
-def cumsum(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def cumsum(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """CumSum along an axis of static length as a MatMul with a triangular matrix of ones."""
     axis_value, shape = graph.value(node.input[1]), graph.shape(node.input[0])
     if axis_value is None or shape is None:
-        return None
+        return Declined("its axis or input shape is not known at export")
     rank = len(shape)
     axis = int(axis_value.reshape(-1)[0]) % rank
     length = shape[axis]
     if not isinstance(length, int) or length <= 0:
-        return None
+        return Declined(f"the summed axis has size {length!r}, not fixed at export")
     exclusive, reverse = bool(attr(node, "exclusive", 0)), bool(attr(node, "reverse", 0))
     rows, cols = np.indices((length, length))
     picks = (rows >= cols if reverse else rows <= cols) & ((rows != cols) if exclusive else True)
@@ -195,7 +196,7 @@ def _resize_matrix(node: onnx.NodeProto, size_in: int, size_out: int, scale: flo
     return np.asarray(result, np.float32).T
 
 
-def resize(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+def resize(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """Resize (``nn.Upsample``, ``F.interpolate``) as one MatMul per resized axis with its interpolation matrix.
 
     ORT 1.19.2 has no CPU kernel for ResizeGrad. Every mode ONNX defines is linear in the input and
@@ -203,12 +204,12 @@ def resize(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     """
     source, target = graph.shape(node.input[0]), graph.shape(node.output[0])
     if source is None or target is None or len(source) != len(target) or len(source) < 3:
-        return None
+        return Declined(f"input shape {source} and output shape {target}: needs both, of one rank of 3 or more")
     scales_value = graph.value(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     current, rank = node.input[0], len(source)
     axes = [a for a in range(2, rank) if source[a] != target[a]]
     if not all(isinstance(source[a], int) and isinstance(target[a], int) for a in axes) or not axes:
-        return None
+        return Declined(f"resizes from {source} to {target}: no resized axis, or one not fixed at export")
     for count, axis in enumerate(axes):
         scale = float(scales_value[axis]) if scales_value is not None and scales_value.size else None
         matrix = _resize_matrix(node, int(source[axis]), int(target[axis]), scale)  # type: ignore[arg-type]
