@@ -6,6 +6,9 @@ is the observable, read by a callback inside the fit and by the test after it.
 
 from __future__ import annotations
 
+import gc
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -271,3 +274,75 @@ def test_ranks_sharing_the_cpu_share_ort_threads_and_an_explicit_spinning_wins()
 def test_an_unknown_threads_option_is_refused(mlp_adamw: Exported) -> None:
     with pytest.raises(ConfigurationError, match=r"Expected argument `threads` to be one of \('auto', 'off'\)"):
         ORTLightningModule(mlp_adamw.artifacts, threads="fast")
+
+
+_PER_STEP = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+             "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end")
+
+
+class _DispatchProbe(L.Callback):
+    """Records, per batch, which per-step hooks of the policy Lightning would still call (callable ones)."""
+
+    def __init__(self, policy: ThreadPolicy) -> None:
+        self.policy = policy
+        self.live: list[set[str]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.live.append({name for name in _PER_STEP if callable(getattr(self.policy, name))})
+
+
+@multicore
+def test_a_policy_that_has_decided_leaves_lightnings_per_step_dispatch(
+    mlp_adamw: Exported, default_threads: int
+) -> None:
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    module.thread_policy.revisit_factor = 0  # no watch: nothing is left to do once the choice is made
+    probe = _DispatchProbe(module.thread_policy)
+    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    plan = 1 + 3 * len(module.thread_policy.candidates(available_cores(), session=True))
+    assert probe.live[0] == {"on_train_batch_end"}  # the trial times batch ends, nothing else
+    assert probe.live[plan:] == [set()] * (STEPS - plan)
+    assert all(callable(getattr(module.thread_policy, name)) for name in _PER_STEP)  # a later fit dispatches again
+
+
+class _StallsLater(ORTLightningModule):
+    """A module whose steps slow down by 30 ms from batch `at` on (a stall the choice now suffers from)."""
+
+    at = 20
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.global_step >= self.at:
+            time.sleep(0.03)
+        return batch
+
+
+@multicore
+def test_a_choice_whose_steps_stall_is_measured_again_once(
+    mlp_adamw: Exported, default_threads: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    module = _tuned(_StallsLater(mlp_adamw.artifacts, lr=0.01))
+    module.thread_policy.watch = (2, 1)
+    probe = _DispatchProbe(module.thread_policy)
+    with caplog.at_level("INFO", logger="ort_lightning.training.threads.policy"):
+        _trainer(max_steps=_StallsLater.at + 16, callbacks=[probe]).fit(module, _loader())
+    logged = [r.message for r in caplog.records if r.name == "ort_lightning.training.threads.policy"]
+    assert len(logged) == 3, logged  # the choice, the stall noticed, the choice measured again
+    assert "measuring the candidates again" in logged[1]
+    assert probe.live[-1] == set()  # one revisit per fit: the watch is gone after it
+
+
+@multicore
+def test_a_session_rebuilt_by_the_trial_is_freed(mlp_adamw: Exported, default_threads: int) -> None:
+    module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
+    sessions: list[weakref.ref[Any]] = []
+
+    class _Sessions(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            if not sessions or sessions[-1]() is not module.ort_session:
+                sessions.append(weakref.ref(module.ort_session))
+
+    _trainer(max_steps=STEPS, callbacks=[_Sessions()]).fit(module, _loader())
+    gc.collect()
+    assert len(sessions) >= 2  # the trial ran ORT on one thread: a rebuilt session
+    assert [ref() is not None for ref in sessions].count(True) == 1
+    assert sessions[-1]() is module.ort_session

@@ -21,6 +21,12 @@ cores each one's spinning threads take the cores the other one needs. During a f
   state: weights, moments, step): a sub-millisecond step loses more to waking ORT's worker
   than it gains from it, a bigger one the other way round. ORT's spinning is not a
   candidate: off, it lost on every benchmark model (by 0.1-10 ms per step) or tied;
+- once it has decided, takes itself out of Lightning's per-batch hook dispatch (Lightning wraps
+  every hook of every callback in a profiler context, about 3-4 µs each, six times a step) but for
+  a watch on the step time: a window of steps timed with one clock read, and when the recent
+  windows' median exceeds the chosen setting's trial time by `revisit_factor` (a stall that the
+  pick now suffers from, say ORT's two-thread steps slowed down 1.8x), the candidates are measured
+  again, once per fit, in a single-process fit;
 - restores torch's thread count when the fit ends, also after an exception.
 
 It never overrides a choice the user made: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set, or
@@ -43,7 +49,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -54,9 +59,9 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies import ORTDDPStrategy, thread_spinning
-from ort_lightning.training.threads.trial import Trial, fastest, session_tunable, should_skip_tuning
+from ort_lightning.training.threads.cores import THREAD_MODES, available_cores, check_threads, user_torch_threads
+from ort_lightning.training.threads.trial import StepWatch, Trial, fastest, session_tunable, should_skip_tuning
 
 __all__ = [
     "THREAD_MODES",
@@ -68,61 +73,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: What ``ORTLightningModule(threads=...)`` takes.
-THREAD_MODES = ("auto", "off")
-
-#: Environment variables through which a user sizes torch's OpenMP/MKL pools.
-_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-# NOTE: torch exposes no "default" thread count; the count when this package is imported is
-# the reference, so that a torch.set_num_threads(n) called later is seen as the user's choice.
-_TORCH_DEFAULT_THREADS = torch.get_num_threads()
-
-
-def check_threads(threads: object) -> None:
-    """Refuse a `threads` option other than ``"auto"`` or ``"off"``.
-
-    Raises:
-        ConfigurationError: naming what is accepted.
-    """
-    if threads not in THREAD_MODES:
-        raise ConfigurationError(
-            f"Expected argument `threads` to be one of {THREAD_MODES}, but got {threads!r}; pass \"auto\" (the "
-            'default: ORT\'s and torch\'s thread pools share the cores) or "off" (leave both pools as they are).'
-        )
-
-
-def available_cores() -> int:
-    """The number of cores this process may run on (its CPU affinity, else the machine's count).
-
-    Example::
-
-        >>> available_cores() >= 1
-        True
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
-        return os.cpu_count() or 1
-
-
-def user_torch_threads() -> tuple[bool, str]:
-    """Whether the user chose torch's thread count, and why the answer is what it is.
-
-    Example::
-
-        >>> isinstance(user_torch_threads()[0], bool)
-        True
-    """
-    for name in _THREAD_VARIABLES:
-        if os.environ.get(name):
-            return True, f"{name}={os.environ[name]} is set"
-    current = torch.get_num_threads()
-    if current != _TORCH_DEFAULT_THREADS:
-        return True, f"torch.set_num_threads({current}) was called (torch's default here: {_TORCH_DEFAULT_THREADS})"
-    return False, f"torch runs its default {current} thread(s)"
-
 
 @dataclass(frozen=True)
 class ThreadSetting:
@@ -137,6 +87,14 @@ class ThreadSetting:
     name: str
     torch_threads: int
     ort_threads: int | None = None
+
+
+#: Lightning's per-batch callback hooks that the policy never needs: Lightning dispatches every
+#: hook of every callback, and skips an attribute that is not callable (``call._call_callback_hooks``).
+_IDLE_HOOKS = (
+    "on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+    "on_before_zero_grad", "on_validation_batch_start", "on_validation_batch_end",
+)
 
 
 def _local_ranks(strategy: Any) -> int:
@@ -157,6 +115,9 @@ class ThreadPolicy(pl.Callback):
         min_fit_steps: optimizer steps a fit needs for the candidates to be measured at all.
         margin: how much faster (a fraction of its step) another candidate must be than the first,
             the designed default, to replace it.
+        revisit_factor: how much slower than in the trial the chosen setting's recent steps must be
+            for the candidates to be measured again (once per fit; 0: never).
+        watch: steps per clock read of the step-time watch, and windows in its median.
 
     Attributes:
         choice: the setting in use in the last fit (None before a fit or with the policy idle).
@@ -165,12 +126,12 @@ class ThreadPolicy(pl.Callback):
 
     def __init__(
         self, mode: str = "auto", *, warmup: int = 3, block: int = 4, rounds: int = 3, min_fit_steps: int = 100,
-        margin: float = 0.05,
+        margin: float = 0.05, revisit_factor: float = 1.5, watch: tuple[int, int] = (16, 5),
     ) -> None:
         check_threads(mode)
         self.mode = mode
         self.warmup, self.block, self.rounds, self.min_fit_steps = warmup, block, rounds, min_fit_steps
-        self.margin = margin
+        self.margin, self.revisit_factor, self.watch = margin, revisit_factor, watch
         self.choice: ThreadSetting | None = None
         self.reason = "no fit yet"
         self._saved: int | None = None
@@ -180,10 +141,16 @@ class ThreadPolicy(pl.Callback):
         self._rethread: Callable[[bool, int], None] | None = None  # the route, during a fit the policy acts in
         self._default = (True, 0)  # ORT's spinning and pool size before any candidate
         self._kept: ThreadSetting | None = None  # the setting measured fastest; later fits keep it
+        self._kept_seconds = 0.0  # its step time in the trial
+        self._watch: StepWatch | None = None  # the step-time watch after the decision
+        self._revisits = 0  # trials left in this fit for a stalled choice
 
     def __getstate__(self) -> dict[str, Any]:
         """Leave out the routes to the module's session (it holds ONNX Runtime's objects, which do not pickle)."""
-        return {**self.__dict__, "_trial": None, "_route": None, "_rethread": None}
+        state = {**self.__dict__, "_trial": None, "_route": None, "_rethread": None, "_watch": None}
+        for name in _IDLE_HOOKS:
+            state.pop(name, None)
+        return state
 
     # ----------------------------------------------------------------------------- ORT's session
     def spinning(self, strategy: Any) -> bool:
@@ -197,9 +164,19 @@ class ThreadPolicy(pl.Callback):
         return True if strategy is None else thread_spinning(strategy)
 
     def session_threads(self, strategy: Any) -> int:
-        """ORT's intra-op pool size: the available cores over the ranks sharing them; 0 (ORT's default) when off."""
+        """ORT's intra-op pool size: the available cores over the ranks sharing them; 0 (ORT's default) when off.
+
+        A pool size an earlier fit measured fastest is what the session is built with, so that a
+        later fit does not build it twice (the cores, then the measured size).
+        """
         if self.mode == "off":
             return 0
+        kept = self._kept
+        if kept is not None and kept.ort_threads is not None and _local_ranks(strategy) == 1 and self._should_act()[0]:
+            return kept.ort_threads
+        return self._cores(strategy)
+
+    def _cores(self, strategy: Any) -> int:
         return max(1, available_cores() // _local_ranks(strategy))
 
     def candidates(self, cores: int, *, session: bool = False) -> list[ThreadSetting]:
@@ -242,32 +219,58 @@ class ThreadPolicy(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Lower torch's threads (unless the user chose them) and plan the measurements."""
-        self.choice, self._trial = None, None
+        self.choice, self._trial, self._watch = None, None, None
+        self._quiet_hooks()
         active, self.reason = self._should_act()
         if not active:
+            self._quiet_hooks("on_train_batch_end", "on_validation_end")
             return
         self._saved = torch.get_num_threads()
         self._rethread = self._route
-        self._default = (self.spinning(trainer.strategy), max(1, self.session_threads(trainer.strategy)))
+        self._default = (self.spinning(trainer.strategy), self._cores(trainer.strategy))
         self._candidates = self.candidates(self._default[1], session=session_tunable(trainer, self._route is not None))
+        # NOTE: a re-trial is only safe where no other rank has to take the same decision at the same step.
+        self._revisits = 1 if self.revisit_factor > 0 and trainer.world_size == 1 and len(self._candidates) > 1 else 0
         if self._kept in self._candidates:
             self._apply(self._kept)
             self.reason = f"measured in an earlier fit of this module: {self._kept.name}"
+            self._start_watch()
             return
         skip, why = should_skip_tuning(trainer, self.min_fit_steps)
         if skip or len(self._candidates) == 1:
             self._apply(self._candidates[0])
             self.reason = why if skip else "one candidate on one core"
+            self._quiet_hooks("on_train_batch_end", "on_validation_end")
             return
+        self._start_trial()
+
+    def _start_trial(self) -> None:
+        self._watch = None
         self._trial = Trial.of(len(self._candidates), warmup=self.warmup, block=self.block, rounds=self.rounds)
         self._apply(self._candidates[0])
         self._trial.last = time.perf_counter()
+
+    def _start_watch(self) -> None:
+        """Watch the kept setting's step time (once per window of steps), while a revisit is left."""
+        if self._revisits and self._kept_seconds > 0:
+            window, windows = self.watch
+            self._watch = StepWatch(self._kept_seconds * self.revisit_factor, window=window, windows=windows)
+        else:
+            self._quiet_hooks("on_train_batch_end", "on_validation_end")
+
+    def _quiet_hooks(self, *names: str) -> None:
+        """Take `_IDLE_HOOKS` and `names` out of Lightning's dispatch until `restore` (a None attribute is skipped)."""
+        for name in (*_IDLE_HOOKS, *names):
+            self.__dict__[name] = None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Time the batch that ended; apply the next candidate, or the fastest once all are timed."""
         trial = self._trial
         if trial is None:
+            watch = self._watch
+            if watch is not None and watch.stalled():
+                self._revisit(watch)
             return
         now = time.perf_counter()
         timed, counted = trial.plan[trial.ends]
@@ -281,6 +284,18 @@ class ThreadPolicy(pl.Callback):
             self._decide(trainer)
         trial.last = time.perf_counter()
 
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Leave a validation run out of the watched step time."""
+        if self._watch is not None:
+            self._watch.restart()
+
+    def _revisit(self, watch: StepWatch) -> None:
+        self._revisits -= 1
+        self.reason = f"revisited: {watch.describe()}"
+        log.info("Thread policy: %s; measuring the candidates again", watch.describe())
+        self._start_trial()
+
     def _decide(self, trainer: pl.Trainer) -> None:
         assert self._trial is not None
         medians = torch.tensor([statistics.median(self._trial.times[i]) for i in range(len(self._candidates))])
@@ -289,12 +304,13 @@ class ThreadPolicy(pl.Callback):
         best = fastest(medians.tolist(), margin=self.margin)
         self._trial = None
         self._apply(self._candidates[best])
-        self._kept = self._candidates[best]
+        self._kept, self._kept_seconds = self._candidates[best], medians.tolist()[best]
         pairs = zip(self._candidates, medians.tolist(), strict=True)
         timings = ", ".join(f"{setting.name}: {seconds * 1e3:.2f} ms" for setting, seconds in pairs)
         self.reason = f"measured per step ({timings})"
         if trainer.is_global_zero:
             log.info("Thread policy: %s, the fastest of %s", self._candidates[best].name, timings)
+        self._start_watch()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -308,8 +324,10 @@ class ThreadPolicy(pl.Callback):
 
     def restore(self) -> None:
         """Undo what the policy changed (idempotent)."""
-        self._trial = None
+        self._trial, self._watch = None, None
         self._rethread = None
+        for name in (*_IDLE_HOOKS, "on_train_batch_end", "on_validation_end"):
+            self.__dict__.pop(name, None)
         if self._saved is not None:
             torch.set_num_threads(self._saved)
             self._saved = None

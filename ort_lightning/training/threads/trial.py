@@ -9,14 +9,19 @@ Example::
     [None, 0, 0, 1, 1]
     >>> fastest([10.0, 9.0, 12.0], margin=0.05)
     1
+    >>> watch = StepWatch(limit=0.001, window=2, windows=1)
+    >>> watch.stalled(), watch.stalled()  # two steps far under 1 ms each
+    (False, False)
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Trial", "fastest", "session_tunable", "should_skip_tuning"]
+__all__ = ["StepWatch", "Trial", "fastest", "session_tunable", "should_skip_tuning"]
 
 
 @dataclass
@@ -76,3 +81,43 @@ def should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:
     if steps < min_fit_steps:
         return True, f"a fit of {steps:.0f} optimizer steps (< {min_fit_steps}): the first candidate is kept unmeasured"
     return False, ""
+
+
+class StepWatch:
+    """The step time of the setting in use, read once per window of steps: has it stalled?
+
+    A step only counts; every `window` steps the clock is read, and the median of the last
+    `windows` windows' mean step times is compared with `limit` (seconds). A median of windows
+    leaves a lone slow window (a checkpoint written, a collection) out.
+
+    Args:
+        limit: the step time above which the setting counts as stalled.
+        window: steps per clock read.
+        windows: windows in the median.
+    """
+
+    def __init__(self, limit: float, *, window: int = 16, windows: int = 5) -> None:
+        self.limit, self.window = limit, window
+        self.means = [0.0] * windows
+        self.filled = 0
+        self.count = 0
+        self.start = time.perf_counter()
+
+    def stalled(self) -> bool:
+        """Count one step; at a window's end, whether the recent windows' median exceeds the limit."""
+        self.count += 1
+        if self.count < self.window:
+            return False
+        now = time.perf_counter()
+        self.means[self.filled % len(self.means)] = (now - self.start) / self.count
+        self.filled += 1
+        self.count, self.start = 0, now
+        return self.filled >= len(self.means) and statistics.median(self.means) > self.limit
+
+    def restart(self) -> None:
+        """Drop the window under way (time spent outside training steps, a validation run)."""
+        self.count, self.start = 0, time.perf_counter()
+
+    def describe(self) -> str:
+        """The recent median against the limit, for the log."""
+        return f"recent steps {statistics.median(self.means) * 1e3:.2f} ms, over the limit {self.limit * 1e3:.2f} ms"
