@@ -617,3 +617,46 @@ class ORTLightningModule(pl.LightningModule):
         check_model_outputs(self.artifacts, len(fetches))
         outputs = tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
         return outputs[0] if len(outputs) == 1 else outputs
+
+    # ----------------------------------------------------------------------------- another start, same module
+    def load_values(self, values: Mapping[str, Any], *, optimizer_state: str | os.PathLike[str] | None = None) -> None:
+        """Start again from `values`: with a fresh optimizer state, or with the one `optimizer_state` kept.
+
+        What a new module of the same artifacts built with ``values=values`` (and
+        ``checkpoint=optimizer_state``) starts from, in this module: ONNX Runtime sets an optimizer
+        state (step and moments) only when it builds its objects, so they are built again, in the
+        sequence that module would build them (state, Module, the values copied in, Optimizer),
+        with this session's device and threads; gradients start at zero. The next fit keeps that
+        optimizer state.
+
+        Args:
+            values: name -> tensor for every state tensor (``ort_lightning.fleet.get_values`` of a module of
+                these artifacts).
+            optimizer_state: an ORT checkpoint file of these artifacts whose optimizer state to continue
+                (``save_ort_checkpoint(..., include_optimizer_state=True)``): its steps and epochs count on,
+                as with ``checkpoint=``; None starts a fresh optimizer state, its steps counted from 0.
+
+        Raises:
+            ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
+            CheckpointError: for an `optimizer_state` file that is damaged or of other artifacts.
+
+        Example::
+
+            >>> import tempfile
+            >>> from ort_lightning import export_artifacts
+            >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+            >>> module.load_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
+            >>> float(module.weight.detach().sum()), module.start_progress["global_step"]
+            (12.0, 0)
+        """
+        kept = None if optimizer_state is None else Path(optimizer_state)
+        origin = RunOrigin(seed=self._steps.seed) if kept is None else RunOrigin.of_file(
+            read_checkpoint(kept, self.artifacts, weights_given=True))
+        session = self._session
+        # NOTE: a fresh state starts from the nominal checkpoint where there is one: names and shapes, no weights to read.
+        self._attach(SessionViews(
+            self, self.artifacts, device=session.device, checkpoint=kept or self.artifacts.nominal_checkpoint,
+            values=values, spinning=session.spinning, intra_op_threads=session.intra_op_threads,
+            custom_op_library=self.custom_op_library))
+        self._set_origin(origin)
+        self._optimizers_configured, self._state_restored = False, kept is not None
