@@ -143,7 +143,8 @@ class Worker:
             self._idle[kind] = idle
         if taken is None:
             taken = build()
-            self.built += 1
+            with self._lock:
+                self.built += 1
         try:
             yield taken
         finally:
@@ -157,9 +158,10 @@ class Worker:
                 self._idle.popitem(last=False)
 
     def clear(self) -> None:
-        """Drop every idle slot (one a device holds now comes back when its round ends)."""
+        """Drop every idle slot and count builds from 0 (a slot a device holds now comes back when its round ends)."""
         with self._lock:
             self._idle.clear()
+            self.built = 0
 
 
 #: This process's worker.

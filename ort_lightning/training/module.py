@@ -24,6 +24,7 @@ import torch
 from typing_extensions import override
 
 from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts.state import check_values, state_specs
 from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
@@ -626,8 +627,9 @@ class ORTLightningModule(pl.LightningModule):
         ``checkpoint=optimizer_state``) starts from, in this module: ONNX Runtime sets an optimizer
         state (step and moments) only when it builds its objects, so they are built again, in the
         sequence that module would build them (state, Module, the values copied in, Optimizer),
-        with this session's device and threads; gradients start at zero. The next fit keeps that
-        optimizer state.
+        with this session's device and threads. Where ORT holds no optimizer state (an SGD graph, a
+        torch optimizer's update) a fresh start only copies the values into ORT's memory through
+        the views. Gradients start at zero either way; the next fit keeps the optimizer state.
 
         Args:
             values: name -> tensor for every state tensor (``ort_lightning.fleet.get_values`` of a module of
@@ -644,7 +646,8 @@ class ORTLightningModule(pl.LightningModule):
 
             >>> import tempfile
             >>> from ort_lightning import export_artifacts
-            >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> module = ORTLightningModule(artifacts)
             >>> module.load_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
             >>> float(module.weight.detach().sum()), module.start_progress["global_step"]
             (12.0, 0)
@@ -653,10 +656,17 @@ class ORTLightningModule(pl.LightningModule):
         origin = RunOrigin(seed=self._steps.seed) if kept is None else RunOrigin.of_file(
             read_checkpoint(kept, self.artifacts, weights_given=True))
         session = self._session
-        # NOTE: a fresh state starts from the nominal checkpoint where there is one: names and shapes, no weights to read.
-        self._attach(SessionViews(
-            self, self.artifacts, device=session.device, checkpoint=kept or self.artifacts.nominal_checkpoint,
-            values=values, spinning=session.spinning, intra_op_threads=session.intra_op_threads,
-            custom_op_library=self.custom_op_library))
+        if kept is None and (self._optimizer_factory is not None or session.optimizer_kind != "adamw"):
+            # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
+            checked = check_values(values, state_specs(self.artifacts))
+            load_values(self, [checked.get(name, tensor) for name, tensor in (*self.named_parameters(),
+                                                                              *self.named_buffers())])
+            self._steps.reset()
+        else:
+            # NOTE: a fresh state starts from the nominal checkpoint where there is one: no weights to read.
+            self._attach(SessionViews(
+                self, self.artifacts, device=session.device, checkpoint=kept or self.artifacts.nominal_checkpoint,
+                values=values, spinning=session.spinning, intra_op_threads=session.intra_op_threads,
+                custom_op_library=self.custom_op_library))
         self._set_origin(origin)
         self._optimizers_configured, self._state_restored = False, kept is not None
