@@ -1,12 +1,13 @@
 """A Flower ``ClientApp`` that trains the artifacts with a ``lightning.Trainer``, as a device trains them.
 
 Each ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor
-name, in the training graph's order). The client builds an `ORTLightningModule` from the
-artifacts with those values copied into ORT's state before its views are bound, fits `epochs`
-local epochs on its own data, and replies with its values, ``num-examples`` (the size of its
-training set: FedAvg's weight), ``train_loss`` and ``fit_seconds`` (the wall time of its
-fit). ``evaluate`` messages run the eval graph on the client's test data and reply with
-``eval_loss``, ``eval_accuracy`` and ``num-examples``.
+name, in the training graph's order). The client loads those values into its worker's
+`ORTLightningModule` of the artifacts (one module and one ``Trainer`` per worker process, shared
+by the devices it runs one after another: `ort_lightning.fleet.worker`), fits `epochs` local
+epochs on its own data, and replies with its values, ``num-examples`` (the size of its training
+set: FedAvg's weight), ``train_loss``, ``setup_seconds`` (from the handler's start to the fit's)
+and ``fit_seconds`` (the wall time of its fit). ``evaluate`` messages run the eval graph on the
+client's test data and reply with ``eval_loss``, ``eval_accuracy`` and ``num-examples``.
 
 Where a device starts (`FleetClient.start`), as ONNX Runtime runs a device:
 
@@ -63,7 +64,8 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.parameters import get_values
+from ort_lightning.fleet.parameters import get_values, set_values
+from ort_lightning.fleet.worker import WORKER, Slot, SlotKind
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = [
@@ -152,21 +154,26 @@ class FleetClient:
 
     # ----------------------------------------------------------------------------- handlers
     def train(self, message: Message, context: Context) -> Message:
-        """Fit the global values for `epochs` local epochs; reply with the new values and the example count."""
+        """Fit the global values for `epochs` local epochs; reply with the new values and the example count.
+
+        The metrics carry ``setup_seconds`` (from the handler's start to the fit's) and ``fit_seconds``.
+        """
+        entered = time.perf_counter()
         data = self._data(context)
-        with self._module(context, message.content.array_records[ARRAYS_KEY].to_torch_state_dict()) as module:
-            trainer = self._trainer(max_epochs=self.epochs)
+        values = message.content.array_records[ARRAYS_KEY].to_torch_state_dict()
+        with self._slot(values) as slot, self._kept(context) as kept:
+            slot.module.load_values(values, optimizer_state=kept)
             started = time.perf_counter()
-            trainer.fit(module, train_dataloaders=data.train)
+            slot.fit(train_dataloaders=data.train)
             seconds = time.perf_counter() - started
             if self.optimizer_state == "keep":
-                context.state[_STATE_KEY] = _kept_state(module)
-            loss = trainer.callback_metrics.get("train_loss")
+                context.state[_STATE_KEY] = _kept_state(slot.module)
+            loss = slot.trainer.callback_metrics.get("train_loss")
             metrics: dict[str, Any] = {
                 WEIGHT_KEY: _examples(data.train), "train_loss": float("nan") if loss is None else float(loss),
-                "fit_seconds": seconds,
+                "fit_seconds": seconds, "setup_seconds": started - entered,
             }
-            reply = RecordDict({ARRAYS_KEY: ArrayRecord(get_values(module)), METRICS_KEY: MetricRecord(metrics)})
+            reply = RecordDict({ARRAYS_KEY: ArrayRecord(get_values(slot.module)), METRICS_KEY: MetricRecord(metrics)})
         return Message(reply, reply_to=message)
 
     def evaluate(self, message: Message, context: Context) -> Message:
@@ -178,9 +185,10 @@ class FleetClient:
                 "batches from `data`, or set the strategy's fraction_evaluate=0."
             )
         values = message.content.array_records[ARRAYS_KEY].to_torch_state_dict()
-        module = ORTLightningModule(self._artifacts(), checkpoint=self._start(), values=values,
-                                    **self._module_options())
-        result = evaluate_module(module, data.test)
+        with self._slot(values) as slot:
+            # NOTE: the eval graph reads the values only; the next device's load starts a fresh optimizer anyway.
+            set_values(slot.module, values)
+            result = evaluate_module(slot.module, data.test)
         metrics: dict[str, Any] = {
             WEIGHT_KEY: result["examples"], "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]
         }
@@ -221,26 +229,41 @@ class FleetClient:
             )
         return nominal
 
+    def _slot(self, values: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[Slot]:
+        """This worker's slot for these artifacts and options; the first device builds it with its `values`.
+
+        See `ort_lightning.fleet.worker`.
+        """
+        trainer_options = self._trainer_options()
+        kind = SlotKind.of(self.artifacts, start=self.start, module_options=self._module_options(),
+                           trainer_options=trainer_options)
+
+        def build() -> Slot:
+            artifacts = self._artifacts()
+            module = ORTLightningModule(artifacts, checkpoint=self._start(artifacts), values=values,
+                                        **self._module_options())
+            return Slot(module, pl.Trainer(**trainer_options))
+
+        return WORKER.slot(kind, build)
+
     @contextlib.contextmanager
-    def _module(self, context: Context, values: dict[str, torch.Tensor]) -> Iterator[ORTLightningModule]:
-        """A module of the artifacts holding `values`, over the start checkpoint or, under ``"keep"``, the client's."""
-        artifacts = self._artifacts()
+    def _kept(self, context: Context) -> Iterator[Path | None]:
+        """The file of the client's kept ORT state under ``"keep"`` once it has one; else None (a fresh state)."""
         stored = context.state.array_records.get(_STATE_KEY) if self.optimizer_state == "keep" else None
         if stored is None:
-            yield ORTLightningModule(artifacts, checkpoint=self._start(artifacts), values=values,
-                                     **self._module_options())
+            yield None
             return
         with tempfile.TemporaryDirectory(prefix="ort-lightning-fleet-") as folder:
             path = Path(folder) / "client.ortckpt"
             path.write_bytes(stored.to_torch_state_dict()["checkpoint"].numpy().tobytes())
-            yield ORTLightningModule(artifacts, checkpoint=path, values=values, **self._module_options())
+            yield path
 
-    def _trainer(self, **overrides: Any) -> pl.Trainer:
-        options: dict[str, Any] = {
+    def _trainer_options(self) -> dict[str, Any]:
+        return {
             "accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
-            "enable_progress_bar": False, "enable_model_summary": False, **self.trainer_options, **overrides,
+            "enable_progress_bar": False, "enable_model_summary": False, **self.trainer_options,
+            "max_epochs": self.epochs,
         }
-        return pl.Trainer(**options)
 
 
 def _kept_state(module: ORTLightningModule) -> ArrayRecord:

@@ -26,9 +26,11 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
-from ort_lightning.training.checkpointing.files import RunOrigin
+from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
 
 if TYPE_CHECKING:
+    from ort_lightning.artifacts import TrainingArtifacts
+    from ort_lightning.training.session.live import LiveSession
     from ort_lightning.training.session.step import StepPath
 
 __all__ = ["CheckpointMethods"]
@@ -43,6 +45,9 @@ class CheckpointMethods(pl.LightningModule):
         _schedule: the scheduler of the current fit (its settings go into ORT checkpoint files).
         _steps: the module's step path (it continues the origin's steps and seed).
         _state_restored: set when a ``.ckpt`` was restored, so that ``configure_optimizers`` keeps its state.
+        _optimizers_configured: set by ``configure_optimizers``; a later fit starts a fresh optimizer state.
+        _live: the running session, changed only through its ``replace``.
+        _optimizer_factory: a torch optimizer's factory (its update holds no state in ORT), or None.
     """
 
     _checkpoints: CheckpointConnector
@@ -50,6 +55,10 @@ class CheckpointMethods(pl.LightningModule):
     _schedule: Any
     _steps: StepPath
     _state_restored: bool
+    _optimizers_configured: bool
+    _live: LiveSession
+    _optimizer_factory: Any
+    artifacts: TrainingArtifacts
 
     def _set_origin(self, origin: RunOrigin) -> None:
         """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
@@ -175,3 +184,51 @@ class CheckpointMethods(pl.LightningModule):
                 hyper-parameter naming code to load that is not passed again.
         """
         return super().load_from_checkpoint(checkpoint_path, *args, **find_artifacts(checkpoint_path, kwargs))
+
+    # ----------------------------------------------------------------------------- another start, same module
+    def load_values(self, values: Any, *, optimizer_state: str | os.PathLike[str] | None = None) -> None:
+        """Start again from `values`: with a fresh optimizer state, or with the one `optimizer_state` kept.
+
+        What a new module of the same artifacts built with ``values=values`` (and
+        ``checkpoint=optimizer_state``) starts from, in this module, through the one operation that
+        changes a running session (`ort_lightning.training.session.live.LiveSession.replace`).
+        ONNX Runtime sets an optimizer state (step and moments) only when it builds its objects, so
+        a fresh AdamW state or a kept one rebuilds them; where ORT holds no optimizer state (an SGD
+        graph, a torch optimizer's update) a fresh start only copies the values into ORT's memory.
+        Gradients start at zero either way; the next fit keeps the optimizer state.
+
+        Args:
+            values: name -> tensor for every state tensor (``ort_lightning.fleet.get_values`` of a module of
+                these artifacts).
+            optimizer_state: an ORT checkpoint file of these artifacts whose optimizer state to continue
+                (``save_ort_checkpoint(..., include_optimizer_state=True)``): its steps and epochs count on,
+                as with ``checkpoint=``; None starts a fresh optimizer state, its steps counted from 0.
+
+        Raises:
+            ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
+            CheckpointError: for an `optimizer_state` file that is damaged or of other artifacts.
+
+        Example::
+
+            >>> import tempfile, torch
+            >>> from ort_lightning import ORTLightningModule, export_artifacts
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> module = ORTLightningModule(artifacts)
+            >>> module.load_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
+            >>> float(module.weight.detach().sum()), module.start_progress["global_step"]
+            (12.0, 0)
+        """
+        kept = None if optimizer_state is None else Path(optimizer_state)
+        if kept is not None:
+            origin = RunOrigin.of_file(read_checkpoint(kept, self.artifacts, weights_given=True))
+            self._live.replace(checkpoint=kept, values=values)
+        elif self._optimizer_factory is not None or self._live.session.optimizer_kind != "adamw":
+            # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
+            origin = RunOrigin(seed=self._steps.seed)
+            self._live.replace(values=values)
+            self._steps.reset()
+        else:
+            origin = RunOrigin(seed=self._steps.seed)
+            self._live.replace(values=values, include_optimizer_state=False)
+        self._set_origin(origin)
+        self._optimizers_configured, self._state_restored = False, kept is not None

@@ -145,12 +145,15 @@ class LiveSession:
                 self.load(values)
             return False
         with contextlib.ExitStack() as stack:
+            if checkpoint is None and values is not None and not include_optimizer_state:
+                # NOTE: every value given and a fresh optimizer state: nothing of the running state is kept, so the
+                # build starts from the nominal checkpoint (names and shapes) where there is one, as a new module does.
+                checkpoint = self.artifacts.nominal_checkpoint
             if checkpoint is None:
                 # NOTE: a rebuild keeps the training progress of the running session (weights, step, moments).
                 checkpoint = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
-            self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2])
-        if values is not None:
-            self.load(values)
+            self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
+                        values=values)
         return True
 
     def use_threads(self, spinning: bool, intra_op_threads: int) -> None:
