@@ -272,8 +272,18 @@ def test_ranks_sharing_the_cpu_share_ort_threads_and_an_explicit_spinning_wins()
 
 
 def test_an_unknown_threads_option_is_refused(mlp_adamw: Exported) -> None:
-    with pytest.raises(ConfigurationError, match=r"Expected argument `threads` to be one of \('auto', 'off'\)"):
+    message = r"Expected argument `threads` to be one of \('auto', 'off', 'single'\)"
+    with pytest.raises(ConfigurationError, match=message):
         ORTLightningModule(mlp_adamw.artifacts, threads="fast")
+
+
+def test_single_runs_ort_on_one_thread_that_does_not_spin_and_leaves_torch_alone(mlp_adamw: Exported) -> None:
+    before = torch.get_num_threads()
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01, threads="single")
+    _trainer(max_steps=3).fit(module, _loader())
+    assert (module.ort_session.spinning, module.ort_session.intra_op_threads) == (False, 1)
+    assert module.thread_policy.choice is None  # nothing measured
+    assert torch.get_num_threads() == before
 
 
 _PER_STEP = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",

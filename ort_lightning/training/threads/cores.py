@@ -18,7 +18,7 @@ from ort_lightning.errors import ConfigurationError
 __all__ = ["THREAD_MODES", "available_cores", "check_threads", "user_torch_threads"]
 
 #: What ``ORTLightningModule(threads=...)`` takes.
-THREAD_MODES = ("auto", "off")
+THREAD_MODES = ("auto", "off", "single")
 
 #: Environment variables through which a user sizes torch's OpenMP/MKL pools.
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -29,7 +29,7 @@ _TORCH_DEFAULT_THREADS = torch.get_num_threads()
 
 
 def check_threads(threads: object) -> None:
-    """Refuse a `threads` option other than ``"auto"`` or ``"off"``.
+    """Refuse a `threads` option other than ``"auto"``, ``"off"`` or ``"single"``.
 
     Raises:
         ConfigurationError: naming what is accepted.
@@ -37,7 +37,8 @@ def check_threads(threads: object) -> None:
     if threads not in THREAD_MODES:
         raise ConfigurationError(
             f"Expected argument `threads` to be one of {THREAD_MODES}, but got {threads!r}; pass \"auto\" (the "
-            'default: ORT\'s and torch\'s thread pools share the cores) or "off" (leave both pools as they are).'
+            'default: ORT\'s and torch\'s thread pools share the cores), "off" (leave both pools as they are) or '
+            '"single" (ORT on one thread that does not spin: many small fits in one process, as a fleet worker runs).'
         )
 
 

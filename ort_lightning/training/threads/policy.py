@@ -108,7 +108,9 @@ class ThreadPolicy(pl.Callback):
     """The thread policy of one `ORTLightningModule`, active during its fits.
 
     Args:
-        mode: ``"auto"`` (share the cores, tuned on the first steps) or ``"off"`` (change nothing).
+        mode: ``"auto"`` (share the cores, tuned on the first steps), ``"off"`` (change nothing) or
+            ``"single"`` (ORT on one thread that does not spin, torch untouched: many small fits in one
+            process, as a fleet worker runs them, where building a spinning pool costs more than a fit).
         warmup: batches before the first candidate is timed.
         block: batches per candidate and round (the first of each is not timed).
         rounds: times each candidate is visited, interleaved.
@@ -161,6 +163,8 @@ class ThreadPolicy(pl.Callback):
         on mlp-small, cnn-small, mlp-compute, resnet-tiny and bert-tiny, against 0.68-0.96x with
         spinning off and the update on every core. ``ORTDDPStrategy(allow_spinning=...)`` wins.
         """
+        if self.mode == "single":
+            return False
         return True if strategy is None else thread_spinning(strategy)
 
     def session_threads(self, strategy: Any) -> int:
@@ -169,8 +173,8 @@ class ThreadPolicy(pl.Callback):
         A pool size an earlier fit measured fastest is what the session is built with, so that a
         later fit does not build it twice (the cores, then the measured size).
         """
-        if self.mode == "off":
-            return 0
+        if self.mode != "auto":
+            return 0 if self.mode == "off" else 1
         kept = self._kept
         if kept is not None and kept.ort_threads is not None and _local_ranks(strategy) == 1 and self._should_act()[0]:
             return kept.ort_threads
@@ -336,6 +340,8 @@ class ThreadPolicy(pl.Callback):
     def _should_act(self) -> tuple[bool, str]:
         if self.mode == "off":
             return False, 'threads="off": the thread pools are left as they are'
+        if self.mode == "single":
+            return False, 'threads="single": ORT on one thread that does not spin, torch\'s threads as they are'
         chosen, why = user_torch_threads()
         if chosen:
             return False, f"torch's threads are the user's: {why}"
