@@ -3,8 +3,8 @@
 A `BatchBinder` turns a DataLoader batch into the input vector of one graph: each tensor is
 moved to the artifacts' device only when it is elsewhere, made contiguous only when it is
 not, checked against the graph's dtype, and wrapped by DLPack (same memory, no copy).
-`to_torch` goes back the same way, and `parameter_views` gives torch tensors that share
-memory with the parameters and gradients held by ORT's CheckpointState. `BatchBinder.step` is
+`to_torch` goes back the same way (`ort_lightning.training.session.parameters.parameter_views`
+builds on it: torch tensors sharing ORT's parameters and gradients). `BatchBinder.step` is
 one graph step on one batch: order, check the labels (`LabelRange`, for cross-entropy
 artifacts: ORT 1.19.2 trains on labels outside ``[0, C)`` with a wrong loss), bind, run, and
 the loss back as a torch tensor.
@@ -24,32 +24,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.errors import BatchError
-from ort_lightning.ort.runtime import OrtValue, OrtValueVector, TrainingSession
+from ort_lightning.ort.runtime import OrtValue, OrtValueVector
 
 __all__ = [
     "BatchBinder",
     "LabelRange",
-    "ParameterView",
     "hand_over_to_ort",
-    "label_placeholder",
-    "parameter_views",
     "to_torch",
-    "torch_device",
 ]
 
 _from_dlpack = OrtValue.from_dlpack
-
-
-def torch_device(device: str) -> torch.device:
-    """Return the torch device of an artifacts device string (``"cpu"``, ``"cuda:0"``)."""
-    return torch.device(device)
 
 
 def hand_over_to_ort(device: torch.device | None) -> None:
@@ -405,46 +395,3 @@ def _enforced_shape(spec: TensorSpec) -> tuple[int, tuple[tuple[int, int], ...]]
 def _fits(shape: torch.Size, enforced: tuple[int, tuple[tuple[int, int], ...]]) -> bool:
     rank, fixed = enforced
     return len(shape) == rank and all(shape[axis] == size for axis, size in fixed)
-
-
-@dataclass(frozen=True)
-class ParameterView:
-    """Torch views of one ORT parameter: its data and, when it trains, its gradient buffer."""
-
-    name: str
-    data: torch.Tensor
-    grad: torch.Tensor | None
-    trainable: bool
-
-
-def parameter_views(session: TrainingSession) -> list[ParameterView]:
-    """Return torch tensors sharing memory with every parameter (and gradient) of the ORT state.
-
-    Writing into a view writes into ORT's state; ORT's updates are visible in the view at once.
-    """
-    return [
-        ParameterView(name, to_torch(data), None if grad is None else to_torch(grad), trainable)
-        for name, data, grad, trainable in session.parameters()
-    ]
-
-
-def label_placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
-    """Zeros standing in for label `spec` when the eval graph runs on model inputs alone.
-
-    Raises:
-        BatchError: when a label dimension past the batch is symbolic (its size cannot be guessed).
-    """
-    symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
-    if symbolic:
-        raise BatchError(
-            f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
-            "through validation_step, or export with fixed label dimensions."
-        )
-    shape = (_rows(spec.shape[0], batch), *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
-    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
-
-
-def _rows(dim: int | str, batch: int) -> int:
-    """Label rows for `batch` samples: ``batch*T`` (flattened per-position labels) is ``batch * T``."""
-    factor = dim.partition("batch*")[2] if isinstance(dim, str) else ""
-    return batch * int(factor) if factor.isdigit() else batch

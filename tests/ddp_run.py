@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
-from ort_lightning.bridge import parameter_views
+from ort_lightning.training.session.parameters import parameter_views
 
 
 def dataset(kind: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

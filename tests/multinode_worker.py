@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
-from ort_lightning.bridge import parameter_views
+from ort_lightning.training.session.parameters import parameter_views
 
 
 class _Ranks(L.Callback):

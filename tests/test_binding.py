@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
-from ort_lightning.bridge import parameter_views
 from ort_lightning.errors import BatchError, ConfigurationError
+from ort_lightning.training.session.parameters import parameter_views
 from tests.conftest import Exported, blobs
 from tests.helpers import quiet_trainer
 

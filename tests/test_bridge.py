@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from ort_lightning import export_artifacts
 from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, ParameterView, parameter_views, to_torch
+from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import BatchError
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.session.parameters import ParameterView, parameter_views
 from tests.conftest import MLP, Exported, blobs
 
 _CPU = torch.device("cpu")

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ort_lightning import ORTDDPStrategy, ORTLightningModule
-from ort_lightning.bridge import parameter_views
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies import thread_spinning
 from ort_lightning.strategies.buckets import plan_buckets
+from ort_lightning.training.session.parameters import parameter_views
 from tests import ddp_run
 from tests.conftest import Exported
 from tests.helpers import quiet_trainer

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.bridge import BatchBinder, parameter_views, to_torch, torch_device
+from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import ArtifactError, DeviceError
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.training.session.parameters import parameter_views
 from tests.conftest import Exported, blobs
 from tests.helpers import RunIf
 
@@ -32,7 +33,7 @@ def _assemble(artifacts: TrainingArtifacts, device: str = "cpu", **paths: Path) 
 
 
 def _binder(artifacts: TrainingArtifacts, device: str = "cpu") -> BatchBinder:
-    return BatchBinder(artifacts.manifest.graph_inputs, torch_device(device), graph="training")
+    return BatchBinder(artifacts.manifest.graph_inputs, torch.device(device), graph="training")
 
 
 # --------------------------------------------------------------------------------------------- assembly

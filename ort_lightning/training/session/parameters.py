@@ -20,13 +20,38 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ort_lightning.bridge import ParameterView
+from ort_lightning.bridge import to_torch
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort.runtime import TrainingSession
 
-__all__ = ["GradientViews", "ORTParameters", "bind_views", "check_conversion", "owner_of"]
+__all__ = [
+    "GradientViews", "ORTParameters", "ParameterView", "bind_views", "check_conversion", "owner_of", "parameter_views",
+]
+
+
+@dataclass(frozen=True)
+class ParameterView:
+    """Torch views of one ORT parameter: its data and, when it trains, its gradient buffer."""
+
+    name: str
+    data: torch.Tensor
+    grad: torch.Tensor | None
+    trainable: bool
+
+
+def parameter_views(session: TrainingSession) -> list[ParameterView]:
+    """Return torch tensors sharing memory with every parameter (and gradient) of the ORT state.
+
+    Writing into a view writes into ORT's state; ORT's updates are visible in the view at once.
+    """
+    return [
+        ParameterView(name, to_torch(data), None if grad is None else to_torch(grad), trainable)
+        for name, data, grad, trainable in session.parameters()
+    ]
 
 
 class ORTParameters(torch.nn.Module):

@@ -30,13 +30,19 @@ from typing import Any
 
 import torch
 
-from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
 from ort_lightning.artifacts.state import check_shapes, flat_values, state_specs
-from ort_lightning.bridge import BatchBinder, ParameterView, label_placeholder, parameter_views, to_torch, torch_device
-from ort_lightning.errors import ConfigurationError
+from ort_lightning.bridge import BatchBinder, to_torch
+from ort_lightning.errors import BatchError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.guards import check_model_outputs
-from ort_lightning.training.session.parameters import GradientViews, bind_views, check_conversion
+from ort_lightning.training.session.parameters import (
+    GradientViews,
+    ParameterView,
+    bind_views,
+    check_conversion,
+    parameter_views,
+)
 
 __all__ = ["DEVICE_KEY", "SessionViews", "snapshot", "start_checkpoint", "state_values"]
 
@@ -122,7 +128,7 @@ class SessionViews:
             intra_op_threads=intra_op_threads,
             parameters=None if values is None else flat_values(values, state_specs(artifacts)),
         )
-        self.device = torch_device(self.session.device)
+        self.device = torch.device(self.session.device)
         specs = artifacts.manifest.graph_inputs
         self.train_inputs = BatchBinder(specs, self.device, graph="training")
         self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
@@ -226,3 +232,25 @@ def state_values(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[
     """Name -> copy of every state tensor of `artifacts` that `module` holds (ORT's parameters and buffers)."""
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     return {spec.name: tensors[spec.name].detach().clone() for spec in state_specs(artifacts)}
+
+
+def label_placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for label `spec` when the eval graph runs on model inputs alone.
+
+    Raises:
+        BatchError: when a label dimension past the batch is symbolic (its size cannot be guessed).
+    """
+    symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
+    if symbolic:
+        raise BatchError(
+            f"forward() cannot invent label {spec.name!r} of shape {spec.shape}; run the eval graph with labels "
+            "through validation_step, or export with fixed label dimensions."
+        )
+    shape = (_rows(spec.shape[0], batch), *(int(dim) for dim in spec.shape[1:])) if spec.shape else ()
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+
+def _rows(dim: int | str, batch: int) -> int:
+    """Label rows for `batch` samples: ``batch*T`` (flattened per-position labels) is ``batch * T``."""
+    factor = dim.partition("batch*")[2] if isinstance(dim, str) else ""
+    return batch * int(factor) if factor.isdigit() else batch
