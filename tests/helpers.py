@@ -78,8 +78,10 @@ def ort_device_start(
     if values is not None:
         # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
         # binding refuses; the binding takes the C-level one.
-        module._model.copy_buffer_to_parameters(OrtValue.ortvalue_from_numpy(_buffer(training, values))._ortvalue,
-                                                False)
+        # NOTE: `buffer` stays referenced through the call: the C-level OrtValue shares its memory, and only the
+        # Python one keeps it alive.
+        buffer = OrtValue.ortvalue_from_numpy(_buffer(training, values))
+        module._model.copy_buffer_to_parameters(buffer._ortvalue, False)
     optimizer = Optimizer(graph_file(folder, "optimizer_model", prefix=prefix, graphs=graphs), module)
     return state, module, optimizer
 

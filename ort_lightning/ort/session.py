@@ -246,7 +246,10 @@ def copy_parameters(module: Any, parameters: np.ndarray) -> None:
             f"Expected the parameters as one float32 buffer of {expected} values, but got {parameters.dtype} of shape "
             f"{parameters.shape}; pass a value for every state tensor of these artifacts."
         )
-    buffer = _C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(parameters), _CPU)
+    # NOTE: the C-level OrtValue shares the array's memory without keeping it alive: `values` stays referenced
+    # until the copy is done (a strided `parameters` is copied into it first).
+    values = np.ascontiguousarray(parameters)
+    buffer = _C.OrtValue.ortvalue_from_numpy(values, _CPU)
     # NOTE: the 1.19.2 wrapper (Module.copy_buffer_to_parameters) hands the binding its Python
     # OrtValue, which the binding refuses; the binding itself takes the C-level one.
     module._model.copy_buffer_to_parameters(buffer, False)
