@@ -1,13 +1,13 @@
 """One fleet of ``python -m benchmarks.fleet``, run in a process of its own: rounds, costs, final values.
 
-Both fleets run the same `FleetServer` round loop (Flower's ``Strategy.start`` over a
+Every fleet runs the same `FleetServer` round loop (Flower's ``Strategy.start`` over a
 `RecordingFedAvg`), the same digits partitions and the same initial values; only the devices
-and the server's global model differ (`FleetClient` over the ORT artifacts, or the quickstart's
-`TorchClient`, and `GlobalModel` or `TorchGlobalModel`). The device's costs are measured from
-outside its code: a Flower mod (`timed`) times each ``train`` call and adds the worker's peak
-resident memory to the reply; the device's own ``fit_seconds`` (its ``Trainer.fit``, or its
-torch loop) is its training, the rest of the call its set-up (building what it trains, loading
-the values, taking its data, replying).
+and the server's global model differ (`FleetClient` over the ORT artifacts, the quickstart's
+`TorchClient` or its Lightning twin `LightningTorchClient`, and `GlobalModel` or `TorchGlobalModel`).
+The device's costs are measured from outside its code: a Flower mod (`timed`) times each
+``train`` call and adds the worker's peak resident memory to the reply; the device's own
+``fit_seconds`` (its ``Trainer.fit``, or its torch loop) is its training, the rest of the call
+its set-up (building what it trains, loading the values, taking its data, replying).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from benchmarks._probes import own_peak_rss_mb, reset_peak_rss
 
-FLEETS = ("ort", "torch")
+FLEETS = ("ort", "lightning", "torch")
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,10 @@ def _fleet(run: FleetRun) -> tuple[Any, Any]:
 
         client = FleetClient(run.artifacts, data, epochs=run.epochs, lr=run.lr)
         return client.client_app(mods=[timed]), GlobalModel(run.artifacts)
-    from benchmarks._fleet_torch import TorchClient, TorchGlobalModel
+    from benchmarks._fleet_torch import LightningTorchClient, TorchClient, TorchGlobalModel
 
-    torch_client = TorchClient(data, epochs=run.epochs, lr=run.lr, hidden=run.hidden, seed=run.seed)
+    kind = LightningTorchClient if run.fleet == "lightning" else TorchClient
+    torch_client = kind(data, epochs=run.epochs, lr=run.lr, hidden=run.hidden, seed=run.seed)
     return torch_client.client_app(mods=[timed]), TorchGlobalModel(run.hidden, run.seed)
 
 
@@ -149,7 +150,7 @@ def run_fleet(run: FleetRun) -> dict[str, Any]:
 
     for name in ("lightning.pytorch", "lightning.fabric", "flwr", "ray"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    random.seed(run.seed)  # NOTE: Flower's sample_nodes draws from `random`: both fleets sample the same devices
+    random.seed(run.seed)  # NOTE: Flower's sample_nodes draws from `random`: every fleet samples the same devices
     client_app, model = _fleet(run)
     floor = min(2, run.devices)
     strategy = RecordingFedAvg(fraction_train=run.fraction, fraction_evaluate=0.0, min_available_nodes=floor,
@@ -163,7 +164,7 @@ def run_fleet(run: FleetRun) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         _run(run, server, client_app)
     total = time.perf_counter() - started
-    values = model.values() if run.fleet == "torch" else get_values(model.module)
+    values = get_values(model.module) if run.fleet == "ort" else model.values()
     torch.save(values, out / "final.pt")
     return {"run": asdict(run), "seconds": total, "initial_accuracy": server.initial.get("accuracy"),
             "rounds": [asdict(row) for row in _costs(server, strategy)]}

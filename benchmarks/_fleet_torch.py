@@ -1,4 +1,4 @@
-"""The fleet a user would build instead: Flower's quickstart-pytorch client, and a torch global model.
+"""The fleets a user would build instead: Flower's quickstart-pytorch client, the same under Lightning.
 
 `TorchClient` is a Flower ``ClientApp`` written the way Flower's quickstart-pytorch writes its
 ``client_app.py``: the ``train`` handler builds the ``Net``, loads the message's state dict into
@@ -7,7 +7,12 @@ it, trains it with a plain torch loop on the device's partition and replies with
 artifacts' optimizer graph was exported with, so that both fleets train the same model the same
 way. `TorchGlobalModel` is the server's side: it holds the global values in the same ``Net``,
 evaluates them on the held-out digits and writes each round with ``torch.save`` (the
-quickstart's checkpoint), so that the same `FleetServer` round loop runs both fleets.
+quickstart's checkpoint), so that the same `FleetServer` round loop runs every fleet.
+
+`LightningTorchClient` trains the same ``Net`` under a ``lightning.Trainer``, reusing one module
+and one Trainer per worker as ort-lightning's devices do (`ort_lightning.fleet.worker`): the
+difference between it and the ort fleet is ORT's alone, the difference between it and the torch
+fleet is Lightning's own cost of a fit.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -25,6 +31,7 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.demo import digits_mlp
 from ort_lightning.fleet.client import DataFn
+from ort_lightning.fleet.worker import fresh_loops
 
 #: torch.optim.AdamW's defaults, the options ``export_artifacts(optimizer="adamw")`` exports.
 ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -89,6 +96,53 @@ class TorchClient:
         metrics = {"train_loss": train_loss, "num-examples": len(loader.dataset),  # type: ignore[arg-type]
                    "fit_seconds": seconds}
         content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
+        return Message(content=content, reply_to=msg)
+
+
+class DigitsLightning(pl.LightningModule):
+    """The quickstart's ``Net`` as a Lightning user writes it: cross-entropy, logged, the same AdamW."""
+
+    def __init__(self, hidden: int, seed: int, lr: float) -> None:
+        super().__init__()
+        self.net, self.lr = digits_mlp(hidden, seed=seed), lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = torch.nn.functional.cross_entropy(self.net(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, **ADAMW)  # type: ignore[arg-type]
+
+
+#: This worker's module and Trainer of the Lightning fleet, per options (as `ort_lightning.fleet.worker` keeps them).
+_LIGHTNING_SLOTS: dict[tuple[int, int, int, float], tuple[DigitsLightning, pl.Trainer]] = {}
+
+
+@dataclass(frozen=True)
+class LightningTorchClient(TorchClient):
+    """Each device of the Lightning fleet: the torch ``Net`` under one reused ``Trainer`` per worker."""
+
+    def train(self, msg: Message, context: Context) -> Message:
+        """Load the global state dict into the worker's module, fit it with fresh loops, reply with its state dict."""
+        key = (self.hidden, self.seed, self.epochs, self.lr)
+        if key not in _LIGHTNING_SLOTS:
+            trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, max_epochs=self.epochs)
+            _LIGHTNING_SLOTS[key] = DigitsLightning(self.hidden, self.seed, self.lr), trainer
+        module, trainer = _LIGHTNING_SLOTS[key]
+        module.net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        config = context.node_config
+        loader = self.data(int(config["partition-id"]), int(config["num-partitions"])).train
+        fresh_loops(trainer)
+        started = time.perf_counter()
+        trainer.fit(module, train_dataloaders=loader)
+        seconds = time.perf_counter() - started
+        loss = trainer.callback_metrics.get("train_loss")
+        metrics = {"train_loss": float("nan") if loss is None else float(loss),
+                   "num-examples": len(loader.dataset), "fit_seconds": seconds}  # type: ignore[arg-type]
+        content = RecordDict({"arrays": ArrayRecord(module.net.state_dict()), "metrics": MetricRecord(metrics)})
         return Message(content=content, reply_to=msg)
 
 

@@ -1,12 +1,15 @@
-"""``python -m benchmarks.fleet``: an ort-lightning fleet beside a Flower + torch fleet, round by round.
+"""``python -m benchmarks.fleet``: an ort-lightning fleet beside Lightning and torch fleets, round by round.
 
 The same model (the digits MLP, ``ort_lightning.demo.digits_mlp``), the same initial values,
 the same partitions (`DigitsPartitions`, by default the 1,000-device ``writers`` split's way of
 cutting), the same rounds, FedAvg with the same sampled fraction of devices, the same server
 round loop (`FleetServer`: a checkpoint and a held-out evaluation after every round) and the
-same Flower engine, in two fleets:
+same Flower engine, in three fleets:
 
 - ``ort``: devices train the exported ORT artifacts with ort-lightning's `FleetClient`.
+- ``lightning``: devices train the torch module under a ``lightning.Trainer``, one module and
+  one Trainer per worker as the ort fleet keeps them (`benchmarks._fleet_torch.LightningTorchClient`):
+  ORT's share of the ort fleet's cost is the difference between these two.
 - ``torch``: devices train the torch module with a plain Flower client written as Flower's
   quickstart-pytorch writes one (`benchmarks._fleet_torch.TorchClient`).
 
@@ -159,7 +162,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run both fleets at every device count, print the rounds and the growth, write the plot and JSON."""
+    """Run the fleets at every device count, print the rounds and the growth, write the plot and JSON."""
     args = _parser().parse_args(argv)
     if args.child is not None:
         _child(args.child)

@@ -1,8 +1,9 @@
 """A population of the size people use (1,000 non-IID devices of the digits), and the fleet benchmark.
 
 The partition is checked by what it must be (disjoint, covering, deterministic) and its label skew
-by a statistic whose IID value is closed-form; the benchmark's two fleets (ORT devices, Flower's
-quickstart-style torch devices) against an independent float64 FedAvg computed here by hand.
+by a statistic whose IID value is closed-form; the benchmark's three fleets (ORT devices, Flower's
+quickstart-style torch devices, the same under Lightning) against an independent float64 FedAvg
+computed here by hand.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def test_fleet_benchmark_prints_every_column_and_both_fleets_agree(
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("fleet"))
     assert re.split(r"\s{2,}", header.strip()) == [name for name, _, _ in COLUMNS]
-    rows = {line.split()[0]: line.split() for line in lines if re.match(r"\s*(ort|torch)\s+4\s", line)}
-    assert set(rows) == {"ort", "torch"}
+    rows = {line.split()[0]: line.split() for line in lines if re.match(r"\s*(ort|lightning|torch)\s+4\s", line)}
+    assert set(rows) == {"ort", "lightning", "torch"}
     assert all(len(row) == len(COLUMNS) for row in rows.values())
     accuracy = {fleet: float(row[-1].rstrip("%")) / 100 for fleet, row in rows.items()}
 
@@ -138,7 +139,7 @@ def test_fleet_benchmark_prints_every_column_and_both_fleets_agree(
     d32 = max(float((value - exact[name]).abs().max())
               for name, value in _fedavg_by_hand(torch.float32, 4, 0.01).items())
     assert 0 < d32 < 1e-4
-    for fleet in ("ort", "torch"):
+    for fleet in ("ort", "lightning", "torch"):
         values = torch.load(tmp_path / f"{fleet}-4" / "final.pt")
         assert max(float((values[name].double() - exact[name]).abs().max()) for name in exact) <= 4 * d32, fleet
 
