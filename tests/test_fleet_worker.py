@@ -49,13 +49,14 @@ def worker() -> Iterator[Any]:
 
 
 @pytest.fixture
-def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The checkpoint of every ORT build (CheckpointState, Module, Optimizer) the package makes from now on."""
-    made: list[str] = []
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every ORT build (CheckpointState, Module, Optimizer) the package makes from now on: its checkpoint, and
+    whether the Module holds the eval graph."""
+    made: list[tuple[str, bool]] = []
     assemble = runtime.assemble
 
     def counted(**options: Any) -> Any:
-        made.append(str(options["checkpoint"]))
+        made.append((str(options["checkpoint"]), options["eval_model"] is not None))
         return assemble(**options)
 
     monkeypatch.setattr(runtime, "assemble", counted)
@@ -97,7 +98,7 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 
 def test_a_worker_builds_one_module_and_trainer_for_many_devices(
-    mlp_sgd: Exported, mlp_adamw: Exported, worker: Any, builds: list[str]
+    mlp_sgd: Exported, mlp_adamw: Exported, worker: Any, builds: list[tuple[str, bool]]
 ) -> None:
     """SGD: one ORT build for 12 device rounds; AdamW: one more per round (ORT sets its moments only when it builds)."""
     nodes = len(SIZES)
@@ -121,6 +122,30 @@ def test_a_worker_builds_one_module_and_trainer_for_many_devices(
     _round(adamw, start, 2)
     assert len(builds) == 1 + 2 * nodes
     assert worker.built == 2
+    # a device's round trains and replies: its rebuilds leave the eval graph out
+    assert [with_eval for _, with_eval in builds[1:]] == [False] * 2 * nodes
+
+
+def test_a_session_built_for_training_alone_builds_the_eval_graph_when_asked(
+    mlp_adamw: Exported, builds: list[tuple[str, bool]]
+) -> None:
+    """``load_values(..., evaluation=False)``: one ORT build without the eval graph; the first evaluation
+    builds it (once) from the running state, and its loss and logits are plain torch's on those values."""
+    module = ORTLightningModule(mlp_adamw.artifacts, lr=LR)
+    values = {name: tensor + 0.01 for name, tensor in get_values(module).items()}
+    builds.clear()
+    module.load_values(values, evaluation=False)
+    assert builds == [(builds[0][0], False)]
+    assert module.ort_session.evaluation is False
+    x, y = blobs(6, seed=3)
+    loss, logits = module.evaluate_batch((x, y))
+    again, _ = module.evaluate_batch((x, y))
+    assert [with_eval for _, with_eval in builds] == [False, True]
+    model = mlp_adamw.reference()
+    _load(model, values)
+    torch.testing.assert_close(logits, model(x).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(model(x), y).detach(), rtol=0, atol=1e-6)
+    assert float(again) == float(loss)
 
 
 @pytest.mark.parametrize("optimizer_state", ["fresh", "keep"])

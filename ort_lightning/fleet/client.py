@@ -164,7 +164,8 @@ class FleetClient:
         data = self._data(context)
         values = message.content.array_records[ARRAYS_KEY].to_torch_state_dict()
         with self._slot(values) as slot, self._kept(context) as kept:
-            slot.module.load_values(values, optimizer_state=kept)
+            # NOTE: a round trains and replies: ORT's objects, where rebuilt, are built without the eval graph.
+            slot.module.load_values(values, optimizer_state=kept, evaluation=False)
             started = time.perf_counter()
             slot.fit(train_dataloaders=data.train)
             seconds = time.perf_counter() - started

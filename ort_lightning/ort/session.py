@@ -89,12 +89,14 @@ class TrainingSession:
 
     def __init__(
         self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str, spinning: bool = True,
-        intra_op_threads: int = 0,
+        intra_op_threads: int = 0, evaluation: bool = True,
     ) -> None:
         self.device = device
         self.optimizer_kind = optimizer_kind
         self.spinning = spinning
         self.intra_op_threads = intra_op_threads
+        #: Whether ORT's Module holds the eval graph (a session built for training alone does not).
+        self.evaluation = evaluation
         self._state = state
         self._module = module
         self._optimizer = optimizer
@@ -157,7 +159,7 @@ def _no_learning_rate() -> float:
 def assemble(
     *,
     training_model: os.PathLike[str] | str,
-    eval_model: os.PathLike[str] | str,
+    eval_model: os.PathLike[str] | str | None,
     optimizer_model: os.PathLike[str] | str | None,
     checkpoint: os.PathLike[str] | str,
     device: str = "cpu",
@@ -167,6 +169,8 @@ def assemble(
     parameters: np.ndarray | None = None,
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> [the weights in] -> Optimizer on `device`.
+
+    `eval_model` None builds ORT's Module for training alone (one session fewer: a device's round).
 
     `spinning` is ORT's intra-op thread spinning, `intra_op_threads` the size of its intra-op
     pool, 0 for ORT's default (see `session_options`). `parameters` is every state tensor in one
@@ -190,12 +194,13 @@ def assemble(
     optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
     with _refused(f"the checkpoint {os.fspath(checkpoint)}", "it is damaged, truncated or not an ORT checkpoint"):
         state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
-    graphs = f"the graphs {os.fspath(training_model)} and {os.fspath(eval_model)} over {os.fspath(checkpoint)}"
+    named = " and ".join(os.fspath(graph) for graph in (training_model, eval_model) if graph is not None)
+    graphs = f"the graphs {named} over {os.fspath(checkpoint)}"
     with _refused(graphs, "a graph is damaged or truncated, or a file is another model's"):
         module = Module(
             os.fspath(training_model),
             state,
-            os.fspath(eval_model),
+            None if eval_model is None else os.fspath(eval_model),
             device=target,
             session_options=options,
         )
@@ -208,7 +213,7 @@ def assemble(
             optimizer = Optimizer(os.fspath(optimizer_model), module)
     return TrainingSession(
         state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
-        intra_op_threads=intra_op_threads,
+        intra_op_threads=intra_op_threads, evaluation=eval_model is not None,
     )
 
 

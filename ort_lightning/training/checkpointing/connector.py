@@ -107,7 +107,7 @@ class CheckpointConnector:
     def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None) -> Path:
         """Write the eval graph with the current weights, keeping `outputs` (None: the model's own)."""
         names = list(outputs) if outputs is not None else list(self.artifacts.manifest.outputs)
-        return export_inference(self.live.session, path, names)
+        return export_inference(self.live.evaluator.session, path, names)
 
     def to_onnx(self, file_path: Any, options: dict[str, Any]) -> Path:
         """Lightning's ``to_onnx``: the inference model at `file_path`; torch.onnx `options` are refused.

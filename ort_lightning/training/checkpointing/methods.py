@@ -186,7 +186,9 @@ class CheckpointMethods(pl.LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **find_artifacts(checkpoint_path, kwargs))
 
     # ----------------------------------------------------------------------------- another start, same module
-    def load_values(self, values: Any, *, optimizer_state: str | os.PathLike[str] | None = None) -> None:
+    def load_values(
+        self, values: Any, *, optimizer_state: str | os.PathLike[str] | None = None, evaluation: bool = True,
+    ) -> None:
         """Start again from `values`: with a fresh optimizer state, or with the one `optimizer_state` kept.
 
         What a new module of the same artifacts built with ``values=values`` (and
@@ -203,6 +205,9 @@ class CheckpointMethods(pl.LightningModule):
             optimizer_state: an ORT checkpoint file of these artifacts whose optimizer state to continue
                 (``save_ort_checkpoint(..., include_optimizer_state=True)``): its steps and epochs count on,
                 as with ``checkpoint=``; None starts a fresh optimizer state, its steps counted from 0.
+            evaluation: False, where ORT's objects are rebuilt, builds them for training alone (no eval
+                graph: one session fewer to build and hold, as a fleet device's round needs); the first
+                forward, validation, test, prediction or inference export builds the eval graph again.
 
         Raises:
             ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
@@ -221,7 +226,7 @@ class CheckpointMethods(pl.LightningModule):
         kept = None if optimizer_state is None else Path(optimizer_state)
         if kept is not None:
             origin = RunOrigin.of_file(read_checkpoint(kept, self.artifacts, weights_given=True))
-            self._live.replace(checkpoint=kept, values=values)
+            self._live.replace(checkpoint=kept, values=values, evaluation=evaluation)
         elif self._optimizer_factory is not None or self._live.session.optimizer_kind != "adamw":
             # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
             origin = RunOrigin(seed=self._steps.seed)
@@ -229,6 +234,6 @@ class CheckpointMethods(pl.LightningModule):
             self._steps.reset()
         else:
             origin = RunOrigin(seed=self._steps.seed)
-            self._live.replace(values=values, include_optimizer_state=False)
+            self._live.replace(values=values, include_optimizer_state=False, evaluation=evaluation)
         self._set_origin(origin)
         self._optimizers_configured, self._state_restored = False, kept is not None

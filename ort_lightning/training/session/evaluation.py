@@ -1,7 +1,8 @@
 """`EvaluationMethods`: the eval graph's part of `ORTLightningModule`: forward, validate, test, predict.
 
 `ORTLightningModule` derives from it. Each method runs ORT's eval graph through the module's
-running session (`ort_lightning.training.session.live.LiveSession`): ``forward`` and
+running session (`ort_lightning.training.session.live.LiveSession.evaluator`: a session built for
+training alone is rebuilt with the eval graph once): ``forward`` and
 ``predict_step`` on model inputs (placeholders fill the labels), ``validation_step``,
 ``test_step`` and `evaluate_batch` on labelled batches, logging the loss and the stage's metrics.
 
@@ -52,7 +53,7 @@ class EvaluationMethods(pl.LightningModule):
 
         Labels are not needed: placeholders fill the label inputs (the loss is discarded).
         """
-        return self._live.views.predict(inputs, entry="forward()", labels_allowed=False)
+        return self._live.evaluator.predict(inputs, entry="forward()", labels_allowed=False)
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -67,7 +68,7 @@ class EvaluationMethods(pl.LightningModule):
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
-        return self._live.views.predict(batch, entry="predict_step()", labels_allowed=True)
+        return self._live.evaluator.predict(batch, entry="predict_step()", labels_allowed=True)
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
@@ -87,11 +88,11 @@ class EvaluationMethods(pl.LightningModule):
             >>> tuple(loss.shape), tuple(logits.shape)
             ((), (2, 3))
         """
-        _, fetches, loss = self._live.views.evaluate(batch, self._labels)
+        _, fetches, loss = self._live.evaluator.evaluate(batch, self._labels)
         return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
 
     def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
-        tensors, fetches, loss = self._live.views.evaluate(batch, self._labels)
+        tensors, fetches, loss = self._live.evaluator.evaluate(batch, self._labels)
         size = tensors[0].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
         if self._metrics:

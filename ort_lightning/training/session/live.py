@@ -102,6 +102,7 @@ class LiveSession:
     def replace(
         self, *, device: str | None = None, spinning: bool | None = None, intra_op_threads: int | None = None,
         values: Mapping[str, Any] | None = None, checkpoint: Path | None = None, include_optimizer_state: bool = True,
+        evaluation: bool | None = None,
     ) -> bool:
         """Change the running session; the module, the step path and the fit's optimizers follow.
 
@@ -116,6 +117,8 @@ class LiveSession:
             checkpoint: an ORT checkpoint file to rebuild from instead of the running state.
             include_optimizer_state: False starts a fresh optimizer state (step 0, no moments), as
                 a new ``fit`` does; the weights are kept.
+            evaluation: whether ORT's Module holds the eval graph (False: training alone, one session
+                fewer; `evaluator` builds it again when asked); None keeps the current choice.
 
         Returns:
             Whether ORT's objects were rebuilt.
@@ -131,9 +134,10 @@ class LiveSession:
             >>> # module._live.replace(include_optimizer_state=False)
         """
         session = self.session
-        current = (session.device, session.spinning, session.intra_op_threads)
+        current = (session.device, session.spinning, session.intra_op_threads, session.evaluation)
         wanted = (current[0] if device is None else device, current[1] if spinning is None else spinning,
-                  current[2] if intra_op_threads is None else intra_op_threads)
+                  current[2] if intra_op_threads is None else intra_op_threads,
+                  current[3] if evaluation is None else evaluation)
         # NOTE: views that something replaced with copies (Lightning's spawn launcher) hold the module's values.
         detached = checkpoint is None and not self.views.attached(self.module)
         if detached and values is None:
@@ -153,8 +157,15 @@ class LiveSession:
                 # NOTE: a rebuild keeps the training progress of the running session (weights, step, moments).
                 checkpoint = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
             self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
-                        values=values)
+                        values=values, evaluation=wanted[3])
         return True
+
+    @property
+    def evaluator(self) -> SessionViews:
+        """The running views, with the eval graph (rebuilt with it once, after a build for training alone)."""
+        if not self.views.session.evaluation:
+            self.replace(evaluation=True)
+        return self.views
 
     def use_threads(self, spinning: bool, intra_op_threads: int) -> None:
         """Run ORT with these thread settings from the next step on (the thread policy's route to `replace`)."""
@@ -174,11 +185,11 @@ class LiveSession:
             tensors[name].copy_(value)
 
     def _build(self, *, checkpoint: Path | None, device: str, spinning: bool, intra_op_threads: int,
-               values: Mapping[str, Any] | None = None) -> None:
+               values: Mapping[str, Any] | None = None, evaluation: bool = True) -> None:
         """The one place ORT's objects are built; everything that works on them follows."""
         self.views = SessionViews(self.module, self.artifacts, device=device, checkpoint=checkpoint,
                                   spinning=spinning, intra_op_threads=intra_op_threads,
-                                  custom_op_library=self.custom_op_library, values=values)
+                                  custom_op_library=self.custom_op_library, values=values, evaluation=evaluation)
         self._follow()
 
     def _reattach(self) -> None:

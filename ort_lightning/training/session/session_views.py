@@ -96,6 +96,8 @@ class SessionViews:
         values: name -> tensor for every state tensor (`ort_lightning.artifacts.state.state_specs`),
             copied into ORT's state before the views are bound, in place of the checkpoint's
             weights; with a nominal `checkpoint` (no weights) they are the only weights there are.
+        evaluation: False builds ORT's Module without the eval graph (training alone: one session
+            fewer to build and hold); `infer`, `predict` and `evaluate` then need a rebuild with it.
 
     Raises:
         ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors, or
@@ -113,13 +115,14 @@ class SessionViews:
         intra_op_threads: int = 0,
         custom_op_library: str | None = None,
         values: Mapping[str, object] | None = None,
+        evaluation: bool = True,
     ) -> None:
         self.artifacts = artifacts
         self.custom_op_library = custom_op_library
         start = start_checkpoint(artifacts, checkpoint, weights_given=values is not None)
         self.session = _ort.assemble(
             training_model=artifacts.training_model,
-            eval_model=artifacts.eval_model,
+            eval_model=artifacts.eval_model if evaluation else None,
             optimizer_model=artifacts.optimizer_model,
             checkpoint=start,
             device=device,
