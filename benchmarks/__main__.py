@@ -1,8 +1,8 @@
 """``python -m benchmarks``: Lightning + ORT against its alternatives, interleaved in one run.
 
-For each model the five runners (Lightning + ORT, Lightning + ORT with a torch optimizer, a
-hand-written ORT loop, Lightning + torch, a hand-written torch loop) take turns, a block of steps
-each, round after round, so that machine noise falls on all of them alike; medians, ratios and
+For each model the six runners (Lightning + ORT, the same with ``threads="off"``, Lightning + ORT
+with a torch optimizer, a hand-written ORT loop, Lightning + torch, a hand-written torch loop) take
+turns, a block of steps each, round after round, so that machine noise falls on all of them alike; medians, ratios and
 the goals (met / not met) come from the same run. Then the bridge (DLPack vs numpy per batch
 size), the machine's matmul peak and each runner's peak memory. ``python -m benchmarks.profile``
 shows which kernels take the time, in ORT and in torch.
@@ -41,7 +41,7 @@ from benchmarks._runners import RUNNERS, export
 #: Seconds between two runners' blocks.
 PAUSE_S = 0.2
 
-ORDER = ["lightning-ort", "lightning-ort-hybrid", "ort-loop", "lightning-torch", "torch-loop"]
+ORDER = ["lightning-ort", "lightning-ort-off", "lightning-ort-hybrid", "ort-loop", "lightning-torch", "torch-loop"]
 
 _SMOKE = (
     "**SMOKE RUN (--quick): a few steps of one model, to check that the harness works. These timings are "
@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this Markdown file")
     parser.add_argument(
         "--threads", choices=("auto", "off"), default="auto",
-        help="the adapter's thread policy in the Lightning + ORT runners (off: both thread pools as they are)",
+        help="the adapter's thread policy in the Lightning + ORT runners (off: both thread pools as they are; "
+        "the threads=off runner stays off)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS probes (minutes on big models)")
     parser.add_argument("--memory-child", nargs=3, metavar=("CASE", "RUNNER", "STEPS"), help=argparse.SUPPRESS)

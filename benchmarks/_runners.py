@@ -1,4 +1,8 @@
-"""The five ways to train one model that the benchmark compares, each timed the same way.
+"""The ways to train one model that the benchmark compares, each timed the same way.
+
+Five ways (Lightning + ORT, the same with a torch optimizer, a hand-written ORT loop, Lightning +
+torch, a hand-written torch loop), and Lightning + ORT once more with ``threads="off"``: the
+baseline that the default thread policy must not be slower than.
 
 A runner's ``run(steps)`` trains on a DataLoader of ``steps + 1`` batches and returns the
 ``steps`` intervals between consecutive batch ends, in seconds: data loading, the step and,
@@ -103,6 +107,20 @@ class LightningORTHybrid(LightningORT):
         self.module = ORTLightningModule(artifacts, optimizer=torch_adamw, lr_scheduler="constant", threads=THREADS)
 
 
+class LightningORTOff(LightningORT):
+    """ORTLightningModule with ``threads="off"`` (both thread pools as they are): the default policy's baseline.
+
+    The same module as `LightningORT` in the same run, so that "the default never slows a step"
+    is a ratio of one run (under ``--threads off`` both runners are the same).
+    """
+
+    label = "Lightning + ORT, threads=off"
+
+    def __init__(self, case: Case, artifacts: TrainingArtifacts) -> None:
+        self.case = case
+        self.module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant", threads="off")
+
+
 class LightningTorch:
     """The same model in plain torch under the same Trainer: what a user would pick instead."""
 
@@ -175,8 +193,9 @@ class TorchLoop:
         return _intervals(stamps)
 
 
-RUNNERS = {"lightning-ort": LightningORT, "lightning-ort-hybrid": LightningORTHybrid, "ort-loop": ORTLoop,
-           "lightning-torch": LightningTorch, "torch-loop": TorchLoop}
+RUNNERS = {"lightning-ort": LightningORT, "lightning-ort-off": LightningORTOff,
+           "lightning-ort-hybrid": LightningORTHybrid, "ort-loop": ORTLoop, "lightning-torch": LightningTorch,
+           "torch-loop": TorchLoop}
 
 
 def export(case: Case, directory: Path) -> TrainingArtifacts:

@@ -39,8 +39,12 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
     assert text.startswith("**SMOKE RUN (--quick)"), text[:200]  # 5 steps are noise: said before any table
-    for runner in ("Lightning + ORT", "Lightning + ORT-hybrid", "ORT loop", "Lightning + torch", "torch loop"):
-        assert re.search(rf"\| mlp-small \| {re.escape(runner)} \| [\d.]+ \|", text), runner
+    ms = {}
+    for runner in ("Lightning + ORT", "Lightning + ORT, threads=off", "Lightning + ORT-hybrid", "ORT loop",
+                   "Lightning + torch", "torch loop"):
+        row = re.search(rf"\| mlp-small \| {re.escape(runner)} \| ([\d.]+) \|", text)
+        assert row is not None, runner
+        ms[runner] = float(row.group(1))
     assert re.search(r"\| mlp-small \| [\d.]+x \| [\d.]+x \| [\d.]+x \| [\d.]+x \|", text)
     goals = re.findall(GOAL_ROW, text, re.MULTILINE)
     # NOTE: the ORT-loop goal applies to steps over 5 ms only, which a loaded machine may reach on mlp-small.
@@ -48,6 +52,7 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
         "ms added by adapter+Lightning <= ms added by Lightning (torch) + 0.1",
         "throughput L+ORT / L+torch >= 1.25",
         "throughput L+ORT-hybrid / L+ORT >= 0.95 (a torch update costs no more than ORT's)",
+        "throughput L+ORT / L+ORT threads=off >= 0.97 (default threads within 3 % of off)",
     ]
     for _, measured, unit, target, ceiling, verdict in goals:
         assert verdict in _verdicts(float(measured), unit, float(target), float(ceiling) if ceiling else None), goals
@@ -57,6 +62,12 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     overhead = goals[0]
     assert float(overhead[1]) == float(added.group(1))
     assert abs(float(overhead[3]) - (float(added.group(2)) + 0.1)) <= 0.0011, (overhead, added.groups())
+    # the default-threads goal from the two Lightning + ORT rows' ms/step: off / default, each printed to 0.0005 ms
+    threads = next(goal for goal in goals if "threads=off" in goal[0])
+    off, default = ms["Lightning + ORT, threads=off"], ms["Lightning + ORT"]
+    low, high = (off - 0.0005) / (default + 0.0005), (off + 0.0005) / (default - 0.0005)
+    assert low - 0.005 <= float(threads[1]) <= high + 0.005, (threads, ms)
+    assert float(threads[3]) == 0.97
     assert len(re.findall(r"^\| (64|4096) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", text, re.MULTILINE)) == 2
     assert text in result.stdout
 

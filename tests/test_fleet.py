@@ -151,10 +151,11 @@ def _weightless(artifacts: TrainingArtifacts, folder: Path) -> Path:
 def test_values_follow_the_training_graph_and_land_in_ort_memory(mlp_adamw: Exported) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts)
     assert state_order(mlp_adamw.artifacts) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    address = module.fc1.weight.data_ptr()
+    address, session = module.fc1.weight.data_ptr(), module.ort_session
     reference = mlp_adamw.reference().state_dict()
     set_values(module, {name: torch.full_like(value, 0.5) for name, value in reference.items()})
     assert module.fc1.weight.data_ptr() == address
+    assert module.ort_session is session  # copied into ORT's memory, nothing rebuilt
     x = torch.randn(5, 4)
     model = mlp_adamw.reference()
     for parameter in model.parameters():

@@ -1,7 +1,9 @@
-"""What the ``ModelCheckpoint`` adapter relies on is still Lightning's: private names, signatures, calls.
+"""What the package's Lightning adapters rely on is still Lightning's: private names, signatures, calls.
 
-A Lightning release that renames, re-signs or stops calling one of them fails here, naming it,
-instead of silently changing which ORT checkpoint files a fit leaves.
+Two adapters: ``ModelCheckpointAdapter`` (``ModelCheckpoint``'s private file methods) and
+``fresh_loops`` (the Trainer's private fit and epoch loop classes). A Lightning release that
+renames, re-signs or stops calling one of them fails here, naming it, instead of silently changing
+which ORT checkpoint files a fit leaves or how many steps a reused Trainer trains.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
+from ort_lightning.training import loops
 from ort_lightning.training.checkpointing.lightning_private import (
     FIELDS,
     LIGHTNING_READ,
     OVERRIDDEN,
     ModelCheckpointAdapter,
 )
+from ort_lightning.training.loops import LOOPS, fresh_loops
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
@@ -41,6 +45,12 @@ def _moved(what: str) -> str:
     return (f"{what}: lightning {L.__version__}'s ModelCheckpoint is not the one lightning_private.py was read "
             f"against ({LIGHTNING_READ}); re-read lightning/pytorch/callbacks/model_checkpoint.py and update "
             "ModelCheckpointAdapter.")
+
+
+def _loops_moved(what: str) -> str:
+    return (f"{what}: lightning {L.__version__}'s Trainer loops are not the ones training/loops.py was read "
+            f"against ({loops.LIGHTNING_READ}); re-read lightning/pytorch/trainer/trainer.py (where Trainer.__init__ "
+            "builds fit_loop and its epoch_loop) and lightning/pytorch/loops/, and update fresh_loops.")
 
 
 class _Recorder(ModelCheckpointAdapter):
@@ -104,8 +114,10 @@ class _Linear(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
+        self.steps = 0
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.steps += 1
         return self.layer(batch[0]).pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -192,3 +204,65 @@ def test_a_save_records_what_lightning_s_own_save_records(fitted: Any) -> None:
     assert changed[_Recorder] == changed[ModelCheckpoint], _moved("ModelCheckpoint._save_checkpoint's body changed")
     assert changed[_Recorder] == {"_last_global_step_saved": str(trainer.global_step),
                                   "_last_checkpoint_saved": "<file>"}
+
+
+# ----------------------------------------------------------------------------- the Trainer's loops
+#: Limits that differ from each other and from Lightning's defaults, so that a swapped or dropped one shows.
+LIMITS: dict[str, Any] = dict(min_epochs=1, max_epochs=4, min_steps=2, max_steps=9)
+
+
+def _bare_trainer(**limits: Any) -> L.Trainer:
+    return L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                     **limits)
+
+
+def _held(trainer: L.Trainer, held_as: str) -> Any:
+    """The loop `fresh_loops` reads as `held_as`: ``trainer.fit_loop`` or ``trainer.fit_loop.epoch_loop``."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    assert fit_loop is not None, _loops_moved("Trainer.fit_loop is gone")
+    if held_as == "fit_loop":
+        return fit_loop
+    epoch_loop = getattr(fit_loop, "epoch_loop", None)
+    assert epoch_loop is not None, _loops_moved(f"{type(fit_loop).__name__}.epoch_loop is gone")
+    return epoch_loop
+
+
+def _plain_fields(loop: Any) -> dict[str, Any]:
+    return {name: value for name, value in vars(loop).items() if isinstance(value, (int, float, str, type(None)))}
+
+
+@pytest.mark.parametrize("held_as", sorted(LOOPS))
+def test_each_loop_s_constructor_takes_the_limits_read_and_keeps_them(held_as: str) -> None:
+    loop = _held(_bare_trainer(**LIMITS), held_as)
+    name = type(loop).__name__
+    parameters = tuple(inspect.signature(type(loop).__init__).parameters)
+    read = ("self", "trainer", *LOOPS[held_as])
+    assert parameters == read, _loops_moved(f"{name}.__init__{parameters} was {read}")
+    kept = {limit: getattr(loop, limit, "missing") for limit in LOOPS[held_as]}
+    assert kept == {limit: LIMITS[limit] for limit in LOOPS[held_as]}, _loops_moved(f"{name} keeps {kept}")
+
+
+def test_fresh_loops_are_the_loops_a_new_trainer_builds() -> None:
+    """Same classes, same limits, same plain fields: Trainer.__init__ sets nothing on them the constructors do not."""
+    trainer, new = _bare_trainer(**LIMITS), _bare_trainer(**LIMITS)
+    fresh_loops(trainer)
+    for held_as in LOOPS:
+        loop, expected = _held(trainer, held_as), _held(new, held_as)
+        assert type(loop) is type(expected)
+        assert _plain_fields(loop) == _plain_fields(expected), _loops_moved(
+            f"Trainer.__init__ sets {type(expected).__name__}'s fields to {_plain_fields(expected)}, "
+            f"the constructor alone to {_plain_fields(loop)}")
+
+
+def test_a_second_fit_after_fresh_loops_trains_as_a_new_trainer_does() -> None:
+    trainer, module = _bare_trainer(max_steps=3), _Linear()
+    trainer.fit(module, _loader())
+    assert (module.steps, trainer.global_step) == (3, 3)
+    trainer.fit(module, _loader())
+    assert module.steps == 3  # the test can fail: without fresh loops a reused Trainer trains no step
+
+    fresh_loops(trainer)
+    assert (trainer.global_step, trainer.current_epoch, trainer.max_steps) == (0, 0, 3), _loops_moved(
+        "fresh loops do not count from 0")
+    trainer.fit(module, _loader())
+    assert (module.steps, trainer.global_step) == (6, 3), _loops_moved(f"a second fit ran {module.steps - 3} steps")

@@ -4,7 +4,8 @@ A client sends the values of its CheckpointState (trainable and frozen parameter
 buffers such as BatchNorm running statistics) in the order the training graph takes them as
 inputs, which is the order of ORT's contiguous parameter buffer, not the alphabetical order in
 which the CheckpointState lists them. Setting values copies them into the torch views of ORT's
-memory (``tensor.copy_``): ORT's state is updated in place and no ORT object is rebuilt.
+memory through the one operation that changes a running session (``values=`` alone): ORT's state
+is updated in place and no ORT object is rebuilt.
 
 Example::
 
@@ -22,12 +23,16 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.artifacts.state import check_values, state_specs
+from ort_lightning.artifacts.state import state_specs
 from ort_lightning.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["get_values", "set_values", "state_order", "state_tensors"]
 
@@ -71,9 +76,11 @@ def get_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().cpu().clone() for name, tensor in state_tensors(module, artifacts).items()}
 
 
-@torch.no_grad()
-def set_values(module: torch.nn.Module, values: Mapping[str, object]) -> None:
-    """Copy `values` into ORT's state through the module's views (no ORT object is rebuilt).
+def set_values(module: ORTLightningModule, values: Mapping[str, object]) -> None:
+    """Copy `values` into ORT's state in place (no ORT object is rebuilt): `ORTLightningModule.set_values`.
+
+    The module's optimizer state and training progress stay as they are (a server's module, a
+    device that evaluates); a device that trains starts again with `ORTLightningModule.load_values`.
 
     Args:
         module: an `ORTLightningModule`.
@@ -82,7 +89,4 @@ def set_values(module: torch.nn.Module, values: Mapping[str, object]) -> None:
     Raises:
         ConfigurationError: for missing, unexpected or misshapen values.
     """
-    artifacts: TrainingArtifacts = module.artifacts  # type: ignore[assignment]
-    targets = state_tensors(module, artifacts)
-    for name, value in check_values(values, state_specs(artifacts)).items():
-        targets[name].copy_(value)
+    module.set_values(values)

@@ -8,7 +8,9 @@ many times what a 1-batch device's training costs. So a worker keeps, per artifa
 options, a `Slot`: one `ORTLightningModule` and one ``Trainer``. A device's round takes a slot,
 loads the server's values into the running session and starts a fresh optimizer state or
 restores its own kept one (`ORTLightningModule.load_values`), gives the Trainer fresh loops (its
-epochs and steps count from 0, as a new Trainer's do), fits and hands the slot back.
+epochs and steps count from 0, as a new Trainer's do: `fresh_loops`, from
+`ort_lightning.training.loops`, the one place that builds Lightning's private loop classes), fits
+and hands the slot back.
 
 Nothing of a device stays in a worker between its rounds: the next device's `load_values`
 replaces every value, the optimizer state and the gradients; what a device keeps
@@ -50,6 +52,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from ort_lightning.training.loops import fresh_loops
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["MAX_KINDS", "WORKER", "Slot", "SlotKind", "Worker", "fresh_loops"]
@@ -107,19 +110,6 @@ class Slot:
         finally:
             strategy = self.trainer.strategy
             strategy.optimizers, strategy.lr_scheduler_configs = [], []
-
-
-def fresh_loops(trainer: pl.Trainer) -> None:
-    """Give `trainer` a fit loop and an epoch loop like the ones it was built with, their progress at 0.
-
-    A Trainer's loops count the epochs and steps of every fit it ran; a second ``fit`` would start
-    where the first one stopped (and, past ``max_epochs``, not train at all).
-    """
-    old = trainer.fit_loop
-    loop = type(old)(trainer, min_epochs=old.min_epochs, max_epochs=old.max_epochs)
-    loop.epoch_loop = type(old.epoch_loop)(trainer, min_steps=old.epoch_loop.min_steps,
-                                           max_steps=old.epoch_loop.max_steps)
-    trainer.fit_loop = loop
 
 
 class Worker:

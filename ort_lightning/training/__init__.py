@@ -1,7 +1,8 @@
 """Training: `ORTLightningModule` and its collaborators.
 
-``module`` (the Lightning hooks, short, delegating), ``guards`` and ``metrics`` beside it, and one
-room per concern, each importing only the rooms below it:
+``module`` (the Lightning hooks, short, delegating), ``guards`` and ``metrics`` beside it,
+``loops`` (a Trainer's fit and epoch loops built anew, the one place that names Lightning's loop
+classes), and one room per concern, each importing only the rooms below it:
 
 - ``checkpointing/``: what is written and read (``.ckpt`` contents, ORT checkpoint files, atomic
   ``.ckpt`` writes, `ORTCheckpoint`); the writes themselves live in `ort_lightning.storage`.

@@ -196,6 +196,34 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         """The thread policy of this module's fits: its ``choice`` and the ``reason`` for it (see `ThreadPolicy`)."""
         return self._threads
 
+    def set_values(self, values: Mapping[str, Any]) -> None:
+        """Copy `values` into the running ORT session's memory: nothing is rebuilt, nothing else changes.
+
+        Unlike `load_values` (another start: a fresh or kept optimizer state), the optimizer state,
+        the training progress and the thread setting stay as they are; the parameters stay the same
+        objects over the same memory. Through the one operation that changes a running session
+        (`ort_lightning.training.session.live.LiveSession.replace` with ``values=`` alone).
+
+        Args:
+            values: name -> tensor or numpy array, for every state tensor of the training graph
+                (``ort_lightning.fleet.get_values`` of a module of these artifacts).
+
+        Raises:
+            ConfigurationError: for missing, unexpected or misshapen values.
+
+        Example::
+
+            >>> import tempfile, torch
+            >>> from ort_lightning import export_artifacts
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> module = ORTLightningModule(artifacts)
+            >>> session = module.ort_session
+            >>> module.set_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
+            >>> float(module.weight.detach().sum()), module.ort_session is session
+            (12.0, True)
+        """
+        self._live.replace(values=values)
+
     def _start_session(self, device: str, *, checkpoint: Path | None = None, values: Any = None) -> None:
         """Build the ORT session (`LiveSession`, the only place it is built and changed)."""
         threads = self._threads
