@@ -152,9 +152,9 @@ def run_fleet(run: FleetRun) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.ERROR)
     random.seed(run.seed)  # NOTE: Flower's sample_nodes draws from `random`: every fleet samples the same devices
     client_app, model = _fleet(run)
-    floor = min(2, run.devices)
-    strategy = RecordingFedAvg(fraction_train=run.fraction, fraction_evaluate=0.0, min_available_nodes=floor,
-                               min_train_nodes=floor)
+    # NOTE: every node registered before round 1 samples (Ray registers its nodes while the first round starts).
+    strategy = RecordingFedAvg(fraction_train=run.fraction, fraction_evaluate=0.0, min_available_nodes=run.devices,
+                               min_train_nodes=min(2, run.devices))
     out = Path(run.out)
     server = FleetServer(model, strategy, rounds=run.rounds, directory=out / "rounds",
                          test=digits_test_loader(run.seed))
