@@ -151,9 +151,12 @@ class LiveSession:
                 checkpoint = self.artifacts.nominal_checkpoint
             if checkpoint is None:
                 # NOTE: a rebuild keeps the training progress of the running session (weights, step, moments).
-                checkpoint = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
+                saved = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
+                self._rebuild(saved, wanted, current, values)
+                return True
             self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
                         values=values)
+            session.close()
         return True
 
     def use_threads(self, spinning: bool, intra_op_threads: int) -> None:
@@ -180,6 +183,22 @@ class LiveSession:
                                   spinning=spinning, intra_op_threads=intra_op_threads,
                                   custom_op_library=self.custom_op_library, values=values)
         self._follow()
+
+    def _rebuild(self, saved: Path, wanted: tuple[str, bool, int], current: tuple[str, bool, int],
+                 values: Mapping[str, Any] | None) -> None:
+        """Build from `saved` (a snapshot of the running session) with the `wanted` settings, one session at a time.
+
+        The running session is closed first, so that ORT frees it before it builds the new one (the peak
+        holds one session, not two); should the build fail, the running state comes back from `saved`
+        with the `current` settings and the error is raised.
+        """
+        self.session.close()
+        try:
+            self._build(checkpoint=saved, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
+                        values=values)
+        except BaseException:
+            self._build(checkpoint=saved, device=current[0], spinning=current[1], intra_op_threads=current[2])
+            raise
 
     def _reattach(self) -> None:
         """Register ORT's memory on the module again (something replaced the views with copies)."""
