@@ -16,6 +16,8 @@ What rebuilds and what does not:
   session, or from the checkpoint), then `values` (if given) are copied in;
 - `values` alone: copied into ORT's memory through the module's views, nothing rebuilt (exact:
   the views are ORT's memory);
+- a rebuild from a snapshot closes the running session before it builds the next (one session's
+  memory at a time); from a given `checkpoint`, after (a refused file leaves the module as it was);
 - nothing: the module's views are attached again if something replaced them with copies
   (Lightning's spawn launcher), with the copies' values; else nothing happens.
 
@@ -154,6 +156,8 @@ class LiveSession:
                 saved = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
                 self._rebuild(saved, wanted, current, values)
                 return True
+            # NOTE: a given checkpoint may be refused (damaged, another model's): the running session stays until the
+            # new one is built, so that a refusal leaves the module as it was; a snapshot is the session's own file.
             self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
                         values=values)
             session.close()
@@ -190,7 +194,8 @@ class LiveSession:
 
         The running session is closed first, so that ORT frees it before it builds the new one (the peak
         holds one session, not two); should the build fail, the running state comes back from `saved`
-        with the `current` settings and the error is raised.
+        (without its optimizer state when a fresh one was asked for) with the `current` settings and
+        the error is raised.
         """
         self.session.close()
         try:
