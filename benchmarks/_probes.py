@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import subprocess
@@ -66,10 +67,17 @@ def bridge_microseconds(
 
 
 def peak_rss_mb(case: str, runner: str, steps: int) -> float:
-    """Peak resident memory of a fresh process that builds `runner` for `case` and trains `steps` steps."""
+    """Peak resident memory of a fresh process that builds `runner` for `case` and trains `steps` steps.
+
+    The child runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``): by default glibc
+    raises it when a large block is freed, so the memory freed while the data was built stays in its
+    heap and a runner reuses it without adding resident pages (mlp-compute's torch loop read 2.5 MB,
+    35 MB with the threshold fixed; BENCHMARKS.md "Memory of one fit").
+    """
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--memory-child", case, runner, str(steps)],
         capture_output=True, text=True, check=True, timeout=600,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
     )
     return float(result.stdout.strip().splitlines()[-1])
 

@@ -6,6 +6,7 @@ weights must agree to the bit), and torch's own ``Linear`` for values copied in 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning as L
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from ort_lightning import ORTLightningModule
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort import runtime
 from tests.conftest import Exported
 from tests.test_parity import _loader, _trainer
 
@@ -70,3 +73,51 @@ def test_values_alone_are_copied_in_place_and_a_fresh_optimizer_rebuilds(mlp_ada
     assert module._live.replace(values=values, include_optimizer_state=False) is True
     assert module.ort_session is not session
     torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_rebuild_frees_the_running_session_before_it_builds_the_next(
+    mlp_adamw: Exported, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
+    _trainer(max_steps=2).fit(module, _loader())
+    old = module.ort_session  # kept, as a user may keep it: it must not keep ORT's objects alive
+    alive = [weakref.ref(part) for part in (old._module, old._optimizer, old._state)]
+    seen: list[list[bool]] = []
+    assemble = runtime.assemble
+
+    def watched(**options: Any) -> Any:
+        seen.append([ref() is not None for ref in alive])  # at the moment the next session is assembled
+        return assemble(**options)
+
+    monkeypatch.setattr(runtime, "assemble", watched)
+    before = {name: tensor.clone() for name, tensor in module.named_parameters()}
+    assert module._live.replace(spinning=not old.spinning)
+    assert seen == [[False, False, False]]  # one session's memory at a time, not two
+    for name, tensor in module.named_parameters():
+        assert torch.equal(tensor, before[name]), name
+    with pytest.raises(ConfigurationError, match="This ORT session was closed: the module rebuilt its session"):
+        old.train_step(runtime.OrtValueVector())
+
+
+class _FailingRebuild(L.Callback):
+    """Once, between two steps, asks for a rebuild that fails midway (misshapen values) and keeps the error."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        module: ORTLightningModule = pl_module  # type: ignore[assignment]
+        if trainer.global_step == STEPS // 2:
+            values = {name: torch.zeros(3) for name, _ in module.named_parameters()}
+            with pytest.raises(ConfigurationError, match="Expected value") as error:
+                module._live.replace(spinning=not module.ort_session.spinning, values=values)
+            self.errors.append(str(error.value))
+
+
+def test_a_failed_rebuild_leaves_the_running_state(mlp_adamw: Exported) -> None:
+    plain, _ = _fit(mlp_adamw, [])
+    probe = _FailingRebuild()
+    failed, _ = _fit(mlp_adamw, [probe])
+    assert len(probe.errors) == 1
+    for (name, expected), (_, actual) in zip(plain.named_parameters(), failed.named_parameters(), strict=True):
+        assert torch.equal(actual, expected), name  # weights, step and moments came back: the fit went on exactly

@@ -142,6 +142,18 @@ class TrainingSession:
         """Return the outputs of the training (or eval) graph, in order."""
         return list(self._module._model.output_names(training))
 
+    def close(self) -> None:
+        """Let ONNX Runtime free these objects now (their sessions, kernels and memory arena).
+
+        What still holds this wrapper (an optimizer, the step path) no longer holds ORT's objects, so
+        that a rebuild can free the old session before it builds the new one: one session's memory at
+        a time. Tensors already handed out (parameter views, outputs) keep their own memory. Every
+        step method raises afterwards.
+        """
+        self._state = self._module = self._optimizer = None
+        self._train = self._eval = self.lazy_reset_grad = self.optimizer_step = self.set_lr = _closed
+        self.get_lr = _closed
+
 
 
 def _no_optimizer(*_: Any) -> None:
@@ -154,6 +166,14 @@ def _no_optimizer(*_: Any) -> None:
 
 def _no_learning_rate() -> float:
     return 0.0
+
+
+def _closed(*_: Any) -> Any:
+    raise ConfigurationError(
+        "This ORT session was closed: the module rebuilt its session (another device, thread setting, checkpoint "
+        "or a fresh optimizer state) and freed this one; use module.ort_session, the running one, instead of a "
+        "session kept from before."
+    )
 
 
 def assemble(

@@ -16,6 +16,8 @@ What rebuilds and what does not:
   session, or from the checkpoint), then `values` (if given) are copied in;
 - `values` alone: copied into ORT's memory through the module's views, nothing rebuilt (exact:
   the views are ORT's memory);
+- a rebuild from a snapshot closes the running session before it builds the next (one session's
+  memory at a time); from a given `checkpoint`, after (a refused file leaves the module as it was);
 - nothing: the module's views are attached again if something replaced them with copies
   (Lightning's spawn launcher), with the copies' values; else nothing happens.
 
@@ -52,6 +54,10 @@ from ort_lightning.training.session.session_views import SessionViews, snapshot,
 from ort_lightning.training.session.step import StepPath
 
 __all__ = ["LiveSession", "SessionFollower"]
+
+
+#: A session's settings: device, spinning, intra-op threads, whether it holds the eval graph.
+Settings = tuple[str, bool, int, bool]
 
 
 class SessionFollower(Protocol):
@@ -155,9 +161,14 @@ class LiveSession:
                 checkpoint = self.artifacts.nominal_checkpoint
             if checkpoint is None:
                 # NOTE: a rebuild keeps the training progress of the running session (weights, step, moments).
-                checkpoint = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
+                saved = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
+                self._rebuild(saved, wanted, current, values)
+                return True
+            # NOTE: a given checkpoint may be refused (damaged, another model's): the running session stays until the
+            # new one is built, so that a refusal leaves the module as it was; a snapshot is the session's own file.
             self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
                         values=values, evaluation=wanted[3])
+            session.close()
         return True
 
     @property
@@ -191,6 +202,23 @@ class LiveSession:
                                   spinning=spinning, intra_op_threads=intra_op_threads,
                                   custom_op_library=self.custom_op_library, values=values, evaluation=evaluation)
         self._follow()
+
+    def _rebuild(self, saved: Path, wanted: Settings, current: Settings, values: Mapping[str, Any] | None) -> None:
+        """Build from `saved` (a snapshot of the running session) with the `wanted` settings, one session at a time.
+
+        The running session is closed first, so that ORT frees it before it builds the new one (the peak
+        holds one session, not two); should the build fail, the running state comes back from `saved`
+        (without its optimizer state when a fresh one was asked for) with the `current` settings and
+        the error is raised.
+        """
+        self.session.close()
+        try:
+            self._build(checkpoint=saved, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
+                        values=values, evaluation=wanted[3])
+        except BaseException:
+            self._build(checkpoint=saved, device=current[0], spinning=current[1], intra_op_threads=current[2],
+                        evaluation=current[3])
+            raise
 
     def _reattach(self) -> None:
         """Register ORT's memory on the module again (something replaced the views with copies)."""
