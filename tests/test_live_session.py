@@ -92,11 +92,21 @@ def test_a_rebuild_frees_the_running_session_before_it_builds_the_next(
     monkeypatch.setattr(runtime, "assemble", watched)
     before = {name: tensor.clone() for name, tensor in module.named_parameters()}
     assert module._live.replace(spinning=not old.spinning)
-    assert seen == [[False, False, False]]  # one session's memory at a time, not two
+    # one session's memory at a time, not two; other threads on the same device: ORT's state itself goes over
+    # (no snapshot file), under a new Module and Optimizer
+    assert seen == [[False, False, True]]
+    assert module.ort_session._state is alive[2]()
     for name, tensor in module.named_parameters():
         assert torch.equal(tensor, before[name]), name
     with pytest.raises(ConfigurationError, match="This ORT session was closed: the module rebuilt its session"):
         old.train_step(runtime.OrtValueVector())
+
+    # a rebuild from a snapshot (other values with it) frees the state too before the next is assembled
+    running = module.ort_session
+    alive[:] = [weakref.ref(part) for part in (running._module, running._optimizer, running._state)]
+    seen.clear()
+    assert module._live.replace(spinning=not running.spinning, values=before)
+    assert seen == [[False, False, False]]
 
 
 class _FailingRebuild(L.Callback):

@@ -31,6 +31,7 @@ from ort_lightning.ort.files import (
 )
 from ort_lightning.ort.generate import OPTIMIZER_NODES, generate, is_block, optimizer_kind_of, write_device_files
 from ort_lightning.ort.session import (
+    HeldState,
     TrainingSession,
     assemble,
     buffer_order,
@@ -41,6 +42,7 @@ from ort_lightning.ort.session import (
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",
+    "HeldState",
     "OPTIMIZER_NODES",
     "OrtValue",
     "OrtValueVector",

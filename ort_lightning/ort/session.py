@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from ort_lightning.ort.graph_files import load_graph
 from ort_lightning.ort.options import session_options
 
 __all__ = [
+    "HeldState",
     "OrtValueVector",
     "TrainingSession",
     "assemble",
@@ -142,6 +144,17 @@ class TrainingSession:
         """Return the outputs of the training (or eval) graph, in order."""
         return list(self._module._model.output_names(training))
 
+    def handover(self) -> HeldState:
+        """Close this session and hand its CheckpointState to the next build (`assemble(checkpoint=...)`).
+
+        The weights, the optimizer's step and moments and the properties go over as they are: no
+        file is written and nothing is copied (ORT's Optimizer takes the moments it finds in the
+        state), so that a rebuild for other thread settings or graphs costs no snapshot's memory.
+        """
+        held = HeldState(self._state, self.device)
+        self.close()
+        return held
+
     def close(self) -> None:
         """Let ONNX Runtime free these objects now (their sessions, kernels and memory arena).
 
@@ -176,12 +189,24 @@ def _closed(*_: Any) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class HeldState:
+    """A closed session's CheckpointState, on its way to the next build on the same `device` (see `handover`)."""
+
+    state: Any
+    device: str
+
+    def __fspath__(self) -> str:
+        # NOTE: what error messages name in place of a file.
+        return "the running session's state"
+
+
 def assemble(
     *,
     training_model: os.PathLike[str] | str,
     eval_model: os.PathLike[str] | str | None,
     optimizer_model: os.PathLike[str] | str | None,
-    checkpoint: os.PathLike[str] | str,
+    checkpoint: os.PathLike[str] | str | HeldState,
     device: str = "cpu",
     custom_op_library: os.PathLike[str] | str | None = None,
     spinning: bool = True,
@@ -191,6 +216,7 @@ def assemble(
     """Build CheckpointState -> Module (train + eval) -> [the weights in] -> Optimizer on `device`.
 
     `eval_model` None builds ORT's Module for training alone (one session fewer: a device's round).
+    `checkpoint` is a file, or a `HeldState` handed over by a running session on the same device.
 
     `spinning` is ORT's intra-op thread spinning, `intra_op_threads` the size of its intra-op
     pool, 0 for ORT's default (see `session_options`). `parameters` is every state tensor in one
@@ -212,8 +238,11 @@ def assemble(
     options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
     optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
-    with _refused(f"the checkpoint {os.fspath(checkpoint)}", "it is damaged, truncated or not an ORT checkpoint"):
-        state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
+    if isinstance(checkpoint, HeldState):
+        state = checkpoint.state
+    else:
+        with _refused(f"the checkpoint {os.fspath(checkpoint)}", "it is damaged, truncated or not an ORT checkpoint"):
+            state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     named = " and ".join(os.fspath(graph) for graph in (training_model, eval_model) if graph is not None)
     graphs = f"the graphs {named} over {os.fspath(checkpoint)}"
     with _refused(graphs, "a graph is damaged or truncated, or a file is another model's"):

@@ -159,6 +159,11 @@ class LiveSession:
                 # NOTE: every value given and a fresh optimizer state: nothing of the running state is kept, so the
                 # build starts from the nominal checkpoint (names and shapes) where there is one, as a new module does.
                 checkpoint = self.artifacts.nominal_checkpoint
+            if checkpoint is None and include_optimizer_state and values is None and wanted[0] == current[0]:
+                # NOTE: other threads or graphs on the same device: ORT's state itself goes over (weights, step,
+                # moments), no snapshot file and none of its memory.
+                self._rebuild(session.handover(), wanted, current, None)
+                return True
             if checkpoint is None:
                 # NOTE: a rebuild keeps the training progress of the running session (weights, step, moments).
                 saved = stack.enter_context(snapshot(session, include_optimizer_state=include_optimizer_state))
@@ -195,7 +200,7 @@ class LiveSession:
         for name, value in check_values(values, state_specs(self.artifacts)).items():
             tensors[name].copy_(value)
 
-    def _build(self, *, checkpoint: Path | None, device: str, spinning: bool, intra_op_threads: int,
+    def _build(self, *, checkpoint: Path | _ort.HeldState | None, device: str, spinning: bool, intra_op_threads: int,
                values: Mapping[str, Any] | None = None, evaluation: bool = True) -> None:
         """The one place ORT's objects are built; everything that works on them follows."""
         self.views = SessionViews(self.module, self.artifacts, device=device, checkpoint=checkpoint,
@@ -203,8 +208,10 @@ class LiveSession:
                                   custom_op_library=self.custom_op_library, values=values, evaluation=evaluation)
         self._follow()
 
-    def _rebuild(self, saved: Path, wanted: Settings, current: Settings, values: Mapping[str, Any] | None) -> None:
-        """Build from `saved` (a snapshot of the running session) with the `wanted` settings, one session at a time.
+    def _rebuild(
+        self, saved: Path | _ort.HeldState, wanted: Settings, current: Settings, values: Mapping[str, Any] | None
+    ) -> None:
+        """Build from `saved` (a snapshot, or the handed-over state) with the `wanted` settings, one session at a time.
 
         The running session is closed first, so that ORT frees it before it builds the new one (the peak
         holds one session, not two); should the build fail, the running state comes back from `saved`

@@ -50,7 +50,9 @@ __all__ = ["DEVICE_KEY", "SessionViews", "snapshot", "start_checkpoint", "state_
 DEVICE_KEY = "_ort_device"
 
 
-def start_checkpoint(artifacts: TrainingArtifacts, checkpoint: Path | None, *, weights_given: bool) -> Path:
+def start_checkpoint(
+    artifacts: TrainingArtifacts, checkpoint: Path | _ort.HeldState | None, *, weights_given: bool
+) -> Path | _ort.HeldState:
     """The ORT checkpoint a session starts from: `checkpoint`, else the artifacts' own (a `weightless` one's nominal).
 
     Raises:
@@ -110,7 +112,7 @@ class SessionViews:
         artifacts: TrainingArtifacts,
         *,
         device: str,
-        checkpoint: Path | None = None,
+        checkpoint: Path | _ort.HeldState | None = None,
         spinning: bool = True,
         intra_op_threads: int = 0,
         custom_op_library: str | None = None,
@@ -137,9 +139,10 @@ class SessionViews:
         self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
         self._placeholders: dict[int, list[torch.Tensor]] = {}
         views = self._views()
-        # NOTE: once per build, from the views at hand: ORT itself would refuse other shapes only at the first step.
-        check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts), source=start,
-                     artifacts=artifacts)
+        if not isinstance(start, _ort.HeldState):  # NOTE: a handed-over state was checked when it was first built
+            # NOTE: once per build, from the views at hand: ORT itself would refuse other shapes only at the first step.
+            check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts), source=start,
+                         artifacts=artifacts)
         #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
         self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)
