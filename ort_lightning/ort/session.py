@@ -196,10 +196,6 @@ class HeldState:
     state: Any
     device: str
 
-    def __fspath__(self) -> str:
-        # NOTE: what error messages name in place of a file.
-        return "the running session's state"
-
 
 def assemble(
     *,
@@ -239,12 +235,13 @@ def assemble(
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
     optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
     if isinstance(checkpoint, HeldState):
-        state = checkpoint.state
+        state, source = checkpoint.state, "the running session's state"
     else:
-        with _refused(f"the checkpoint {os.fspath(checkpoint)}", "it is damaged, truncated or not an ORT checkpoint"):
-            state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
+        source = os.fspath(checkpoint)
+        with _refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):
+            state = CheckpointState.load_checkpoint(source)
     named = " and ".join(os.fspath(graph) for graph in (training_model, eval_model) if graph is not None)
-    graphs = f"the graphs {named} over {os.fspath(checkpoint)}"
+    graphs = f"the graphs {named} over {source}"
     with _refused(graphs, "a graph is damaged or truncated, or a file is another model's"):
         module = Module(
             os.fspath(training_model),
