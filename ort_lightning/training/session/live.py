@@ -11,13 +11,17 @@ a hybrid torch optimizer and, through them, their LR schedulers).
 
 What rebuilds and what does not:
 
-- a new device or thread setting, a `checkpoint` to start from, or a fresh optimizer state
-  (``include_optimizer_state=False``): ORT's objects are rebuilt (from a snapshot of the running
-  session, or from the checkpoint), then `values` (if given) are copied in;
+- a new device or thread setting, the eval graph added or left out (``evaluation``), a
+  `checkpoint` to start from, or a fresh optimizer state (``include_optimizer_state=False``): ORT's
+  objects are rebuilt, then `values` (if given) are copied in. On the same device, with the
+  optimizer state kept and no values, ORT's CheckpointState itself goes to the new Module and
+  Optimizer (`ort_lightning.ort.runtime.HeldState`: no file, nothing copied); otherwise from a
+  snapshot of the running session, or from the checkpoint;
 - `values` alone: copied into ORT's memory through the module's views, nothing rebuilt (exact:
   the views are ORT's memory);
-- a rebuild from a snapshot closes the running session before it builds the next (one session's
-  memory at a time); from a given `checkpoint`, after (a refused file leaves the module as it was);
+- a rebuild from the running state (handed over or a snapshot) closes the running session before
+  it builds the next (one session's memory at a time); from a given `checkpoint`, after (a refused
+  file leaves the module as it was);
 - nothing: the module's views are attached again if something replaced them with copies
   (Lightning's spawn launcher), with the copies' values; else nothing happens.
 
