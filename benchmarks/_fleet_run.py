@@ -152,7 +152,8 @@ def run_fleet(run: FleetRun) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.ERROR)
     random.seed(run.seed)  # NOTE: Flower's sample_nodes draws from `random`: every fleet samples the same devices
     client_app, model = _fleet(run)
-    # NOTE: every node registered before round 1 samples (Ray registers its nodes while the first round starts).
+    # NOTE: round 1 samples from every node (Ray registers its nodes while the first round starts); Flower's FedAvg
+    # still sizes that sample from the nodes registered when the round begins, before it waits.
     strategy = RecordingFedAvg(fraction_train=run.fraction, fraction_evaluate=0.0, min_available_nodes=run.devices,
                                min_train_nodes=min(2, run.devices))
     out = Path(run.out)
