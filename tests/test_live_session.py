@@ -6,15 +6,18 @@ weights must agree to the bit), and torch's own ``Linear`` for values copied in 
 
 from __future__ import annotations
 
+import shutil
 import weakref
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 
-from ort_lightning import ORTLightningModule
-from ort_lightning.errors import ConfigurationError
+from ort_lightning import ORTLightningModule, TrainingArtifacts
+from ort_lightning.errors import ArtifactError, ConfigurationError
+from ort_lightning.fleet.parameters import get_values
 from ort_lightning.ort import runtime
 from tests.conftest import Exported
 from tests.test_parity import _loader, _trainer
@@ -131,3 +134,25 @@ def test_a_failed_rebuild_leaves_the_running_state(mlp_adamw: Exported) -> None:
     assert len(probe.errors) == 1
     for (name, expected), (_, actual) in zip(plain.named_parameters(), failed.named_parameters(), strict=True):
         assert torch.equal(actual, expected), name  # weights, step and moments came back: the fit went on exactly
+
+
+
+def test_a_refused_rebuild_over_the_running_state_gives_the_state_back(mlp_adamw: Exported, tmp_path: Path) -> None:
+    """A session built for training alone hands its state over to a build with the eval graph; ORT refuses the
+    damaged eval graph; the state comes back, and the module trains on exactly as a module never refused."""
+    folder = Path(shutil.copytree(mlp_adamw.artifacts.directory, tmp_path / "artifacts"))
+    module = ORTLightningModule(folder, lr=0.05, threads="off", lr_scheduler="constant")
+    values = {name: tensor + 0.01 for name, tensor in get_values(module).items()}
+    module.load_values(values, evaluation=False)
+    eval_graph = folder / TrainingArtifacts.load(folder).eval_model.name
+    eval_graph.write_bytes(eval_graph.read_bytes()[:200])
+    with pytest.raises(ArtifactError, match="ONNX Runtime cannot load the graphs"):
+        module.evaluate_batch(next(iter(_loader())))
+    assert module.ort_session.evaluation is False
+    for name, tensor in get_values(module).items():
+        assert torch.equal(tensor, values[name]), name
+    _trainer(max_steps=STEPS).fit(module, _loader())
+    never = ORTLightningModule(mlp_adamw.artifacts, lr=0.05, threads="off", lr_scheduler="constant", values=values)
+    _trainer(max_steps=STEPS).fit(never, _loader())
+    for (name, expected), (_, actual) in zip(never.named_parameters(), module.named_parameters(), strict=True):
+        assert torch.equal(actual, expected), name
