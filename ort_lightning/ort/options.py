@@ -1,13 +1,13 @@
 """ONNX Runtime's session options as ort-lightning sets them.
 
-Errors-only logging, thread pools, spinning, custom operator libraries, and no memory patterns.
+Errors-only logging, thread pools, spinning, custom operator libraries.
 
 Example::
 
     >>> session_options(spinning=False).log_severity_level
     3
-    >>> session_options().enable_mem_pattern  # one step's activations in ORT's arena, not twice
-    False
+    >>> session_options().enable_mem_pattern  # off corrupts ORT 1.19.2's heap at times: see the note below
+    True
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ def session_options(
     options = _C.SessionOptions()
     options.log_severity_level = _SEVERITY_ERROR
     options.intra_op_num_threads = intra_op_threads
-    # NOTE: a memory pattern is one block planned from the first step's allocations and allocated at the
-    # second step beside the arena's chunks of the first, which stay: measured in BENCHMARKS.md ("Memory of
-    # one fit"), it held 20-36 MB more at peak on bert-tiny and resnet-tiny for no faster step.
-    options.enable_mem_pattern = False
+    # NOTE: memory patterns stay on (ORT's default), although they hold 20-36 MB more at peak on bert-tiny and
+    # resnet-tiny: with them off, ONNX Runtime 1.19.2's training sessions corrupted the heap in about 1 of 12
+    # processes that rebuilt a session (BENCHMARKS.md, "Memory of one fit").
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if custom_op_library is not None:

@@ -99,6 +99,8 @@ class TrainingSession:
         self.intra_op_threads = intra_op_threads
         #: Whether ORT's Module holds the eval graph (a session built for training alone does not).
         self.evaluation = evaluation
+        # NOTE: ORT's Optimizer and Module point into the CheckpointState without owning it: `close` (also
+        # when the wrapper is dropped, `__del__`) releases them before the state.
         self._state = state
         self._module = module
         self._optimizer = optimizer
@@ -151,9 +153,10 @@ class TrainingSession:
         file is written and nothing is copied (ORT's Optimizer takes the moments it finds in the
         state), so that a rebuild for other thread settings or graphs costs no snapshot's memory.
         """
-        held = HeldState(self._state, self.device)
+        return HeldState(self._state, self.device)
+
+    def __del__(self) -> None:
         self.close()
-        return held
 
     def close(self) -> None:
         """Let ONNX Runtime free these objects now (their sessions, kernels and memory arena).
@@ -163,9 +166,13 @@ class TrainingSession:
         a time. Tensors already handed out (parameter views, outputs) keep their own memory. Every
         step method raises afterwards.
         """
-        self._state = self._module = self._optimizer = None
-        self._train = self._eval = self.lazy_reset_grad = self.optimizer_step = self.set_lr = _closed
-        self.get_lr = _closed
+        # NOTE: ORT's Optimizer and Module point into the CheckpointState without owning it: they go first, the
+        # state last (the bound methods hold the C++ objects, so they go before the wrappers).
+        self.optimizer_step = self.set_lr = self.get_lr = _closed
+        self._optimizer = None
+        self._train = self._eval = self.lazy_reset_grad = _closed
+        self._module = None
+        self._state = None
 
 
 
