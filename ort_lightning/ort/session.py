@@ -147,11 +147,12 @@ class TrainingSession:
         return list(self._module._model.output_names(training))
 
     def handover(self) -> HeldState:
-        """Close this session and hand its CheckpointState to the next build (`assemble(checkpoint=...)`).
+        """This session's CheckpointState, for the next build (`assemble(checkpoint=...)`); the caller then closes it.
 
-        The weights, the optimizer's step and moments and the properties go over as they are: no
-        file is written and nothing is copied (ORT's Optimizer takes the moments it finds in the
-        state), so that a rebuild for other thread settings or graphs costs no snapshot's memory.
+        `LiveSession` closes the running session before it builds over the state. The weights, the
+        optimizer's step and moments and the properties go over as they are: no file is written and
+        nothing is copied (ORT's Optimizer takes the moments it finds in the state), so that a
+        rebuild for other thread settings or graphs costs no snapshot's memory.
         """
         return HeldState(self._state, self.device)
 
