@@ -154,6 +154,12 @@ class ORTLoop:
         self.train_step = self.module._model.train_step_with_ort_values
         self.update = self.optimizer._optimizer.optimizer_step
 
+    def __del__(self) -> None:
+        # NOTE: ORT 1.19.2's C++ Module writes into its CheckpointState when it is destroyed. The bound calls
+        # keep it alive past the Python Module, which holds the state, so they go first; left to the
+        # attributes' order, the state went first and glibc aborted the process at its end, one run in ten.
+        self.train_step = self.update = None
+
     def run(self, steps: int) -> list[float]:
         train, update = self.train_step, self.update
         reset = self.module._model.lazy_reset_grad

@@ -6,12 +6,14 @@
 - `quiet_trainer` is a real ``Trainer`` with its progress bar, model summary and logger off.
 - `GradientProbe` keeps the gradients the first optimizer step applies and every training loss.
 - `RunIf` is one ``skipif`` marker for what a test needs of the machine, as Lightning's own tests have.
+- `ort_deaths` records the order in which ONNX Runtime frees a C++ Module and its CheckpointState.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from onnxruntime import OrtValue
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-__all__ = ["GradientProbe", "RunIf", "checkpointing_for", "ort_device_loop", "ort_device_start", "quiet_trainer"]
+__all__ = ["GradientProbe", "RunIf", "checkpointing_for", "ort_deaths", "ort_device_loop", "ort_device_start",
+           "quiet_trainer"]
 
 Tensor = torch.Tensor | np.ndarray
 
@@ -84,6 +87,32 @@ def ort_device_start(
         module._model.copy_buffer_to_parameters(buffer._ortvalue, False)
     optimizer = Optimizer(graph_file(folder, "optimizer_model", prefix=prefix, graphs=graphs), module)
     return state, module, optimizer
+
+
+def ort_deaths(module: Module, state: CheckpointState) -> list[str]:
+    """The order in which ORT's C++ Module and CheckpointState under these wrappers are freed, as it happens.
+
+    ORT 1.19.2's C++ Module writes into its CheckpointState when it is destroyed (``~Module`` resets
+    the state's data-transfer pointer), so a state freed first is written after it is freed: glibc
+    then aborts, now or at the process's end (``free(): invalid pointer``). The list must read
+    ``["Module", "CheckpointState"]`` once both are gone.
+
+    Example::
+
+        deaths = ort_deaths(module, state)
+        del module, state
+        assert deaths == ["Module", "CheckpointState"]
+    """
+    deaths: list[str] = []
+    # NOTE: the references must outlive the objects, or their callbacks never run; the list keeps them.
+    refs = [weakref.ref(module._model, lambda _: deaths.append("Module")),
+            weakref.ref(state._state, lambda _: deaths.append("CheckpointState"))]
+    ort_deaths_refs.append(refs)
+    return deaths
+
+
+#: The weak references `ort_deaths` keeps alive for the life of the test process.
+ort_deaths_refs: list[list[weakref.ref[Any]]] = []
 
 
 def ort_device_loop(folder: Path, batches: Iterable[Sequence[Tensor]], *, lr: float | None,

@@ -6,6 +6,7 @@ weights must agree to the bit), and torch's own ``Linear`` for values copied in 
 
 from __future__ import annotations
 
+import gc
 import shutil
 import weakref
 from pathlib import Path
@@ -20,6 +21,7 @@ from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.fleet.parameters import get_values
 from ort_lightning.ort import runtime
 from tests.conftest import Exported
+from tests.helpers import ort_deaths
 from tests.test_parity import _loader, _trainer
 
 STEPS = 6
@@ -156,3 +158,38 @@ def test_a_refused_rebuild_over_the_running_state_gives_the_state_back(mlp_adamw
     _trainer(max_steps=STEPS).fit(never, _loader())
     for (name, expected), (_, actual) in zip(never.named_parameters(), module.named_parameters(), strict=True):
         assert torch.equal(actual, expected), name
+
+
+# ----------------------------------------------------------------------------- ORT's objects die in ORT's order
+def _session(artifacts: TrainingArtifacts) -> runtime.TrainingSession:
+    return runtime.assemble(training_model=artifacts.training_model, eval_model=artifacts.eval_model,
+                            optimizer_model=artifacts.optimizer_model, checkpoint=artifacts.checkpoint)
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_session_frees_orts_module_before_its_state(mlp_adamw: Exported, how: str) -> None:
+    # NOTE: ORT's C++ Module writes into its CheckpointState when it is destroyed; a state freed first is
+    # written after it is freed (tests.helpers.ort_deaths). The wrapper holds bound calls of the Module, which
+    # outlive the Python Module unless the wrapper lets them go first.
+    session = _session(mlp_adamw.artifacts)
+    deaths = ort_deaths(session._module, session._state)
+    if how == "close":
+        session.close()
+        assert deaths == ["Module", "CheckpointState"]
+    del session
+    gc.collect()
+    assert deaths == ["Module", "CheckpointState"]
+
+
+def test_a_rebuild_frees_the_old_module_and_keeps_the_state_it_hands_over(mlp_adamw: Exported) -> None:
+    module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
+    _trainer(max_steps=2).fit(module, _loader())
+    old = module.ort_session
+    deaths = ort_deaths(old._module, old._state)
+    assert module._live.replace(spinning=not old.spinning)
+    assert deaths == ["Module"]  # the state went over to the new session
+    state = module.ort_session._state
+    held = ort_deaths(module.ort_session._module, state)
+    del old, state, module
+    gc.collect()
+    assert held == ["Module", "CheckpointState"]
