@@ -93,6 +93,9 @@ class _TimedSession(pl.Callback):
         assert self._saved is not None
         session, train, update = self._saved
         session._train, session.optimizer_step = train, update
+        # NOTE: ORT's bound calls hold its C++ Module, which writes into the state when it goes; kept here, they
+        # outlived the session (closed first at the process's end, the Trainer and the module being a cycle).
+        self._saved = None
 
 
 @contextlib.contextmanager

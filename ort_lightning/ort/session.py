@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +259,7 @@ def assemble(
             device=target,
             session_options=options,
         )
+    _state_outlives(module, state)
     if parameters is not None:
         copy_parameters(module, parameters)
     optimizer = None
@@ -269,6 +271,28 @@ def assemble(
         state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
         intra_op_threads=intra_op_threads, evaluation=eval_model is not None,
     )
+
+
+def _state_outlives(module: Module, state: CheckpointState) -> None:
+    """Keep `state` alive until ORT's C++ Module under `module` is destroyed, whoever holds that Module last.
+
+    ORT 1.19.2's C++ Module writes into its CheckpointState when it is destroyed (``~Module`` resets
+    the state's data-transfer pointer), and a bound call (``module._model.train_step_with_ort_values``)
+    keeps that Module alive past the Python ``Module``, which holds the state. Freed in that order,
+    the state is written after it is freed: glibc then aborts, at once or at the process's end.
+
+    Example::
+
+        module = Module(training_model, state, eval_model, device=target, session_options=options)
+        _state_outlives(module, state)  # before anything can take a bound call of it
+    """
+    # NOTE: finalize holds `state` until the Module's weak reference dies, after the Module's destructor. Not at
+    # exit: a Module still alive then keeps its state.
+    weakref.finalize(module._model, _release, state).atexit = False
+
+
+def _release(_: CheckpointState) -> None:
+    """Nothing: the call only ends the finalizer's hold on its argument."""
 
 
 #: What ONNX Runtime raises for a file it cannot load (its C++ errors arrive as RuntimeError or these).
