@@ -6,8 +6,8 @@ Example::
 
     >>> session_options(spinning=False).log_severity_level
     3
-    >>> session_options().enable_mem_pattern  # off corrupts ORT 1.19.2's heap at times: see the note below
-    True
+    >>> session_options().enable_mem_pattern  # they cost memory and no time: see the note below
+    False
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ def session_options(
     options = _C.SessionOptions()
     options.log_severity_level = _SEVERITY_ERROR
     options.intra_op_num_threads = intra_op_threads
-    # NOTE: memory patterns stay on (ORT's default), although they hold 20-36 MB more at peak on bert-tiny and
-    # resnet-tiny: with them off, ONNX Runtime 1.19.2's training sessions corrupted the heap in about 1 of 12
-    # processes that rebuilt a session (BENCHMARKS.md, "Memory of one fit").
+    # NOTE: memory patterns off: ORT allocates a pattern at the second step beside the first step's arena chunks,
+    # 20-36 MB more at peak on bert-tiny and resnet-tiny, for no faster a step (BENCHMARKS.md, "Memory of one
+    # fit"). The heap corruption once blamed on this was ORT's C++ Module writing into a freed CheckpointState
+    # (`session._state_outlives`).
+    options.enable_mem_pattern = False
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if custom_op_library is not None:
