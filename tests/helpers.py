@@ -89,6 +89,10 @@ def ort_device_start(
     return state, module, optimizer
 
 
+#: The weak references `ort_deaths` keeps alive for the life of the test process.
+_DEATH_WATCH: list[list[weakref.ref[Any]]] = []
+
+
 def ort_deaths(module: Module, state: CheckpointState) -> list[str]:
     """The order in which ORT's C++ Module and CheckpointState under these wrappers are freed, as it happens.
 
@@ -107,12 +111,8 @@ def ort_deaths(module: Module, state: CheckpointState) -> list[str]:
     # NOTE: the references must outlive the objects, or their callbacks never run; the list keeps them.
     refs = [weakref.ref(module._model, lambda _: deaths.append("Module")),
             weakref.ref(state._state, lambda _: deaths.append("CheckpointState"))]
-    ort_deaths_refs.append(refs)
+    _DEATH_WATCH.append(refs)
     return deaths
-
-
-#: The weak references `ort_deaths` keeps alive for the life of the test process.
-ort_deaths_refs: list[list[weakref.ref[Any]]] = []
 
 
 def ort_device_loop(folder: Path, batches: Iterable[Sequence[Tensor]], *, lr: float | None,

@@ -350,6 +350,7 @@ def buffer_order(training_model: os.PathLike[str] | str, checkpoint: os.PathLike
     """
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     module = Module(os.fspath(training_model), state, None, "cpu", session_options=session_options())
+    _state_outlives(module, state)
     # NOTE: float32 holds every offset below 2**24 exactly; above, rounding keeps the starts in order.
     copy_parameters(module, np.arange(module.get_parameters_size(False), dtype=np.float32))
     names = state._state.parameter_names()
