@@ -69,7 +69,8 @@ from ort_lightning.fleet.worker import WORKER, Slot, SlotKind
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = [
-    "ARRAYS_KEY", "METRICS_KEY", "OPTIMIZER_STATES", "STARTS", "ClientData", "FleetClient", "evaluate_module",
+    "ARRAYS_KEY", "METRICS_KEY", "OPTIMIZER_STATES", "STARTS", "WEIGHT_KEY", "ClientData", "FleetClient",
+    "check_client_options", "evaluate_module",
 ]
 
 #: Record keys, as Flower's strategies name them by default.
@@ -134,18 +135,7 @@ class FleetClient:
     trainer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise ConfigurationError(
-                f"Expected `optimizer_state` to be one of {OPTIMIZER_STATES}, but got {self.optimizer_state!r}; "
-                'pass "fresh" (a new optimizer every round) or "keep" (each client keeps its own).'
-            )
-        if self.start not in STARTS:
-            raise ConfigurationError(
-                f"Expected `start` to be one of {STARTS}, but got {self.start!r}; pass \"nominal\" (the nominal "
-                'checkpoint plus the server\'s values), "complete" (the complete checkpoint) or "auto".'
-            )
-        if self.epochs < 1:
-            raise ConfigurationError(f"Expected `epochs` >= 1, but got {self.epochs}; pass the local epochs per round.")
+        check_client_options(self.optimizer_state, self.start, self.epochs)
 
     def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
         """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers (and Flower `mods`, if any)."""
@@ -269,6 +259,26 @@ class FleetClient:
             "enable_progress_bar": False, "enable_model_summary": False, **self.trainer_options,
             "max_epochs": self.epochs,
         }
+
+
+def check_client_options(optimizer_state: str, start: str, epochs: int) -> None:
+    """Check a device's options (`FleetClient`'s and `DeviceClient`'s).
+
+    Raises:
+        ConfigurationError: for an unknown `optimizer_state` or `start`, or a non-positive `epochs`.
+    """
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ConfigurationError(
+            f"Expected `optimizer_state` to be one of {OPTIMIZER_STATES}, but got {optimizer_state!r}; "
+            'pass "fresh" (a new optimizer every round) or "keep" (each client keeps its own).'
+        )
+    if start not in STARTS:
+        raise ConfigurationError(
+            f"Expected `start` to be one of {STARTS}, but got {start!r}; pass \"nominal\" (the nominal "
+            'checkpoint plus the server\'s values), "complete" (the complete checkpoint) or "auto".'
+        )
+    if epochs < 1:
+        raise ConfigurationError(f"Expected `epochs` >= 1, but got {epochs}; pass the local epochs per round.")
 
 
 def _kept_state(module: ORTLightningModule) -> ArrayRecord:

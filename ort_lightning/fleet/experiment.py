@@ -6,6 +6,13 @@ devices for `rounds` rounds with a Flower strategy, prints the global accuracy a
 round, and writes each round's ORT checkpoint, ``history.json`` and (with matplotlib)
 ``accuracy.png`` under `out`.
 
+Every engine's devices run what a real device runs (``device: ort``, `DeviceClient`): ONNX
+Runtime's loop on the device folder ``out/device`` that `prepare_for_web` writes from the
+artifacts (the optimizer graph computes the config's ``lr``), the very files a browser loads, so
+that a simulated round equals a browser's round. ``device: lightning`` runs a
+``lightning.Trainer`` over an `ORTLightningModule` on each simulated device instead
+(`FleetClient`): no device has a Trainer, and its epochs shuffle differently (`DeviceClient`).
+
 ``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
 cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
 to many machines; ``engine: browser`` serves a page whose visitors are the devices
@@ -31,15 +38,21 @@ from typing import Any
 
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet.app import DEVICE_TIMEOUT, FleetServer
 from ort_lightning.fleet.client import OPTIMIZER_STATES, STARTS, FleetClient
+from ort_lightning.fleet.device import DeviceClient
 from ort_lightning.fleet.digits import SPLITS, DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.keys import check_keys, check_types, parse_override
 from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.server import GlobalModel
 
-__all__ = ["ENGINES", "STRATEGIES", "FleetConfig", "fleet_client", "fleet_server", "report", "run_experiment"]
+__all__ = [
+    "DEVICES", "ENGINES", "STRATEGIES", "FleetConfig", "device_folder", "fleet_client", "fleet_server", "report",
+    "run_experiment",
+]
 
 #: Flower strategies by name (any other works through the Python API).
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -47,6 +60,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fedadagrad": FedAdagrad,
 }
 ENGINES = ("local", "simulation", "browser")
+#: What a simulated device runs: ONNX Runtime's device loop (what a real device runs), or a Lightning Trainer.
+DEVICES = ("ort", "lightning")
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,9 @@ class FleetConfig:
             server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
         engine: ``"local"``, ``"simulation"`` (Flower's Ray engine) or ``"browser"`` (browsers that open the
             fleet's page are the devices, `ort_lightning.fleet.browser`).
+        device: what a simulated device runs: ``"ort"`` (ONNX Runtime's device loop on the device folder,
+            what a phone or a page runs: `DeviceClient`) or ``"lightning"`` (a ``lightning.Trainer`` over an
+            `ORTLightningModule`, `FleetClient`: not what a device runs).
         cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
         hidden: hidden units of the digits MLP (when the console script exports it).
         seed: seed of the model, the split and the shuffles.
@@ -100,6 +118,7 @@ class FleetConfig:
     optimizer_state: str = "fresh"
     start: str = "auto"
     engine: str = "local"
+    device: str = "ort"
     cpus_per_device: float = 1.0
     hidden: int = 64
     seed: int = 0
@@ -115,7 +134,7 @@ class FleetConfig:
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
                   ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES),
-                  ("start", self.start, STARTS)]
+                  ("start", self.start, STARTS), ("device", self.device, DEVICES)]
         for key, value, allowed in checks:
             if value not in allowed:
                 raise ConfigurationError(
@@ -193,11 +212,26 @@ def _strategy(config: FleetConfig) -> Strategy:
     return STRATEGIES[config.strategy](**options)
 
 
-def fleet_client(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetClient:
-    """What each device of the experiment runs: the digits partition of its node, the local training options."""
+def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> TrainingArtifacts:
+    """The folder every device of the experiment trains: ``out/device``, whose optimizer graph computes ``lr``.
+
+    Written by `prepare_for_web` from `artifacts` (constant rate, ``.ort`` graphs, the nominal
+    checkpoint): the files a browser loads, and the ones a simulated device opens.
+    """
+    return prepare_for_web(artifacts, Path(config.out) / "device", lr=config.lr)
+
+
+def fleet_client(config: FleetConfig, artifacts: str | os.PathLike[str]) -> DeviceClient | FleetClient:
+    """What each device of the experiment runs: the digits partition of its node, the local training options.
+
+    ``device: ort`` trains the device folder (`device_folder`); ``device: lightning`` the artifacts themselves.
+    """
     data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    return FleetClient(Path(artifacts), data, epochs=config.epochs, lr=config.lr,
-                       optimizer_state=config.optimizer_state, start=config.start)
+    if config.device == "lightning":
+        return FleetClient(Path(artifacts), data, epochs=config.epochs, lr=config.lr,
+                           optimizer_state=config.optimizer_state, start=config.start)
+    return DeviceClient(device_folder(config, artifacts).directory, data, epochs=config.epochs,
+                        optimizer_state=config.optimizer_state, start=config.start)
 
 
 def fleet_server(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetServer:
@@ -207,7 +241,7 @@ def fleet_server(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Flee
                        test=digits_test_loader(config.seed), device_timeout=config.device_timeout)
 
 
-def _run(server: FleetServer, client: FleetClient, config: FleetConfig) -> None:
+def _run(server: FleetServer, client: DeviceClient | FleetClient, config: FleetConfig) -> None:
     if config.engine == "local":
         run_local(server.server_app(), client.client_app(), nodes=config.devices)
         return
@@ -263,14 +297,21 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) 
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
     for record in server.history:
-        fit = record.train_metrics.get("fit_seconds", float("nan"))
         print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
-              f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; "
-              f"{record.devices} devices, {fit:.2f} s mean local fit, {record.aggregate_seconds * 1e3:.1f} ms "
-              f"aggregate, {record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
+              f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
+              f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
+              f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
         for node, reason in sorted(record.failures.items()):
             print(f"          node {node} failed: {reason}")
     print(f"total: {total:.1f} s")
+
+
+def _device_times(metrics: dict[str, Any]) -> str:
+    """A round's mean device timings: the local fit, the set-up before it, the loop's steps per second."""
+    nan = float("nan")
+    fit, setup = metrics.get("fit_seconds", nan), metrics.get("setup_seconds", nan)
+    return (f"{fit * 1e3:.1f} ms mean local fit, {setup * 1e3:.2f} ms set-up, "
+            f"{metrics.get('steps_per_second', nan):.0f} steps/s")
 
 
 def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: float) -> None:

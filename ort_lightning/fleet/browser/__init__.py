@@ -71,8 +71,8 @@ Example::
 
 from __future__ import annotations
 
-from ort_lightning.fleet.browser.fleet import BrowserFleet, device_files
+from ort_lightning.fleet.browser.fleet import BrowserFleet
 from ort_lightning.fleet.browser.grid import BrowserGrid
 from ort_lightning.fleet.browser.hub import BrowserDevice, Refusal
 
-__all__ = ["BrowserDevice", "BrowserFleet", "BrowserGrid", "Refusal", "device_files"]
+__all__ = ["BrowserDevice", "BrowserFleet", "BrowserGrid", "Refusal"]

@@ -1,10 +1,11 @@
 """The digits fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
 
-The server's folder is the exported digits artifacts; the browsers load a device folder written
-from it by `prepare_for_web` (``out/web``: the optimizer graph computes the config's ``lr``,
-constant, since a browser cannot set one). Each browser that opens the printed URL trains the
-partition a simulated device of the same config would (`DigitsPartitions` with the same
-split, batch size and seed), so the accuracy per round is the simulated fleet's; with
+The server's folder is the exported digits artifacts; the browsers load the experiment's device
+folder (`device_folder`, ``out/device``: the optimizer graph computes the config's ``lr``,
+constant, since a browser cannot set one), the files a simulated device opens too. Each
+browser that opens the printed URL trains the partition a simulated device of the same config
+would (`DigitsPartitions` with the same split, batch size and seed) through the same loop, so
+the accuracy per round is the simulated fleet's; with
 ``page_data``, each page makes its own batches with that module instead (64 float32 features,
 int64 labels 0-9, as the digits model takes them) and the server evaluates on the held-out digits.
 """
@@ -13,13 +14,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet.app import FleetServer
 from ort_lightning.fleet.browser.fleet import BrowserFleet
 from ort_lightning.fleet.digits import DigitsPartitions
-from ort_lightning.fleet.experiment import FleetConfig, fleet_server, report
+from ort_lightning.fleet.experiment import FleetConfig, device_folder, fleet_server, report
 
 __all__ = ["run_browser_experiment"]
 
@@ -55,7 +54,7 @@ def run_browser_experiment(
     Returns:
         The `FleetServer`, whose ``history`` holds each round's record.
     """
-    web = prepare_for_web(artifacts, Path(config.out) / "web", lr=config.lr)
+    web = device_folder(config, artifacts)
     data = None if config.page_data else DigitsPartitions(split=config.split, batch_size=config.batch_size,
                                                           seed=config.seed)
     server = fleet_server(config, artifacts)

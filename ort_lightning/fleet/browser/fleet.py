@@ -11,11 +11,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-import torch
 import uvicorn
 from flwr.app import Context, RecordDict
 
@@ -25,40 +23,13 @@ from ort_lightning.fleet.app import FleetServer
 from ort_lightning.fleet.browser.frames import HEADER_LIMIT
 from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs, PageData
 from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, Refusal
-from ort_lightning.fleet.browser.order import weight_order
 from ort_lightning.fleet.browser.site import web_app
 from ort_lightning.fleet.client import DataFn
+from ort_lightning.fleet.folder import device_files, ordered, weight_order
 from ort_lightning.fleet.local import _RUN_ID
 from ort_lightning.web import find_ort_web
 
-__all__ = ["BrowserFleet", "device_files"]
-
-_GRAPHS = {"training": "training_model", "eval": "eval_model", "optimizer": "optimizer_model"}
-
-
-def device_files(artifacts: TrainingArtifacts) -> dict[str, Path]:
-    """The files a page loads, by runner.js's names: ``.ort`` graphs where present, the nominal checkpoint if any.
-
-    Raises:
-        ConfigurationError: for a folder without an optimizer graph (a device must update its weights).
-    """
-    if artifacts.optimizer_model is None:
-        raise ConfigurationError(f"{artifacts.directory} has no optimizer graph, but a browser device trains with one; "
-                                 "export the artifacts with an optimizer (export_artifacts(..., optimizer='adamw')).")
-    paths = {"training": artifacts.training_model, "eval": artifacts.eval_model,
-             "optimizer": artifacts.optimizer_model}
-    files = {role: path.with_suffix(".ort") if path.with_suffix(".ort").is_file() else path
-             for role, path in paths.items()}
-    files["checkpoint"] = artifacts.nominal_checkpoint or artifacts.checkpoint
-    return files
-
-
-def _ordered(batch: object, names: Sequence[str]) -> Sequence[torch.Tensor]:
-    """A batch in the training graph's input order (a dict is keyed by input name)."""
-    if isinstance(batch, Mapping):
-        return [batch[name] for name in names]
-    return list(batch)  # type: ignore[call-overload]
-
+__all__ = ["BrowserFleet"]
 
 def _page_data(
     data: DataFn | None, page_data: str | os.PathLike[str] | None, max_examples: int | None
@@ -138,7 +109,7 @@ class BrowserFleet:
         self.hub = Hub(partitions=devices, specs=weight_order(self.artifacts, files), device_timeout=device_timeout)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
-        self._app = web_app(self.hub, token=self.token, files=files, ort=find_ort_web(ort_web),
+        self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
                             frame_limit=self.frame_limit, page_data=self.page_data)
         self._socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self._socket.getsockname()[1]
@@ -232,7 +203,7 @@ class BrowserFleet:
         loader = self.data(partition, self.devices).train
         # NOTE: a fresh loader each round, iterated once per epoch, as FleetClient's Trainer iterates it:
         # the same seeds give the same batches in the same order.
-        return [[_ordered(batch, names) for batch in loader] for _ in range(self.epochs)]
+        return [[ordered(batch, names) for batch in loader] for _ in range(self.epochs)]
 
     def __repr__(self) -> str:
         return f"BrowserFleet({self.url!r}, devices={self.devices}, epochs={self.epochs})"

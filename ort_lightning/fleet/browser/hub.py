@@ -87,8 +87,11 @@ class _Owed:
 def _timings(header: dict[str, Any]) -> dict[str, float]:
     """The page's own timings: its local fit, its first step alone, opening its session (NaN when absent)."""
     names = {"fit_seconds": "seconds", "first_step_seconds": "first_step_seconds", "open_seconds": "open_seconds"}
-    return {ours: float(v) if isinstance(v := header.get(theirs), (int, float)) else math.nan
-            for ours, theirs in names.items()}
+    timings = {ours: float(v) if isinstance(v := header.get(theirs), (int, float)) else math.nan
+               for ours, theirs in names.items()}
+    # NOTE: a page's set-up is opening its session; the steps' rate is a simulated device's column too.
+    timings["setup_seconds"] = timings["open_seconds"]
+    return timings
 
 
 class Hub:
@@ -182,9 +185,11 @@ class Hub:
             return
         steps = owed.last_epoch if owed.last_epoch is not None else result.last_epoch_steps
         last = result.losses[-steps:] if steps else []
+        timings = _timings(header)
+        rate = result.steps / timings["fit_seconds"] if timings["fit_seconds"] > 0 else math.nan
         metrics: dict[str, int | float | list[int] | list[float]] = {
             WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
-            "steps": result.steps, **_timings(header),
+            "steps": result.steps, "steps_per_second": rate, **timings,
         }
         arrays = ArrayRecord(self._named(result.weights))
         reply = Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=owed.message)
