@@ -2,7 +2,7 @@
 
 Every fleet runs the same `FleetServer` round loop (Flower's ``Strategy.start`` over a
 `RecordingFedAvg`), the same digits partitions and the same initial values; only the devices
-and the server's global model differ (`FleetClient` over the ORT artifacts, the quickstart's
+and the server's global model differ (`DeviceClient` or `FleetClient` over the ORT artifacts, the quickstart's
 `TorchClient` or its Lightning twin `LightningTorchClient`, and `GlobalModel` or `TorchGlobalModel`).
 The device's costs are measured from outside its code: a Flower mod (`timed`) times each
 ``train`` call and adds the worker's peak resident memory to the reply; the device's own
@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from benchmarks._probes import own_peak_rss_mb, reset_peak_rss
 
-FLEETS = ("ort", "lightning", "torch")
+FLEETS = ("ort", "ort-lightning", "lightning", "torch")
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,11 @@ def _fleet(run: FleetRun) -> tuple[Any, Any]:
 
     data = DigitsPartitions(split=run.split, batch_size=run.batch_size, seed=run.seed)
     data(0, run.devices)  # NOTE: the digits' load and the writer groups are cached once per process, not a device's
-    if run.fleet == "ort":
-        from ort_lightning.fleet import FleetClient, GlobalModel
+    if run.fleet in ("ort", "ort-lightning"):
+        from ort_lightning.fleet import DeviceClient, FleetClient, GlobalModel
 
-        client = FleetClient(run.artifacts, data, epochs=run.epochs, lr=run.lr)
+        kind = DeviceClient if run.fleet == "ort" else FleetClient
+        client = kind(run.artifacts, data, epochs=run.epochs, lr=run.lr)
         return client.client_app(mods=[timed]), GlobalModel(run.artifacts)
     from benchmarks._fleet_torch import LightningTorchClient, TorchClient, TorchGlobalModel
 
@@ -138,6 +139,9 @@ def _run(run: FleetRun, server: Any, client_app: Any) -> None:
         return
     from flwr.simulation import run_simulation
 
+    from ort_lightning.fleet.experiment import quiet_ray
+
+    quiet_ray()
     backend = {"client_resources": {"num_cpus": 1.0, "num_gpus": 0.0}}
     run_simulation(server.server_app(), client_app, num_supernodes=run.devices, backend_config=backend)
 
@@ -165,7 +169,7 @@ def run_fleet(run: FleetRun) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         _run(run, server, client_app)
     total = time.perf_counter() - started
-    values = get_values(model.module) if run.fleet == "ort" else model.values()
+    values = get_values(model.module) if run.fleet in ("ort", "ort-lightning") else model.values()
     torch.save(values, out / "final.pt")
     return {"run": asdict(run), "seconds": total, "initial_accuracy": server.initial.get("accuracy"),
             "rounds": [asdict(row) for row in _costs(server, strategy)]}

@@ -6,7 +6,10 @@ cutting), the same rounds, FedAvg with the same sampled fraction of devices, the
 round loop (`FleetServer`: a checkpoint and a held-out evaluation after every round) and the
 same Flower engine, in three fleets:
 
-- ``ort``: devices train the exported ORT artifacts with ort-lightning's `FleetClient`.
+- ``ort``: devices run ONNX Runtime's device loop on the exported ORT artifacts, what a real device
+  runs (ort-lightning's `DeviceClient`: ``.ort`` graphs, the nominal checkpoint plus the server's values).
+- ``ort-lightning``: devices train the same artifacts under a ``lightning.Trainer`` (`FleetClient`, one
+  module and one Trainer per worker): the simulated device before `DeviceClient`.
 - ``lightning``: devices train the torch module under a ``lightning.Trainer``, one module and
   one Trainer per worker as the ort fleet keeps them (`benchmarks._fleet_torch.LightningTorchClient`):
   ORT's share of the ort fleet's cost is the difference between these two.
@@ -85,7 +88,7 @@ def _artifacts(folder: Path, seed: int) -> str:
     from ort_lightning.demo import FEATURES, digits_mlp
 
     return str(export_artifacts(digits_mlp(seed=seed), torch.zeros(2, FEATURES), folder,
-                                nominal_checkpoint=True).directory)
+                                nominal_checkpoint=True, ort_format=True).directory)
 
 
 def _in_child(runs: list[FleetRun], folder: Path) -> list[dict[str, Any]]:
@@ -138,7 +141,7 @@ def growth(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def _print_growth(slopes: dict[str, dict[str, float]]) -> None:
     print("\ngrowth per device trained in a round (least-squares slope over the device counts):")
     for fleet, values in slopes.items():
-        print(f"  {fleet:5s}  wall {values['wall_s'] * 1e3:.2f} ms/device, setup {values['setup_ms']:+.3f} ms, "
+        print(f"  {fleet:13s}  wall {values['wall_s'] * 1e3:.2f} ms/device, setup {values['setup_ms']:+.3f} ms, "
               f"train {values['train_ms']:+.3f} ms, aggregate {values['aggregate_ms']:.3f} ms, "
               f"checkpoint {values['checkpoint_ms']:+.3f} ms, peak RSS {values['peak_rss_mb']:+.3f} MB per device")
 

@@ -1,8 +1,10 @@
 """Fleet experiments: federated training of the very artifacts that ship, on Flower.
 
 Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which installs
-``flwr[simulation]``). A `FleetClient` is what each simulated device runs (a Lightning
-``Trainer`` over an `ORTLightningModule` of the artifacts); the server runs Flower's own
+``flwr[simulation]``). A `DeviceClient` is what each simulated device runs: ONNX Runtime's
+device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.device`).
+A `FleetClient` runs a Lightning ``Trainer`` over an `ORTLightningModule` instead, for those who
+ask for it by name: no device has a Trainer. The server runs Flower's own
 strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
 complete ORT checkpoint. `LocalGrid` runs the same apps in this process, without Ray.
 
@@ -20,6 +22,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from ort_lightning.fleet.app import FleetServer, RoundRecord
 from ort_lightning.fleet.client import ClientData, FleetClient, evaluate_module
+from ort_lightning.fleet.device import DeviceClient
 from ort_lightning.fleet.local import LocalGrid, run_local
 from ort_lightning.fleet.parameters import get_values, set_values, state_order
 from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
@@ -27,6 +30,7 @@ from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_p
 __all__ = [
     "CheckpointEachRound",
     "ClientData",
+    "DeviceClient",
     "FleetClient",
     "FleetServer",
     "GlobalModel",

@@ -6,14 +6,15 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and t
 `FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
 plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
 is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
-digits, and it trains as in the simulation (a Lightning ``Trainer`` over ORT's graphs, starting
-from the nominal checkpoint plus the server's values). The server first gives all ``devices``
-SuperNodes up to ``device_timeout`` seconds to connect; before each round it then waits for
-``min_nodes`` of them (by default ``devices - 1``, at least 1: a round goes on after one
-SuperNode is lost), trains on every SuperNode connected then, gives each ``device_timeout``
-seconds to answer, writes a complete ORT checkpoint per round under ``out/rounds`` and prints
-the accuracy per round, with the nodes that failed it, into the run's log (``flwr log``, or
-``flwr run --stream``).
+digits, and it trains as a device does (``device: ort``: ONNX Runtime's device loop on the
+``artifacts`` folder, starting from its nominal checkpoint plus the server's values, at ``lr``
+set through ORT's ``set_learning_rate``, or at the rate a ``prepare_for_web`` folder computes).
+The server first gives all ``devices`` SuperNodes up to ``device_timeout`` seconds to connect;
+before each round it then waits for ``min_nodes`` of them (by default ``devices - 1``, at least
+1: a round goes on after one SuperNode is lost), trains on every SuperNode connected then, gives
+each ``device_timeout`` seconds to answer, writes a complete ORT checkpoint per round under
+``out/rounds`` and prints the accuracy per round, with the nodes that failed it, into the run's
+log (``flwr log``, or``flwr run --stream``).
 
 Example::
 

@@ -222,16 +222,16 @@ def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Tra
 
 
 def fleet_client(config: FleetConfig, artifacts: str | os.PathLike[str]) -> DeviceClient | FleetClient:
-    """What each device of the experiment runs: the digits partition of its node, the local training options.
+    """What each device of the experiment runs on the folder `artifacts`: its node's digits partition, the options.
 
-    ``device: ort`` trains the device folder (`device_folder`); ``device: lightning`` the artifacts themselves.
+    ``device: ort`` runs ONNX Runtime's device loop (`DeviceClient`) at ``lr``: computed by the
+    optimizer graph of a prepared folder (`device_folder`), set through ORT's ``set_learning_rate``
+    on a plain one. ``device: lightning`` runs a Trainer over an `ORTLightningModule` (`FleetClient`).
     """
     data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    if config.device == "lightning":
-        return FleetClient(Path(artifacts), data, epochs=config.epochs, lr=config.lr,
-                           optimizer_state=config.optimizer_state, start=config.start)
-    return DeviceClient(device_folder(config, artifacts).directory, data, epochs=config.epochs,
-                        optimizer_state=config.optimizer_state, start=config.start)
+    kind = FleetClient if config.device == "lightning" else DeviceClient
+    return kind(Path(artifacts), data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state,
+                start=config.start)
 
 
 def fleet_server(config: FleetConfig, artifacts: str | os.PathLike[str]) -> FleetServer:
@@ -247,8 +247,19 @@ def _run(server: FleetServer, client: DeviceClient | FleetClient, config: FleetC
         return
     from flwr.simulation import run_simulation
 
+    quiet_ray()
     backend: dict[str, Any] = {"client_resources": {"num_cpus": config.cpus_per_device, "num_gpus": 0.0}}
     run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices, backend_config=backend)
+
+
+def quiet_ray() -> None:
+    """Tell Ray what its start-up ``FutureWarning`` asks for, so that the Ray engine prints the round lines alone.
+
+    Ray 2.55 warns at start-up that it will stop overriding ``CUDA_VISIBLE_DEVICES`` for actors with
+    ``num_gpus=0``; the devices ask for no GPU, so the future behaviour is the one wanted. A value the
+    user set stays.
+    """
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 
 def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, echo: bool = True) -> FleetServer:
@@ -269,8 +280,9 @@ def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, ec
 
         return run_browser_experiment(config, artifacts, echo=echo)
     server = fleet_server(config, artifacts)
+    devices = device_folder(config, artifacts).directory if config.device == "ort" else artifacts
     started = time.perf_counter()
-    _run(server, fleet_client(config, artifacts), config)
+    _run(server, fleet_client(config, devices), config)
     report(server, config, time.perf_counter() - started, echo=echo)
     return server
 

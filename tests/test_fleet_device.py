@@ -1,0 +1,248 @@
+"""A simulated device runs what a real device runs: ONNX Runtime's loop on the device folder.
+
+Every reference here is independent of ``ort_lightning.fleet``: ONNX Runtime's documented Python
+loop (``tests.helpers.ort_device_loop``) on the same files, fed the batches that torch's own
+``DataLoader`` iterates, averaged by FedAvg in float64; and onnxruntime-web's runner in Node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from onnxruntime.training.api import CheckpointState
+
+from ort_lightning import TrainingArtifacts, export_artifacts
+from ort_lightning.demo import FEATURES, digits_mlp
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.export import prepare_for_web
+from tests.helpers import RunIf, ort_device_loop, ort_device_start
+
+flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from ort_lightning.fleet import DeviceClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
+from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+
+LR = 0.01
+HIDDEN = 16
+DEVICES = 3
+DATA = DigitsPartitions(batch_size=32, seed=0)  # shuffles every epoch
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArtifacts, TrainingArtifacts]:
+    """The digits MLP exported once (the server's folder) and its device folder (``prepare_for_web``, lr 0.01)."""
+    root = tmp_path_factory.mktemp("fleet-device")
+    exported = export_artifacts(digits_mlp(HIDDEN, seed=0), torch.zeros(2, FEATURES), root / "exported",
+                                nominal_checkpoint=True, ort_format=True, verify=False)
+    return exported, prepare_for_web(exported, root / "device", lr=LR)
+
+
+def _values(path: Path) -> dict[str, np.ndarray]:
+    return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(path)).parameters}
+
+
+def _epochs(partition: int, epochs: int) -> list[list[torch.Tensor]]:
+    """A device's batches of `epochs` epochs, as torch's DataLoader iterates its loader epoch after epoch."""
+    loader = DATA(partition, DEVICES).train
+    return [list(batch) for _ in range(epochs) for batch in loader]
+
+
+def _fedavg(fits: list[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
+    total = sum(count for _, count in fits)
+    return {name: sum(values[name].astype(np.float64) * count for values, count in fits) / total
+            for name in fits[0][0]}
+
+
+def _assert_close(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], atol: float) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(actual[name].astype(np.float64), value, rtol=0, atol=atol, err_msg=name)
+
+
+def _run(device: TrainingArtifacts, server: TrainingArtifacts, folder: Path, *, rounds: int, epochs: int,
+         **options: Any) -> FleetServer:
+    client = DeviceClient(device.directory, DATA, epochs=epochs, **options)
+    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=DEVICES, min_train_nodes=DEVICES)
+    fleet = FleetServer(GlobalModel(server), strategy, rounds=rounds, directory=folder)
+    run_local(fleet.server_app(), client.client_app(), nodes=DEVICES)
+    return fleet
+
+
+# ----------------------------------------------------------------------------- exact FedAvg
+@pytest.mark.parametrize("epochs", [1, 2, 3], ids=["1-epoch", "2-epochs", "3-epochs"])
+def test_rounds_equal_the_fedavg_of_orts_documented_loop_on_the_device_folder(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, epochs: int
+) -> None:
+    exported, device = folders
+    _run(device, exported, tmp_path, rounds=2, epochs=epochs)
+    start = _values(exported.checkpoint)
+    for number in (1, 2):
+        # NOTE: lr None: the device folder's optimizer graph computes the rate, as in a browser.
+        fits = [(ort_device_loop(device.directory, _epochs(p, epochs), lr=None, graphs="ort", values=start),
+                 len(DATA(p, DEVICES).train.dataset)) for p in range(DEVICES)]  # type: ignore[arg-type]
+        expected = _fedavg(fits)
+        _assert_close(_values(round_path(tmp_path, number)), expected, atol=1e-6)
+        start = {name: value.astype(np.float32) for name, value in expected.items()}
+
+
+def test_a_plain_folder_trains_at_the_rate_the_device_sets(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    exported, _ = folders
+    _run(exported, exported, tmp_path, rounds=1, epochs=2, lr=LR)
+    start = _values(exported.checkpoint)
+    fits = [(ort_device_loop(exported.directory, _epochs(p, 2), lr=LR, graphs="ort", values=start),
+             len(DATA(p, DEVICES).train.dataset)) for p in range(DEVICES)]  # type: ignore[arg-type]
+    _assert_close(_values(round_path(tmp_path, 1)), _fedavg(fits), atol=1e-6)
+
+
+def _kept_reference(folder: Path, start: dict[str, np.ndarray], tmp_path: Path) -> list[dict[str, np.ndarray]]:
+    """Two FedAvg rounds in which each device keeps its ORT checkpoint (optimizer state included) between them."""
+    saved: dict[int, Path] = {}
+    averages = []
+    for number in (1, 2):
+        fits = []
+        for p in range(DEVICES):
+            state, module, optimizer = ort_device_start(folder, graphs="ort", values=start, checkpoint=saved.get(p))
+            module.train()
+            for batch in _epochs(p, 1):
+                module(*(tensor.numpy() for tensor in batch))
+                optimizer.step()
+                module.lazy_reset_grad()
+            saved[p] = tmp_path / f"kept-{p}-{number}.ckpt"
+            CheckpointState.save_checkpoint(state, str(saved[p]), include_optimizer_state=True)
+            fits.append(({name: np.array(q.data) for name, q in state.parameters},
+                         len(DATA(p, DEVICES).train.dataset)))  # type: ignore[arg-type]
+            del optimizer, module, state
+        averages.append(_fedavg(fits))
+        start = {name: value.astype(np.float32) for name, value in averages[-1].items()}
+    return averages
+
+
+def test_kept_optimizer_state_continues_the_devices_step_and_moments(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    exported, device = folders
+    _run(device, exported, tmp_path / "keep", rounds=2, epochs=1, optimizer_state="keep")
+    _run(device, exported, tmp_path / "fresh", rounds=2, epochs=1)
+    expected = _kept_reference(device.directory, _values(exported.checkpoint), tmp_path)
+    for number, average in enumerate(expected, start=1):
+        _assert_close(_values(round_path(tmp_path / "keep", number)), average, atol=1e-6)
+    # a kept state is not a fresh one: round 2 differs where the moments and the step carry on
+    kept, fresh = _values(round_path(tmp_path / "keep", 2)), _values(round_path(tmp_path / "fresh", 2))
+    assert max(float(np.abs(kept[n] - fresh[n]).max()) for n in kept) > 1e-4
+
+
+# ----------------------------------------------------------------------------- one device, directly
+def _message(values: dict[str, np.ndarray]) -> Message:
+    content = RecordDict({"arrays": ArrayRecord({n: torch.from_numpy(v) for n, v in values.items()}),
+                          "config": ConfigRecord({"server-round": 1})})
+    return Message(content, dst_node_id=1, message_type="train")
+
+
+def _context(partition: int) -> Context:
+    return Context(1, 1, {"partition-id": partition, "num-partitions": DEVICES}, RecordDict(), {})
+
+
+def test_a_device_frees_what_it_built_and_its_worker_memory_stays_flat(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts]
+) -> None:
+    exported, device = folders
+    client = DeviceClient(device.directory, DATA, epochs=1)
+    start = _values(exported.checkpoint)
+
+    def rounds(count: int) -> None:
+        for number in range(count):
+            reply = client.train(_message(start), _context(number % DEVICES))
+            assert not reply.has_error()
+
+    rounds(30)  # warm-up: ORT's arenas, the folder read once, Python's caches
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rounds(300)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 8, f"the worker's peak memory grew {grown_mb:.1f} MB over 300 device rounds"
+
+
+def test_a_device_reports_its_set_up_fit_and_steps(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> None:
+    exported, device = folders
+    reply = DeviceClient(device.directory, DATA, epochs=2).train(_message(_values(exported.checkpoint)), _context(0))
+    metrics = reply.content.metric_records["metrics"]
+    batches = len(DATA(0, DEVICES).train)
+    assert metrics["steps"] == 2 * batches
+    assert metrics["num-examples"] == len(DATA(0, DEVICES).train.dataset)  # type: ignore[arg-type]
+    assert 0 < metrics["setup_seconds"] < 5 and 0 < metrics["fit_seconds"] < 5  # type: ignore[operator]
+    assert metrics["steps_per_second"] == pytest.approx(metrics["steps"] / metrics["fit_seconds"])  # type: ignore[operator]
+
+
+def test_the_experiment_prints_and_records_the_devices_timings(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exported, _ = folders
+    config = FleetConfig.from_dict({"devices": DEVICES, "rounds": 1, "epochs": 1, "lr": LR, "batch_size": 32,
+                                    "hidden": HIDDEN, "out": str(tmp_path)})
+    run_experiment(config, exported.directory)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("round  1"))
+    assert re.search(r"[\d.]+ ms mean local fit, [\d.]+ ms set-up, \d+ steps/s", line), line
+    train = json.loads((tmp_path / "history.json").read_text())["rounds"][0]["train"]
+    assert {"setup_seconds", "fit_seconds", "steps_per_second", "steps"} <= set(train)
+    assert (tmp_path / "device" / "training_model.ort").is_file()  # the folder a browser loads too
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_a_nominal_start_without_a_nominal_checkpoint_is_named(tmp_path: Path) -> None:
+    plain = export_artifacts(digits_mlp(HIDDEN), torch.zeros(2, FEATURES), tmp_path / "plain", verify=False)
+    client = DeviceClient(plain.directory, DATA, start="nominal")
+    with pytest.raises(ConfigurationError, match=r"start=\"nominal\" needs a nominal checkpoint .* nominal_checkpoint=True"):
+        client.folder()
+
+
+def test_a_rate_the_device_folder_ignores_is_refused(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> None:
+    _, device = folders
+    with pytest.raises(ConfigurationError, match=r"computes its own rate \(constant 0.01.*pass lr=None"):
+        DeviceClient(device.directory, DATA, lr=0.05).folder()
+
+
+def test_values_of_another_model_are_refused_by_name(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    _, device = folders
+    other = export_artifacts(digits_mlp(8), torch.zeros(2, FEATURES), tmp_path / "other", verify=False)
+    message = _message(_values(other.checkpoint))
+    with pytest.raises(ConfigurationError, match=r"the device folder trains .*start the FleetServer from the artifacts"):
+        DeviceClient(device.directory, DATA).train(message, _context(0))
+
+
+# ----------------------------------------------------------------------------- Node: the same round
+@RunIf(node=True)
+@pytest.mark.parametrize("epochs", [1, 2, 3], ids=["1-epoch", "2-epochs", "3-epochs"])
+def test_node_runs_a_devices_round_as_the_python_device_does(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, epochs: int
+) -> None:
+    from tests.test_web_runner import _node_run, _write_job
+
+    exported, device = folders
+    start = _values(exported.checkpoint)
+    reply = DeviceClient(device.directory, DATA, epochs=epochs).train(_message(start), _context(1))
+    python = reply.content.array_records["arrays"].to_numpy_ndarrays()
+    # the page's loop: each epoch's batches in turn (one `train` each), here as one list of every epoch's batches
+    order = [name for name, _ in DeviceClient(device.directory, DATA).folder().order]
+    weights = np.concatenate([start[name].ravel() for name in order])
+    batches = [tuple(tensor.numpy() for tensor in batch) for batch in _epochs(1, epochs)]
+    job = _write_job(tmp_path, device.directory, "ort", weights, batches)
+    job.write_text(json.dumps({**json.loads(job.read_text()), "epochs": 1}))
+    result, trained, _ = _node_run(job)
+    assert result["steps"] == len(batches)
+    # NOTE: the README's tolerance for browsers: 1e-5 per 1e-3 of rate
+    np.testing.assert_allclose(trained, np.concatenate([array.ravel() for array in python]), rtol=0,
+                               atol=1e-5 * LR / 1e-3)
