@@ -334,8 +334,9 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
         ({"strategy": "fedsgd"}, r"Expected `strategy` to be one of \['fedavg'.*but got 'fedsgd'"),
         ({"devices": 0}, r"Expected devices, rounds and epochs >= 1, but got 0, 5, 1"),
         ({"device": 10}, r"Unknown key `device` in the fleet config; did you mean `devices`\?"),
+        ({"runner": "trainer"}, r"Expected `runner` to be one of \['ort', 'lightning'\], but got 'trainer'"),
     ],
-    ids=["split", "strategy", "devices", "unknown-key"],
+    ids=["split", "strategy", "devices", "unknown-key", "runner"],
 )
 def test_fleet_config_mistakes_are_named(values: dict[str, Any], message: str) -> None:
     from ort_lightning.fleet.experiment import FleetConfig

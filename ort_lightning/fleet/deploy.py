@@ -6,7 +6,7 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and t
 `FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
 plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
 is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
-digits, and it trains as a device does (``device: ort``: ONNX Runtime's device loop on the
+digits, and it trains as a device does (``runner: ort``: ONNX Runtime's device loop on the
 ``artifacts`` folder, starting from its nominal checkpoint plus the server's values, at ``lr``
 set through ORT's ``set_learning_rate``, or at the rate a ``prepare_for_web`` folder computes).
 The server first gives all ``devices`` SuperNodes up to ``device_timeout`` seconds to connect;

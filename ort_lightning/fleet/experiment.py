@@ -6,10 +6,10 @@ devices for `rounds` rounds with a Flower strategy, prints the global accuracy a
 round, and writes each round's ORT checkpoint, ``history.json`` and (with matplotlib)
 ``accuracy.png`` under `out`.
 
-Every engine's devices run what a real device runs (``device: ort``, `DeviceClient`): ONNX
+Every engine's devices run what a real device runs (``runner: ort``, `DeviceClient`): ONNX
 Runtime's loop on the device folder ``out/device`` that `prepare_for_web` writes from the
 artifacts (the optimizer graph computes the config's ``lr``), the very files a browser loads, so
-that a simulated round equals a browser's round. ``device: lightning`` runs a
+that a simulated round equals a browser's round. ``runner: lightning`` runs a
 ``lightning.Trainer`` over an `ORTLightningModule` on each simulated device instead
 (`FleetClient`): no device has a Trainer, and its epochs shuffle differently (`DeviceClient`).
 
@@ -50,7 +50,7 @@ from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.server import GlobalModel
 
 __all__ = [
-    "DEVICES", "ENGINES", "STRATEGIES", "FleetConfig", "device_folder", "fleet_client", "fleet_server", "report",
+    "ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "device_folder", "fleet_client", "fleet_server", "report",
     "run_experiment",
 ]
 
@@ -61,7 +61,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 ENGINES = ("local", "simulation", "browser")
 #: What a simulated device runs: ONNX Runtime's device loop (what a real device runs), or a Lightning Trainer.
-DEVICES = ("ort", "lightning")
+RUNNERS = ("ort", "lightning")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class FleetConfig:
             server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
         engine: ``"local"``, ``"simulation"`` (Flower's Ray engine) or ``"browser"`` (browsers that open the
             fleet's page are the devices, `ort_lightning.fleet.browser`).
-        device: what a simulated device runs: ``"ort"`` (ONNX Runtime's device loop on the device folder,
+        runner: what a simulated device runs: ``"ort"`` (ONNX Runtime's device loop on the device folder,
             what a phone or a page runs: `DeviceClient`) or ``"lightning"`` (a ``lightning.Trainer`` over an
             `ORTLightningModule`, `FleetClient`: not what a device runs).
         cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
@@ -118,7 +118,7 @@ class FleetConfig:
     optimizer_state: str = "fresh"
     start: str = "auto"
     engine: str = "local"
-    device: str = "ort"
+    runner: str = "ort"
     cpus_per_device: float = 1.0
     hidden: int = 64
     seed: int = 0
@@ -134,7 +134,7 @@ class FleetConfig:
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
                   ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES),
-                  ("start", self.start, STARTS), ("device", self.device, DEVICES)]
+                  ("start", self.start, STARTS), ("runner", self.runner, RUNNERS)]
         for key, value, allowed in checks:
             if value not in allowed:
                 raise ConfigurationError(
@@ -224,12 +224,12 @@ def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Tra
 def fleet_client(config: FleetConfig, artifacts: str | os.PathLike[str]) -> DeviceClient | FleetClient:
     """What each device of the experiment runs on the folder `artifacts`: its node's digits partition, the options.
 
-    ``device: ort`` runs ONNX Runtime's device loop (`DeviceClient`) at ``lr``: computed by the
+    ``runner: ort`` runs ONNX Runtime's device loop (`DeviceClient`) at ``lr``: computed by the
     optimizer graph of a prepared folder (`device_folder`), set through ORT's ``set_learning_rate``
-    on a plain one. ``device: lightning`` runs a Trainer over an `ORTLightningModule` (`FleetClient`).
+    on a plain one. ``runner: lightning`` runs a Trainer over an `ORTLightningModule` (`FleetClient`).
     """
     data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    kind = FleetClient if config.device == "lightning" else DeviceClient
+    kind = FleetClient if config.runner == "lightning" else DeviceClient
     return kind(Path(artifacts), data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state,
                 start=config.start)
 
@@ -280,7 +280,7 @@ def run_experiment(config: FleetConfig, artifacts: str | os.PathLike[str], *, ec
 
         return run_browser_experiment(config, artifacts, echo=echo)
     server = fleet_server(config, artifacts)
-    devices = device_folder(config, artifacts).directory if config.device == "ort" else artifacts
+    devices = device_folder(config, artifacts).directory if config.runner == "ort" else artifacts
     started = time.perf_counter()
     _run(server, fleet_client(config, devices), config)
     report(server, config, time.perf_counter() - started, echo=echo)

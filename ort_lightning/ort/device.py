@@ -9,9 +9,9 @@ folder), and the weights back as one float32 buffer. `OrtDevice` is that loop in
 same sequence ``ort_lightning/web/runner.js`` runs in onnxruntime-web, so that a simulated
 device and a browser train the same files to the same numbers.
 
-ONNX Runtime's session options are its defaults, but for errors-only logging and one intra-op
-thread that does not spin (as onnxruntime-web runs a page: one thread, results independent of
-the machine; and a pool that costs more to build than a device's few steps take).
+ONNX Runtime's session options are its defaults (a device's numbers are ORT's), but for
+errors-only logging and intra-op threads that sleep when idle instead of spinning (which
+changes no result, and leaves the cores to the next device).
 
 Example::
 
@@ -141,7 +141,7 @@ class OrtDevice:
         with _refused(f"the graphs {graphs} over {source}", "a graph is damaged or truncated, or another model's"):
             module = Module(os.fspath(files.training), state,
                             os.fspath(files.eval) if evaluation and files.eval is not None else None,
-                            device="cpu", session_options=session_options(spinning=False, intra_op_threads=1))
+                            device="cpu", session_options=session_options(spinning=False))
         _state_outlives(module, state)
         if weights is not None:
             copy_parameters(module, weights)
