@@ -1,9 +1,9 @@
-"""The README's multi-machine steps (Flower's deployment runtime) run as written, on one machine.
+"""The multi-machine steps of docs/fleets.md (Flower's deployment runtime) run as written, on one machine.
 
 A SuperLink and two SuperNodes run as processes on free localhost ports, and ``flwr run`` submits
-the app project ``examples/fleet_app``. Of the README's commands the test changes only the
+the app project ``examples/fleet_app``. Of the page's commands the test changes only the
 addresses (the server machine's becomes 127.0.0.1 and a free port; each SuperNode gets a local
-``--port`` of its own, as the README says for one machine), the ``/srv/fleet`` folder (a temporary
+``--port`` of its own, as the page says for one machine), the ``/srv/fleet`` folder (a temporary
 one) and the rounds (1 instead of 5). Every process it starts is ended in ``finally``.
 """
 
@@ -31,15 +31,16 @@ from tests.helpers import RunIf
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = "### From the simulation to Flower's deployment runtime"
+PAGE = ROOT / "docs" / "fleets.md"
+SECTION = "## From the simulation to Flower's deployment runtime"
 BLOCK = re.compile(r"^( *)```(bash|toml)\n(.*?)^\1```$", re.S | re.M)
 SERVER = "10.0.0.1:9092"
 LOST_NODE_TIMEOUT = 90
 
 
 def _readme_steps() -> tuple[dict[str, str], str]:
-    """The README's commands, by program, and its Flower configuration block."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8").split(SECTION, 1)[1].split("\n## ", 1)[0]
+    """The page's commands, by program, and its Flower configuration block."""
+    text = PAGE.read_text(encoding="utf-8").split(SECTION, 1)[1].split("\n## ", 1)[0]
     commands: dict[str, str] = {}
     toml = ""
     for _, kind, body in BLOCK.findall(text):
@@ -50,12 +51,12 @@ def _readme_steps() -> tuple[dict[str, str], str]:
         for line in body.splitlines():
             commands[line.split()[0]] = line
     assert set(commands) == {"ort-lightning", "flower-superlink", "flower-supernode", "flwr"}, commands
-    assert toml, "the README gives no Flower configuration block"
+    assert toml, "docs/fleets.md gives no Flower configuration block"
     return commands, toml
 
 
 def _replace(text: str, old: str, new: str) -> str:
-    assert old in text, f"the README's step no longer says {old!r}: {text}"
+    assert old in text, f"docs/fleets.md's step no longer says {old!r}: {text}"
     return text.replace(old, new)
 
 
@@ -171,7 +172,7 @@ def test_run_config_without_artifacts_is_named() -> None:
 
 @RunIf(linux=True)  # ends the processes it starts through /proc
 def test_a_supernode_lost_after_round_one_leaves_round_two_to_the_rest(tmp_path: Path) -> None:
-    """The README's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written."""
+    """The page's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written."""
     commands, toml = _readme_steps()
     port = _free_port()
     here = f"127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""The README's multi-node recipe, on loopback: two torchrun "nodes" of one process each (gloo, "ort_ddp").
+"""The multi-node recipe of docs/guide/ddp.md, on loopback: two torchrun "nodes" of one process each (gloo, "ort_ddp").
 
 With static rendezvous (``--rdzv-backend=static`` and ``--master-addr/--master-port``),
 ``--node-rank`` decides the ranks: node 0 holds global rank 0 and writes the checkpoints.

@@ -194,9 +194,9 @@ def _run_steps(
 
 
 def test_ort_python_linear_scheduler_still_swaps_warmup_and_total(mlp_sgd: Exported) -> None:
-    """ORT 1.19.2's own wrapper, asked for W=2, T=10, ramps for 10 steps: why the README's device call passes (T, W).
+    """ORT 1.19.2's own wrapper, asked for W=2, T=10, ramps for 10 steps: why the documented device call passes (T, W).
 
-    If this fails after an ONNX Runtime upgrade, the wrapper was fixed; re-check ``README_DEVICE_CALL``.
+    If this fails after an ONNX Runtime upgrade, the wrapper was fixed; re-check ``DOCUMENTED_DEVICE_CALL``.
     """
     from onnxruntime.training.api import LinearLRScheduler
 
@@ -215,8 +215,8 @@ def test_ort_python_linear_scheduler_still_swaps_warmup_and_total(mlp_sgd: Expor
     assert lrs != pytest.approx(asked_for)
 
 
-#: The call the README tells a Python device script to write for the product's linear schedule.
-README_DEVICE_CALL = "LinearLRScheduler(optimizer, T, W, lr)"
+#: The call docs/guide/training.md tells a Python device script to write for the product's linear schedule.
+DOCUMENTED_DEVICE_CALL = "LinearLRScheduler(optimizer, T, W, lr)"
 
 
 def _product_schedule(step: int, *, warmup: int, total: int) -> float:
@@ -227,18 +227,19 @@ def _product_schedule(step: int, *, warmup: int, total: int) -> float:
 
 
 @pytest.mark.parametrize(("warmup", "total"), [(3, 8), (2, 10), (0, 6)], ids=["W3-T8", "W2-T10", "W0-T6"])
-def test_readme_device_call_of_orts_python_scheduler_gives_the_product_schedule(
+def test_documented_device_call_of_orts_python_scheduler_gives_the_product_schedule(
     mlp_sgd: Exported, warmup: int, total: int
 ) -> None:
-    """ORT's own Python API, as a device script uses it, with the counts passed as the README says."""
+    """ORT's own Python API, as a device script uses it, with the counts passed as docs/guide/training.md says."""
     from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
-    assert README_DEVICE_CALL in " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    page = Path(__file__).parents[1] / "docs" / "guide" / "training.md"
+    assert DOCUMENTED_DEVICE_CALL in " ".join(page.read_text().split())
     artifacts, lr = mlp_sgd.artifacts, 0.2
     module = Module(str(artifacts.training_model), CheckpointState.load_checkpoint(str(artifacts.checkpoint)),
                     str(artifacts.eval_model))
     optimizer = Optimizer(str(artifacts.optimizer_model), module)
-    scheduler = LinearLRScheduler(optimizer, total, warmup, lr)  # README_DEVICE_CALL with T=total, W=warmup
+    scheduler = LinearLRScheduler(optimizer, total, warmup, lr)  # DOCUMENTED_DEVICE_CALL with T=total, W=warmup
     x, y = blobs(8, seed=2)
     module.train()
     lrs = []

@@ -74,7 +74,7 @@ def test_notebooks_extra_names_what_the_notebooks_import() -> None:
     assert {"nbclient", "nbformat", "ipykernel", "matplotlib", "scikit-learn", "torchmetrics"} <= names
 
 
-#: What the README's Quick start installs: every later section can count on these.
+#: What the README's set-up installs: every section and page can count on these.
 QUICK_START_EXTRAS = ("cpu", "cli")
 
 
@@ -98,18 +98,25 @@ def _provided_by(extras: set[str]) -> set[str]:
     return {canonicalize_name(Requirement(text).name) for text in texts} | {canonicalize_name(PROJECT["name"])}
 
 
-def test_every_readme_section_installs_what_its_python_blocks_import() -> None:
+def _readme_sections_and_docs_pages() -> list[tuple[str, str]]:
+    """Each README section, and each page under docs/ whole: the units that name the extras their code needs."""
     readme = (ROOT / "README.md").read_text()
+    sections = [(f"README section {text.splitlines()[0]!r}", text) for text in readme.split("\n## ")]
+    pages = [(path.relative_to(ROOT).as_posix(), path.read_text()) for path in sorted((ROOT / "docs").rglob("*.md"))]
+    return sections + pages
+
+
+def test_every_readme_section_and_docs_page_installs_what_its_python_blocks_import() -> None:
     checked = []
-    for section in readme.split("\n## "):
-        blocks = re.findall(r"```python[^\n]*\n(.*?)```", section, re.DOTALL)
-        installs = re.findall(r'pip install -e "\.\[([\w,]+)\]"', section)
+    for name, text in _readme_sections_and_docs_pages():
+        blocks = re.findall(r"```python[^\n]*\n(.*?)```", text, re.DOTALL)
+        installs = re.findall(r'pip install -e "\.\[([\w,]+)\]"', text)
         named = {extra for group in installs for extra in group.split(",")}
         needed = set().union(*map(_distributions_imported, blocks)) if blocks else set()
         missing = needed - _provided_by({*QUICK_START_EXTRAS, *named})
-        assert not missing, f"README section {section.splitlines()[0]!r} imports {sorted(missing)}; name an extra"
-        checked.append(section.splitlines()[0])
-    assert "Hugging Face models" in checked
+        assert not missing, f"{name} imports {sorted(missing)}; name an extra"
+        checked.append(name)
+    assert "docs/guide/huggingface.md" in checked
 
 
 def test_hf_extra_pins_transformers_as_the_tests_do() -> None:

@@ -115,7 +115,7 @@ def test_ort_loop_without_an_lr_equals_the_module_on_the_original_folder(
 
 
 def test_a_plain_folder_trains_at_orts_default_rate_without_an_lr(mlp_adamw: Exported) -> None:
-    """What the README says a plain folder does in a browser: ORT's default 1e-3."""
+    """What docs/browsers.md says a plain folder does in a browser: ORT's default 1e-3."""
     batches = _batches()
     device = ort_device_loop(mlp_adamw.artifacts.directory, batches, lr=None, graphs="onnx")
     reference = mlp_adamw.reference()

@@ -1,6 +1,6 @@
 """The device runner (``ort_lightning/web/runner.js``) trains in onnxruntime-web as ONNX Runtime's Python loop.
 
-Node runs ``tests/web/train_device.mjs`` (the README's example) on a device folder of the digits
+Node runs ``tests/web/train_device.mjs`` (the example of docs/browsers.md) on a device folder of the digits
 MLP: the runner opens onnxruntime-web's training build on the graphs and the nominal checkpoint,
 takes a server's weights, trains 2 epochs over 3 batches (int64 labels), evaluates and returns
 the weights. The reference is ONNX Runtime's documented device loop in Python on a copy of the
@@ -297,12 +297,12 @@ def test_eval_outputs_of_a_generated_folder_without_model_outputs_are_refused(tm
         run_node(ROOT / "tests" / "web" / "mistakes.mjs", str(job), "outputs-of-a-loss-only-eval-graph")
 
 
-# ----------------------------------------------------------------------------- the README's example is the driver
+# ----------------------------------------------------------------------------- the page's example is the driver
 def test_readme_example_is_what_the_node_test_runs() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### The device runner", 1)[1]
+    page = (ROOT / "docs" / "browsers.md").read_text(encoding="utf-8")
+    section = page.split("## The device runner", 1)[1]
     example = re.search(r"^```js\n(.*?)^```$", section, re.S | re.M)
-    assert example is not None, "README's device runner section has no js block"
+    assert example is not None, "the device runner section of docs/browsers.md has no js block"
     assert example.group(1) in DRIVER.read_text(encoding="utf-8")
 
 

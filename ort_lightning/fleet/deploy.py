@@ -1,8 +1,8 @@
 """The digits fleet as a Flower app for Flower's deployment runtime: a SuperLink, SuperNodes, ``flwr run``.
 
 `client` (a ``ClientApp``) and `server` (a ``ServerApp``) are the apps that a Flower app project
-names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and the README's
-"Fleet experiments" section gives the commands. Both read Flower's run config: the keys of a
+names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and docs/fleets.md
+("From the simulation to Flower's deployment runtime") gives the commands. Both read Flower's run config: the keys of a
 `FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
 plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
 is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the

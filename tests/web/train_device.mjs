@@ -1,4 +1,4 @@
-// node tests/web/train_device.mjs job.json: what tests/test_web_runner.py runs (and README's example).
+// node tests/web/train_device.mjs job.json: what tests/test_web_runner.py runs (and the example of docs/browsers.md).
 //
 // The job names onnxruntime-web's dist/ folder, the runner, a device folder, the graphs' format
 // ('ort' or 'onnx'), the epochs, and raw little-endian files: the weights (float32) and each batch's
@@ -18,7 +18,7 @@ const weights = await load(job.weights, 'float32');
 const batches = await Promise.all(job.batches.map((batch) => Promise.all(
   batch.map(async ({ file, type, dims }) => ({ type, data: await load(file, type), dims })))));
 
-// README "The device runner": from here to release(), as written there.
+// docs/browsers.md, "The device runner": from here to release(), as written there.
 const ort = await import(pathToFileURL(`${dist}/ort.training.wasm.min.mjs`).href); // the training build
 const { openDevice } = await import(pathToFileURL(runner).href); // ort_lightning/web/runner.js
 const read = async (name) => new Uint8Array(await readFile(join(folder, name)));
