@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import resource
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from onnxruntime.training.api import CheckpointState
+from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
@@ -29,7 +31,14 @@ flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from ort_lightning.fleet import DeviceClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    ClientData,
+    DeviceClient,
+    FleetServer,
+    GlobalModel,
+    round_path,
+    run_local,
+)
 from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
 
@@ -181,7 +190,8 @@ def test_a_device_reports_its_set_up_fit_and_steps(folders: tuple[TrainingArtifa
     batches = len(DATA(0, DEVICES).train)
     assert metrics["steps"] == 2 * batches
     assert metrics["num-examples"] == len(DATA(0, DEVICES).train.dataset)  # type: ignore[arg-type]
-    assert 0 < metrics["setup_seconds"] < 5 and 0 < metrics["fit_seconds"] < 5  # type: ignore[operator]
+    assert 0 < metrics["setup_seconds"] < 5  # type: ignore[operator]
+    assert 0 < metrics["fit_seconds"] < 5  # type: ignore[operator]
     assert metrics["steps_per_second"] == pytest.approx(metrics["steps"] / metrics["fit_seconds"])  # type: ignore[operator]
 
 
@@ -203,7 +213,7 @@ def test_the_experiment_prints_and_records_the_devices_timings(
 def test_a_nominal_start_without_a_nominal_checkpoint_is_named(tmp_path: Path) -> None:
     plain = export_artifacts(digits_mlp(HIDDEN), torch.zeros(2, FEATURES), tmp_path / "plain", verify=False)
     client = DeviceClient(plain.directory, DATA, start="nominal")
-    with pytest.raises(ConfigurationError, match=r"start=\"nominal\" needs a nominal checkpoint .* nominal_checkpoint=True"):
+    with pytest.raises(ConfigurationError, match=r"\"nominal\" needs a nominal checkpoint .*nominal_checkpoint=True"):
         client.folder()
 
 
@@ -219,8 +229,50 @@ def test_values_of_another_model_are_refused_by_name(
     _, device = folders
     other = export_artifacts(digits_mlp(8), torch.zeros(2, FEATURES), tmp_path / "other", verify=False)
     message = _message(_values(other.checkpoint))
-    with pytest.raises(ConfigurationError, match=r"the device folder trains .*start the FleetServer from the artifacts"):
+    with pytest.raises(ConfigurationError, match=r"the device folder trains .*start the FleetServer from the artif"):
         DeviceClient(device.directory, DATA).train(message, _context(0))
+
+
+# ----------------------------------------------------------------------------- faults, as for every device
+HUNG, FAILING, NAN = 0, 1, 2
+RELEASE = threading.Event()
+
+
+def _faulty_data(partition: int, partitions: int) -> ClientData:
+    """Device 0 hangs until released, device 1 raises, device 2's features are NaN; 3 and 4 are healthy."""
+    data = DATA(partition, partitions)
+    if partition == HUNG:
+        RELEASE.wait(60)
+    if partition == FAILING:
+        raise RuntimeError("this device's storage is gone")
+    if partition == NAN:
+        x, y = data.train.dataset.tensors  # type: ignore[attr-defined]
+        return ClientData(train=DataLoader(TensorDataset(torch.full_like(x, float("nan")), y), batch_size=32))
+    return data
+
+
+def test_a_hung_a_failing_and_a_diverging_device_leave_the_round_to_the_others(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    exported, device = folders
+    RELEASE.clear()
+    client = DeviceClient(device.directory, _faulty_data, epochs=1)
+    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=5, min_train_nodes=5)
+    fleet = FleetServer(GlobalModel(exported), strategy, rounds=1, directory=tmp_path, device_timeout=3.0)
+    try:
+        run_local(fleet.server_app(), client.client_app(), nodes=5)
+    finally:
+        RELEASE.set()
+    [record] = fleet.history
+    assert sorted(record.failures) == [HUNG + 1, FAILING + 1, NAN + 1]  # LocalGrid's node ids count from 1
+    assert "did not answer within the device timeout of 3 s" in record.failures[HUNG + 1]
+    assert "RuntimeError: this device's storage is gone" in record.failures[FAILING + 1]
+    assert re.search(r"NonFiniteLossError: The device's training loss is nan at step 1 of local epoch 1",
+                     record.failures[NAN + 1])
+    start = _values(exported.checkpoint)
+    fits = [(ort_device_loop(device.directory, list(DATA(p, 5).train), lr=None, graphs="ort", values=start),
+             len(DATA(p, 5).train.dataset)) for p in (3, 4)]  # type: ignore[arg-type]
+    _assert_close(_values(round_path(tmp_path, 1)), _fedavg(fits), atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- Node: the same round

@@ -5,7 +5,8 @@ name). The device opens the device folder's files as a phone or a page opens the
 (`ort_lightning.ort.device.OrtDevice`: the ``.ort`` graphs where present, the nominal
 checkpoint plus the server's values as one float32 buffer), trains `epochs` local epochs (per
 batch one train step, one optimizer step and a gradient reset, ``runner.js``'s loop), and
-replies with its values and ``num-examples`` (its training set's size: FedAvg's weight),
+replies with its values (a loss that turns NaN or infinite is an error reply instead, as a
+module's ``on_nonfinite="raise"`` makes it) and ``num-examples`` (its training set's size: FedAvg's weight),
 ``train_loss`` (the mean of the last epoch's losses, as a page reports it), ``steps``,
 ``setup_seconds`` (from the handler's start to the first step: the data, the values, opening
 the device), ``fit_seconds`` (the training loop) and ``steps_per_second``. ``evaluate``
@@ -63,7 +64,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.errors import ConfigurationError
+from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from ort_lightning.fleet.client import (
     ARRAYS_KEY,
     METRICS_KEY,
@@ -222,6 +223,7 @@ class DeviceClient:
                 losses.append(trained.losses)
                 examples = trained.examples
             seconds = time.perf_counter() - started
+            _check_finite(losses)
             values = folder.named(device.get_weights())
             if self.optimizer_state == "keep":
                 context.state[_STATE_KEY] = _saved(device)
@@ -272,6 +274,21 @@ class DeviceClient:
             path = Path(folder) / "device.ortckpt"
             path.write_bytes(stored["checkpoint"].numpy().tobytes())
             yield path
+
+
+def _check_finite(losses: list[list[float]]) -> None:
+    """Refuse a round whose loss went NaN or infinite: its weights must not reach the strategy.
+
+    Raises:
+        NonFiniteLossError: naming the epoch and step (the device's error reply; the round aggregates the others).
+    """
+    for epoch, epoch_losses in enumerate(losses, start=1):
+        bad = next((step for step, loss in enumerate(epoch_losses, start=1) if not math.isfinite(loss)), None)
+        if bad is not None:
+            raise NonFiniteLossError(
+                f"The device's training loss is {epoch_losses[bad - 1]} at step {bad} of local epoch {epoch}, so its "
+                "weights are not sent; the round goes on without it (lower the lr, or check this device's data)."
+            )
 
 
 def _saved(device: OrtDevice) -> ArrayRecord:
