@@ -276,6 +276,7 @@ def test_a_hung_a_failing_and_a_diverging_device_leave_the_round_to_the_others(
 
 
 # ----------------------------------------------------------------------------- Node: the same round
+@pytest.mark.slow
 @RunIf(node=True)
 @pytest.mark.parametrize("epochs", [1, 2, 3], ids=["1-epoch", "2-epochs", "3-epochs"])
 def test_node_runs_a_devices_round_as_the_python_device_does(
@@ -298,3 +299,29 @@ def test_node_runs_a_devices_round_as_the_python_device_does(
     # NOTE: the README's tolerance for browsers: 1e-5 per 1e-3 of rate
     np.testing.assert_allclose(trained, np.concatenate([array.ravel() for array in python]), rtol=0,
                                atol=1e-5 * LR / 1e-3)
+
+
+# ----------------------------------------------------------------------------- Ray: the round lines alone
+#: What `ort-lightning fleet` may print: its header, the round lines, the total and the files it wrote.
+PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|round checkpoints: .*|history: .*|"
+                     r"plot: .*")
+
+
+@pytest.mark.slow
+def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
+    from .test_cli import run
+
+    config = {"devices": 2, "rounds": 1, "epochs": 2, "hidden": HIDDEN, "batch_size": 32}
+    shown = {}
+    for engine in ("simulation", "local"):
+        path = tmp_path / f"{engine}.yaml"
+        path.write_text(json.dumps({**config, "engine": engine, "out": str(tmp_path / engine)}), encoding="utf-8")
+        result = run("fleet", "--config", path, cwd=tmp_path)
+        shown[engine] = result.stdout + result.stderr
+        noise = [line for line in shown[engine].splitlines() if line.strip() and not PRINTED.fullmatch(line)]
+        assert not noise, shown[engine]
+    accuracy = [re.findall(r"accuracy ([\d.]+)%", text) for text in shown.values()]
+    assert accuracy[0] == accuracy[1], shown
+    _assert_close(_values(round_path(tmp_path / "simulation" / "rounds", 1)),
+                  {n: v.astype(np.float64) for n, v in _values(round_path(tmp_path / "local" / "rounds", 1)).items()},
+                  atol=1e-6)

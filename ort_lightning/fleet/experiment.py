@@ -248,7 +248,10 @@ def _run(server: FleetServer, client: DeviceClient | FleetClient, config: FleetC
     from flwr.simulation import run_simulation
 
     quiet_ray()
-    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.cpus_per_device, "num_gpus": 0.0}}
+    # NOTE: the actors' own log lines (Flower's "Manually terminating ClientAppActor" at the end of each run) stay in
+    # the actors: a device's failure reaches the server as its error reply, which the round line names.
+    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.cpus_per_device, "num_gpus": 0.0},
+                               "init_args": {"log_to_driver": False}}
     run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices, backend_config=backend)
 
 
