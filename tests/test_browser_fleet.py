@@ -393,8 +393,7 @@ def test_a_folder_without_an_optimizer_graph_and_keep_with_browsers_are_refused(
     for name in ("ort_lightning.json", "optimizer_model.onnx", "optimizer_model.ort", "training_model.ort",
                  "eval_model.ort"):
         (folder / name).unlink()
-    with pytest.raises(ConfigurationError, match=r"no-optimizer has no optimizer graph, but a browser device trains "
-                                                 r"with one"):
+    with pytest.raises(ConfigurationError, match=r"no-optimizer has no optimizer graph, but a device trains with one"):
         BrowserFleet(folder, DATA, port=0, ort_web=CDN)
     with pytest.raises(ConfigurationError, match=r"Expected `optimizer_state: fresh` with `engine: browser`, but got "
                                                  r"\"keep\": a browser returns its weights only"):
