@@ -29,6 +29,7 @@ from tests.helpers import RunIf, ort_device_loop, ort_device_start
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import (  # noqa: E402
@@ -36,6 +37,7 @@ from ort_lightning.fleet import (  # noqa: E402
     DeviceClient,
     FleetServer,
     GlobalModel,
+    LocalGrid,
     round_path,
     run_local,
 )
@@ -55,6 +57,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArtifacts
     exported = export_artifacts(digits_mlp(HIDDEN, seed=0), torch.zeros(2, FEATURES), root / "exported",
                                 nominal_checkpoint=True, ort_format=True, verify=False)
     return exported, prepare_for_web(exported, root / "device", lr=LR)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _task_identity() -> None:
+    """Flower stamps a Message with this process's task identity, which a grid claims as Flower's runtimes do."""
+    LocalGrid(ClientApp(), nodes=1)
 
 
 def _values(path: Path) -> dict[str, np.ndarray]:
@@ -207,6 +215,21 @@ def test_the_experiment_prints_and_records_the_devices_timings(
     train = json.loads((tmp_path / "history.json").read_text())["rounds"][0]["train"]
     assert {"setup_seconds", "fit_seconds", "steps_per_second", "steps"} <= set(train)
     assert (tmp_path / "device" / "training_model.ort").is_file()  # the folder a browser loads too
+
+
+def test_a_device_evaluates_through_its_eval_graph_as_torch_computes(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts]
+) -> None:
+    exported, device = folders
+    message = Message(RecordDict({"arrays": _message(_values(exported.checkpoint)).content.array_records["arrays"]}),
+                      dst_node_id=1, message_type="evaluate")
+    metrics = DeviceClient(device.directory, DATA).evaluate(message, _context(2)).content.metric_records["metrics"]
+    x, y = DATA(2, DEVICES).test.dataset.tensors  # type: ignore[union-attr]
+    with torch.no_grad():
+        logits = digits_mlp(HIDDEN, seed=0)(x)  # the exported module: the checkpoint's values
+    assert metrics["num-examples"] == len(y)
+    assert metrics["eval_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert metrics["eval_accuracy"] == pytest.approx(float((logits.argmax(1) == y).float().mean()))
 
 
 # ----------------------------------------------------------------------------- bad input
