@@ -179,6 +179,8 @@ class DeviceClient:
         start: ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the server's values) or
             ``"complete"`` (the complete checkpoint, whose weights the server's values replace).
         labels: the training graph's label inputs, where the folder cannot tell (see `TrainingArtifacts.load`).
+        intra_op_threads: ONNX Runtime's intra-op threads per device: one, as a page runs it (see
+            `ort_lightning.ort.device`); 0 for ORT's default pool.
 
     Raises:
         ConfigurationError: for an unknown `optimizer_state` or `start`, or a non-positive `epochs`.
@@ -191,6 +193,7 @@ class DeviceClient:
     optimizer_state: str = "fresh"
     start: str = "auto"
     labels: tuple[str, ...] | None = None
+    intra_op_threads: int = 1
 
     def __post_init__(self) -> None:
         check_client_options(self.optimizer_state, self.start, self.epochs)
@@ -214,7 +217,8 @@ class DeviceClient:
         folder = self.folder()
         weights = folder.flat(message.content.array_records[ARRAYS_KEY])
         with self._kept(context) as kept:
-            device = OrtDevice.open(folder.files, weights=weights, checkpoint=kept, lr=folder.lr)
+            device = OrtDevice.open(folder.files, weights=weights, checkpoint=kept, lr=folder.lr,
+                                    intra_op_threads=self.intra_op_threads)
         try:
             started = time.perf_counter()
             losses, examples = [], 0
@@ -248,7 +252,7 @@ class DeviceClient:
             )
         folder = self.folder()
         device = OrtDevice.open(folder.files, weights=folder.flat(message.content.array_records[ARRAYS_KEY]),
-                                evaluation=True)
+                                evaluation=True, intra_op_threads=self.intra_op_threads)
         try:
             result = evaluate_device(device, data.test, folder.inputs)
         finally:

@@ -9,9 +9,12 @@ folder), and the weights back as one float32 buffer. `OrtDevice` is that loop in
 same sequence ``ort_lightning/web/runner.js`` runs in onnxruntime-web, so that a simulated
 device and a browser train the same files to the same numbers.
 
-ONNX Runtime's session options are its defaults (a device's numbers are ORT's), but for
-errors-only logging and intra-op threads that sleep when idle instead of spinning (which
-changes no result, and leaves the cores to the next device).
+ONNX Runtime's session options are its defaults, but for errors-only logging and the intra-op
+threads: one by default, as onnxruntime-web runs a page, so that a device's numbers do not
+depend on the cores of the machine that simulates it, and a device builds no thread pool
+(measured on 2 busy cores: opening a device took 1.4-1.7 ms on one thread, 1.6-3.4 ms with ORT's
+default pool, whose threads then also wake for every step). ``intra_op_threads=0`` takes ORT's
+default pool, whose threads sleep when idle instead of spinning.
 
 Example::
 
@@ -111,7 +114,7 @@ class OrtDevice:
     @classmethod
     def open(
         cls, files: DeviceFiles, *, weights: np.ndarray | None = None, checkpoint: Path | None = None,
-        evaluation: bool = False, lr: float | None = None,
+        evaluation: bool = False, lr: float | None = None, intra_op_threads: int = 1,
     ) -> OrtDevice:
         """Open a device on `files`, as ONNX Runtime documents a device that receives its weights.
 
@@ -128,6 +131,7 @@ class OrtDevice:
             evaluation: also load the eval graph (only `evaluate` needs it).
             lr: the learning rate to set (ONNX Runtime's ``set_learning_rate``); None leaves the rate
                 the optimizer graph computes (a folder from ``prepare_for_web``) or holds (1e-3).
+            intra_op_threads: ONNX Runtime's intra-op threads (see the module docstring); 0 for ORT's default.
 
         Raises:
             ArtifactError: for a file ONNX Runtime cannot load.
@@ -141,7 +145,8 @@ class OrtDevice:
         with _refused(f"the graphs {graphs} over {source}", "a graph is damaged or truncated, or another model's"):
             module = Module(os.fspath(files.training), state,
                             os.fspath(files.eval) if evaluation and files.eval is not None else None,
-                            device="cpu", session_options=session_options(spinning=False))
+                            device="cpu",
+                            session_options=session_options(spinning=False, intra_op_threads=intra_op_threads))
         _state_outlives(module, state)
         if weights is not None:
             copy_parameters(module, weights)
