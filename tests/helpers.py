@@ -2,7 +2,8 @@
 
 - `ort_device_loop` is the independent reference a device folder is held to: ONNX Runtime's own
   Python API (``CheckpointState.load_checkpoint``, ``Module``, ``Optimizer``, ``train_step`` /
-  ``optimizer.step()`` / ``lazy_reset_grad()``), on the files themselves, never through the package.
+  ``optimizer.step()`` / ``lazy_reset_grad()``), on the files themselves, never through the package;
+  `ort_device_run` is the same loop, its losses kept too.
 - `quiet_trainer` is a real ``Trainer`` with its progress bar, model summary and logger off.
 - `GradientProbe` keeps the gradients the first optimizer step applies and every training loss.
 - `RunIf` is one ``skipif`` marker for what a test needs of the machine, as Lightning's own tests have.
@@ -15,6 +16,7 @@ import os
 import sys
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from onnxruntime import OrtValue
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-__all__ = ["GradientProbe", "RunIf", "checkpointing_for", "ort_deaths", "ort_device_loop", "ort_device_start",
-           "quiet_trainer"]
+__all__ = ["DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "ort_deaths", "ort_device_loop",
+           "ort_device_run", "ort_device_start", "quiet_trainer"]
 
 Tensor = torch.Tensor | np.ndarray
 
@@ -58,7 +60,7 @@ def _buffer(training: str, values: Mapping[str, Tensor] | np.ndarray) -> np.ndar
 
 def ort_device_start(
     folder: Path, *, prefix: str = "", graphs: str | None = None, checkpoint: Path | None = None,
-    values: Mapping[str, Tensor] | np.ndarray | None = None,
+    values: Mapping[str, Tensor] | np.ndarray | None = None, session_options: Any = None,
 ) -> tuple[CheckpointState, Module, Optimizer]:
     """ONNX Runtime's documented start of a device on `folder`'s files: state, module, optimizer.
 
@@ -70,6 +72,7 @@ def ort_device_start(
             ``{prefix}nominal_checkpoint``.
         values: the weights a server sends (by name, or one buffer already in the graph's input
             order), copied in with ``copy_buffer_to_parameters``.
+        session_options: the ``SessionOptions`` of ORT's Module; None, ORT's defaults (what a device runs).
 
     Returns:
         The checkpoint state (its parameters are the module's), the module and the optimizer.
@@ -77,7 +80,8 @@ def ort_device_start(
     default = "nominal_checkpoint" if values is not None else "checkpoint"
     state = CheckpointState.load_checkpoint(str(checkpoint or folder / f"{prefix}{default}"))
     training = graph_file(folder, "training_model", prefix=prefix, graphs=graphs)
-    module = Module(training, state, graph_file(folder, "eval_model", prefix=prefix, graphs=graphs))
+    module = Module(training, state, graph_file(folder, "eval_model", prefix=prefix, graphs=graphs),
+                    session_options=session_options)
     if values is not None:
         # NOTE: ORT 1.19.2's Module.copy_buffer_to_parameters hands its binding the Python OrtValue, which the
         # binding refuses; the binding takes the C-level one.
@@ -115,26 +119,44 @@ def ort_deaths(module: Module, state: CheckpointState) -> list[str]:
     return deaths
 
 
-def ort_device_loop(folder: Path, batches: Iterable[Sequence[Tensor]], *, lr: float | None,
-                    **start: Any) -> dict[str, np.ndarray]:
-    """ONNX Runtime's documented training loop on `folder`'s files; the parameters after it.
+@dataclass(frozen=True)
+class DeviceRun:
+    """What ONNX Runtime's documented loop gave: each step's loss and the parameters after the last step."""
+
+    losses: list[float]
+    parameters: dict[str, np.ndarray]
+
+
+def ort_device_run(folder: Path, batches: Iterable[Sequence[Tensor]], *, lr: float | None,
+                   **start: Any) -> DeviceRun:
+    """ONNX Runtime's documented training loop on `folder`'s files: its losses and the parameters after it.
 
     Args:
         folder: the folder of the graphs and the checkpoint.
         batches: each batch's graph inputs, in order (torch tensors or numpy arrays).
         lr: the constant learning rate set on the optimizer; None never sets one (as onnxruntime-web
             cannot), which leaves the rate the optimizer graph holds.
-        **start: `ort_device_start`'s options (``prefix``, ``graphs``, ``checkpoint``, ``values``).
+        **start: `ort_device_start`'s options (``prefix``, ``graphs``, ``checkpoint``, ``values``,
+            ``session_options``).
     """
     state, module, optimizer = ort_device_start(folder, **start)
     if lr is not None:
         optimizer.set_learning_rate(lr)
     module.train()
+    losses = []
     for batch in batches:
-        module(*(_numpy(tensor) for tensor in batch))
+        outputs = module(*(_numpy(tensor) for tensor in batch))
+        # NOTE: ORT's Module returns its one output alone, several as a sequence; the loss comes first.
+        losses.append(float(outputs if isinstance(outputs, np.ndarray) else outputs[0]))
         optimizer.step()
         module.lazy_reset_grad()
-    return {name: np.array(parameter.data) for name, parameter in state.parameters}
+    return DeviceRun(losses, {name: np.array(parameter.data) for name, parameter in state.parameters})
+
+
+def ort_device_loop(folder: Path, batches: Iterable[Sequence[Tensor]], *, lr: float | None,
+                    **start: Any) -> dict[str, np.ndarray]:
+    """ONNX Runtime's documented training loop on `folder`'s files; the parameters after it (`ort_device_run`)."""
+    return ort_device_run(folder, batches, lr=lr, **start).parameters
 
 
 # ----------------------------------------------------------------------------- the quiet Trainer

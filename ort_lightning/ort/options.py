@@ -1,13 +1,14 @@
 """ONNX Runtime's session options as ort-lightning sets them.
 
-Errors-only logging, thread pools, spinning, custom operator libraries.
+Errors-only logging, thread pools, spinning, custom operator libraries. Everything else is ORT's
+default, so that a session here computes what ORT's documented loop computes on a device.
 
 Example::
 
     >>> session_options(spinning=False).log_severity_level
     3
-    >>> session_options().enable_mem_pattern  # they cost memory and no time: see the note below
-    False
+    >>> session_options().enable_mem_pattern  # ORT's default: see the note in `session_options`
+    True
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ def session_options(
     Nothing is loaded unless the caller names a library: never implicitly from an artifacts folder.
     ``spinning=False`` makes ORT's idle intra-op threads sleep instead of spinning, which pays when
     several processes share the cores (DDP ranks on one CPU), or when torch runs right after ORT.
-    ``intra_op_threads`` sizes ORT's intra-op pool; 0 leaves ORT's own default.
+    ``intra_op_threads`` sizes ORT's intra-op pool; 0 leaves ORT's own default. Neither changes a
+    result: every setting the product builds trains as ORT's default ``SessionOptions()`` does, to
+    the bit on the zoo and ORT's tutorial graphs (``tests/test_session_numerics.py``). Everything
+    else, memory patterns and the CPU arena included, is ORT's default, which is what a device runs.
 
     Raises:
         ConfigurationError: for a library file that is missing or that ORT cannot load.
@@ -38,11 +42,12 @@ def session_options(
     options = _C.SessionOptions()
     options.log_severity_level = _SEVERITY_ERROR
     options.intra_op_num_threads = intra_op_threads
-    # NOTE: memory patterns off: ORT allocates a pattern at the second step beside the first step's arena chunks,
-    # 20-36 MB more at peak on bert-tiny and resnet-tiny, for no faster a step (BENCHMARKS.md, "Memory of one
-    # fit"). The heap corruption once blamed on this was ORT's C++ Module writing into a freed CheckpointState
-    # (`session._state_outlives`).
-    options.enable_mem_pattern = False
+    # NOTE: memory patterns stay on, ORT's default, though off saves 10-36 MB at peak on bert-tiny, gpt2-tiny,
+    # lstm and resnet-tiny for no slower a step (BENCHMARKS.md, "Memory of one fit"). They decide where ORT's
+    # arena puts each buffer, and a graph that writes past a buffer hits another tensor without them:
+    # generate_artifacts' MobileBertForMaskedLM does (its position embeddings' GatherGrad gets the batch's
+    # gradient unsummed), and with patterns off its losses ended 4 steps 3.7e-5 off ORT's documented loop
+    # (1.9e-6 with them), its word embeddings 4.9e-3 (4.3e-4).
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if custom_op_library is not None:
