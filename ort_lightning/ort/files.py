@@ -1,7 +1,7 @@
-"""Files ONNX Runtime reads and writes: checkpoints, properties, inference models, graph inputs.
+"""Files ONNX Runtime reads: checkpoint summaries, and the inputs and outputs of a graph file (``.ort`` too).
 
-Checkpoint summaries and saves, stored properties, inference exports, and the inputs and outputs
-of a graph file (``.ort`` included).
+A running session writes its own files (`ort_lightning.ort.session.TrainingSession.save`,
+``export_for_inferencing``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import contextlib
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort._api import (
@@ -19,23 +19,16 @@ from ort_lightning.ort._api import (
 )
 from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort._api import ort_flatbuffers as _fbs
-
-if TYPE_CHECKING:
-    from ort_lightning.ort.session import TrainingSession
-
 from ort_lightning.ort.options import session_options
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",
     "WRITE_ERRORS",
     "checkpoint_summary",
-    "export_for_inferencing",
     "nominal_summary",
     "ort_graph_io",
     "ort_metadata",
     "ort_node_attributes",
-    "save_checkpoint",
-    "set_properties",
 ]
 
 
@@ -160,20 +153,3 @@ CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, _C.Fail
 #: (a full disk gives a RuntimeError whose text says "errno:28" for a checkpoint, "Protobuf serialization failed"
 #: for an inference model).
 WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, *CHECKPOINT_READ_ERRORS)
-
-
-def save_checkpoint(session: TrainingSession, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:
-    """Write the session's CheckpointState (and optionally the optimizer's step and moments) to `path`."""
-    _C.save_checkpoint(session._state._state, os.fspath(path), include_optimizer_state)
-
-
-def set_properties(session: TrainingSession, properties: dict[str, int | float | str]) -> None:
-    """Store int, float or str properties in the session's CheckpointState (saved with it)."""
-    state = session._state._state
-    for name, value in properties.items():
-        state.add_property(name, value)
-
-
-def export_for_inferencing(session: TrainingSession, path: os.PathLike[str] | str, outputs: Sequence[str]) -> None:
-    """Write the eval graph with the current parameters as an inference model producing `outputs`."""
-    session._module._model.export_model_for_inferencing(os.fspath(path), list(outputs))

@@ -281,9 +281,9 @@ def write_ort_checkpoint(
     properties: dict[str, int | float | str],
 ) -> Path:
     """Store `properties` (and the package version) in `session`'s state and write it to `path` atomically."""
-    _ort.set_properties(session, {"ort_lightning_version": _version(), **properties})
+    session.set_properties({"ort_lightning_version": _version(), **properties})
     atomic_write(
-        path, lambda temp: _ort.save_checkpoint(session, temp, include_optimizer_state=include_optimizer_state)
+        path, lambda temp: session.save(temp, include_optimizer_state=include_optimizer_state)
     )
     return Path(path)
 
@@ -303,5 +303,5 @@ def export_inference(
             f"Expected `outputs` to name outputs of the eval graph {available}, but got {list(names)}; "
             "pass some of those names, or None for the model's own outputs."
         )
-    atomic_write(path, lambda temp: _ort.export_for_inferencing(session, temp, list(names)), digest=False)
+    atomic_write(path, lambda temp: session.export_for_inferencing(temp, list(names)), digest=False)
     return Path(path)

@@ -80,7 +80,7 @@ def snapshot(session: _ort.TrainingSession, *, include_optimizer_state: bool) ->
     """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh)."""
     with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
         path = Path(folder) / "state"
-        _ort.save_checkpoint(session, path, include_optimizer_state=include_optimizer_state)
+        session.save(path, include_optimizer_state=include_optimizer_state)
         yield path
 
 
@@ -90,16 +90,13 @@ class SessionViews:
     Args:
         module: the module the ORT parameters are registered on, under the torch model's names.
         artifacts: what to build from.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        settings: how the session runs (device, threads, the eval graph or not, custom operators);
+            without the eval graph (training alone: one session fewer to build and hold), `infer`,
+            `predict` and `evaluate` need a rebuild with it.
         checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
-        spinning: whether ORT's worker threads spin between steps.
-        intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
-        custom_op_library: a shared library of custom operators to register with ONNX Runtime.
         values: name -> tensor for every state tensor (`ort_lightning.artifacts.state.state_specs`),
             copied into ORT's state before the views are bound, in place of the checkpoint's
             weights; with a nominal `checkpoint` (no weights) they are the only weights there are.
-        evaluation: False builds ORT's Module without the eval graph (training alone: one session
-            fewer to build and hold); `infer`, `predict` and `evaluate` then need a rebuild with it.
 
     Raises:
         ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors, or
@@ -111,26 +108,18 @@ class SessionViews:
         module: torch.nn.Module,
         artifacts: TrainingArtifacts,
         *,
-        device: str,
+        settings: _ort.SessionSettings,
         checkpoint: Path | _ort.HeldState | None = None,
-        spinning: bool = True,
-        intra_op_threads: int = 0,
-        custom_op_library: str | None = None,
         values: Mapping[str, object] | None = None,
-        evaluation: bool = True,
     ) -> None:
         self.artifacts = artifacts
-        self.custom_op_library = custom_op_library
         start = start_checkpoint(artifacts, checkpoint, weights_given=values is not None)
         self.session = _ort.assemble(
             training_model=artifacts.training_model,
-            eval_model=artifacts.eval_model if evaluation else None,
+            eval_model=artifacts.eval_model,
             optimizer_model=artifacts.optimizer_model,
             checkpoint=start,
-            device=device,
-            custom_op_library=custom_op_library,
-            spinning=spinning,
-            intra_op_threads=intra_op_threads,
+            settings=settings,
             parameters=None if values is None else flat_values(values, state_specs(artifacts)),
         )
         self.device = torch.device(self.session.device)
