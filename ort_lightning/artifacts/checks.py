@@ -54,6 +54,8 @@ class GraphFacts:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[str, ...]
     op_types: frozenset[str]
+    #: Each output's static dimensions, in `outputs`' order (0 for a symbolic or unknown one).
+    output_dims: tuple[tuple[int, ...], ...] = ()
 
     @property
     def role(self) -> str:
@@ -98,8 +100,9 @@ def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
             f"{path} holds no graph ({path.stat().st_size} bytes, no nodes): it is empty or truncated; {_ADVICE}."
         )
     inputs = TensorSpec.of_inputs(graph.input)
+    dims = tuple(tuple(dim.dim_value for dim in info.type.tensor_type.shape.dim) for info in graph.output)
     return GraphFacts(path, inputs, tuple(info.name for info in graph.output),
-                      frozenset(node.op_type for node in graph.node))
+                      frozenset(node.op_type for node in graph.node), dims)
 
 
 def check_graphs(graphs: Mapping[str, GraphFacts]) -> None:

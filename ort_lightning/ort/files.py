@@ -26,9 +26,11 @@ __all__ = [
     "WRITE_ERRORS",
     "checkpoint_summary",
     "nominal_summary",
+    "nominal_summary_of",
     "ort_graph_io",
     "ort_metadata",
     "ort_node_attributes",
+    "summary_of",
 ]
 
 
@@ -115,12 +117,21 @@ _ORT_TYPES = {
 
 def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
     """Read a CheckpointState file: ``(name, shape, requires_grad)`` per parameter, and its properties."""
-    state = CheckpointState.load_checkpoint(os.fspath(path))._state
+    return summary_of(CheckpointState.load_checkpoint(os.fspath(path)))
+
+
+def summary_of(state: Any) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
+    """``(name, shape, requires_grad)`` per parameter of ORT's CheckpointState `state`, and its properties.
+
+    Raises:
+        RuntimeError: (one of `CHECKPOINT_READ_ERRORS`) for a nominal state (its parameters hold no data yet).
+    """
+    bound = state._state
     parameters = []
-    for name in state.parameter_names():
-        parameter = state.get_parameter(name)
+    for name in bound.parameter_names():
+        parameter = bound.get_parameter(name)
         parameters.append((name, tuple(parameter.data.shape()), bool(parameter.requires_grad)))
-    properties = {name: state.get_property(name) for name in state.property_names()}
+    properties = {name: bound.get_property(name) for name in bound.property_names()}
     return parameters, properties
 
 
@@ -134,15 +145,20 @@ def nominal_summary(path: os.PathLike[str] | str) -> tuple[list[str], dict[str, 
     Raises:
         RuntimeError: (one of `CHECKPOINT_READ_ERRORS`) for a file ONNX Runtime cannot read at all.
     """
-    state = CheckpointState.load_checkpoint(os.fspath(path))._state
-    names = list(state.parameter_names())
+    return nominal_summary_of(CheckpointState.load_checkpoint(os.fspath(path)))
+
+
+def nominal_summary_of(state: Any) -> tuple[list[str], dict[str, Any]] | None:
+    """`nominal_summary` of ORT's CheckpointState `state`, already read."""
+    bound = state._state
+    names = list(bound.parameter_names())
     try:
         for name in names[:1]:
-            state.get_parameter(name)
+            bound.get_parameter(name)
     except RuntimeError as error:
         if "nominal state" not in str(error):
             raise
-        return names, {name: state.get_property(name) for name in state.property_names()}
+        return names, {name: bound.get_property(name) for name in bound.property_names()}
     return None
 
 

@@ -35,6 +35,7 @@ from ort_lightning.ort.session import (
     buffer_order,
     optimizer_kind_in,
     parse_device,
+    read_state,
     session_options,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "ort_metadata",
     "ort_node_attributes",
     "parse_device",
+    "read_state",
     "session_options",
     "set_seed",
     "versions",

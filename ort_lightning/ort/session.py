@@ -30,7 +30,7 @@ from ort_lightning.ort._api import (
     onnxruntime,
 )
 from ort_lightning.ort._api import capi as _C
-from ort_lightning.ort.files import ort_graph_io
+from ort_lightning.ort.files import nominal_summary_of, ort_graph_io, summary_of
 from ort_lightning.ort.generate import OPTIMIZER_NODES as _OPTIMIZER_NODES
 from ort_lightning.ort.generate import optimizer_kind_of
 from ort_lightning.ort.graph_files import load_graph
@@ -47,6 +47,7 @@ __all__ = [
     "copy_parameters",
     "optimizer_kind_in",
     "parse_device",
+    "read_state",
     "refused",
     "session_options",
     "state_outlives",
@@ -249,10 +250,37 @@ def _closed(*_: Any) -> Any:
 
 @dataclass(frozen=True)
 class HeldState:
-    """A closed session's CheckpointState, on its way to the next build on the same `device` (see `handover`)."""
+    """ORT's CheckpointState in memory, on its way to one build (`assemble(checkpoint=...)`).
+
+    Either a closed session's, for the next build on the same `device` (see `TrainingSession.handover`),
+    or one read from the file `source` (`read_state`), whose summary is then read from the same read.
+    """
 
     state: Any
-    device: str
+    device: str | None = None
+    source: str | None = None
+
+    def summary(self) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
+        """``(name, shape, requires_grad)`` per parameter, and the properties.
+
+        Raises:
+            RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a nominal state.
+        """
+        return summary_of(self.state)
+
+    def nominal_summary(self) -> tuple[list[str], dict[str, Any]] | None:
+        """The parameter names and properties of a nominal state; None for a state that holds weights."""
+        return nominal_summary_of(self.state)
+
+
+def read_state(path: os.PathLike[str] | str) -> HeldState:
+    """Read an ORT checkpoint file once: its summary and the build it starts come from this one read.
+
+    Raises:
+        RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a file ONNX Runtime cannot read.
+    """
+    source = os.fspath(path)
+    return HeldState(CheckpointState.load_checkpoint(source), source=source)
 
 
 def assemble(
@@ -299,7 +327,7 @@ def assemble(
         optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
     eval_graph = eval_model if settings.evaluation else None
     if isinstance(checkpoint, HeldState):
-        state, source = checkpoint.state, "the running session's state"
+        state, source = checkpoint.state, checkpoint.source or "the running session's state"
     else:
         source = os.fspath(checkpoint)
         with refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):

@@ -28,7 +28,7 @@ from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.runtime import SessionSettings
 from ort_lightning.strategies import check_strategy
 from ort_lightning.training.checkpointing.connector import CheckpointConnector
-from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
+from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 from ort_lightning.training.checkpointing.io import install_atomic_io
 from ort_lightning.training.checkpointing.methods import CheckpointMethods
 from ort_lightning.training.guards import check_precision, check_torch_parameters, label_range_of, updated_parameters
@@ -159,10 +159,14 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
-        source = None if checkpoint is None else Path(checkpoint)
-        self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(
-            read_checkpoint(source, self.artifacts, weights_given=values is not None)))
-        self._start_session(device, checkpoint=source, values=values)
+        start: _ort.HeldState | None = None
+        if checkpoint is None:
+            self._set_origin(RunOrigin())
+        else:  # NOTE: the file is read once: its check and the session's build share the read
+            properties, start = read_checkpoint_state(Path(checkpoint), self.artifacts,
+                                                      weights_given=values is not None)
+            self._set_origin(RunOrigin.of_file(properties))
+        self._start_session(device, checkpoint=start, values=values)
         schedule = module_schedule(self.artifacts, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
                                    stored=self._origin.properties, lr_scheduler=lr_scheduler,
                                    on_nonfinite=on_nonfinite, hybrid=optimizer is not None)
@@ -246,7 +250,7 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         """
         self._live.replace(values=values)
 
-    def _start_session(self, device: str, *, checkpoint: Path | None = None, values: Any = None) -> None:
+    def _start_session(self, device: str, *, checkpoint: _ort.HeldState | None = None, values: Any = None) -> None:
         """Build the ORT session (`LiveSession`, the only place it is built and changed)."""
         threads = self._threads
         self._schedule: Any = None  # the scheduler of the current fit

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
-from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
+from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
@@ -227,8 +227,9 @@ class CheckpointMethods(pl.LightningModule):
         kept = None if optimizer_state is None else Path(optimizer_state)
         settings = dataclasses.replace(self._live.settings, evaluation=evaluation)
         if kept is not None:
-            origin = RunOrigin.of_file(read_checkpoint(kept, self.artifacts, weights_given=True))
-            self._live.replace(checkpoint=kept, values=values, settings=settings)
+            properties, held = read_checkpoint_state(kept, self.artifacts, weights_given=True)
+            origin = RunOrigin.of_file(properties)
+            self._live.replace(checkpoint=held, values=values, settings=settings)
         elif self._optimizer_factory is not None or self._live.session.optimizer_kind != "adamw":
             # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
             origin = RunOrigin(seed=self._steps.seed)

@@ -80,7 +80,8 @@ class LiveSession:
             ``follow(session)`` method (`SessionFollower`) follow every rebuild. A finished fit's
             optimizers may follow too: harmless, the next fit configures new ones.
         settings: how the session runs (device, threads, the eval graph, custom operators).
-        checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
+        checkpoint: the ORT checkpoint to start from (a file, or one already read:
+            `ort_lightning.ort.runtime.read_state`); None means the artifacts' own.
         values: name -> tensor for every state tensor, in place of the checkpoint's weights
             (see `ort_lightning.training.session.session_views.SessionViews`).
 
@@ -91,7 +92,8 @@ class LiveSession:
 
     def __init__(
         self, module: torch.nn.Module, artifacts: TrainingArtifacts, steps: StepPath, *,
-        optimizers: Callable[[], Iterable[Any]], settings: SessionSettings, checkpoint: Path | None = None,
+        optimizers: Callable[[], Iterable[Any]], settings: SessionSettings,
+        checkpoint: Path | _ort.HeldState | None = None,
         values: Mapping[str, Any] | None = None,
     ) -> None:
         self.module, self.artifacts, self.steps, self.optimizers = module, artifacts, steps, optimizers
@@ -109,7 +111,7 @@ class LiveSession:
 
     def replace(
         self, *, settings: SessionSettings | None = None, values: Mapping[str, Any] | None = None,
-        checkpoint: Path | None = None, include_optimizer_state: bool = True,
+        checkpoint: Path | _ort.HeldState | None = None, include_optimizer_state: bool = True,
     ) -> bool:
         """Change the running session; the module, the step path and the fit's optimizers follow.
 
@@ -120,7 +122,8 @@ class LiveSession:
                 or left out: `evaluator` builds it again when asked); None keeps the running ones.
             values: name -> tensor for every state tensor, copied in last (without a rebuild when
                 nothing else changes).
-            checkpoint: an ORT checkpoint file to rebuild from instead of the running state.
+            checkpoint: an ORT checkpoint to rebuild from instead of the running state (a file, or one read
+                already with `ort_lightning.ort.runtime.read_state`).
             include_optimizer_state: False starts a fresh optimizer state (step 0, no moments), as
                 a new ``fit`` does; the weights are kept.
 

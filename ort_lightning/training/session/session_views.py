@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
+from ort_lightning.artifacts.checks import read_graph
 from ort_lightning.artifacts.state import check_shapes, flat_values, state_specs
 from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import BatchError, ConfigurationError
@@ -121,6 +122,7 @@ class SessionViews:
             checkpoint=start,
             settings=settings,
             parameters=None if values is None else flat_values(values, state_specs(artifacts)),
+            optimizer_kind=optimizer_kind(artifacts),
         )
         self.device = torch.device(self.session.device)
         specs = artifacts.manifest.graph_inputs
@@ -128,10 +130,11 @@ class SessionViews:
         self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
         self._placeholders: dict[int, list[torch.Tensor]] = {}
         views = self._views()
-        if not isinstance(start, _ort.HeldState):  # NOTE: a handed-over state was checked when it was first built
+        source = start.source if isinstance(start, _ort.HeldState) else start
+        if source is not None:  # NOTE: a handed-over state was checked when it was first built
             # NOTE: once per build, from the views at hand: ORT itself would refuse other shapes only at the first step.
-            check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts), source=start,
-                         artifacts=artifacts)
+            check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts),
+                         source=Path(source), artifacts=artifacts)
         #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
         self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)
@@ -221,6 +224,22 @@ class SessionViews:
             cached = [label_placeholder(spec, batch, self.device) for spec in self.artifacts.manifest.labels]
             self._placeholders[batch] = cached
         return cached
+
+
+def optimizer_kind(artifacts: TrainingArtifacts) -> str | None:
+    """What the optimizer graph runs, from the facts the folder check read (None: `assemble` reads an ``.ort`` graph).
+
+    Raises:
+        ArtifactError: for an optimizer graph with neither optimizer node.
+    """
+    path = artifacts.optimizer_model
+    if path is None:
+        return "none"
+    if path.suffix != ".onnx":
+        return None
+    # NOTE: read_graph keeps the facts the folder check read, so that the graph is read once per process.
+    kind = _ort.optimizer_kind_of(sorted(read_graph(path).op_types))
+    return kind if kind is not None else _ort.optimizer_kind_in(path)
 
 
 def state_values(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
