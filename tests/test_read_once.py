@@ -15,9 +15,10 @@ from typing import Any
 
 import onnx
 import pytest
+import torch
 from onnxruntime.training.api import CheckpointState
 
-from ort_lightning import ORTLightningModule
+from ort_lightning import ORTLightningModule, export_artifacts
 from ort_lightning.fleet.parameters import get_values
 from tests.conftest import Exported
 
@@ -70,3 +71,10 @@ def test_values_with_a_kept_optimizer_state_read_it_once(
     reads.clear()
     module.load_values(get_values(module), optimizer_state=path)
     assert reads["state.ortckpt"] == 1
+
+
+def test_an_export_reads_each_graph_once(tmp_path: Path, reads: Counter[str]) -> None:
+    # NOTE: the passes after generation read each graph once; the folder check takes them as they were written.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    export_artifacts(model, torch.zeros(2, 4), tmp_path / "artifacts", verify=False)
+    assert dict(reads) == GRAPHS
