@@ -73,8 +73,10 @@ def test_values_with_a_kept_optimizer_state_read_it_once(
     assert reads["state.ortckpt"] == 1
 
 
-def test_an_export_reads_each_graph_once(tmp_path: Path, reads: Counter[str]) -> None:
-    # NOTE: the passes after generation read each graph once; the folder check takes them as they were written.
+@pytest.mark.parametrize("verify", [False, True], ids=["unverified", "verified"])
+def test_an_export_reads_each_graph_once(tmp_path: Path, reads: Counter[str], verify: bool) -> None:
+    # NOTE: the passes after generation read each graph once; the verifier's job and the folder check take them
+    # as they were written (the verifier's child process reads its own copy: another process, not counted here).
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    export_artifacts(model, torch.zeros(2, 4), tmp_path / "artifacts", verify=False)
+    export_artifacts(model, torch.zeros(2, 4), tmp_path / "artifacts", verify=verify)
     assert dict(reads) == GRAPHS

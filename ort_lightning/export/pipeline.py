@@ -276,7 +276,8 @@ def export_artifacts(
             checkpoint_sha256=checkpoint_digest(folder / FILES["checkpoint"]),
         )
         manifest = verify_export(
-            manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
+            manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify,
+            training_graph=training_graph,
         )
         (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
         # 7. what a device ships, from the final graphs
