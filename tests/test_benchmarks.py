@@ -186,7 +186,9 @@ def test_the_timed_fit_lets_go_of_orts_calls(tmp_path: Path) -> None:
     intervals = _fit(runner.module, case.loader(3), _TimedSession(clock))
     assert len(clock.steps) == len(intervals) + 1 == 3
     session = runner.module.ort_session
-    deaths = ort_deaths(session._module, session._state)
+    state, ort_module, _ = session.ort_objects
+    deaths = ort_deaths(ort_module, state)
+    del state, ort_module
     del session, runner
     gc.collect()
     assert deaths == ["Module", "CheckpointState"]

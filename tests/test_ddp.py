@@ -162,7 +162,7 @@ def test_a_cut_gradient_view_is_bound_again_before_the_all_reduce(mlp_adamw: Exp
     trainer = _fit(module, "ort_ddp", callbacks=[_CutGradients()])
     assert trainer.strategy.gradient_syncs == 2
     weight = module.get_parameter("fc1.weight")
-    (view,) = [grad for parameter, grad in module._live.views.gradients.pairs if parameter is weight]
+    (view,) = [grad for parameter, grad in module.live_session.views.gradients.pairs if parameter is weight]
     assert weight.grad is view, "the view of ORT's gradient buffer is .grad again"
     assert not torch.equal(weight.detach(), before), "the update reached the parameter whose .grad was cut"
 

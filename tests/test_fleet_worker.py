@@ -56,7 +56,7 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     assemble = runtime.assemble
 
     def counted(**options: Any) -> Any:
-        made.append((str(options["checkpoint"]), options["eval_model"] is not None))
+        made.append((str(options["checkpoint"]), options["settings"].evaluation))
         return assemble(**options)
 
     monkeypatch.setattr(runtime, "assemble", counted)

@@ -6,6 +6,7 @@ weights must agree to the bit), and torch's own ``Linear`` for values copied in 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import shutil
 import weakref
@@ -27,6 +28,23 @@ from tests.test_parity import _loader, _trainer
 STEPS = 6
 
 
+def _flipped(module: ORTLightningModule) -> runtime.SessionSettings:
+    """The running settings with ORT's spinning flipped (a rebuild that changes no number)."""
+    settings = module.live_session.settings
+    return dataclasses.replace(settings, spinning=not settings.spinning)
+
+
+def _ort_parts(session: runtime.TrainingSession) -> tuple[Any, Any, Any]:
+    """ORT's Module, Optimizer and CheckpointState of `session`, in the order ORT must free them."""
+    state, ort_module, optimizer = session.ort_objects
+    return ort_module, optimizer, state
+
+
+def _module_and_state(session: runtime.TrainingSession) -> tuple[Any, Any]:
+    state, ort_module, _ = session.ort_objects
+    return ort_module, state
+
+
 class _Rebuilding(L.Callback):
     """After every batch, rebuilds the module's session with ORT's spinning flipped (no effect on numbers)."""
 
@@ -35,7 +53,7 @@ class _Rebuilding(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         module: ORTLightningModule = pl_module  # type: ignore[assignment]
-        rebuilt = module._live.replace(spinning=not module.ort_session.spinning)
+        rebuilt = module.live_session.replace(settings=_flipped(module))
         assert rebuilt
         self.sessions.append(module.ort_session)
 
@@ -69,13 +87,13 @@ def test_values_alone_are_copied_in_place_and_a_fresh_optimizer_rebuilds(mlp_ada
     generator = torch.Generator().manual_seed(3)
     values = {name: torch.randn(tensor.shape, generator=generator) for name, tensor in module.named_parameters()}
     session = module.ort_session
-    assert module._live.replace(values=values) is False
+    assert module.live_session.replace(values=values) is False
     assert module.ort_session is session
     x = torch.randn(5, 4, generator=generator)
     reference = mlp_adamw.reference().eval()
     reference.load_state_dict(values)
     torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
-    assert module._live.replace(values=values, include_optimizer_state=False) is True
+    assert module.live_session.replace(values=values, include_optimizer_state=False) is True
     assert module.ort_session is not session
     torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-6)
 
@@ -86,7 +104,7 @@ def test_a_rebuild_frees_the_running_session_before_it_builds_the_next(
     module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
     _trainer(max_steps=2).fit(module, _loader())
     old = module.ort_session  # kept, as a user may keep it: it must not keep ORT's objects alive
-    alive = [weakref.ref(part) for part in (old._module, old._optimizer, old._state)]
+    alive = [weakref.ref(part) for part in _ort_parts(old)]
     seen: list[list[bool]] = []
     assemble = runtime.assemble
 
@@ -96,11 +114,11 @@ def test_a_rebuild_frees_the_running_session_before_it_builds_the_next(
 
     monkeypatch.setattr(runtime, "assemble", watched)
     before = {name: tensor.clone() for name, tensor in module.named_parameters()}
-    assert module._live.replace(spinning=not old.spinning)
+    assert module.live_session.replace(settings=_flipped(module))
     # one session's memory at a time, not two; other threads on the same device: ORT's state itself goes over
     # (no snapshot file), under a new Module and Optimizer
     assert seen == [[False, False, True]]
-    assert module.ort_session._state is alive[2]()
+    assert module.ort_session.ort_objects[0] is alive[2]()
     for name, tensor in module.named_parameters():
         assert torch.equal(tensor, before[name]), name
     with pytest.raises(ConfigurationError, match="This ORT session was closed: the module rebuilt its session"):
@@ -108,9 +126,9 @@ def test_a_rebuild_frees_the_running_session_before_it_builds_the_next(
 
     # a rebuild from a snapshot (other values with it) frees the state too before the next is assembled
     running = module.ort_session
-    alive[:] = [weakref.ref(part) for part in (running._module, running._optimizer, running._state)]
+    alive[:] = [weakref.ref(part) for part in _ort_parts(running)]
     seen.clear()
-    assert module._live.replace(spinning=not running.spinning, values=before)
+    assert module.live_session.replace(settings=_flipped(module), values=before)
     assert seen == [[False, False, False]]
 
 
@@ -125,7 +143,7 @@ class _FailingRebuild(L.Callback):
         if trainer.global_step == STEPS // 2:
             values = {name: torch.zeros(3) for name, _ in module.named_parameters()}
             with pytest.raises(ConfigurationError, match="Expected value") as error:
-                module._live.replace(spinning=not module.ort_session.spinning, values=values)
+                module.live_session.replace(settings=_flipped(module), values=values)
             self.errors.append(str(error.value))
 
 
@@ -172,7 +190,7 @@ def test_a_session_frees_orts_module_before_its_state(mlp_adamw: Exported, how: 
     # written after it is freed (tests.helpers.ort_deaths). The wrapper holds bound calls of the Module, which
     # outlive the Python Module unless the wrapper lets them go first.
     session = _session(mlp_adamw.artifacts)
-    deaths = ort_deaths(session._module, session._state)
+    deaths = ort_deaths(*_module_and_state(session))
     if how == "close":
         session.close()
         assert deaths == ["Module", "CheckpointState"]
@@ -185,8 +203,10 @@ def test_a_bound_call_kept_past_the_session_keeps_the_state_too(mlp_adamw: Expor
     # NOTE: what a probe or a user's code may keep (the overhead benchmark's callback did): ORT's C++ Module, past
     # the session, its Python Module and its state; the state must wait for it.
     session = _session(mlp_adamw.artifacts)
-    train = session._train
-    deaths = ort_deaths(session._module, session._state)
+    ort_module, state = _module_and_state(session)
+    train = ort_module._model.train_step_with_ort_values  # ORT's C++ Module, bound
+    deaths = ort_deaths(ort_module, state)
+    del ort_module, state
     session.close()
     del session
     gc.collect()
@@ -200,11 +220,12 @@ def test_a_rebuild_frees_the_old_module_and_keeps_the_state_it_hands_over(mlp_ad
     module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
     _trainer(max_steps=2).fit(module, _loader())
     old = module.ort_session
-    deaths = ort_deaths(old._module, old._state)
-    assert module._live.replace(spinning=not old.spinning)
+    deaths = ort_deaths(*_module_and_state(old))
+    assert module.live_session.replace(settings=_flipped(module))
     assert deaths == ["Module"]  # the state went over to the new session
-    state = module.ort_session._state
-    held = ort_deaths(module.ort_session._module, state)
+    ort_module, state = _module_and_state(module.ort_session)
+    held = ort_deaths(ort_module, state)
+    del ort_module
     del old, state, module
     gc.collect()
     assert held == ["Module", "CheckpointState"]

@@ -29,7 +29,7 @@ def _assemble(artifacts: TrainingArtifacts, device: str = "cpu", **paths: Path) 
         "checkpoint": artifacts.checkpoint,
         **paths,
     }
-    return _ort.assemble(**files, device=device)
+    return _ort.assemble(**files, settings=_ort.SessionSettings(device=device))
 
 
 def _binder(artifacts: TrainingArtifacts, device: str = "cpu") -> BatchBinder:
@@ -204,7 +204,7 @@ def test_ort_python_linear_scheduler_still_swaps_warmup_and_total(mlp_sgd: Expor
     session = _assemble(mlp_sgd.artifacts)
     session.set_lr(peak)
     scheduler = LinearLRScheduler(
-        session._optimizer, warmup_step_count=2, total_step_count=10, initial_lr=peak
+        session.ort_objects[2], warmup_step_count=2, total_step_count=10, initial_lr=peak
     )
 
     lrs = _run_steps(session, _binder(mlp_sgd.artifacts), scheduler.step, 12)

@@ -145,7 +145,7 @@ def test_after_a_skipped_step_the_schedule_follows_global_step_as_torch_does(
     module = ORTLightningModule(mlp_adamw.artifacts, lr=LR, on_nonfinite="skip", **options)
     trainer = _trainer(tmp_path, max_steps=8)
     trainer.fit(module, _loader(poisoned=2))
-    assert module._nonfinite.skipped == 2  # batch 2 of both epochs
+    assert module.skipped_steps == 2  # batch 2 of both epochs
     reference = mlp_adamw.reference()
     used = _torch_fit(reference, 8, reference_schedule, skipped=(2, 6))
     assert _logged_lrs(trainer) == pytest.approx(used, rel=1e-6, abs=1e-12)

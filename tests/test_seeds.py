@@ -85,8 +85,11 @@ def test_checkpoint_file_resume_of_a_dropout_model_is_bit_identical_without_seed
     _trainer(tmp_path, max_epochs=1).fit(resumed, _loader())
     assert _identical(_state(resumed), straight)
     # the control: the same resume with another ORT seed lands elsewhere
-    other = ORTLightningModule(bn_dropout_cnn.artifacts, checkpoint=tmp_path / "last.ortckpt")
-    other._steps.seed += 1
+    stored = ORTLightningModule(bn_dropout_cnn.artifacts, checkpoint=tmp_path / "last.ortckpt")
+    reseeded = stored.save_ort_checkpoint(tmp_path / "reseeded.ortckpt", properties={"seed": stored.seed + 1})
+    other = ORTLightningModule(bn_dropout_cnn.artifacts, checkpoint=reseeded)
+    assert other.seed == stored.seed + 1
+    assert other.start_progress == stored.start_progress
     _trainer(tmp_path, max_epochs=1).fit(other, _loader())
     assert not _identical(_state(other), straight)
 
@@ -99,4 +102,4 @@ def test_an_unseeded_process_seed_of_64_bits_is_kept_by_a_checkpoint(
     torch.manual_seed(2**64 - 5)
     module = ORTLightningModule(mlp_adamw.artifacts)
     path = module.save_ort_checkpoint(tmp_path / "state.ortckpt")
-    assert ORTLightningModule(mlp_adamw.artifacts, checkpoint=path)._steps.seed == module._steps.seed == 2**63 - 5
+    assert ORTLightningModule(mlp_adamw.artifacts, checkpoint=path).seed == module.seed == 2**63 - 5

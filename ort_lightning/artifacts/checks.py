@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ort_lightning.artifacts.manifest import MANIFEST_NAME, Manifest, TensorSpec
 from ort_lightning.errors import ArtifactError
@@ -37,8 +38,11 @@ from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.graph_files import GRAD_OUT, RESET, load_graph, ort_inputs, trained_parameters
 from ort_lightning.storage.atomic import sha256_of
 
+if TYPE_CHECKING:
+    import onnx
+
 __all__ = ["GraphFacts", "check_checkpoint_digest", "check_graphs", "check_manifest", "checkpoint_digest",
-           "read_graph"]
+           "read_graph", "remember_graph"]
 
 #: Label element types per loss kind: class indices, or values like the model's output.
 _CLASS_LOSSES = ("cross_entropy", "nll")
@@ -54,6 +58,8 @@ class GraphFacts:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[str, ...]
     op_types: frozenset[str]
+    #: Each output's static dimensions, in `outputs`' order (0 for a symbolic or unknown one).
+    output_dims: tuple[tuple[int, ...], ...] = ()
 
     @property
     def role(self) -> str:
@@ -80,12 +86,32 @@ def read_graph(path: Path) -> GraphFacts:
         ArtifactError: for a file onnx cannot parse, or an IR version ORT 1.19.2 cannot read.
     """
     stat = path.stat()
-    return _read_graph(path, stat.st_size, stat.st_mtime_ns)
+    known = _KNOWN.get((path, stat.st_size, stat.st_mtime_ns))
+    return known if known is not None else _read_graph(path, stat.st_size, stat.st_mtime_ns)
+
+
+#: Facts of graphs the export just wrote (`remember_graph`), by path, size and mtime.
+_KNOWN: dict[tuple[Path, int, int], GraphFacts] = {}
+
+
+def remember_graph(path: Path, model: onnx.ModelProto) -> None:
+    """Keep the facts of `model`, just saved at `path`, so that `read_graph` need not read the file back.
+
+    Raises:
+        ArtifactError: as `read_graph` would for the file.
+    """
+    stat = path.stat()
+    if len(_KNOWN) >= 32:
+        _KNOWN.clear()
+    _KNOWN[(path, stat.st_size, stat.st_mtime_ns)] = _facts_of(path, model)
 
 
 @functools.lru_cache(maxsize=32)
 def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
-    model = load_graph(path, advice=f"it is damaged or truncated: {_ADVICE}")
+    return _facts_of(path, load_graph(path, advice=f"it is damaged or truncated: {_ADVICE}"))
+
+
+def _facts_of(path: Path, model: onnx.ModelProto) -> GraphFacts:
     if model.ir_version > limits.MAX_IR_VERSION:
         raise ArtifactError(
             f"{path} has ONNX IR version {model.ir_version}, but ONNX Runtime 1.19.2 reads IR <= "
@@ -98,8 +124,9 @@ def _read_graph(path: Path, size: int, mtime_ns: int) -> GraphFacts:
             f"{path} holds no graph ({path.stat().st_size} bytes, no nodes): it is empty or truncated; {_ADVICE}."
         )
     inputs = TensorSpec.of_inputs(graph.input)
+    dims = tuple(tuple(dim.dim_value for dim in info.type.tensor_type.shape.dim) for info in graph.output)
     return GraphFacts(path, inputs, tuple(info.name for info in graph.output),
-                      frozenset(node.op_type for node in graph.node))
+                      frozenset(node.op_type for node in graph.node), dims)
 
 
 def check_graphs(graphs: Mapping[str, GraphFacts]) -> None:

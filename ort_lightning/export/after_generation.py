@@ -32,7 +32,7 @@ import onnx
 from ort_lightning.export.batchnorm import torch_running_statistics
 from ort_lightning.ort.limits import lower_ir_version
 
-__all__ = ["finish", "fix_eval_graph", "set_torch_adamw_mode"]
+__all__ = ["finish", "finish_graphs", "fix_eval_graph", "set_torch_adamw_mode"]
 
 _TRAINING_ONLY_OUTPUTS = ("BatchNormalization", "Dropout")
 
@@ -46,13 +46,22 @@ def finish(paths: dict[str, Path], *, optimizer: str) -> onnx.ModelProto:
         paths: ``training_model``, ``eval_model`` and ``optimizer_model`` -> their files.
         optimizer: ``"adamw"`` or ``"sgd"``, as generated.
     """
+    return finish_graphs(paths, optimizer=optimizer)["training_model"]
+
+
+def finish_graphs(paths: dict[str, Path], *, optimizer: str) -> dict[str, onnx.ModelProto]:
+    """Apply the passes after generation to the graph files in `paths`; return each graph as saved.
+
+    Args:
+        paths: ``training_model``, ``eval_model`` and ``optimizer_model`` -> their files.
+        optimizer: ``"adamw"`` or ``"sgd"``, as generated.
+    """
     passes: dict[str, Sequence[Pass]] = {
         "training_model": (torch_running_statistics, lower_ir_version),
         "eval_model": (fix_eval_graph, lower_ir_version),
         "optimizer_model": (set_torch_adamw_mode, lower_ir_version) if optimizer == "adamw" else (lower_ir_version,),
     }
-    finished = {name: _rewrite(paths[name], graph_passes) for name, graph_passes in passes.items()}
-    return finished["training_model"]
+    return {name: _rewrite(paths[name], graph_passes) for name, graph_passes in passes.items()}
 
 
 def _rewrite(path: Path, passes: Sequence[Pass]) -> onnx.ModelProto:

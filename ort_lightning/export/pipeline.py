@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
 import torch
 
 from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manifest, TensorSpec, TrainingArtifacts
-from ort_lightning.artifacts.checks import checkpoint_digest
+from ort_lightning.artifacts.checks import checkpoint_digest, remember_graph
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
 from ort_lightning.export.external import bytes_needed, external_data_wanted, weights_folder
@@ -253,7 +254,8 @@ def export_artifacts(
                 weights_dir=weights_dir,
             )
         # 4. passes after generation
-        training_graph = after_generation.finish({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
+        graphs = after_generation.finish_graphs({name: folder / FILES[name] for name in FILES}, optimizer=optimizer)
+        training_graph = graphs["training_model"]
         # 5. verification, 6. the manifest
         state = set(trainable) | set(frozen_names) | buffers
         inputs, labels = _graph_io(training_graph, state, model_inputs)
@@ -274,7 +276,8 @@ def export_artifacts(
             checkpoint_sha256=checkpoint_digest(folder / FILES["checkpoint"]),
         )
         manifest = verify_export(
-            manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify
+            manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output, enabled=verify,
+            training_graph=training_graph,
         )
         (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
         # 7. what a device ships, from the final graphs
@@ -282,6 +285,8 @@ def export_artifacts(
             folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],
             folder / FILES["checkpoint"], ort_format=ort_format, nominal_checkpoint=nominal_checkpoint,
         )
+    for name, graph in graphs.items():  # NOTE: the folder check takes the graphs as written, not read back
+        remember_graph(Path(output_dir) / FILES[name], graph)
     return TrainingArtifacts.load(output_dir)
 
 

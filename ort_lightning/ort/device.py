@@ -47,7 +47,7 @@ import numpy as np
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort._api import CheckpointState, Module, Optimizer, onnxruntime
 from ort_lightning.ort.options import session_options
-from ort_lightning.ort.session import _refused, _state_outlives, copy_parameters
+from ort_lightning.ort.session import copy_parameters, refused, state_outlives
 
 __all__ = ["DeviceFiles", "OrtDevice", "Trained"]
 
@@ -138,19 +138,19 @@ class OrtDevice:
             ConfigurationError: for `weights` of another size than the state's.
         """
         source = checkpoint or files.checkpoint
-        with _refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):
+        with refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):
             state = CheckpointState.load_checkpoint(os.fspath(source))
         graphs = " and ".join(os.fspath(graph) for graph in (files.training, files.eval if evaluation else None)
                               if graph is not None)
-        with _refused(f"the graphs {graphs} over {source}", "a graph is damaged or truncated, or another model's"):
+        with refused(f"the graphs {graphs} over {source}", "a graph is damaged or truncated, or another model's"):
             module = Module(os.fspath(files.training), state,
                             os.fspath(files.eval) if evaluation and files.eval is not None else None,
                             device="cpu",
                             session_options=session_options(spinning=False, intra_op_threads=intra_op_threads))
-        _state_outlives(module, state)
+        state_outlives(module, state)
         if weights is not None:
             copy_parameters(module, weights)
-        with _refused(f"the optimizer graph {files.optimizer}", "it is damaged, truncated or another model's"):
+        with refused(f"the optimizer graph {files.optimizer}", "it is damaged, truncated or another model's"):
             optimizer = Optimizer(os.fspath(files.optimizer), module)
         if lr is not None:
             optimizer.set_learning_rate(lr)

@@ -1,7 +1,7 @@
-"""Files ONNX Runtime reads and writes: checkpoints, properties, inference models, graph inputs.
+"""Files ONNX Runtime reads: checkpoint summaries, and the inputs and outputs of a graph file (``.ort`` too).
 
-Checkpoint summaries and saves, stored properties, inference exports, and the inputs and outputs
-of a graph file (``.ort`` included).
+A running session writes its own files (`ort_lightning.ort.session.TrainingSession.save`,
+``export_for_inferencing``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import contextlib
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort._api import (
@@ -19,23 +19,18 @@ from ort_lightning.ort._api import (
 )
 from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort._api import ort_flatbuffers as _fbs
-
-if TYPE_CHECKING:
-    from ort_lightning.ort.session import TrainingSession
-
 from ort_lightning.ort.options import session_options
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",
     "WRITE_ERRORS",
     "checkpoint_summary",
-    "export_for_inferencing",
     "nominal_summary",
+    "nominal_summary_of",
     "ort_graph_io",
     "ort_metadata",
     "ort_node_attributes",
-    "save_checkpoint",
-    "set_properties",
+    "summary_of",
 ]
 
 
@@ -122,12 +117,21 @@ _ORT_TYPES = {
 
 def checkpoint_summary(path: os.PathLike[str] | str) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
     """Read a CheckpointState file: ``(name, shape, requires_grad)`` per parameter, and its properties."""
-    state = CheckpointState.load_checkpoint(os.fspath(path))._state
+    return summary_of(CheckpointState.load_checkpoint(os.fspath(path)))
+
+
+def summary_of(state: Any) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
+    """``(name, shape, requires_grad)`` per parameter of ORT's CheckpointState `state`, and its properties.
+
+    Raises:
+        RuntimeError: (one of `CHECKPOINT_READ_ERRORS`) for a nominal state (its parameters hold no data yet).
+    """
+    bound = state._state
     parameters = []
-    for name in state.parameter_names():
-        parameter = state.get_parameter(name)
+    for name in bound.parameter_names():
+        parameter = bound.get_parameter(name)
         parameters.append((name, tuple(parameter.data.shape()), bool(parameter.requires_grad)))
-    properties = {name: state.get_property(name) for name in state.property_names()}
+    properties = {name: bound.get_property(name) for name in bound.property_names()}
     return parameters, properties
 
 
@@ -141,15 +145,20 @@ def nominal_summary(path: os.PathLike[str] | str) -> tuple[list[str], dict[str, 
     Raises:
         RuntimeError: (one of `CHECKPOINT_READ_ERRORS`) for a file ONNX Runtime cannot read at all.
     """
-    state = CheckpointState.load_checkpoint(os.fspath(path))._state
-    names = list(state.parameter_names())
+    return nominal_summary_of(CheckpointState.load_checkpoint(os.fspath(path)))
+
+
+def nominal_summary_of(state: Any) -> tuple[list[str], dict[str, Any]] | None:
+    """`nominal_summary` of ORT's CheckpointState `state`, already read."""
+    bound = state._state
+    names = list(bound.parameter_names())
     try:
         for name in names[:1]:
-            state.get_parameter(name)
+            bound.get_parameter(name)
     except RuntimeError as error:
         if "nominal state" not in str(error):
             raise
-        return names, {name: state.get_property(name) for name in state.property_names()}
+        return names, {name: bound.get_property(name) for name in bound.property_names()}
     return None
 
 
@@ -160,20 +169,3 @@ CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, _C.Fail
 #: (a full disk gives a RuntimeError whose text says "errno:28" for a checkpoint, "Protobuf serialization failed"
 #: for an inference model).
 WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, *CHECKPOINT_READ_ERRORS)
-
-
-def save_checkpoint(session: TrainingSession, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:
-    """Write the session's CheckpointState (and optionally the optimizer's step and moments) to `path`."""
-    _C.save_checkpoint(session._state._state, os.fspath(path), include_optimizer_state)
-
-
-def set_properties(session: TrainingSession, properties: dict[str, int | float | str]) -> None:
-    """Store int, float or str properties in the session's CheckpointState (saved with it)."""
-    state = session._state._state
-    for name, value in properties.items():
-        state.add_property(name, value)
-
-
-def export_for_inferencing(session: TrainingSession, path: os.PathLike[str] | str, outputs: Sequence[str]) -> None:
-    """Write the eval graph with the current parameters as an inference model producing `outputs`."""
-    session._module._model.export_model_for_inferencing(os.fspath(path), list(outputs))

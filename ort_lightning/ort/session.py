@@ -12,10 +12,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +30,16 @@ from ort_lightning.ort._api import (
     onnxruntime,
 )
 from ort_lightning.ort._api import capi as _C
-from ort_lightning.ort.files import ort_graph_io
+from ort_lightning.ort.files import nominal_summary_of, ort_graph_io, summary_of
 from ort_lightning.ort.generate import OPTIMIZER_NODES as _OPTIMIZER_NODES
 from ort_lightning.ort.generate import optimizer_kind_of
 from ort_lightning.ort.graph_files import load_graph
 from ort_lightning.ort.options import session_options
+from ort_lightning.ort.settings import SessionSettings
 
 __all__ = [
     "HeldState",
+    "SessionSettings",
     "OrtValueVector",
     "TrainingSession",
     "assemble",
@@ -44,7 +47,10 @@ __all__ = [
     "copy_parameters",
     "optimizer_kind_in",
     "parse_device",
+    "read_state",
+    "refused",
     "session_options",
+    "state_outlives",
 ]
 
 OrtValueVector = _C.OrtValueVector
@@ -91,15 +97,11 @@ class TrainingSession:
     """
 
     def __init__(
-        self, state: Any, module: Any, optimizer: Any, device: str, *, optimizer_kind: str, spinning: bool = True,
-        intra_op_threads: int = 0, evaluation: bool = True,
+        self, state: Any, module: Any, optimizer: Any, *, settings: SessionSettings, optimizer_kind: str,
     ) -> None:
-        self.device = device
+        #: How this session runs (its device as built: ``"cpu"`` or ``"cuda:N"``).
+        self.settings = settings
         self.optimizer_kind = optimizer_kind
-        self.spinning = spinning
-        self.intra_op_threads = intra_op_threads
-        #: Whether ORT's Module holds the eval graph (a session built for training alone does not).
-        self.evaluation = evaluation
         # NOTE: ORT's Optimizer and Module point into the CheckpointState without owning it: `close` (also
         # when the wrapper is dropped, `__del__`) releases them before the state.
         self._state = state
@@ -115,6 +117,26 @@ class TrainingSession:
         self.optimizer_step = optimizer._optimizer.optimizer_step
         self.set_lr = optimizer._optimizer.set_learning_rate
         self.get_lr = optimizer._optimizer.get_learning_rate
+
+    @property
+    def device(self) -> str:
+        """Where ORT runs: ``"cpu"`` or ``"cuda:N"``."""
+        return self.settings.device
+
+    @property
+    def spinning(self) -> bool:
+        """Whether ORT's worker threads spin between steps."""
+        return self.settings.spinning
+
+    @property
+    def intra_op_threads(self) -> int:
+        """The size of ORT's intra-op pool; 0 for ORT's default."""
+        return self.settings.intra_op_threads
+
+    @property
+    def evaluation(self) -> bool:
+        """Whether ORT's Module holds the eval graph (a session built for training alone does not)."""
+        return self.settings.evaluation
 
     def train_step(self, inputs: Any) -> Any:
         """Run forward and backward; gradients are added to ORT's buffers. Returns the fetches."""
@@ -147,6 +169,34 @@ class TrainingSession:
         """Return the outputs of the training (or eval) graph, in order."""
         return list(self._module._model.output_names(training))
 
+    def save(self, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:
+        """Write the CheckpointState (and optionally the optimizer's step and moments) to `path`."""
+        _C.save_checkpoint(self._state._state, os.fspath(path), include_optimizer_state)
+
+    def set_properties(self, properties: Mapping[str, int | float | str]) -> None:
+        """Store int, float or str properties in the CheckpointState (saved with it)."""
+        state = self._state._state
+        for name, value in properties.items():
+            state.add_property(name, value)
+
+    def properties(self) -> dict[str, Any]:
+        """The properties the CheckpointState holds (those it was loaded with, and those set since)."""
+        state = self._state._state
+        return {name: state.get_property(name) for name in state.property_names()}
+
+    def export_for_inferencing(self, path: os.PathLike[str] | str, outputs: Sequence[str]) -> None:
+        """Write the eval graph with the current parameters as an inference model producing `outputs`."""
+        self._module._model.export_model_for_inferencing(os.fspath(path), list(outputs))
+
+    @property
+    def ort_objects(self) -> tuple[Any, Any, Any]:
+        """ONNX Runtime's own ``(CheckpointState, Module, Optimizer)`` of this session (Nones once closed).
+
+        For ONNX Runtime's own API on the same objects (its ``LinearLRScheduler``, its documented loop);
+        the session's methods are the way to train them.
+        """
+        return self._state, self._module, self._optimizer
+
     def handover(self) -> HeldState:
         """This session's CheckpointState, for the next build (`assemble(checkpoint=...)`); the caller then closes it.
 
@@ -155,7 +205,7 @@ class TrainingSession:
         nothing is copied (ORT's Optimizer takes the moments it finds in the state), so that a
         rebuild for other thread settings or graphs costs no snapshot's memory.
         """
-        return HeldState(self._state, self.device)
+        return HeldState(self._state, self.settings.device)
 
     def __del__(self) -> None:
         self.close()
@@ -200,10 +250,37 @@ def _closed(*_: Any) -> Any:
 
 @dataclass(frozen=True)
 class HeldState:
-    """A closed session's CheckpointState, on its way to the next build on the same `device` (see `handover`)."""
+    """ORT's CheckpointState in memory, on its way to one build (`assemble(checkpoint=...)`).
+
+    Either a closed session's, for the next build on the same `device` (see `TrainingSession.handover`),
+    or one read from the file `source` (`read_state`), whose summary is then read from the same read.
+    """
 
     state: Any
-    device: str
+    device: str | None = None
+    source: str | None = None
+
+    def summary(self) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
+        """``(name, shape, requires_grad)`` per parameter, and the properties.
+
+        Raises:
+            RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a nominal state.
+        """
+        return summary_of(self.state)
+
+    def nominal_summary(self) -> tuple[list[str], dict[str, Any]] | None:
+        """The parameter names and properties of a nominal state; None for a state that holds weights."""
+        return nominal_summary_of(self.state)
+
+
+def read_state(path: os.PathLike[str] | str) -> HeldState:
+    """Read an ORT checkpoint file once: its summary and the build it starts come from this one read.
+
+    Raises:
+        RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a file ONNX Runtime cannot read.
+    """
+    source = os.fspath(path)
+    return HeldState(CheckpointState.load_checkpoint(source), source=source)
 
 
 def assemble(
@@ -212,26 +289,28 @@ def assemble(
     eval_model: os.PathLike[str] | str | None,
     optimizer_model: os.PathLike[str] | str | None,
     checkpoint: os.PathLike[str] | str | HeldState,
-    device: str = "cpu",
-    custom_op_library: os.PathLike[str] | str | None = None,
-    spinning: bool = True,
-    intra_op_threads: int = 0,
+    settings: SessionSettings | None = None,
     parameters: np.ndarray | None = None,
+    optimizer_kind: str | None = None,
 ) -> TrainingSession:
-    """Build CheckpointState -> Module (train + eval) -> [the weights in] -> Optimizer on `device`.
+    """Build CheckpointState -> Module (train + eval) -> [the weights in] -> Optimizer as `settings` say.
 
-    `eval_model` None builds ORT's Module for training alone (one session fewer: a device's round).
-    `checkpoint` is a file, or a `HeldState` handed over by a running session on the same device.
+    `settings` None is `SessionSettings()`: the CPU, spinning threads, ORT's own pool size, the eval graph.
 
-    `spinning` is ORT's intra-op thread spinning, `intra_op_threads` the size of its intra-op
-    pool, 0 for ORT's default (see `session_options`). `parameters` is every state tensor in one
-    float32 buffer, in the training graph's input order; when given, it replaces the checkpoint's
-    weights before the Optimizer is built, which is how a device starts from a nominal checkpoint
-    (names and shapes, no weights): ONNX Runtime's documented sequence ``load_checkpoint(nominal)``,
-    ``Module(...)``, ``copy_buffer_to_parameters(buffer, trainable_only=False)``.
+    The eval graph is built only when ``settings.evaluation`` (without it, one session fewer: a
+    device's round). `checkpoint` is a file, or a `HeldState` handed over by a running session on
+    the same device.
 
-    The optimizer kind is read from the optimizer graph's nodes, not from a manifest, so that it
-    names what ORT will actually run.
+    ``settings.spinning`` is ORT's intra-op thread spinning, ``settings.intra_op_threads`` the size
+    of its intra-op pool, 0 for ORT's default (see `session_options`). `parameters` is every state
+    tensor in one float32 buffer, in the training graph's input order; when given, it replaces the
+    checkpoint's weights before the Optimizer is built, which is how a device starts from a nominal
+    checkpoint (names and shapes, no weights): ONNX Runtime's documented sequence
+    ``load_checkpoint(nominal)``, ``Module(...)``, ``copy_buffer_to_parameters(buffer, trainable_only=False)``.
+
+    `optimizer_kind` is what the optimizer graph runs, as its caller read it from the graph's nodes
+    (`optimizer_kind_in`); None reads it here. It names what ORT will actually run, not what a
+    manifest says.
 
     Raises:
         DeviceError: for a device this build cannot use.
@@ -239,41 +318,43 @@ def assemble(
         ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded, or
             `parameters` of another size than the state's.
     """
-    kind, index = parse_device(device)
-    options = session_options(custom_op_library, spinning=spinning, intra_op_threads=intra_op_threads)
+    settings = SessionSettings() if settings is None else settings
+    kind, index = parse_device(settings.device)
+    options = session_options(settings.custom_op_library, spinning=settings.spinning,
+                              intra_op_threads=settings.intra_op_threads)
     target = f"{kind}:{index}" if kind == "cuda" else "cpu"
-    optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
+    if optimizer_kind is None:
+        optimizer_kind = "none" if optimizer_model is None else optimizer_kind_in(optimizer_model)
+    eval_graph = eval_model if settings.evaluation else None
     if isinstance(checkpoint, HeldState):
-        state, source = checkpoint.state, "the running session's state"
+        state, source = checkpoint.state, checkpoint.source or "the running session's state"
     else:
         source = os.fspath(checkpoint)
-        with _refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):
+        with refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):
             state = CheckpointState.load_checkpoint(source)
-    named = " and ".join(os.fspath(graph) for graph in (training_model, eval_model) if graph is not None)
+    named = " and ".join(os.fspath(graph) for graph in (training_model, eval_graph) if graph is not None)
     graphs = f"the graphs {named} over {source}"
-    with _refused(graphs, "a graph is damaged or truncated, or a file is another model's"):
+    with refused(graphs, "a graph is damaged or truncated, or a file is another model's"):
         module = Module(
             os.fspath(training_model),
             state,
-            None if eval_model is None else os.fspath(eval_model),
+            None if eval_graph is None else os.fspath(eval_graph),
             device=target,
             session_options=options,
         )
-    _state_outlives(module, state)
+    state_outlives(module, state)
     if parameters is not None:
         copy_parameters(module, parameters)
     optimizer = None
     if optimizer_model is not None:
         optimizer_graph = f"the optimizer graph {os.fspath(optimizer_model)}"
-        with _refused(optimizer_graph, "it is damaged, truncated or another model's"):
+        with refused(optimizer_graph, "it is damaged, truncated or another model's"):
             optimizer = Optimizer(os.fspath(optimizer_model), module)
-    return TrainingSession(
-        state, module, optimizer, device=target, optimizer_kind=optimizer_kind, spinning=spinning,
-        intra_op_threads=intra_op_threads, evaluation=eval_model is not None,
-    )
+    built = dataclasses.replace(settings, device=target, evaluation=eval_graph is not None)
+    return TrainingSession(state, module, optimizer, settings=built, optimizer_kind=optimizer_kind)
 
 
-def _state_outlives(module: Module, state: CheckpointState) -> None:
+def state_outlives(module: Module, state: CheckpointState) -> None:
     """Keep `state` alive until ORT's C++ Module under `module` is destroyed, whoever holds that Module last.
 
     ORT 1.19.2's C++ Module writes into its CheckpointState when it is destroyed (``~Module`` resets
@@ -284,7 +365,7 @@ def _state_outlives(module: Module, state: CheckpointState) -> None:
     Example::
 
         module = Module(training_model, state, eval_model, device=target, session_options=options)
-        _state_outlives(module, state)  # before anything can take a bound call of it
+        state_outlives(module, state)  # before anything can take a bound call of it
     """
     # NOTE: finalize holds `state` until the Module's weak reference dies, after the Module's destructor. Not at
     # exit: a Module still alive then keeps its state.
@@ -302,7 +383,7 @@ _LOAD_ERRORS: tuple[type[BaseException], ...] = (
 
 
 @contextlib.contextmanager
-def _refused(what: str, likely: str) -> Iterator[None]:
+def refused(what: str, likely: str) -> Iterator[None]:
     """Turn ONNX Runtime's refusal to load `what` into an `ArtifactError` that names it and what to do."""
     try:
         yield
@@ -350,7 +431,7 @@ def buffer_order(training_model: os.PathLike[str] | str, checkpoint: os.PathLike
     """
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     module = Module(os.fspath(training_model), state, None, "cpu", session_options=session_options())
-    _state_outlives(module, state)
+    state_outlives(module, state)
     # NOTE: float32 holds every offset below 2**24 exactly; above, rounding keeps the starts in order.
     copy_parameters(module, np.arange(module.get_parameters_size(False), dtype=np.float32))
     names = state._state.parameter_names()

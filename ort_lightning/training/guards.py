@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import onnx
 import torch
 
+from ort_lightning.artifacts.checks import read_graph
 from ort_lightning.bridge import LabelRange
 from ort_lightning.errors import ConfigurationError
 
@@ -64,12 +64,12 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
         return None
     if artifacts.eval_model.suffix != ".onnx":  # an .ort graph: ONNX Runtime's format, not onnx's
         return None
-    graph = onnx.load(artifacts.eval_model, load_external_data=False).graph
-    logits = {output.name: output for output in graph.output}.get(manifest.outputs[0])
-    if logits is None:
+    # NOTE: the facts the folder check read (read_graph keeps them): the eval graph is read once per process.
+    facts = read_graph(artifacts.eval_model)
+    dims = dict(zip(facts.outputs, facts.output_dims, strict=True)).get(manifest.outputs[0])
+    if dims is None:
         return None
-    dims = logits.type.tensor_type.shape.dim
-    classes = dims[1].dim_value if len(dims) >= 2 else 0
+    classes = dims[1] if len(dims) >= 2 else 0
     if classes <= 0:
         return None
     ignore_index = manifest.loss_options.get("ignore_index")

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -24,9 +25,10 @@ from typing_extensions import override
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.ort.runtime import SessionSettings
 from ort_lightning.strategies import check_strategy
 from ort_lightning.training.checkpointing.connector import CheckpointConnector
-from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
+from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 from ort_lightning.training.checkpointing.io import install_atomic_io
 from ort_lightning.training.checkpointing.methods import CheckpointMethods
 from ort_lightning.training.guards import check_precision, check_torch_parameters, label_range_of, updated_parameters
@@ -157,10 +159,14 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
         self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
         self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
-        source = None if checkpoint is None else Path(checkpoint)
-        self._set_origin(RunOrigin() if source is None else RunOrigin.of_file(
-            read_checkpoint(source, self.artifacts, weights_given=values is not None)))
-        self._start_session(device, checkpoint=source, values=values)
+        start: _ort.HeldState | None = None
+        if checkpoint is None:
+            self._set_origin(RunOrigin())
+        else:  # NOTE: the file is read once: its check and the session's build share the read
+            properties, start = read_checkpoint_state(Path(checkpoint), self.artifacts,
+                                                      weights_given=values is not None)
+            self._set_origin(RunOrigin.of_file(properties))
+        self._start_session(device, checkpoint=start, values=values)
         schedule = module_schedule(self.artifacts, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
                                    stored=self._origin.properties, lr_scheduler=lr_scheduler,
                                    on_nonfinite=on_nonfinite, hybrid=optimizer is not None)
@@ -190,6 +196,26 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         fresh optimizer state): read it again rather than keep it.
         """
         return self._live.session
+
+    @property
+    def live_session(self) -> LiveSession:
+        """The running session and the one operation that changes it (`LiveSession.replace`).
+
+        Its ``settings`` say how ORT runs; ``live_session.replace(settings=dataclasses.replace(
+        live_session.settings, intra_op_threads=1))`` rebuilds ORT's objects on other settings, between
+        two optimizer steps, and the parameters, the step path and the fit's optimizers follow.
+        """
+        return self._live
+
+    @property
+    def seed(self) -> int:
+        """The seed of ORT's random stream (dropout) in this run: the checkpoint's when it recorded one."""
+        return self._steps.seed
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far for a NaN/inf loss (``on_nonfinite="skip"``)."""
+        return self._nonfinite.skipped
 
     @property
     def thread_policy(self) -> ThreadPolicy:
@@ -224,14 +250,15 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         """
         self._live.replace(values=values)
 
-    def _start_session(self, device: str, *, checkpoint: Path | None = None, values: Any = None) -> None:
+    def _start_session(self, device: str, *, checkpoint: _ort.HeldState | None = None, values: Any = None) -> None:
         """Build the ORT session (`LiveSession`, the only place it is built and changed)."""
         threads = self._threads
         self._schedule: Any = None  # the scheduler of the current fit
+        settings = SessionSettings(device=device, spinning=threads.spinning(None),
+                                   intra_op_threads=threads.session_threads(None),
+                                   custom_op_library=self.custom_op_library)
         self._live = LiveSession(
-            self, self.artifacts, self._steps, device=device, spinning=threads.spinning(None),
-            intra_op_threads=threads.session_threads(None), custom_op_library=self.custom_op_library,
-            checkpoint=checkpoint, values=values,
+            self, self.artifacts, self._steps, settings=settings, checkpoint=checkpoint, values=values,
             optimizers=lambda: () if self._trainer is None else self.trainer.optimizers)
 
     def _connect_checkpoints(self) -> None:
@@ -264,9 +291,10 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         """
         if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
             return
-        strategy, threads = self.trainer.strategy, self._threads
-        self._live.replace(device=_device_string(strategy.root_device), spinning=threads.spinning(strategy),
-                           intra_op_threads=threads.session_threads(strategy))
+        strategy, threads, live = self.trainer.strategy, self._threads, self._live
+        live.replace(settings=dataclasses.replace(
+            live.settings, device=_device_string(strategy.root_device), spinning=threads.spinning(strategy),
+            intra_op_threads=threads.session_threads(strategy)))
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

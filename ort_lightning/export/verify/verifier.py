@@ -86,11 +86,13 @@ def verify_export(
     loss: object,
     output: str | None = None,
     enabled: bool = True,
+    training_graph: onnx.ModelProto | None = None,
 ) -> Manifest:
     """Verify the artifacts in `folder` and return `manifest` with its ``verification`` report.
 
     `model`, `example_inputs`, `loss` and `output` are what ``export_artifacts`` was given; a torch
-    model is the reference, an ONNX source has none.
+    model is the reference, an ONNX source has none. `training_graph` is the training graph as the
+    export saved it (None: read from `folder`).
 
     Raises:
         ExportError: when the step crashes, ONNX Runtime fails, or the loss or a gradient differs
@@ -99,7 +101,8 @@ def verify_export(
     if not enabled:
         return dataclasses.replace(manifest, verification={"status": "skipped"})
     try:
-        report = _check(manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output)
+        report = _check(manifest, folder, model=model, example_inputs=example_inputs, loss=loss, output=output,
+                        training_graph=training_graph)
     except ExportError as error:
         # NOTE: a manifest left by an earlier export would make these unverified graphs loadable,
         # and without one the folder would be adopted as generate_artifacts' own: mark it.
@@ -110,7 +113,8 @@ def verify_export(
 
 
 def _check(
-    manifest: Manifest, folder: Path, *, model: Any, example_inputs: Any, loss: object, output: str | None
+    manifest: Manifest, folder: Path, *, model: Any, example_inputs: Any, loss: object, output: str | None,
+    training_graph: onnx.ModelProto | None = None,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     torch_model = model if isinstance(model, torch.nn.Module) else None
@@ -130,7 +134,7 @@ def _check(
             )
             for batch in batches
         }
-        _write_job(job, folder, manifest, batches, optimizer=not large)
+        _write_job(job, folder, manifest, batches, optimizer=not large, training_graph=training_graph)
         _run_child(job, folder, batches)
         checks = []
         for batch in batches:
@@ -243,9 +247,16 @@ def _output_shape(folder: Path, manifest: Manifest, batch: int) -> tuple[int, ..
     return (batch,)
 
 
-def _without_dropout(source: Path, target: Path) -> None:
-    """Copy a training graph with every Dropout ratio set to 0, so that one step is deterministic."""
-    proto = onnx.load(source)
+def _without_dropout(source: Path | onnx.ModelProto, target: Path) -> None:
+    """Copy a training graph (a file, or the graph the export holds) with every Dropout ratio set to 0.
+
+    One step is then deterministic.
+    """
+    if isinstance(source, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(source)
+    else:
+        proto = onnx.load(source)
     proto.graph.initializer.append(onnx.numpy_helper.from_array(np.array(0.0, dtype=np.float32), _ZERO_RATIO))
     for node in proto.graph.node:
         index = _RATIO_INPUT.get(node.op_type)
@@ -258,10 +269,14 @@ def _without_dropout(source: Path, target: Path) -> None:
 
 
 def _write_job(
-    job: Path, folder: Path, manifest: Manifest, batches: Sequence[int], *, optimizer: bool = True
+    job: Path, folder: Path, manifest: Manifest, batches: Sequence[int], *, optimizer: bool = True,
+    training_graph: onnx.ModelProto | None = None,
 ) -> None:
-    """The child's job: the graphs (the optimizer's only when `optimizer`), the checkpoint, the batches."""
-    _without_dropout(folder / _TRAINING_MODEL, job / _TRAINING_MODEL)
+    """The child's job: the graphs (the optimizer's only when `optimizer`), the checkpoint, the batches.
+
+    `training_graph` is the training graph as the export saved it (None: read from `folder`).
+    """
+    _without_dropout(folder / _TRAINING_MODEL if training_graph is None else training_graph, job / _TRAINING_MODEL)
     spec = {
         "training_model": str(job / _TRAINING_MODEL),
         "eval_model": str(folder / "eval_model.onnx"),

@@ -52,6 +52,7 @@ __all__ = [
     "RunOrigin",
     "export_inference",
     "read_checkpoint",
+    "read_checkpoint_state",
     "restored_state",
     "state_bytes",
     "state_digest",
@@ -182,11 +183,26 @@ def read_checkpoint(path: Path, artifacts: TrainingArtifacts, *, weights_given: 
     Raises:
         CheckpointError: for a damaged file, one of other artifacts, or a nominal one without weights given.
     """
+    return read_checkpoint_state(path, artifacts, weights_given=weights_given)[0]
+
+
+def read_checkpoint_state(
+    path: Path, artifacts: TrainingArtifacts, *, weights_given: bool = False
+) -> tuple[dict[str, Any], _ort.HeldState]:
+    """`read_checkpoint`, and the state it read, for the build that starts from it (the file is read once).
+
+    Raises:
+        CheckpointError: as `read_checkpoint`.
+    """
     verify_digest(path)
     try:
-        found, properties = _ort.checkpoint_summary(path)
+        held = _ort.read_state(path)
     except _ort.CHECKPOINT_READ_ERRORS as error:
-        return _read_nominal(path, artifacts, error, weights_given=weights_given)
+        raise _unreadable(path, error) from error
+    try:
+        found, properties = held.summary()
+    except _ort.CHECKPOINT_READ_ERRORS as error:
+        return _read_nominal(path, held, artifacts, error, weights_given=weights_given), held
     expected = state_summary(artifacts)
     problems = _mismatch(found, expected)
     if problems:
@@ -194,11 +210,18 @@ def read_checkpoint(path: Path, artifacts: TrainingArtifacts, *, weights_given: 
             f"Checkpoint {path} does not match the artifacts in {artifacts.directory}: its parameters are "
             f"{problems}; pass a checkpoint written while training these artifacts, or the artifacts it came from."
         )
-    return properties
+    return properties, held
+
+
+def _unreadable(path: Path, error: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"ONNX Runtime cannot read checkpoint {path} ({' '.join(str(error).split())[:160]}); it is not an "
+        "ORT checkpoint or it is damaged: resume from another checkpoint file."
+    )
 
 
 def _read_nominal(
-    path: Path, artifacts: TrainingArtifacts, error: BaseException, *, weights_given: bool
+    path: Path, held: _ort.HeldState, artifacts: TrainingArtifacts, error: BaseException, *, weights_given: bool
 ) -> dict[str, Any]:
     """The properties of a checkpoint ORT could not summarize: a nominal one with weights given, else an error.
 
@@ -207,14 +230,11 @@ def _read_nominal(
             names are not the training graph's state tensors.
     """
     try:
-        nominal = _ort.nominal_summary(path)
+        nominal = held.nominal_summary()
     except _ort.CHECKPOINT_READ_ERRORS:
         nominal = None
     if nominal is None:
-        raise CheckpointError(
-            f"ONNX Runtime cannot read checkpoint {path} ({' '.join(str(error).split())[:160]}); it is not an "
-            "ORT checkpoint or it is damaged: resume from another checkpoint file."
-        ) from error
+        raise _unreadable(path, error) from error
     if not weights_given:
         raise CheckpointError(
             f"Checkpoint {path} is a nominal checkpoint (names and shapes, no weights: "
@@ -281,9 +301,9 @@ def write_ort_checkpoint(
     properties: dict[str, int | float | str],
 ) -> Path:
     """Store `properties` (and the package version) in `session`'s state and write it to `path` atomically."""
-    _ort.set_properties(session, {"ort_lightning_version": _version(), **properties})
+    session.set_properties({"ort_lightning_version": _version(), **properties})
     atomic_write(
-        path, lambda temp: _ort.save_checkpoint(session, temp, include_optimizer_state=include_optimizer_state)
+        path, lambda temp: session.save(temp, include_optimizer_state=include_optimizer_state)
     )
     return Path(path)
 
@@ -303,5 +323,5 @@ def export_inference(
             f"Expected `outputs` to name outputs of the eval graph {available}, but got {list(names)}; "
             "pass some of those names, or None for the model's own outputs."
         )
-    atomic_write(path, lambda temp: _ort.export_for_inferencing(session, temp, list(names)), digest=False)
+    atomic_write(path, lambda temp: session.export_for_inferencing(temp, list(names)), digest=False)
     return Path(path)

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
-from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint
+from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
@@ -224,9 +225,11 @@ class CheckpointMethods(pl.LightningModule):
             (12.0, 0)
         """
         kept = None if optimizer_state is None else Path(optimizer_state)
+        settings = dataclasses.replace(self._live.settings, evaluation=evaluation)
         if kept is not None:
-            origin = RunOrigin.of_file(read_checkpoint(kept, self.artifacts, weights_given=True))
-            self._live.replace(checkpoint=kept, values=values, evaluation=evaluation)
+            properties, held = read_checkpoint_state(kept, self.artifacts, weights_given=True)
+            origin = RunOrigin.of_file(properties)
+            self._live.replace(checkpoint=held, values=values, settings=settings)
         elif self._optimizer_factory is not None or self._live.session.optimizer_kind != "adamw":
             # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
             origin = RunOrigin(seed=self._steps.seed)
@@ -234,6 +237,6 @@ class CheckpointMethods(pl.LightningModule):
             self._steps.reset()
         else:
             origin = RunOrigin(seed=self._steps.seed)
-            self._live.replace(values=values, include_optimizer_state=False, evaluation=evaluation)
+            self._live.replace(values=values, include_optimizer_state=False, settings=settings)
         self._set_origin(origin)
         self._optimizers_configured, self._state_restored = False, kept is not None

@@ -27,12 +27,12 @@ What rebuilds and what does not:
 
 Example::
 
-    >>> import tempfile, torch
+    >>> import dataclasses, tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
-    >>> live = module._live
+    >>> live = module.live_session
     >>> weight = module.weight
-    >>> live.replace(intra_op_threads=1)  # rebuilt: another thread setting
+    >>> live.replace(settings=dataclasses.replace(live.settings, intra_op_threads=1))  # rebuilt: another thread setting
     True
     >>> module.ort_session.intra_op_threads, module.weight is weight
     (1, True)
@@ -45,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,14 +55,11 @@ import torch
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.artifacts.state import check_values, state_specs
 from ort_lightning.ort import runtime as _ort
+from ort_lightning.ort.runtime import SessionSettings
 from ort_lightning.training.session.session_views import SessionViews, snapshot, state_values
 from ort_lightning.training.session.step import StepPath
 
 __all__ = ["LiveSession", "SessionFollower"]
-
-
-#: A session's settings: device, spinning, intra-op threads, whether it holds the eval graph.
-Settings = tuple[str, bool, int, bool]
 
 
 class SessionFollower(Protocol):
@@ -81,11 +79,9 @@ class LiveSession:
         optimizers: returns the trainer's optimizers (none without a trainer); those with a
             ``follow(session)`` method (`SessionFollower`) follow every rebuild. A finished fit's
             optimizers may follow too: harmless, the next fit configures new ones.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        spinning: whether ORT's worker threads spin between steps.
-        intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
-        custom_op_library: a shared library of custom operators to register with ONNX Runtime.
-        checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
+        settings: how the session runs (device, threads, the eval graph, custom operators).
+        checkpoint: the ORT checkpoint to start from (a file, or one already read:
+            `ort_lightning.ort.runtime.read_state`); None means the artifacts' own.
         values: name -> tensor for every state tensor, in place of the checkpoint's weights
             (see `ort_lightning.training.session.session_views.SessionViews`).
 
@@ -96,39 +92,40 @@ class LiveSession:
 
     def __init__(
         self, module: torch.nn.Module, artifacts: TrainingArtifacts, steps: StepPath, *,
-        optimizers: Callable[[], Iterable[Any]], device: str, spinning: bool, intra_op_threads: int,
-        custom_op_library: str | None = None, checkpoint: Path | None = None, values: Mapping[str, Any] | None = None,
+        optimizers: Callable[[], Iterable[Any]], settings: SessionSettings,
+        checkpoint: Path | _ort.HeldState | None = None,
+        values: Mapping[str, Any] | None = None,
     ) -> None:
         self.module, self.artifacts, self.steps, self.optimizers = module, artifacts, steps, optimizers
-        self.custom_op_library = custom_op_library
-        self._build(checkpoint=checkpoint, device=device, spinning=spinning, intra_op_threads=intra_op_threads,
-                    values=values)
+        self._build(checkpoint=checkpoint, settings=settings, values=values)
 
     @property
     def session(self) -> _ort.TrainingSession:
         """ORT's objects now running (another object after each rebuild)."""
         return self.views.session
 
+    @property
+    def settings(self) -> SessionSettings:
+        """How the running session runs; ``replace(settings=dataclasses.replace(live.settings, ...))`` changes it."""
+        return self.views.session.settings
+
     def replace(
-        self, *, device: str | None = None, spinning: bool | None = None, intra_op_threads: int | None = None,
-        values: Mapping[str, Any] | None = None, checkpoint: Path | None = None, include_optimizer_state: bool = True,
-        evaluation: bool | None = None,
+        self, *, settings: SessionSettings | None = None, values: Mapping[str, Any] | None = None,
+        checkpoint: Path | _ort.HeldState | None = None, include_optimizer_state: bool = True,
     ) -> bool:
         """Change the running session; the module, the step path and the fit's optimizers follow.
 
         Between two optimizer steps only (gradients summed over an accumulation window are not kept).
 
         Args:
-            device: where to run; None keeps the current device.
-            spinning: whether ORT's threads spin; None keeps the current choice.
-            intra_op_threads: the size of ORT's intra-op pool; None keeps the current size.
+            settings: how to run from now on (another device, thread setting, the eval graph added
+                or left out: `evaluator` builds it again when asked); None keeps the running ones.
             values: name -> tensor for every state tensor, copied in last (without a rebuild when
                 nothing else changes).
-            checkpoint: an ORT checkpoint file to rebuild from instead of the running state.
+            checkpoint: an ORT checkpoint to rebuild from instead of the running state (a file, or one read
+                already with `ort_lightning.ort.runtime.read_state`).
             include_optimizer_state: False starts a fresh optimizer state (step 0, no moments), as
                 a new ``fit`` does; the weights are kept.
-            evaluation: whether ORT's Module holds the eval graph (False: training alone, one session
-                fewer; `evaluator` builds it again when asked); None keeps the current choice.
 
         Returns:
             Whether ORT's objects were rebuilt.
@@ -139,15 +136,13 @@ class LiveSession:
         Example::
 
             >>> # between two steps of a fit: the same state on one ORT thread, the optimizers follow
-            >>> # module._live.replace(intra_op_threads=1)
+            >>> # live.replace(settings=dataclasses.replace(live.settings, intra_op_threads=1))
             >>> # a new fit: the weights kept, a fresh optimizer state
-            >>> # module._live.replace(include_optimizer_state=False)
+            >>> # live.replace(include_optimizer_state=False)
         """
         session = self.session
-        current = (session.device, session.spinning, session.intra_op_threads, session.evaluation)
-        wanted = (current[0] if device is None else device, current[1] if spinning is None else spinning,
-                  current[2] if intra_op_threads is None else intra_op_threads,
-                  current[3] if evaluation is None else evaluation)
+        current = session.settings
+        wanted = current if settings is None else settings
         # NOTE: views that something replaced with copies (Lightning's spawn launcher) hold the module's values.
         detached = checkpoint is None and not self.views.attached(self.module)
         if detached and values is None:
@@ -163,7 +158,7 @@ class LiveSession:
                 # NOTE: every value given and a fresh optimizer state: nothing of the running state is kept, so the
                 # build starts from the nominal checkpoint (names and shapes) where there is one, as a new module does.
                 checkpoint = self.artifacts.nominal_checkpoint
-            if checkpoint is None and include_optimizer_state and values is None and wanted[0] == current[0]:
+            if checkpoint is None and include_optimizer_state and values is None and wanted.device == current.device:
                 # NOTE: other threads or graphs on the same device: ORT's state itself goes over (weights, step,
                 # moments), no snapshot file and none of its memory.
                 self._rebuild(session.handover(), wanted, current, None)
@@ -175,8 +170,7 @@ class LiveSession:
                 return True
             # NOTE: a given checkpoint may be refused (damaged, another model's): the running session stays until the
             # new one is built, so that a refusal leaves the module as it was; a snapshot is the session's own file.
-            self._build(checkpoint=checkpoint, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
-                        values=values, evaluation=wanted[3])
+            self._build(checkpoint=checkpoint, settings=wanted, values=values)
             session.close()
         return True
 
@@ -184,14 +178,14 @@ class LiveSession:
     def evaluator(self) -> SessionViews:
         """The running views, with the eval graph (rebuilt with it once, after a build for training alone)."""
         if not self.views.session.evaluation:
-            self.replace(evaluation=True)
+            self.replace(settings=dataclasses.replace(self.settings, evaluation=True))
         return self.views
 
     def use_threads(self, spinning: bool, intra_op_threads: int) -> None:
         """Run ORT with these thread settings from the next step on (the thread policy's route to `replace`)."""
-        session = self.session
-        if (session.spinning, session.intra_op_threads) != (spinning, intra_op_threads):
-            self.replace(spinning=spinning, intra_op_threads=intra_op_threads)
+        settings = self.settings
+        if (settings.spinning, settings.intra_op_threads) != (spinning, intra_op_threads):
+            self.replace(settings=dataclasses.replace(settings, spinning=spinning, intra_op_threads=intra_op_threads))
 
     @torch.no_grad()
     def load(self, values: Mapping[str, Any]) -> None:
@@ -204,16 +198,15 @@ class LiveSession:
         for name, value in check_values(values, state_specs(self.artifacts)).items():
             tensors[name].copy_(value)
 
-    def _build(self, *, checkpoint: Path | _ort.HeldState | None, device: str, spinning: bool, intra_op_threads: int,
-               values: Mapping[str, Any] | None = None, evaluation: bool = True) -> None:
+    def _build(self, *, checkpoint: Path | _ort.HeldState | None, settings: SessionSettings,
+               values: Mapping[str, Any] | None = None) -> None:
         """The one place ORT's objects are built; everything that works on them follows."""
-        self.views = SessionViews(self.module, self.artifacts, device=device, checkpoint=checkpoint,
-                                  spinning=spinning, intra_op_threads=intra_op_threads,
-                                  custom_op_library=self.custom_op_library, values=values, evaluation=evaluation)
+        self.views = SessionViews(self.module, self.artifacts, settings=settings, checkpoint=checkpoint, values=values)
         self._follow()
 
     def _rebuild(
-        self, saved: Path | _ort.HeldState, wanted: Settings, current: Settings, values: Mapping[str, Any] | None
+        self, saved: Path | _ort.HeldState, wanted: SessionSettings, current: SessionSettings,
+        values: Mapping[str, Any] | None,
     ) -> None:
         """Build from `saved` (a snapshot, or the handed-over state) with the `wanted` settings, one session at a time.
 
@@ -224,11 +217,9 @@ class LiveSession:
         """
         self.session.close()
         try:
-            self._build(checkpoint=saved, device=wanted[0], spinning=wanted[1], intra_op_threads=wanted[2],
-                        values=values, evaluation=wanted[3])
+            self._build(checkpoint=saved, settings=wanted, values=values)
         except BaseException:
-            self._build(checkpoint=saved, device=current[0], spinning=current[1], intra_op_threads=current[2],
-                        evaluation=current[3])
+            self._build(checkpoint=saved, settings=current)
             raise
 
     def _reattach(self) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ort_lightning.artifacts import TensorSpec, TrainingArtifacts
+from ort_lightning.artifacts.checks import read_graph
 from ort_lightning.artifacts.state import check_shapes, flat_values, state_specs
 from ort_lightning.bridge import BatchBinder, to_torch
 from ort_lightning.errors import BatchError, ConfigurationError
@@ -80,7 +81,7 @@ def snapshot(session: _ort.TrainingSession, *, include_optimizer_state: bool) ->
     """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh)."""
     with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
         path = Path(folder) / "state"
-        _ort.save_checkpoint(session, path, include_optimizer_state=include_optimizer_state)
+        session.save(path, include_optimizer_state=include_optimizer_state)
         yield path
 
 
@@ -90,16 +91,13 @@ class SessionViews:
     Args:
         module: the module the ORT parameters are registered on, under the torch model's names.
         artifacts: what to build from.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        settings: how the session runs (device, threads, the eval graph or not, custom operators);
+            without the eval graph (training alone: one session fewer to build and hold), `infer`,
+            `predict` and `evaluate` need a rebuild with it.
         checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
-        spinning: whether ORT's worker threads spin between steps.
-        intra_op_threads: the size of ORT's intra-op pool; 0 for ORT's default.
-        custom_op_library: a shared library of custom operators to register with ONNX Runtime.
         values: name -> tensor for every state tensor (`ort_lightning.artifacts.state.state_specs`),
             copied into ORT's state before the views are bound, in place of the checkpoint's
             weights; with a nominal `checkpoint` (no weights) they are the only weights there are.
-        evaluation: False builds ORT's Module without the eval graph (training alone: one session
-            fewer to build and hold); `infer`, `predict` and `evaluate` then need a rebuild with it.
 
     Raises:
         ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors, or
@@ -111,27 +109,20 @@ class SessionViews:
         module: torch.nn.Module,
         artifacts: TrainingArtifacts,
         *,
-        device: str,
+        settings: _ort.SessionSettings,
         checkpoint: Path | _ort.HeldState | None = None,
-        spinning: bool = True,
-        intra_op_threads: int = 0,
-        custom_op_library: str | None = None,
         values: Mapping[str, object] | None = None,
-        evaluation: bool = True,
     ) -> None:
         self.artifacts = artifacts
-        self.custom_op_library = custom_op_library
         start = start_checkpoint(artifacts, checkpoint, weights_given=values is not None)
         self.session = _ort.assemble(
             training_model=artifacts.training_model,
-            eval_model=artifacts.eval_model if evaluation else None,
+            eval_model=artifacts.eval_model,
             optimizer_model=artifacts.optimizer_model,
             checkpoint=start,
-            device=device,
-            custom_op_library=custom_op_library,
-            spinning=spinning,
-            intra_op_threads=intra_op_threads,
+            settings=settings,
             parameters=None if values is None else flat_values(values, state_specs(artifacts)),
+            optimizer_kind=optimizer_kind(artifacts),
         )
         self.device = torch.device(self.session.device)
         specs = artifacts.manifest.graph_inputs
@@ -139,10 +130,11 @@ class SessionViews:
         self.eval_inputs = BatchBinder(specs, self.device, graph="eval")
         self._placeholders: dict[int, list[torch.Tensor]] = {}
         views = self._views()
-        if not isinstance(start, _ort.HeldState):  # NOTE: a handed-over state was checked when it was first built
+        source = start.source if isinstance(start, _ort.HeldState) else start
+        if source is not None:  # NOTE: a handed-over state was checked when it was first built
             # NOTE: once per build, from the views at hand: ORT itself would refuse other shapes only at the first step.
-            check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts), source=start,
-                         artifacts=artifacts)
+            check_shapes({view.name: tuple(view.data.shape) for view in views}, state_specs(artifacts),
+                         source=Path(source), artifacts=artifacts)
         #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
         self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)
@@ -232,6 +224,22 @@ class SessionViews:
             cached = [label_placeholder(spec, batch, self.device) for spec in self.artifacts.manifest.labels]
             self._placeholders[batch] = cached
         return cached
+
+
+def optimizer_kind(artifacts: TrainingArtifacts) -> str | None:
+    """What the optimizer graph runs, from the facts the folder check read (None: `assemble` reads an ``.ort`` graph).
+
+    Raises:
+        ArtifactError: for an optimizer graph with neither optimizer node.
+    """
+    path = artifacts.optimizer_model
+    if path is None:
+        return "none"
+    if path.suffix != ".onnx":
+        return None
+    # NOTE: read_graph keeps the facts the folder check read, so that the graph is read once per process.
+    kind = _ort.optimizer_kind_of(sorted(read_graph(path).op_types))
+    return kind if kind is not None else _ort.optimizer_kind_in(path)
 
 
 def state_values(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
