@@ -2,8 +2,9 @@
 
 Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
 
-- ``GET /?token=T``: the page (``ort_lightning/web/page.html``); a missing or wrong token is a 403.
-- ``GET /page.js``, ``GET /runner.js``: the page's scripts, shipped with the package.
+- ``GET /?token=T``: the page (``page.html`` beside this module); a missing or wrong token is a 403.
+- ``GET /page.js``, ``/device.js``, ``/frames.js`` (beside this module: the page, the device's protocol,
+  the frame codec) and ``GET /runner.js`` (``ort_lightning/web``: the device runner), shipped with the package.
 - ``GET /device/<role>?token=T``: the device files (``training``, ``eval``, ``optimizer``, ``checkpoint``).
 - ``GET /data.js?token=T``: the user's data module, when the fleet has one (``page_data``).
 - ``GET /ort/...``: onnxruntime-web's ``dist/`` folder, when `find_ort_web` found one on disk (a
@@ -31,10 +32,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ort_lightning.fleet.browser.hub import POLICY_VIOLATION, TOO_BIG, BrowserDevice, Hub
 from ort_lightning.web import TRAINING_BUILD, asset
 
-__all__ = ["ROLES", "web_app"]
+__all__ = ["ROLES", "SCRIPTS", "web_app"]
 
 #: The device files by the names runner.js's openDevice takes.
 ROLES = ("training", "eval", "optimizer", "checkpoint")
+#: The page's scripts that ship beside this module (runner.js comes from `ort_lightning.web`).
+SCRIPTS = ("page.js", "device.js", "frames.js")
+_HERE = Path(__file__).resolve().parent
 _WRONG_TOKEN = ("This fleet's join token is missing or wrong: open the URL the fleet printed "
                 "(http://HOST:PORT/?token=...), with its token.")
 
@@ -62,10 +66,11 @@ class _Site:
     async def page(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):
             return PlainTextResponse(_WRONG_TOKEN, status_code=403)
-        return FileResponse(asset("page.html"), media_type="text/html")
+        return FileResponse(_HERE / "page.html", media_type="text/html")
 
     async def script(self, request: Request) -> Response:
-        return FileResponse(asset(request.url.path.lstrip("/")), media_type="text/javascript")
+        name = request.url.path.lstrip("/")
+        return FileResponse(_HERE / name if name in SCRIPTS else asset(name), media_type="text/javascript")
 
     async def device_file(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):
@@ -169,7 +174,7 @@ def web_app(
         yield
 
     routes: list[Any] = [
-        Route("/", site.page), Route("/page.js", site.script), Route("/runner.js", site.script),
+        Route("/", site.page), *(Route(f"/{name}", site.script) for name in (*SCRIPTS, "runner.js")),
         Route("/device/{role}", site.device_file), Route("/data.js", site.data_module),
         WebSocketRoute("/join", site.join),
     ]
