@@ -27,8 +27,8 @@ flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install 
 
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.browser.frames import pack, read_result, unpack  # noqa: E402
-from ort_lightning.fleet.folder import check_buffer_order  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.folder import check_buffer_order  # noqa: E402
 
 from .test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
 

@@ -181,7 +181,8 @@ def test_a_device_reports_its_set_up_fit_and_steps(folders: tuple[TrainingArtifa
     batches = len(DATA(0, DEVICES).train)
     assert metrics["steps"] == 2 * batches
     assert metrics["num-examples"] == len(DATA(0, DEVICES).train.dataset)  # type: ignore[arg-type]
-    assert 0 < metrics["setup_seconds"] < 5 and 0 < metrics["fit_seconds"] < 5  # type: ignore[operator]
+    assert 0 < metrics["setup_seconds"] < 5  # type: ignore[operator]
+    assert 0 < metrics["fit_seconds"] < 5  # type: ignore[operator]
     assert metrics["steps_per_second"] == pytest.approx(metrics["steps"] / metrics["fit_seconds"])  # type: ignore[operator]
 
 
@@ -203,7 +204,8 @@ def test_the_experiment_prints_and_records_the_devices_timings(
 def test_a_nominal_start_without_a_nominal_checkpoint_is_named(tmp_path: Path) -> None:
     plain = export_artifacts(digits_mlp(HIDDEN), torch.zeros(2, FEATURES), tmp_path / "plain", verify=False)
     client = DeviceClient(plain.directory, DATA, start="nominal")
-    with pytest.raises(ConfigurationError, match=r"start=\"nominal\" needs a nominal checkpoint .* nominal_checkpoint=True"):
+    message = r"start=\"nominal\" needs a nominal checkpoint .* nominal_checkpoint=True"
+    with pytest.raises(ConfigurationError, match=message):
         client.folder()
 
 
@@ -219,7 +221,8 @@ def test_values_of_another_model_are_refused_by_name(
     _, device = folders
     other = export_artifacts(digits_mlp(8), torch.zeros(2, FEATURES), tmp_path / "other", verify=False)
     message = _message(_values(other.checkpoint))
-    with pytest.raises(ConfigurationError, match=r"the device folder trains .*start the FleetServer from the artifacts"):
+    refused = r"the device folder trains .*start the FleetServer from the artifacts"
+    with pytest.raises(ConfigurationError, match=refused):
         DeviceClient(device.directory, DATA).train(message, _context(0))
 
 
