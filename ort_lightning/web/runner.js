@@ -57,7 +57,7 @@ export async function openDevice(ort, files) {
     if (!/backend could not be resolved/.test(String(error?.message))) throw error;
     throw new Error(`openDevice expects onnxruntime-web's training build, but the namespace it got has no ` +
       `training backend (TrainingSession.create: ${error.message}); import dist/ort.training.wasm.min.mjs, not ` +
-      'ort.min.mjs or ort.wasm.min.mjs, of onnxruntime-web 1.19.2 and pass that module');
+      'ort.min.mjs or ort.wasm.min.mjs, of onnxruntime-web 1.19.2 and pass that module', {cause: error});
   }
   return new Device(ort, session, await session.getParametersSize(false));
 }
