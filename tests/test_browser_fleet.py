@@ -49,7 +49,7 @@ from websockets.sync.client import connect  # noqa: E402
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.browser.frames import pack, read_result, train_frame, unpack  # noqa: E402
-from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
 
 LR = 0.01
@@ -202,7 +202,7 @@ def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_
                           [[0, 1, 2]] * ROUNDS, epochs=epochs, data=data)
     # the simulated fleet of the same config (ONNX Runtime's device loop on the same device folder)
     local = FleetConfig.from_dict({**config, "engine": "local", "out": str(tmp_path / "simulated")})
-    simulated = run_experiment(local, browsers / "artifacts", echo=False)
+    simulated = run_experiment(local, browsers / "artifacts", data, test=digits_test_loader(local.seed), echo=False)
     for number, average in enumerate(expected, start=1):
         browser_round = browsers / "rounds" / f"round-{number:04d}.ortckpt"
         simulated_round = tmp_path / "simulated" / "rounds" / f"round-{number:04d}.ortckpt"
