@@ -272,7 +272,8 @@ def _bad_device(fleet: BrowserFleet, name: str, behaviour: str, closed: dict[str
     with connect(url, max_size=None) as socket:
         try:
             json.loads(socket.recv())  # welcome
-            socket.send(json.dumps({"type": "ready", "parameters": parameters}))
+            socket.send(json.dumps({"type": "ready", "parameters": parameters, "identity": f"python-device-{name}"}))
+            assert json.loads(socket.recv())["type"] == "admitted"  # a refused device's socket closes instead
             header, payload = unpack(socket.recv())  # the round
             weights = np.frombuffer(payload[: 4 * fleet.hub.parameters], dtype=np.float32).copy()
             examples = header["examples"] + (1 if behaviour == "greedy" else 0)
@@ -324,7 +325,7 @@ def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browse
     reasons = {refusal.device: refusal.reason for refusal in fleet.refusals}
     assert sorted(reasons) == sorted([*bad, "other-model", "late"])
     assert re.search(r"other-model opened a model of \d+ parameters, but the fleet's has \d+", reasons["other-model"])
-    assert re.search(r"late found the fleet full: all 7 partitions have a device", reasons["late"])
+    assert re.search(r"late found the fleet full: 7 devices are connected, its most", reasons["late"])
     for name, pattern in bad.items():
         assert re.search(pattern, reasons[name]), (name, reasons[name])
         assert closed[name][0] in (1008, 1009), (name, closed[name])

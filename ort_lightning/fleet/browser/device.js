@@ -30,11 +30,13 @@ export class FleetDevice {
    * @param {function(string): Promise<Uint8Array>} host.fetchBytes Reads a file of the server by URL.
    * @param {function(object, object): Promise<object>} host.openDevice runner.js's openDevice.
    * @param {function(object): void} [host.show] Receives each change of `status` (for a page's view).
+   * @param {{getItem: function(string): ?string, setItem: function(string, string): void}} [host.storage] Where
+   *     the device keeps its identity (a page's localStorage); without it, every connection is a new device.
    */
   constructor(host) {
     this.host = host;
     /** What a view shows: the device, its phase and progress, what it has done. */
-    this.status = {device: '', phase: 'connecting', round: 0, epoch: 0, epochs: 0, step: 0, steps: 0,
+    this.status = {fleet: '', device: '', phase: 'connecting', round: 0, epoch: 0, epochs: 0, step: 0, steps: 0,
       loss: NaN, rounds: 0, parameters: 0, message: ''};
     this.ort = null;
     this.files = null;
@@ -54,7 +56,9 @@ export class FleetDevice {
       let id = null;
       try {
         if (typeof data === 'string') {
-          await this.welcome(JSON.parse(data));
+          const message = JSON.parse(data);
+          if (message.type === 'admitted') this.admitted(message);
+          else await this.welcome(message);
         } else {
           id = unpack(data).header.id;
           await this.train(data);
@@ -90,8 +94,20 @@ export class FleetDevice {
     const device = await this.host.openDevice(this.ort, this.files);
     const parameters = device.parameterCount;
     await device.release();
-    this.host.send(JSON.stringify({type: 'ready', parameters}));
-    this.update({phase: 'waiting', parameters});
+    // NOTE: the identity outlives the page: a reloaded page sends it again and the server knows the device.
+    const key = `ort-lightning-device:${message.fleet}`;
+    let identity = this.host.storage?.getItem(key);
+    if (!identity) {
+      identity = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
+      this.host.storage?.setItem(key, identity);
+    }
+    this.update({fleet: message.fleet, parameters});
+    this.host.send(JSON.stringify({type: 'ready', parameters, identity}));
+  }
+
+  /** The server admitted the device: its name (a device that comes back has its own again) and partition. */
+  admitted(message) {
+    this.update({phase: 'waiting', device: message.device, partition: message.partition});
   }
 
   /** One round: train the frame's batches (or the data module's) from its weights; send the result frame. */

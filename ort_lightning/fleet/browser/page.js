@@ -43,7 +43,10 @@ function describe(status) {
 }
 
 function show(status) {
+  document.getElementById('fleet').textContent = status.fleet || 'ort-lightning fleet';
   document.getElementById('status').textContent = `${status.device ? status.device + ': ' : ''}${describe(status)}`;
+  document.getElementById('rounds').textContent = `rounds taken part in: ${status.rounds}`;
+  document.getElementById('leave').disabled = status.phase === 'disconnected';
 }
 
 function main() {
@@ -54,7 +57,10 @@ function main() {
   socket.binaryType = 'arraybuffer';
   const device = new FleetDevice({
     send: (frame) => socket.send(frame), importModule: (specifier) => import(specifier), fetchBytes, openDevice, show,
+    storage: localStorage,
   });
+  // NOTE: 1000, a normal closure: the server logs the device as one that left, not one that failed.
+  document.getElementById('leave').onclick = () => socket.close(1000, 'left the fleet');
   socket.onmessage = (event) => device.receive(event.data);
   socket.onclose = (event) => device.closed(event.code, event.reason);
 }
