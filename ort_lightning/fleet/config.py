@@ -76,6 +76,12 @@ class FleetConfig:
             contract is in `ort_lightning.fleet.browser`), instead of the digits partitions; None: the
             server ships each page its digits partition.
         max_examples: ``engine: browser`` with ``page_data``: the most examples per epoch a page may claim.
+        min_devices: ``engine: browser``: the pages the first round waits for (None: ``devices``, which is
+            the most connected at once); later rounds sample among the pages connected then.
+        wait_timeout: ``engine: browser``: seconds to wait while fewer pages than the strategy's minimum
+            are connected before the run stops (null: no limit).
+        certfile: ``engine: browser``: a PEM certificate to serve HTTPS and WSS with (with ``keyfile``).
+        keyfile: ``engine: browser``: the certificate's PEM private key.
     """
 
     out: str = "fleet-digits"
@@ -102,6 +108,10 @@ class FleetConfig:
     ort_web: str | None = None
     page_data: str | None = None
     max_examples: int | None = None
+    min_devices: int | None = None
+    wait_timeout: float | None = 600.0
+    certfile: str | None = None
+    keyfile: str | None = None
 
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),

@@ -35,7 +35,7 @@ def _announce(fleet: BrowserFleet, devices: int) -> None:
         for device in fleet.connected:
             if device.node_id not in seen:
                 seen.add(device.node_id)
-                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {devices}",
+                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {fleet.devices}",
                       flush=True)
 
 
@@ -67,12 +67,14 @@ def run_browser_experiment(
     web = device_folder(config, artifacts)
     server = fleet_server(config, artifacts, test)
     shipped = None if config.page_data else data
+    on_event = (lambda event: print(f"  {event.describe()}", flush=True)) if echo else None
     with BrowserFleet(web, shipped, page_data=config.page_data, max_examples=config.max_examples, host=config.host,
                       port=config.port, devices=config.devices, epochs=config.epochs,
                       device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
-                      ort_web=config.ort_web) as fleet:
+                      ort_web=config.ort_web, on_event=on_event, min_devices=config.min_devices,
+                      wait_timeout=config.wait_timeout, certfile=config.certfile, keyfile=config.keyfile) as fleet:
         if echo:
-            _announce(fleet, config.devices)
+            _announce(fleet, fleet.min_devices)
         started = time.perf_counter()
         fleet.run(server)
         total = time.perf_counter() - started
