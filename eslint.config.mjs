@@ -13,6 +13,11 @@ export default [
     languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.browser}},
   },
   {
+    // Shipped for Node: the fleet's Node devices.
+    files: ['ort_lightning/**/*.mjs'],
+    languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.node}},
+  },
+  {
     files: ['examples/**/*.js'],
     languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.browser}},
   },
