@@ -81,3 +81,14 @@ test('a round that fails becomes an error frame naming the message', async () =>
   assert.deepEqual(JSON.parse(sent.at(-1)), { type: 'error', id: 'm2', message: 'no memory' });
   assert.equal(device.status.phase, 'failed');
 });
+
+test('client-side fixed clipping scales the update to the norm, and leaves a smaller one alone', async () => {
+  const { clip } = await import(new URL('../../ort_lightning/fleet/browser/device.js', import.meta.url).href);
+  const sent = new Float32Array([1, 1, 1, 1]);
+  const trained = new Float32Array([4, 5, 1, 1]); // the update (3, 4, 0, 0) has norm 5
+  assert.equal(clip(trained, sent, 1), 5);
+  assert.deepEqual(Array.from(trained, (v) => Math.round(v * 1e6) / 1e6), [1.6, 1.8, 1, 1]);
+  const small = new Float32Array([1.3, 1.4, 1, 1]);
+  assert.ok(Math.abs(clip(small, sent, 1) - 0.5) < 1e-6);
+  assert.deepEqual(small, new Float32Array([1.3, 1.4, 1, 1]));
+});

@@ -123,9 +123,11 @@ export class FleetDevice {
       const run = await this.epochs(header, decoded, epochs, device);
       const seconds = since(started);
       const trained = await device.getWeights();
-      this.host.send(resultFrame({type: 'result', id: header.id, examples: run.examples, steps: run.losses.length,
+      const reply = {type: 'result', id: header.id, examples: run.examples, steps: run.losses.length,
         losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
-        open_seconds: (started - opened) / 1000}, trained));
+        open_seconds: (started - opened) / 1000};
+      if (typeof header.clip === 'number') reply.update_norm = clip(trained, weights, header.clip);
+      this.host.send(resultFrame(reply, trained));
       this.update({phase: 'sent', rounds: this.status.rounds + 1, loss: run.losses.at(-1)});
     } finally {
       await device.release();
@@ -155,6 +157,24 @@ export class FleetDevice {
     }
     return {losses, examples, firstStep, lastEpochSteps};
   }
+}
+
+/**
+ * Flower's client-side fixed clipping, on the device: scales the update (trained - sent) in place so that its L2
+ * norm over all values is at most `norm`, as Flower's fixedclipping_mod does for a Python client.
+ *
+ * @param {Float32Array} trained The trained weights (changed in place).
+ * @param {Float32Array} sent The round's weights.
+ * @param {number} norm The clipping norm the server's message carries.
+ * @returns {number} The update's norm before clipping.
+ */
+export function clip(trained, sent, norm) {
+  let squares = 0;
+  for (let i = 0; i < trained.length; i += 1) squares += (trained[i] - sent[i]) ** 2;
+  const before = Math.sqrt(squares);
+  const scale = Math.min(1, norm / before);
+  if (scale < 1) for (let i = 0; i < trained.length; i += 1) trained[i] = sent[i] + (trained[i] - sent[i]) * scale;
+  return before;
 }
 
 /**

@@ -142,12 +142,15 @@ def train_frame(
     epochs: Sequence[Sequence[Sequence[torch.Tensor]]],
     *,
     local: dict[str, int] | None = None,
+    clip: float | None = None,
 ) -> bytes:
     """The train frame of one round: the weights and each epoch's batches, in the order the device trains them.
 
     The header's ``"examples"`` is the first epoch's examples (the first dimension of each batch's first tensor).
     With `local` (``{"partition", "partitions", "epochs"}``) the frame carries no batches: the page
-    makes its own with the fleet's data module, ``epochs`` times.
+    makes its own with the fleet's data module, ``epochs`` times. With `clip` (``"clip"``, Flower's
+    client-side fixed clipping), the device scales its update (trained minus sent weights) down to at
+    most that L2 norm over all values, and says the norm it had (``"update_norm"``).
 
     Raises:
         BatchError: for a batch tensor of a dtype onnxruntime-web does not take.
@@ -159,6 +162,8 @@ def train_frame(
               "examples": examples}
     if local is not None:
         header["local"] = local
+    if clip is not None:
+        header["clip"] = clip
     return pack(header, blobs)
 
 

@@ -120,10 +120,12 @@ class BrowserGrid(ServerGrid):
         server_round = _round(message)
         if isinstance(self._batches, PageData):
             local = {"partition": device.partition, "partitions": self._hub.partitions, "epochs": self._batches.epochs}
-            frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local)
+            frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local,
+                                clip=_clipping_norm(message))
             return message, frame, self._batches.max_examples, None, server_round
         epochs = self._batches(device.partition)
-        frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs)
+        frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs,
+                            clip=_clipping_norm(message))
         given = sum(int(batch[0].shape[0]) for batch in epochs[0])
         return message, frame, given, len(epochs[-1]), server_round
 
@@ -135,6 +137,14 @@ class BrowserGrid(ServerGrid):
             raise ConfigurationError(f"The strategy sent arrays {list(arrays.keys())}, but the browsers train "
                                      f"{names}; start the FleetServer from the artifacts the browsers load.")
         return np.concatenate([arrays[name].numpy().astype(np.float32, copy=False).ravel() for name in names])
+
+
+def _clipping_norm(message: Message) -> float | None:
+    """The norm a device clips its update to: Flower's client-side fixed clipping puts it in the train config."""
+    config = message.content.config_records.get("config")
+    # NOTE: "clipping_norm" is Flower's key (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM).
+    value = None if config is None else config.get("clipping_norm")
+    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def _round(message: Message) -> int:
