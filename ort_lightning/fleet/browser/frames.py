@@ -15,7 +15,8 @@ in the training graph's input order; with a data module, ``"epochs"`` is empty a
 is ``{"partition", "partitions", "epochs"}``).
 
 Page to server: ``ready`` (text, ``{"parameters": P}`` once the device has loaded the files),
-``result`` (binary: header ``{"id", "examples", "steps", "losses", "last_epoch_steps"}``,
+``result`` (binary: header ``{"id", "examples", "steps", "losses", "last_epoch_steps"}``, and
+``"update_norm"`` when the train frame asked for clipping (``"clip"``),
 payload the trained weights as float32) and ``error`` (text, ``{"id", "message"}``).
 `read_result` checks a result before it becomes a reply to the strategy.
 
