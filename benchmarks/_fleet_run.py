@@ -139,7 +139,7 @@ def _run(run: FleetRun, server: Any, client_app: Any) -> None:
         return
     from flwr.simulation import run_simulation
 
-    from ort_lightning.fleet.experiment import quiet_ray
+    from ort_lightning.fleet.assembly import quiet_ray
 
     quiet_ray()
     backend = {"client_resources": {"num_cpus": 1.0, "num_gpus": 0.0}}

@@ -14,6 +14,7 @@ __all__ = [
     "DeviceReplyError",
     "DistributedError",
     "ExportError",
+    "FleetError",
     "NonFiniteLossError",
     "ORTLightningError",
     "StorageError",
@@ -67,3 +68,7 @@ class DeviceReplyError(ORTLightningError, ValueError):
     given, its frame was over the size limit or unreadable, or it stopped answering: the device
     is named and dropped from the fleet, and its round completes with the other devices.
     """
+
+
+class FleetError(ORTLightningError, RuntimeError):
+    """A fleet cannot go on: too few devices stayed connected for longer than the fleet waits."""

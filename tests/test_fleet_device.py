@@ -41,7 +41,7 @@ from ort_lightning.fleet import (  # noqa: E402
     round_path,
     run_local,
 )
-from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
 
 LR = 0.01
@@ -209,7 +209,7 @@ def test_the_experiment_prints_and_records_the_devices_timings(
     exported, _ = folders
     config = FleetConfig.from_dict({"devices": DEVICES, "rounds": 1, "epochs": 1, "lr": LR, "batch_size": 32,
                                     "hidden": HIDDEN, "out": str(tmp_path)})
-    run_experiment(config, exported.directory)
+    run_experiment(config, exported.directory, DATA, test=digits_test_loader(0))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("round  1"))
     assert re.search(r"[\d.]+ ms mean local fit, [\d.]+ ms set-up, \d+ steps/s", line), line
     train = json.loads((tmp_path / "history.json").read_text())["rounds"][0]["train"]
@@ -233,6 +233,14 @@ def test_a_device_evaluates_through_its_eval_graph_as_torch_computes(
 
 
 # ----------------------------------------------------------------------------- bad input
+def test_the_experiment_needs_the_devices_data(folders: tuple[TrainingArtifacts, TrainingArtifacts],
+                                               tmp_path: Path) -> None:
+    config = FleetConfig.from_dict({"devices": 2, "rounds": 1, "out": str(tmp_path)})
+    message = r"Expected `data`, each device's \(partition, partitions\) -> ClientData, for engine 'local'"
+    with pytest.raises(ConfigurationError, match=message + ", but got None; pass the devices' data"):
+        run_experiment(config, folders[0].directory, None)
+
+
 def test_a_nominal_start_without_a_nominal_checkpoint_is_named(tmp_path: Path) -> None:
     plain = export_artifacts(digits_mlp(HIDDEN), torch.zeros(2, FEATURES), tmp_path / "plain", verify=False)
     client = DeviceClient(plain.directory, DATA, start="nominal")

@@ -232,6 +232,7 @@ def _fleet(args: argparse.Namespace) -> None:
     import logging
     import warnings
 
+    from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader
     from ort_lightning.fleet.experiment import FleetConfig, run_experiment
 
     config = FleetConfig.from_yaml(args.config, overrides=args.overrides)
@@ -245,7 +246,9 @@ def _fleet(args: argparse.Namespace) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-        run_experiment(config, artifacts)
+        # The digits are the example's data set: each device's share, and the held-out digits for the accuracy.
+        data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+        run_experiment(config, artifacts, None if config.page_data else data, test=digits_test_loader(config.seed))
 
 
 def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:

@@ -35,7 +35,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.experiment import FleetConfig, fleet_client, fleet_server, report
+from ort_lightning.fleet.assembly import fleet_client, fleet_server
+from ort_lightning.fleet.client import FleetClient
+from ort_lightning.fleet.config import FleetConfig
+from ort_lightning.fleet.device import DeviceClient
+from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader
+from ort_lightning.fleet.report import report
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -67,13 +72,19 @@ client = ClientApp()
 @client.train()
 def _train(message: Message, context: Context) -> Message:
     config, artifacts = read_run_config(context.run_config)
-    return fleet_client(config, artifacts).train(message, context)
+    return _client(config, artifacts).train(message, context)
 
 
 @client.evaluate()
 def _evaluate(message: Message, context: Context) -> Message:
     config, artifacts = read_run_config(context.run_config)
-    return fleet_client(config, artifacts).evaluate(message, context)
+    return _client(config, artifacts).evaluate(message, context)
+
+
+def _client(config: FleetConfig, artifacts: Path) -> DeviceClient | FleetClient:
+    """The device of this app: its SuperNode's share of the digits."""
+    return fleet_client(config, artifacts, DigitsPartitions(split=config.split, batch_size=config.batch_size,
+                                                            seed=config.seed))
 
 
 # ----------------------------------------------------------------------------- the server
@@ -88,7 +99,7 @@ def _main(grid: Grid, context: Context) -> None:
     nodes = config.nodes_to_wait_for
     waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
     config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
-    fleet = fleet_server(config, artifacts)
+    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed))
     _wait_for_nodes(grid, config.devices, config.device_timeout)
     started = time.perf_counter()
     fleet.main(grid, context)

@@ -1,9 +1,10 @@
 """What a browser or Node needs to train the device artifacts: the runner and onnxruntime-web.
 
-The package ships the device runner (``runner.js``, an ES module without dependencies, beside
-the fleet's page); onnxruntime-web itself comes from npm (``npm install onnxruntime-web@1.19.2``)
-and is never copied into the package. `asset` is the path of a shipped file, `find_ort_web`
-where onnxruntime-web's ``dist/`` folder is (or the URL that serves it).
+The package ships the device runner (``runner.js``, an ES module without dependencies; the browser
+fleet's page and its device scripts ship with `ort_lightning.fleet.browser`); onnxruntime-web itself
+comes from npm (``npm install onnxruntime-web@1.19.2``) and is never copied into the package.
+`asset` is the path of a shipped file, `find_ort_web` where onnxruntime-web's ``dist/`` folder is
+(or the URL that serves it).
 
 Nothing here imports ONNX Runtime or torch: the subpackage sits just above ``errors``.
 """
@@ -25,12 +26,12 @@ TRAINING_BUILD = "ort.training.wasm.min.mjs"
 ENVIRONMENT_VARIABLE = "ORT_LIGHTNING_ORT_WEB"
 
 _HERE = Path(__file__).resolve().parent
-_ASSET_SUFFIXES = (".js", ".html")
+_ASSET_SUFFIXES = (".js",)
 _INSTALL = f"npm install onnxruntime-web@{ORT_WEB_VERSION}"
 
 
 def asset(name: str) -> Path:
-    """Return the path of a web file the package ships (``runner.js``, the fleet's page).
+    """Return the path of a web file this subpackage ships (``runner.js``, the device runner).
 
     Args:
         name: The file's name, e.g. ``"runner.js"``.

@@ -57,7 +57,7 @@ export async function openDevice(ort, files) {
     if (!/backend could not be resolved/.test(String(error?.message))) throw error;
     throw new Error(`openDevice expects onnxruntime-web's training build, but the namespace it got has no ` +
       `training backend (TrainingSession.create: ${error.message}); import dist/ort.training.wasm.min.mjs, not ` +
-      'ort.min.mjs or ort.wasm.min.mjs, of onnxruntime-web 1.19.2 and pass that module');
+      'ort.min.mjs or ort.wasm.min.mjs, of onnxruntime-web 1.19.2 and pass that module', {cause: error});
   }
   return new Device(ort, session, await session.getParametersSize(false));
 }
@@ -146,8 +146,8 @@ export class Device {
         } catch (error) {
           throw explained(error, `batch ${index} of the training graph`, names);
         }
-        await this.session.runOptimizerStep();
-        await this.session.lazyResetGrad();
+        await updated(() => this.session.runOptimizerStep(), `the optimizer step after batch ${index}`);
+        await updated(() => this.session.lazyResetGrad(), `the gradient reset after batch ${index}`);
         losses.push(Number(outputs[loss].data[0]));
       }
     }
@@ -282,6 +282,26 @@ function explained(error, where, names) {
     'WebAssembly exception), which it does for a tensor whose type or shape the graph does not take; check ' +
     `each tensor's type and dims against the inputs [${names.join(', ')}] (the artifacts' ort_lightning.json ` +
     "lists their dtypes and shapes; int64 labels go in as {type: 'int64', data: BigInt64Array})");
+}
+
+/**
+ * Runs an optimizer step or a gradient reset, saying which one failed and after which batch.
+ *
+ * @param {function(): Promise<*>} call The session's call.
+ * @param {string} where Which call after which batch, for the message.
+ * @returns {Promise<*>} What the call returned.
+ */
+async function updated(call, where) {
+  try {
+    return await call();
+  } catch (error) {
+    // NOTE: neither call takes a tensor of the caller's: what fails here is the optimizer graph against the
+    // training graph's parameters (another export's optimizer_model), or memory.
+    const cause = error instanceof Error ? error.message : `it threw ${describe(error)}, a WebAssembly exception`;
+    throw new Error(`${where}: onnxruntime-web failed (${cause}); check that the optimizer graph comes from the ` +
+      'same export as the training graph and the checkpoint (one device folder), and that the device has ' +
+      'memory left', {cause: error});
+  }
 }
 
 /**

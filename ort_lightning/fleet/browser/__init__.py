@@ -3,9 +3,9 @@
 `BrowserFleet` serves one page on an address you choose (loopback by default). Every browser
 that opens its URL (``http://HOST:PORT/?token=...``, printed with a random join token; a wrong
 token is refused) becomes one Flower device, partition ``i`` of ``devices`` in joining order.
-The page (``ort_lightning/web/page.html`` and ``page.js``) imports onnxruntime-web's training
-build (served from ``npm install onnxruntime-web@1.19.2``'s ``dist/`` folder, or from a URL you
-give), loads the device folder's graphs and checkpoint, and trains every round it is sent with
+The page (``page.html``, ``page.js`` and ``device.js`` beside this module) imports
+onnxruntime-web's training build (served from ``npm install onnxruntime-web@1.19.2``'s ``dist/``
+folder, or from a URL you give), loads the device folder's graphs and checkpoint, and trains every round it is sent with
 ``runner.js``. Flower's own machinery runs the rounds: `FleetServer` with its strategy and its
 checkpoint per round, over `BrowserGrid`, whose nodes are the connected browsers.
 

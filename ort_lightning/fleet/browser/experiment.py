@@ -1,13 +1,11 @@
-"""The digits fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
+"""A fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
 
-The server's folder is the exported digits artifacts; the browsers load the experiment's device
-folder (`device_folder`, ``out/device``: the optimizer graph computes the config's ``lr``,
-constant, since a browser cannot set one), the files a simulated device opens too. Each
-browser that opens the printed URL trains the partition a simulated device of the same config
-would (`DigitsPartitions` with the same split, batch size and seed) through the same loop, so
-the accuracy per round is the simulated fleet's; with
-``page_data``, each page makes its own batches with that module instead (64 float32 features,
-int64 labels 0-9, as the digits model takes them) and the server evaluates on the held-out digits.
+The server's folder is the exported artifacts; the browsers load the experiment's device folder
+(`device_folder`, ``out/device``: the optimizer graph computes the config's ``lr``, constant,
+since a browser cannot set one), the files a simulated device opens too. Each browser that opens
+the printed URL trains the partition of ``data`` a simulated device of the same config would,
+through the same loop, so the accuracy per round is the simulated fleet's; with ``page_data``,
+each page makes its own batches with that module instead, and ``data`` is None.
 """
 
 from __future__ import annotations
@@ -15,10 +13,14 @@ from __future__ import annotations
 import os
 import time
 
+from torch.utils.data import DataLoader
+
 from ort_lightning.fleet.app import FleetServer
+from ort_lightning.fleet.assembly import device_folder, fleet_server
 from ort_lightning.fleet.browser.fleet import BrowserFleet
-from ort_lightning.fleet.digits import DigitsPartitions
-from ort_lightning.fleet.experiment import FleetConfig, device_folder, fleet_server, report
+from ort_lightning.fleet.client import DataFn
+from ort_lightning.fleet.config import FleetConfig
+from ort_lightning.fleet.report import report
 
 __all__ = ["run_browser_experiment"]
 
@@ -33,7 +35,7 @@ def _announce(fleet: BrowserFleet, devices: int) -> None:
         for device in fleet.connected:
             if device.node_id not in seen:
                 seen.add(device.node_id)
-                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {devices}",
+                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {fleet.devices}",
                       flush=True)
 
 
@@ -42,28 +44,37 @@ _NO_LIMIT = 7 * 24 * 3600.0
 
 
 def run_browser_experiment(
-    config: FleetConfig, artifacts: str | os.PathLike[str], *, echo: bool = True
+    config: FleetConfig,
+    artifacts: str | os.PathLike[str],
+    data: DataFn | None,
+    *,
+    test: DataLoader | None = None,
+    echo: bool = True,
 ) -> FleetServer:
     """Serve the fleet's page, wait for ``config.devices`` browsers, run the rounds; print and write as the others do.
 
     Args:
         config: the experiment (``engine: browser``; ``host``, ``port``, ``device_timeout``, ``ort_web``).
-        artifacts: the exported digits artifacts (the server's folder).
+        artifacts: the exported artifacts (the server's folder).
+        data: ``(partition, partitions) -> ClientData``, whose batches the server ships to the pages; None
+            with ``page_data``.
+        test: the batches the global model is evaluated on after every round.
         echo: print the URL, the joins and the accuracy per round.
 
     Returns:
         The `FleetServer`, whose ``history`` holds each round's record.
     """
     web = device_folder(config, artifacts)
-    data = None if config.page_data else DigitsPartitions(split=config.split, batch_size=config.batch_size,
-                                                          seed=config.seed)
-    server = fleet_server(config, artifacts)
-    with BrowserFleet(web, data, page_data=config.page_data, max_examples=config.max_examples, host=config.host,
+    server = fleet_server(config, artifacts, test)
+    shipped = None if config.page_data else data
+    on_event = (lambda event: print(f"  {event.describe()}", flush=True)) if echo else None
+    with BrowserFleet(web, shipped, page_data=config.page_data, max_examples=config.max_examples, host=config.host,
                       port=config.port, devices=config.devices, epochs=config.epochs,
                       device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
-                      ort_web=config.ort_web) as fleet:
+                      ort_web=config.ort_web, on_event=on_event, min_devices=config.min_devices,
+                      wait_timeout=config.wait_timeout, certfile=config.certfile, keyfile=config.keyfile) as fleet:
         if echo:
-            _announce(fleet, config.devices)
+            _announce(fleet, fleet.min_devices)
         started = time.perf_counter()
         fleet.run(server)
         total = time.perf_counter() - started

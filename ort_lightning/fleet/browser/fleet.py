@@ -6,6 +6,7 @@ user's ``data`` must be.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -21,15 +22,18 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.app import FleetServer
 from ort_lightning.fleet.browser.frames import HEADER_LIMIT
-from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs, PageData
-from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, Refusal
+from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs, PageData, strategy_floor
+from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
 from ort_lightning.fleet.browser.site import web_app
+from ort_lightning.fleet.browser.tls import is_loopback, tls_files
 from ort_lightning.fleet.client import DataFn
 from ort_lightning.fleet.folder import device_files, ordered, weight_order
 from ort_lightning.fleet.local import _RUN_ID
 from ort_lightning.web import find_ort_web
 
 __all__ = ["BrowserFleet"]
+
+_LOG = logging.getLogger("ort_lightning.fleet.browser")
 
 def _page_data(
     data: DataFn | None, page_data: str | os.PathLike[str] | None, max_examples: int | None
@@ -69,11 +73,21 @@ class BrowserFleet:
             cannot count them); a device that claims more, or none, is refused.
         host: the address to listen on (loopback by default; ``"0.0.0.0"`` for other machines).
         port: the port; 0 picks a free one (`url` tells which).
-        devices: how many browsers the fleet waits for (each takes one partition, in joining order).
+        devices: the most devices connected at once, and the data's partition count (each device
+            holds one partition; a page beyond them is refused and told so).
         epochs: local epochs per round.
         device_timeout: seconds a browser may take to answer a round before it is dropped.
         ort_web: onnxruntime-web's ``dist/`` folder or a URL that serves it (see `find_ort_web`).
         token: the join token (a random one by default).
+        min_devices: how many devices `run` waits for before the first round (None: `devices`).
+            Later rounds sample among the devices connected then, with the strategy's own rules.
+        wait_timeout: seconds the fleet waits, between rounds, for the strategy's minimum of devices
+            (its ``min_available_nodes`` and ``min_train_nodes``) once too few are connected; then
+            `run` stops with a `FleetError` (the finished rounds' checkpoints stay). None: no limit.
+        name: the fleet's name, which the page shows; a page keeps its device identity under it.
+        on_event: told of each device that joins, comes back, leaves or is refused (a `PopulationEvent`).
+        certfile: a PEM certificate (chain) to serve HTTPS and WSS with; with `keyfile`.
+        keyfile: the certificate's PEM private key.
 
     Raises:
         ConfigurationError: for non-positive counts, a folder a browser cannot train, no onnxruntime-web,
@@ -94,11 +108,24 @@ class BrowserFleet:
         device_timeout: float = 600.0,
         ort_web: str | None = None,
         token: str | None = None,
+        min_devices: int | None = None,
+        wait_timeout: float | None = 600.0,
+        name: str = "ort-lightning fleet",
+        on_event: OnEvent | None = None,
+        certfile: str | os.PathLike[str] | None = None,
+        keyfile: str | os.PathLike[str] | None = None,
     ) -> None:
         if devices < 1 or epochs < 1 or device_timeout <= 0:
             raise ConfigurationError(f"Expected devices >= 1, epochs >= 1 and device_timeout > 0, but got {devices}, "
                                      f"{epochs} and {device_timeout}; pass the browsers to wait for, the local epochs "
                                      "per round and the seconds a browser may take for a round.")
+        self.min_devices = devices if min_devices is None else min_devices
+        if not 1 <= self.min_devices <= devices or (wait_timeout is not None and wait_timeout <= 0):
+            raise ConfigurationError(f"Expected min_devices from 1 to devices ({devices}) and wait_timeout > 0 or "
+                                     f"None, but got {min_devices} and {wait_timeout}; pass how many pages the first "
+                                     "round needs, at most the fleet's devices, and the seconds to wait for too few.")
+        self.wait_timeout = wait_timeout
+        self.tls = tls_files(certfile, keyfile)
         self.page_data = _page_data(data, page_data, max_examples)
         self.max_examples = max_examples
         self.artifacts = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)
@@ -106,11 +133,12 @@ class BrowserFleet:
         self.host = host
         self.token = token or secrets.token_urlsafe(16)
         files = device_files(self.artifacts)
-        self.hub = Hub(partitions=devices, specs=weight_order(self.artifacts, files), device_timeout=device_timeout)
+        self.hub = Hub(partitions=devices, specs=weight_order(self.artifacts, files), device_timeout=device_timeout,
+                       on_event=on_event)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
         self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
-                            frame_limit=self.frame_limit, page_data=self.page_data)
+                            frame_limit=self.frame_limit, page_data=self.page_data, fleet=name)
         self._socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self._socket.getsockname()[1]
         self._server: uvicorn.Server | None = None
@@ -120,7 +148,7 @@ class BrowserFleet:
     def url(self) -> str:
         """The URL a browser opens to join (with the join token)."""
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}/?token={self.token}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/?token={self.token}"
 
     @property
     def connected(self) -> list[BrowserDevice]:
@@ -136,8 +164,14 @@ class BrowserFleet:
         """Serve the page (in a background thread) until `close`."""
         if self._thread is not None:
             return self
+        # NOTE: no access log: every request's query carries the join token, which no log line may show.
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, ws="websockets-sansio",
-                                ws_max_size=self.frame_limit, lifespan="on")
+                                ws_max_size=self.frame_limit, lifespan="on",
+                                ssl_certfile=self.tls[0] if self.tls else None,
+                                ssl_keyfile=self.tls[1] if self.tls else None)
+        if self.tls is None and not is_loopback(self.host):
+            _LOG.warning("the fleet serves %s:%d without TLS: the join token and every update travel in clear; "
+                         "pass certfile and keyfile (or serve it behind an HTTPS reverse proxy)", self.host, self.port)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="ort-lightning-browser-fleet", daemon=True)
@@ -150,8 +184,8 @@ class BrowserFleet:
         return self
 
     def wait_for_devices(self, timeout: float | None = None) -> bool:
-        """Block until `devices` browsers have joined (or `timeout` seconds pass); whether they have."""
-        return self.hub.wait_for(self.devices, timeout)
+        """Block until `min_devices` browsers have joined (or `timeout` seconds pass); whether they have."""
+        return self.hub.wait_for(self.min_devices, timeout)
 
     def run(self, server: FleetServer, *, join_timeout: float | None = None) -> FleetServer:
         """Serve, wait for the browsers, and run `server`'s rounds over them (`BrowserGrid`).
@@ -166,11 +200,12 @@ class BrowserFleet:
         self._check(server)
         self.start()
         if not self.wait_for_devices(join_timeout):
-            raise ConfigurationError(f"{len(self.hub.node_ids())} of {self.devices} browsers joined within "
-                                     f"{join_timeout} s; open {self.url} in {self.devices} browsers (tabs), or pass "
-                                     "fewer devices.")
+            raise ConfigurationError(f"{len(self.hub.node_ids())} of {self.min_devices} browsers joined within "
+                                     f"{join_timeout} s; open the fleet's URL in {self.min_devices} browsers (tabs), "
+                                     "or pass fewer min_devices.")
         local = None if self.page_data is None else PageData(self.epochs, int(self.max_examples or 0))
-        grid = BrowserGrid(self.hub, local or self._epochs)
+        grid = BrowserGrid(self.hub, local or self._epochs, floor=strategy_floor(server.strategy),
+                           wait_timeout=self.wait_timeout)
         server.main(grid, Context(_RUN_ID, 0, {}, RecordDict(), {}))
         return server
 

@@ -15,7 +15,8 @@ in the training graph's input order; with a data module, ``"epochs"`` is empty a
 is ``{"partition", "partitions", "epochs"}``).
 
 Page to server: ``ready`` (text, ``{"parameters": P}`` once the device has loaded the files),
-``result`` (binary: header ``{"id", "examples", "steps", "losses", "last_epoch_steps"}``,
+``result`` (binary: header ``{"id", "examples", "steps", "losses", "last_epoch_steps"}``, and
+``"update_norm"`` when the train frame asked for clipping (``"clip"``),
 payload the trained weights as float32) and ``error`` (text, ``{"id", "message"}``).
 `read_result` checks a result before it becomes a reply to the strategy.
 
@@ -142,12 +143,15 @@ def train_frame(
     epochs: Sequence[Sequence[Sequence[torch.Tensor]]],
     *,
     local: dict[str, int] | None = None,
+    clip: float | None = None,
 ) -> bytes:
     """The train frame of one round: the weights and each epoch's batches, in the order the device trains them.
 
     The header's ``"examples"`` is the first epoch's examples (the first dimension of each batch's first tensor).
     With `local` (``{"partition", "partitions", "epochs"}``) the frame carries no batches: the page
-    makes its own with the fleet's data module, ``epochs`` times.
+    makes its own with the fleet's data module, ``epochs`` times. With `clip` (``"clip"``, Flower's
+    client-side fixed clipping), the device scales its update (trained minus sent weights) down to at
+    most that L2 norm over all values, and says the norm it had (``"update_norm"``).
 
     Raises:
         BatchError: for a batch tensor of a dtype onnxruntime-web does not take.
@@ -159,6 +163,8 @@ def train_frame(
               "examples": examples}
     if local is not None:
         header["local"] = local
+    if clip is not None:
+        header["clip"] = clip
     return pack(header, blobs)
 
 

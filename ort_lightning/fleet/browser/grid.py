@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from flwr.app import Message, MessageType
 
-from ort_lightning.errors import ConfigurationError
+from ort_lightning.errors import ConfigurationError, FleetError
 from ort_lightning.fleet.browser.frames import train_frame
 from ort_lightning.fleet.browser.hub import Hub
 from ort_lightning.fleet.client import ARRAYS_KEY
 from ort_lightning.fleet.local import ServerGrid
 
-__all__ = ["BrowserGrid", "Epochs", "PageData"]
+__all__ = ["BrowserGrid", "Epochs", "PageData", "strategy_floor"]
 
 #: A partition's batches for one round: per local epoch, its batches, each in the training graph's input order.
 Epochs = list[list[Sequence[torch.Tensor]]]
@@ -52,16 +52,35 @@ class BrowserGrid(ServerGrid):
         hub: the fleet's devices and the replies they owe.
         batches: ``partition -> Epochs``, what a device of that partition trains in a round; or
             `PageData` when the pages make their own batches.
+        floor: the fewest devices a round needs (the strategy's minimums, `strategy_floor`).
+        wait_timeout: seconds to wait for `floor` devices when fewer are connected (None: no limit).
     """
 
-    def __init__(self, hub: Hub, batches: Callable[[int], Epochs] | PageData) -> None:
+    def __init__(
+        self, hub: Hub, batches: Callable[[int], Epochs] | PageData, *, floor: int = 1,
+        wait_timeout: float | None = None,
+    ) -> None:
         super().__init__()
         self._hub = hub
         self._batches = batches
         self._ids = count()
+        self._floor = floor
+        self._wait_timeout = wait_timeout
 
     def get_node_ids(self) -> Iterable[int]:
-        """The node ids of the browsers that are ready, in joining order."""
+        """The node ids of the browsers that are ready, in joining order; waits (bounded) while they are too few.
+
+        Raises:
+            FleetError: fewer than the strategy's minimum stayed connected for `wait_timeout` seconds.
+        """
+        # NOTE: Flower's strategies poll this once a second, for ever, while fewer nodes than their minimum are
+        # connected; waiting here, with a bound, is what ends a run whose devices have gone.
+        if not self._hub.wait_for(self._floor, self._wait_timeout):
+            connected = len(self._hub.node_ids())
+            raise FleetError(f"The fleet waited {self._wait_timeout:g} s after round {self._hub.server_round} for "
+                             f"{self._floor} devices (the strategy's minimum), but {connected} stayed connected; the "
+                             "run stops here and the finished rounds' checkpoints stay. Raise wait_timeout, lower "
+                             "the strategy's min_available_nodes/min_train_nodes, or bring devices back.")
         return self._hub.node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
@@ -101,10 +120,12 @@ class BrowserGrid(ServerGrid):
         server_round = _round(message)
         if isinstance(self._batches, PageData):
             local = {"partition": device.partition, "partitions": self._hub.partitions, "epochs": self._batches.epochs}
-            frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local)
+            frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local,
+                                clip=_clipping_norm(message))
             return message, frame, self._batches.max_examples, None, server_round
         epochs = self._batches(device.partition)
-        frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs)
+        frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs,
+                            clip=_clipping_norm(message))
         given = sum(int(batch[0].shape[0]) for batch in epochs[0])
         return message, frame, given, len(epochs[-1]), server_round
 
@@ -118,9 +139,23 @@ class BrowserGrid(ServerGrid):
         return np.concatenate([arrays[name].numpy().astype(np.float32, copy=False).ravel() for name in names])
 
 
+def _clipping_norm(message: Message) -> float | None:
+    """The norm a device clips its update to: Flower's client-side fixed clipping puts it in the train config."""
+    config = message.content.config_records.get("config")
+    # NOTE: "clipping_norm" is Flower's key (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM).
+    value = None if config is None else config.get("clipping_norm")
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
 def _round(message: Message) -> int:
     config = message.content.config_records.get("config")
     if config is not None and "server-round" in config:
         return int(config["server-round"])  # type: ignore[arg-type]
     group = message.metadata.group_id
     return int(group) if group.isdigit() else 0
+
+
+def strategy_floor(strategy: object) -> int:
+    """The fewest devices a round of `strategy` needs: its ``min_available_nodes`` and ``min_train_nodes`` (else 1)."""
+    minimums = [getattr(strategy, key, 1) for key in ("min_available_nodes", "min_train_nodes")]
+    return max(1, *(int(value) for value in minimums if isinstance(value, int)))

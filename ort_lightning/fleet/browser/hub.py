@@ -4,8 +4,10 @@ The event loop side calls `Hub.join` when a page's WebSocket opens, `Hub.ready` 
 has loaded the files, `Hub.receive` for each frame and `Hub.lost` when the socket closes. Flower's
 side (`BrowserGrid`) calls `Hub.send` for each train message and `Hub.collect` for the replies.
 Every failure of a device (closed, refused, silent past its deadline) becomes an error reply to
-the message it owed, and a `Refusal` naming the device; the device leaves the fleet, and a page
-that joins later takes its partition.
+the message it owed, and a `Refusal` naming the device; the device leaves the fleet. Who the devices
+are (identities kept by the pages, partitions, who joined, left and came back) is the
+`Population`'s business; each change is a `PopulationEvent` in `Hub.events`, logged and handed to
+``on_event``.
 
 Example::
 
@@ -30,10 +32,11 @@ from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.browser.frames import read_result, unpack
+from ort_lightning.fleet.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
 from ort_lightning.fleet.local import CLIENT_ERROR_CODE
 
-__all__ = ["BrowserDevice", "Hub", "Refusal"]
+__all__ = ["BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
 _LOG = logging.getLogger("ort_lightning.fleet.browser")
 #: WebSocket close code for a policy violation (RFC 6455): a refused device.
@@ -43,6 +46,8 @@ TOO_BIG = 1009
 
 #: Sends a coroutine to the web server's event loop (a socket's send or close).
 Schedule = Callable[[Coroutine[Any, Any, None]], None]
+#: Told of each device that joins, comes back, leaves or is refused (called without the hub's lock).
+OnEvent = Callable[[PopulationEvent], None]
 
 
 @dataclass
@@ -50,16 +55,19 @@ class BrowserDevice:
     """One page that joined the fleet.
 
     Attributes:
-        name: the page's ``name=`` query value, else ``browser-<n>``; logs and refusals name it.
+        name: the page's ``name=`` query value, else ``browser-<n>``; logs and refusals name it (a
+            device that comes back keeps the name it had).
         address: the browser's host and port, as the server saw them.
-        partition: the share of the data it trains (lowest free one when it became ready).
-        node_id: its Flower node id (never reused).
+        partition: the share of the data it trains (see `Population`).
+        node_id: its Flower node id (one per identity: a device that comes back has its own again).
+        identity: the identity the page keeps in its storage (empty until it is ready).
     """
 
     name: str
     address: str
     partition: int = -1
     node_id: int = 0
+    identity: str = ""
     send: Callable[[bytes | str], Coroutine[Any, Any, None]] | None = field(default=None, repr=False)
     close: Callable[[int, str], Coroutine[Any, Any, None]] | None = field(default=None, repr=False)
 
@@ -103,8 +111,21 @@ class Hub:
         device_timeout: seconds a device may take to answer a train message.
     """
 
-    def __init__(self, *, partitions: int, specs: Sequence[tuple[str, tuple[int, ...]]], device_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        partitions: int,
+        specs: Sequence[tuple[str, tuple[int, ...]]],
+        device_timeout: float,
+        on_event: OnEvent | None = None,
+    ) -> None:
         self.partitions = partitions
+        self.population = Population(partitions)
+        #: Every device that joined, came back, left or was refused, in order.
+        self.events: list[PopulationEvent] = []
+        self._on_event = on_event
+        #: The latest round the server has sent (0 before the first).
+        self.server_round = 0
         self.specs = list(specs)
         self.parameters = sum(math.prod(shape) for _, shape in self.specs)
         self.device_timeout = device_timeout
@@ -115,7 +136,6 @@ class Hub:
         self._owed: dict[str, _Owed] = {}
         self._replies: dict[str, Message] = {}
         self._joins = 0
-        self._nodes = 0
         self._closing = False
 
     def close(self) -> None:
@@ -134,34 +154,46 @@ class Hub:
             self._joins += 1
             device.name = device.name or f"browser-{self._joins}"
 
-    def ready(self, device: BrowserDevice, parameters: object) -> str | None:
+    def ready(self, device: BrowserDevice, parameters: object, identity: object) -> str | None:
         """The page loaded the device files; returns why it is refused, or None once it is a node."""
         with self._changed:
-            reason = self._admit(device, parameters)
+            reason, kind = self._admit(device, parameters, identity)
             if reason is not None:
                 self.refusals.append(Refusal(device.name, 0, reason))
+            event = self._event(device.name, kind, reason or f"partition {device.partition} of {self.partitions}")
             self._changed.notify_all()
         if reason is not None:
             _LOG.warning("%s refused: %s", device.name, reason)
         else:
-            _LOG.info("%s joined as partition %d of %d (%s)", device.name, device.partition, self.partitions,
+            _LOG.info("%s %s as partition %d of %d (%s)", device.name, kind, device.partition, self.partitions,
                       device.address)
+        self._tell(event)
         return reason
 
-    def _admit(self, device: BrowserDevice, parameters: object) -> str | None:
+    def _admit(self, device: BrowserDevice, parameters: object, identity: object) -> tuple[str | None, str]:
         # NOTE: called with the condition held.
         if parameters != self.parameters:
             return (f"{device.name} opened a model of {parameters} parameters, but the fleet's has "
-                    f"{self.parameters}; the page loaded other artifacts than the server's")
-        taken = {d.partition for d in self._devices.values()}
-        free = [p for p in range(self.partitions) if p not in taken]
-        if not free:
-            return (f"{device.name} found the fleet full: all {self.partitions} partitions have a device; "
-                    "start the fleet with more devices, or close another tab first")
-        self._nodes += 1
-        device.partition, device.node_id = free[0], self._nodes
+                    f"{self.parameters}; the page loaded other artifacts than the server's", "was refused")
+        connected = {d.identity: d.name for d in self._devices.values()}
+        admission = self.population.admit(identity, device.name, connected=connected)
+        if admission.member is None:
+            return admission.reason, "was refused"
+        member = admission.member
+        device.name, device.partition, device.node_id = member.name, member.partition, member.node_id
+        device.identity = str(identity)
         self._devices[device.node_id] = device
-        return None
+        return None, "came back" if admission.came_back else "joined"
+
+    def _event(self, name: str, kind: str, detail: str) -> PopulationEvent:
+        # NOTE: called with the condition held.
+        event = PopulationEvent(self.server_round, name, kind, detail)
+        self.events.append(event)
+        return event
+
+    def _tell(self, event: PopulationEvent | None) -> None:
+        if event is not None and self._on_event is not None:
+            self._on_event(event)
 
     def receive(self, device: BrowserDevice, frame: bytes | dict[str, Any]) -> None:
         """A binary result frame, or a text frame's JSON (``error``), from `device`."""
@@ -232,6 +264,7 @@ class Hub:
                 return
             self._owed[message.metadata.message_id] = _Owed(device, message, given, last_epoch,
                                                             time.monotonic() + self.device_timeout, server_round)
+            self.server_round = max(self.server_round, server_round)
         _LOG.debug("round %d: sent %d bytes to %s", server_round, len(frame), device.name)
         self._schedule(device.send(frame))
 
@@ -282,7 +315,9 @@ class Hub:
 
     def _drop(self, device: BrowserDevice, reason: str, *, close: bool) -> None:
         with self._changed:
-            member = self._devices.pop(device.node_id, None) is device
+            member = self._devices.get(device.node_id) is device
+            if member:
+                del self._devices[device.node_id]
             owed = [(i, o) for i, o in self._owed.items() if o.device is device]
             for message_id, entry in owed:
                 del self._owed[message_id]
@@ -292,11 +327,13 @@ class Hub:
             failed = member and not self._closing and (close or bool(owed))
             if failed:
                 self.refusals.append(Refusal(device.name, server_round, reason))
+            event = self._event(device.name, "left", reason) if member and not self._closing else None
             self._changed.notify_all()
         if failed:
             _LOG.warning("%s left the fleet%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
         elif member and not self._closing:
             _LOG.info("%s left the fleet between rounds: %s", device.name, reason)
+        self._tell(event)
         if close and device.close is not None and self._schedule is not None:
             self._schedule(device.close(POLICY_VIOLATION, reason[:120]))
 

@@ -2,8 +2,9 @@
 
 Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
 
-- ``GET /?token=T``: the page (``ort_lightning/web/page.html``); a missing or wrong token is a 403.
-- ``GET /page.js``, ``GET /runner.js``: the page's scripts, shipped with the package.
+- ``GET /?token=T``: the page (``page.html`` beside this module); a missing or wrong token is a 403.
+- ``GET /page.js``, ``/device.js``, ``/frames.js`` (beside this module: the page, the device's protocol,
+  the frame codec) and ``GET /runner.js`` (``ort_lightning/web``: the device runner), shipped with the package.
 - ``GET /device/<role>?token=T``: the device files (``training``, ``eval``, ``optimizer``, ``checkpoint``).
 - ``GET /data.js?token=T``: the user's data module, when the fleet has one (``page_data``).
 - ``GET /ort/...``: onnxruntime-web's ``dist/`` folder, when `find_ort_web` found one on disk (a
@@ -31,10 +32,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ort_lightning.fleet.browser.hub import POLICY_VIOLATION, TOO_BIG, BrowserDevice, Hub
 from ort_lightning.web import TRAINING_BUILD, asset
 
-__all__ = ["ROLES", "web_app"]
+__all__ = ["ROLES", "SCRIPTS", "web_app"]
 
 #: The device files by the names runner.js's openDevice takes.
 ROLES = ("training", "eval", "optimizer", "checkpoint")
+#: The page's scripts that ship beside this module (runner.js comes from `ort_lightning.web`).
+SCRIPTS = ("page.js", "device.js", "frames.js")
+_HERE = Path(__file__).resolve().parent
+#: WebSocket close code of a page that leaves on purpose (RFC 6455): its leave button.
+NORMAL_CLOSURE = 1000
 _WRONG_TOKEN = ("This fleet's join token is missing or wrong: open the URL the fleet printed "
                 "(http://HOST:PORT/?token=...), with its token.")
 
@@ -42,6 +48,8 @@ _WRONG_TOKEN = ("This fleet's join token is missing or wrong: open the URL the f
 def _close_reason(code: int | None, frame_limit: int) -> str:
     if code == TOO_BIG:
         return f"sent a frame over the size limit of {frame_limit} bytes, so its connection was closed"
+    if code == NORMAL_CLOSURE:
+        return "left the fleet (its leave button)"
     return f"closed its page or lost its connection (WebSocket close code {code})"
 
 
@@ -49,9 +57,10 @@ class _Site:
     """The handlers of `web_app`, over one `Hub`."""
 
     def __init__(
-        self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None
+        self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None,
+        fleet: str,
     ) -> None:
-        self.hub, self.token, self.files, self.frame_limit = hub, token, files, frame_limit
+        self.hub, self.token, self.files, self.frame_limit, self.fleet = hub, token, files, frame_limit, fleet
         self.page_data = page_data
         self.ort_module = f"{ort}/{TRAINING_BUILD}" if ort.startswith(("http://", "https://")) else \
             f"/ort/{TRAINING_BUILD}"
@@ -62,10 +71,11 @@ class _Site:
     async def page(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):
             return PlainTextResponse(_WRONG_TOKEN, status_code=403)
-        return FileResponse(asset("page.html"), media_type="text/html")
+        return FileResponse(_HERE / "page.html", media_type="text/html")
 
     async def script(self, request: Request) -> Response:
-        return FileResponse(asset(request.url.path.lstrip("/")), media_type="text/javascript")
+        name = request.url.path.lstrip("/")
+        return FileResponse(_HERE / name if name in SCRIPTS else asset(name), media_type="text/javascript")
 
     async def device_file(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):
@@ -96,7 +106,8 @@ class _Site:
         self.hub.join(device)
         files = {role: f"/device/{role}?token={self.token}" for role in self.files}
         data = None if self.page_data is None else f"/data.js?token={self.token}"
-        await socket.send_text(json.dumps({"type": "welcome", "device": device.name, "ort": self.ort_module,
+        await socket.send_text(json.dumps({"type": "welcome", "fleet": self.fleet, "device": device.name,
+                                           "ort": self.ort_module,
                                            "files": files, "parameters": self.hub.parameters, "data": data,
                                            "order": [name for name, _ in self.hub.specs]}))
         reason = await self._listen(socket, device)
@@ -116,10 +127,12 @@ class _Site:
                 continue
             message = _json(event.get("text"))
             if message.get("type") == "ready":
-                refused = self.hub.ready(device, message.get("parameters"))
+                refused = self.hub.ready(device, message.get("parameters"), message.get("identity"))
                 if refused is not None:
                     await _close(socket, POLICY_VIOLATION, refused[:120])
                     return f"was refused: {refused}"
+                await _send(socket, json.dumps({"type": "admitted", "device": device.name,
+                                                "partition": device.partition, "partitions": self.hub.partitions}))
             else:
                 self.hub.receive(device, message)
 
@@ -144,7 +157,8 @@ async def _close(socket: WebSocket, code: int, reason: str) -> None:
 
 
 def web_app(
-    hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None = None
+    hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None = None,
+    fleet: str = "ort-lightning fleet",
 ) -> Starlette:
     """The fleet's Starlette application.
 
@@ -155,8 +169,9 @@ def web_app(
         ort: onnxruntime-web's ``dist/`` folder, or a URL that serves it (from `find_ort_web`).
         frame_limit: the largest frame a page may send, in bytes (uvicorn's ``ws_max_size`` enforces it).
         page_data: the user's data module (an ES module the page imports), or None.
+        fleet: the fleet's name, which the page shows and keys its device identity by.
     """
-    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit, page_data=page_data)
+    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit, page_data=page_data, fleet=fleet)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -169,7 +184,7 @@ def web_app(
         yield
 
     routes: list[Any] = [
-        Route("/", site.page), Route("/page.js", site.script), Route("/runner.js", site.script),
+        Route("/", site.page), *(Route(f"/{name}", site.script) for name in (*SCRIPTS, "runner.js")),
         Route("/device/{role}", site.device_file), Route("/data.js", site.data_module),
         WebSocketRoute("/join", site.join),
     ]

@@ -1,0 +1,120 @@
+// The browser fleet's binary frames, on the device's side: the format that frames.py writes and reads.
+//
+//   uint32 little-endian H | H bytes of UTF-8 JSON header | zero padding to a multiple of 8 | payload
+//
+// With more than one blob, the header's "blobs" lists each one's [offset, nbytes] in the payload (offsets
+// multiples of 8, so that a Float32Array or BigInt64Array views a blob in place); with one, the payload is
+// the blob. A train frame's header names the weights' blob ("weights") and, per epoch, per batch, each
+// tensor as {type, dims, blob}; a result frame is the header and the trained weights as float32.
+// tests/web/frame_vectors.json holds frames written by each side, which both sides' tests decode.
+
+/** The typed array of each tensor type a frame carries. */
+export const ARRAYS = {float32: Float32Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array};
+const ALIGN = 8;
+
+/**
+ * A size rounded up to the alignment of blobs.
+ *
+ * @param {number} size Bytes.
+ * @returns {number} The next multiple of 8.
+ */
+function padded(size) {
+  return Math.ceil(size / ALIGN) * ALIGN;
+}
+
+/**
+ * Writes one binary frame.
+ *
+ * @param {object} header The JSON header (a "blobs" key is added for more than one blob).
+ * @param {Array<ArrayBufferView>} blobs The payload's parts, in order.
+ * @returns {Uint8Array} The frame.
+ */
+export function pack(header, blobs) {
+  const offsets = [];
+  let offset = 0;
+  for (const blob of blobs) {
+    offsets.push([offset, blob.byteLength]);
+    offset = padded(offset + blob.byteLength);
+  }
+  const text = new TextEncoder().encode(JSON.stringify(blobs.length > 1 ? {...header, blobs: offsets} : header));
+  const start = padded(4 + text.length);
+  const end = offsets.length > 0 ? offsets.at(-1)[0] + offsets.at(-1)[1] : 0;
+  const frame = new Uint8Array(start + end);
+  new DataView(frame.buffer).setUint32(0, text.length, true);
+  frame.set(text, 4);
+  blobs.forEach((blob, index) => {
+    frame.set(new Uint8Array(blob.buffer, blob.byteOffset, blob.byteLength), start + offsets[index][0]);
+  });
+  return frame;
+}
+
+/**
+ * Reads a binary frame's header and locates its blobs.
+ *
+ * @param {ArrayBuffer} buffer The frame (a WebSocket message with binaryType 'arraybuffer').
+ * @returns {{header: object, blob: function(number): Uint8Array}} The header, and each blob's bytes (a view).
+ */
+export function unpack(buffer) {
+  if (!(buffer instanceof ArrayBuffer) || buffer.byteLength < 4) {
+    throw new Error(`expected a binary frame (an ArrayBuffer of at least 4 bytes), but got ${String(buffer)}; ` +
+      "set the WebSocket's binaryType to 'arraybuffer'");
+  }
+  const length = new DataView(buffer).getUint32(0, true);
+  if (4 + length > buffer.byteLength) {
+    throw new Error(`a frame of ${buffer.byteLength} bytes claims a header of ${length} bytes; the frame is cut off`);
+  }
+  const header = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 4, length)));
+  const start = padded(4 + length);
+  const blobs = header.blobs ?? [[0, buffer.byteLength - start]];
+  const blob = (index) => {
+    const [at, bytes] = blobs[index] ?? [];
+    if (at === undefined || start + at + bytes > buffer.byteLength) {
+      throw new Error(`the frame has no blob ${index} (it lists ${blobs.length}, in ${buffer.byteLength} bytes)`);
+    }
+    return new Uint8Array(buffer, start + at, bytes);
+  };
+  return {header, blob};
+}
+
+/**
+ * One tensor of a train frame, viewed in place.
+ *
+ * @param {{blob: function(number): Uint8Array}} frame What `unpack` returned.
+ * @param {{type: string, dims: number[], blob: number}} tensor The header's entry.
+ * @returns {{type: string, data: ArrayBufferView, dims: number[]}} The tensor as runner.js takes it.
+ */
+export function tensor(frame, {type, dims, blob}) {
+  const kind = ARRAYS[type];
+  if (kind === undefined) {
+    throw new Error(`the frame holds a tensor of type ${JSON.stringify(type)}, but only ${Object.keys(ARRAYS)} ` +
+      'travel; the server and the page are of different releases');
+  }
+  const bytes = frame.blob(blob);
+  return {type, dims, data: new kind(bytes.buffer, bytes.byteOffset, bytes.byteLength / kind.BYTES_PER_ELEMENT)};
+}
+
+/**
+ * A train frame's content: the round's weights and each epoch's batches.
+ *
+ * @param {ArrayBuffer} buffer The frame.
+ * @returns {{header: object, weights: Float32Array, epochs: Array<Array<Array<object>>>}} The round.
+ */
+export function readTrain(buffer) {
+  const frame = unpack(buffer);
+  const {header} = frame;
+  const bytes = frame.blob(header.weights);
+  const weights = new Float32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 4);
+  const epochs = header.epochs.map((batches) => batches.map((batch) => batch.map((t) => tensor(frame, t))));
+  return {header, weights, epochs};
+}
+
+/**
+ * A result frame: the reply's header and the trained weights.
+ *
+ * @param {object} header {type: 'result', id, examples, steps, losses, ...}.
+ * @param {Float32Array} weights The trained weights.
+ * @returns {Uint8Array} The frame.
+ */
+export function resultFrame(header, weights) {
+  return pack(header, [weights]);
+}

@@ -1,0 +1,68 @@
+// The fleet page's script: this tab becomes one device of an ort-lightning browser fleet.
+//
+// It opens the fleet's WebSocket (`/join`, with the page's own `token` and optional `name` query values)
+// and hands every message to a `FleetDevice` (device.js: the protocol, shared with Node devices), which
+// trains the rounds with runner.js; this script only shows the device's status.
+
+import {FleetDevice} from './device.js';
+import {openDevice} from './runner.js';
+
+/**
+ * Reads a file of the fleet's server.
+ *
+ * @param {string} url Its URL.
+ * @returns {Promise<Uint8Array>} Its bytes.
+ */
+async function fetchBytes(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`GET ${url} answered ${response.status} ${response.statusText}`);
+  return new Uint8Array(await response.arrayBuffer());
+}
+
+/**
+ * One line of the device's status, for the page.
+ *
+ * @param {object} status FleetDevice's status.
+ * @returns {string} e.g. "round 2, epoch 1/2, step 3/30, loss 0.4321".
+ */
+function describe(status) {
+  const loss = Number.isFinite(status.loss) ? `, loss ${status.loss.toFixed(4)}` : '';
+  switch (status.phase) {
+    case 'training':
+      return `round ${status.round}, epoch ${status.epoch}/${status.epochs}, step ${status.step}/${status.steps}${loss}`;
+    case 'sent':
+      return `round ${status.round} sent${loss}; waiting for the next round`;
+    case 'waiting':
+      return `ready (${status.parameters} parameters); waiting for a round`;
+    case 'failed':
+    case 'disconnected':
+      return `${status.phase}: ${status.message}`;
+    default:
+      return status.phase;
+  }
+}
+
+function show(status) {
+  document.getElementById('fleet').textContent = status.fleet || 'ort-lightning fleet';
+  document.getElementById('status').textContent = `${status.device ? status.device + ': ' : ''}${describe(status)}`;
+  document.getElementById('rounds').textContent = `rounds taken part in: ${status.rounds}`;
+  document.getElementById('leave').disabled = status.phase === 'disconnected';
+}
+
+function main() {
+  const url = new URL('join', location.href);
+  url.protocol = location.protocol === 'https:' ? 'wss:' : 'ws:';
+  url.search = location.search;
+  const socket = new WebSocket(url);
+  socket.binaryType = 'arraybuffer';
+  const device = new FleetDevice({
+    send: (frame) => socket.send(frame), importModule: (specifier) => import(specifier), fetchBytes, openDevice, show,
+    storage: localStorage,
+  });
+  // NOTE: 1000, a normal closure: the server logs the device as one that left, not one that failed.
+  document.getElementById('leave').onclick = () => socket.close(1000, 'left the fleet');
+  socket.onmessage = (event) => device.receive(event.data);
+  socket.onclose = (event) => device.closed(event.code, event.reason);
+}
+
+main();

@@ -1,0 +1,68 @@
+"""Flower's differential privacy with client-side fixed clipping over web devices (Node devices, the page's code).
+
+`DifferentialPrivacyClientSideFixedClipping` puts the clipping norm in each train message; the
+device clips its own update (``device.js``'s ``clip``) before it replies. With the noise off, the
+round's global update is then the example-weighted mean of updates of norm at most the clipping
+norm, so its norm is at most that norm, where the same round without the wrapper moves the
+weights more than ten times as far.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ort_lightning import TrainingArtifacts
+
+from ._web import ROOT, ort_web_dist
+from .helpers import RunIf
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
+
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg  # noqa: E402
+
+from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
+from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
+
+from .test_browser_fleet import DATA, _checkpoint_values, _initial, digits_folders  # noqa: E402, F401
+
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
+NORM = 0.05
+
+
+def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Path, *, dp: bool) -> float:
+    node = shutil.which("node")
+    assert node is not None
+    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
+    if dp:
+        strategy = DifferentialPrivacyClientSideFixedClipping(strategy, noise_multiplier=0.0, clipping_norm=NORM,
+                                                              num_sampled_clients=2)
+    server = FleetServer(GlobalModel(exported), strategy, rounds=1, directory=folder)
+    with BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist()) as fleet:
+        devices = subprocess.Popen([node, "--experimental-websocket", str(NODE_DEVICE), fleet.url, "--ort-web",
+                                    str(ort_web_dist()), "--devices", "2"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT)
+        try:
+            fleet.run(server, join_timeout=90)
+        finally:
+            fleet.close()
+            devices.wait(timeout=60)
+    assert [record.devices for record in server.history] == [2]
+    start, end = _initial(exported), _checkpoint_values(server.history[0].checkpoint)
+    return float(np.sqrt(sum(((end[n].astype(np.float64) - start[n]) ** 2).sum() for n in start)))
+
+
+@RunIf(node=True)
+@pytest.mark.slow
+def test_web_devices_clip_their_updates_to_the_norm_the_server_sends(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+) -> None:
+    exported, web = digits_folders
+    clipped = _update_norm(exported, web, tmp_path / "dp", dp=True)
+    plain = _update_norm(exported, web, tmp_path / "plain", dp=False)
+    assert 0 < clipped <= NORM * (1 + 1e-5), clipped
+    assert plain > 10 * NORM, plain
