@@ -204,9 +204,9 @@ RUNNERS = {"lightning-ort": LightningORT, "lightning-ort-off": LightningORTOff,
            "torch-loop": TorchLoop}
 
 
-def export(case: Case, directory: Path) -> TrainingArtifacts:
-    """Export `case`'s model (seed 0, the torch runners' initial weights too) with AdamW."""
+def export(case: Case, directory: Path, *, verify: bool = True) -> TrainingArtifacts:
+    """Export `case`'s model (seed 0, the torch runners' initial weights too) with AdamW, verified unless told not."""
     from ort_lightning import export_artifacts
 
     loss = None if case.returns_loss else "cross_entropy"
-    return export_artifacts(case.model(), case.example(), directory / case.name, loss=loss)
+    return export_artifacts(case.model(), case.example(), directory / case.name, loss=loss, verify=verify)

@@ -8,6 +8,7 @@
 - `GradientProbe` keeps the gradients the first optimizer step applies and every training loss.
 - `RunIf` is one ``skipif`` marker for what a test needs of the machine, as Lightning's own tests have.
 - `ort_deaths` records the order in which ONNX Runtime frees a C++ Module and its CheckpointState.
+- `tiered` parametrizes a long list of cases of which the fast tier (``pytest -m "not slow"``) runs a few.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from onnxruntime import OrtValue
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 __all__ = ["DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "ort_deaths", "ort_device_loop",
-           "ort_device_run", "ort_device_start", "quiet_trainer"]
+           "ort_device_run", "ort_device_start", "quiet_trainer", "tiered"]
 
 Tensor = torch.Tensor | np.ndarray
 
@@ -247,3 +248,20 @@ def RunIf(  # noqa: N802 (named as Lightning's own tests name it)
         reasons.append("needs os.fork")
     reasons += _web_reasons(node, chromium)
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "never skipped")
+
+
+# ----------------------------------------------------------------------------- test tiers
+def tiered(cases: Sequence[Any], *, ids: Sequence[str], fast: Iterable[str]) -> list[Any]:
+    """`cases` as ``pytest.param``s for ``parametrize``: those whose id is in `fast` run in both tiers, the others
+    carry ``pytest.mark.slow`` and run only in the full run (``.ci/run``).
+
+    Example::
+
+        @pytest.mark.parametrize("case", tiered(CASES, ids=[case.name for case in CASES], fast={"resnet18"}))
+        def test_case(case: Case) -> None: ...
+    """
+    wanted = set(fast)
+    unknown = wanted - set(ids)
+    assert not unknown, f"fast ids {sorted(unknown)} name no case"
+    return [pytest.param(case, id=name, marks=() if name in wanted else pytest.mark.slow)
+            for case, name in zip(cases, ids, strict=True)]

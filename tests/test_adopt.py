@@ -334,6 +334,7 @@ BAD_FOLDERS: dict[str, tuple[Callable[[dict[str, Path], Path], Path], str]] = {
 }
 
 
+@pytest.mark.slow  # a child process per folder
 @pytest.mark.parametrize("name", list(BAD_FOLDERS))
 def test_bad_folder_gives_one_error_line_in_a_child_process(
     name: str, folders: dict[str, Path], tmp_path: Path
@@ -430,6 +431,7 @@ def test_lightning_ckpt_of_custom_loss_folder_reloads_with_its_labels(folders: d
         torch.testing.assert_close(tensor, original, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # two DDP ranks
 def test_ort_ddp_on_adopted_folder_equals_ort_loop_on_double_batch(folders: dict[str, Path], tmp_path: Path) -> None:
     """Two gloo ranks of batch 4 (strategy="ort_ddp") == ORT's loop with batch 8, the ranks' samples in order."""
     import subprocess

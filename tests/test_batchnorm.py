@@ -70,7 +70,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     model, shape = (BN1d(), (4,)) if request.param == "1d" else (BN2d(), (2, 6, 6))
     x, y = _data(shape, seed=8)
     artifacts = export_artifacts(copy.deepcopy(model), torch.zeros(2, *shape), tmp_path_factory.mktemp("bn"),
-                                 optimizer="sgd")
+                                 optimizer="sgd", verify=False)
     module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
     quiet_trainer(max_steps=STEPS).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
     return module, _torch_loop(model, x, y), x, shape

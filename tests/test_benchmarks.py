@@ -41,6 +41,7 @@ def _verdicts(measured: float, unit: str, target: float, ceiling: float | None) 
     return {OUT_OF_REACH} if ceiling < target else {NOT_MET, OUT_OF_REACH}
 
 
+@pytest.mark.slow  # the benchmark scripts run as child processes
 def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Path) -> None:
     report = tmp_path / "report.md"
     result = subprocess.run(
@@ -83,6 +84,7 @@ def test_quick_benchmark_reports_every_runner_ratio_and_bridge_row(tmp_path: Pat
     assert text in result.stdout
 
 
+@pytest.mark.slow
 def test_overhead_probe_times_every_step_of_every_runner() -> None:
     # NOTE: the probe refuses a block whose timed compute calls do not match its steps one to one.
     result = subprocess.run(
@@ -108,6 +110,7 @@ def _soak(*options: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_soak_rss_stays_flat_and_a_leak_would_fail() -> None:
     # NOTE: allocator noise gives a slope of ~0.1-0.4 KB/step here; the bound is 1 KB/step, and the
     # control keeps 4 KB per step alive (as a leaked fetch buffer would) to prove the bound bites.
@@ -121,6 +124,7 @@ def test_soak_rss_stays_flat_and_a_leak_would_fail() -> None:
     assert "above the bound 1.0 KB/step: a leak" in leaking.stdout
 
 
+@pytest.mark.slow
 @RunIf(cuda=False)  # where there is a GPU, the script runs for real
 def test_gpu_script_without_a_gpu_says_so_and_fails() -> None:
     result = subprocess.run(
@@ -131,6 +135,7 @@ def test_gpu_script_without_a_gpu_says_so_and_fails() -> None:
     assert "Nothing was measured" in result.stderr
 
 
+@pytest.mark.slow
 def test_profile_lists_ort_and_torch_ops_side_by_side() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.profile", "--cases", "mlp-small", "--steps", "3"],
@@ -150,7 +155,7 @@ def test_the_ort_loop_frees_orts_module_before_its_state(tmp_path: Path) -> None
     # the state go while the calls still held ORT's C++ Module, whose destructor then wrote into the freed
     # state: `free(): invalid pointer` at the process's end, one run in ten (tests.helpers.ort_deaths).
     case = CASES["mlp-small"]
-    loop = ORTLoop(case, export(case, tmp_path))
+    loop = ORTLoop(case, export(case, tmp_path, verify=False))
     clock = ComputeClock()
     loop.train_step, loop.update = clock.timed(loop.train_step), clock.timed(loop.update, ends_step=True)
     assert len(loop.run(2)) == 2
@@ -170,7 +175,7 @@ def test_the_bridge_probe_frees_orts_module_before_its_state(tmp_path: Path, mon
 
     monkeypatch.setattr(_probes, "Module", watched)
     linear = torch.nn.Linear(784, 10)
-    artifacts = export_artifacts(linear, torch.zeros(2, 784), tmp_path / "linear", loss="cross_entropy")
+    artifacts = export_artifacts(linear, torch.zeros(2, 784), tmp_path / "linear", loss="cross_entropy", verify=False)
     rows = _probes.bridge_microseconds(artifacts, [4], repeats=3)
     assert [row[0] for row in rows] == [4]
     gc.collect()
@@ -181,7 +186,7 @@ def test_the_timed_fit_lets_go_of_orts_calls(tmp_path: Path) -> None:
     # NOTE: the probe's callback kept ORT's bound calls after the fit; the Trainer and the module form a cycle, so
     # at the process's end the session was closed first and the callback's calls freed ORT's Module last.
     case = CASES["mlp-small"]
-    runner = LightningORT(case, export(case, tmp_path))
+    runner = LightningORT(case, export(case, tmp_path, verify=False))
     clock = ComputeClock()
     intervals = _fit(runner.module, case.loader(3), _TimedSession(clock))
     assert len(clock.steps) == len(intervals) + 1 == 3

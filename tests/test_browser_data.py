@@ -32,6 +32,8 @@ from ort_lightning.fleet.folder import check_buffer_order  # noqa: E402
 
 from .test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 LR = 0.05
 DATA_MODULE = ROOT / "examples" / "browser_data.js"
 FEATURES, BATCH_SIZE, DIRECTION = 4, 8, (1.0, -2.0, 0.5, 1.5)

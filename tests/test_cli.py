@@ -19,6 +19,8 @@ import torch
 import yaml
 from onnxruntime.training.api import CheckpointState
 
+pytestmark = pytest.mark.slow  # console-script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("ort-lightning")
 CONFIG = ROOT / "examples" / "digits.yaml"

@@ -17,6 +17,7 @@ SCRIPT = Path(sys.executable).with_name("ort-lightning")
 CONFIG = ROOT / "examples" / "digits.yaml"
 
 
+@pytest.mark.slow  # the console script
 def test_a_factory_in_the_current_folder_is_found_as_python_m_finds_it(tmp_path: Path) -> None:
     package = tmp_path / "mypkg"
     package.mkdir()

@@ -471,6 +471,7 @@ def outcomes(sources: Sources, tmp_path_factory: pytest.TempPathFactory) -> dict
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # every case loads in a worker process
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_a_damaged_file_gives_one_package_error(case: Case, outcomes: dict[str, dict[str, str]]) -> None:
     outcome = outcomes[case.id]

@@ -56,6 +56,7 @@ def two_ranks(mlp_adamw: Exported, tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
+@pytest.mark.slow  # DDP ranks (the two_ranks fixture)
 def test_two_ranks_match_one_process_with_the_double_batch(mlp_adamw: Exported, two_ranks: Path, tmp_path) -> None:
     reference = ddp_run.train(mlp_adamw.artifacts.directory, tmp_path, devices=1, batch=2 * BATCH, steps=STEPS)
     expected = {name: tensor.detach() for name, tensor in reference.state_dict().items()}
@@ -67,6 +68,7 @@ def test_two_ranks_match_one_process_with_the_double_batch(mlp_adamw: Exported, 
     assert max((initial[n] - expected[n]).abs().max().item() for n in expected) > 1e-2
 
 
+@pytest.mark.slow
 def test_both_ranks_hold_identical_parameters(two_ranks: Path) -> None:
     first, second = ddp_run.load(two_ranks, 0), ddp_run.load(two_ranks, 1)
     _assert_equal_states(first["state"], second["state"], atol=0)
@@ -83,6 +85,7 @@ def _resume(artifacts: Exported, checkpoint: Path, root: Path) -> ORTLightningMo
     return module
 
 
+@pytest.mark.slow
 def test_checkpoint_written_under_ddp_resumes_in_one_process(mlp_adamw: Exported, two_ranks: Path, tmp_path) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts)
     module.load_state_dict(torch.load(two_ranks / "last.ckpt", weights_only=False)["state_dict"])
@@ -101,6 +104,7 @@ def test_checkpoint_written_under_ddp_resumes_in_one_process(mlp_adamw: Exported
     assert max((at_checkpoint[n] - expected[n]).abs().max().item() for n in expected) > 1e-3
 
 
+@pytest.mark.slow
 def test_accumulation_under_torchrun_syncs_once_per_optimizer_step(mlp_adamw: Exported, tmp_path) -> None:
     steps, batch = 6, 4
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -116,6 +120,7 @@ def test_accumulation_under_torchrun_syncs_once_per_optimizer_step(mlp_adamw: Ex
     assert [rank["syncs"] for rank in ranks] == [steps, steps]
 
 
+@pytest.mark.slow
 def test_spawn_keeps_batchnorm_buffers_identical_and_returns_rank_zero(bn_dropout_cnn: Exported, tmp_path) -> None:
     artifacts = bn_dropout_cnn.artifacts
     module = ddp_run.train(artifacts.directory, tmp_path, kind="cnn", strategy="ort_ddp_spawn", devices=2,
@@ -139,7 +144,9 @@ def _fit(module: ORTLightningModule, strategy: Any, **options: Any) -> L.Trainer
 
 
 @pytest.mark.parametrize(
-    ("strategy", "suggestion"), [("ddp", "ort_ddp"), ("ddp_spawn", "ort_ddp_spawn")], ids=["ddp", "ddp_spawn"]
+    ("strategy", "suggestion"),
+    [pytest.param("ddp", "ort_ddp", id="ddp"),
+     pytest.param("ddp_spawn", "ort_ddp_spawn", id="ddp_spawn", marks=pytest.mark.slow)],  # spawns a rank
 )
 def test_lightning_ddp_is_refused_before_any_step(mlp_adamw: Exported, strategy: str, suggestion: str) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts)

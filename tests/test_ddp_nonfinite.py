@@ -11,12 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tests import ddp_nonfinite_run as run
 from tests import ddp_run
 from tests.conftest import LAUNCH_VARIABLES, Exported
+
+pytestmark = pytest.mark.slow  # DDP ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,6 +15,8 @@ from ort_lightning.strategies.peers import lost_rank
 from tests.conftest import Exported
 from tests.helpers import RunIf
 
+pytestmark = pytest.mark.slow  # DDP ranks, one of them lost
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -137,6 +137,7 @@ def test_device_files_from_nominal_checkpoint_and_received_weights_equal_orts_lo
         np.testing.assert_array_equal(saved.parameters[name].data, tensor.detach().numpy(), err_msg=name)
 
 
+@pytest.mark.slow  # a child process
 def test_readme_round_trip_runs_as_written() -> None:
     section = (Path(__file__).parents[1] / "docs" / "device.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]

@@ -1,4 +1,8 @@
-"""export_artifacts on tiny torch and ONNX models, checked with onnxruntime.training.api against torch."""
+"""export_artifacts on tiny torch and ONNX models, checked with onnxruntime.training.api against torch.
+
+The exports skip verification (``verify=False``; tests/test_verify.py tests it), except where the
+verification's own torch reference is what a test watches (the model left untouched).
+"""
 
 from __future__ import annotations
 
@@ -136,13 +140,13 @@ def exported_from(
     folder = tmp_path_factory.mktemp(f"from_{request.param}")
     if request.param == "torch":
         return request.param, export_artifacts(
-            copy.deepcopy(source_mlp), torch.zeros(2, 4), folder / "artifacts"
+            copy.deepcopy(source_mlp), torch.zeros(2, 4), folder / "artifacts", verify=False
         )
     proto = _onnx_export(copy.deepcopy(source_mlp), torch.zeros(2, 4))
     if request.param == "model_proto":
-        return request.param, export_artifacts(proto, output_dir=folder / "artifacts")
+        return request.param, export_artifacts(proto, output_dir=folder / "artifacts", verify=False)
     onnx.save(proto, folder / "model.onnx")
-    return request.param, export_artifacts(str(folder / "model.onnx"), output_dir=folder / "artifacts")
+    return request.param, export_artifacts(str(folder / "model.onnx"), output_dir=folder / "artifacts", verify=False)
 
 
 def test_export_writes_four_files_and_manifest(exported_from: tuple[str, TrainingArtifacts]) -> None:
@@ -238,7 +242,9 @@ def loss_export(
 ) -> tuple[str, TrainingArtifacts]:
     loss = SummedMSE() if request.param == "custom" else request.param
     folder = tmp_path_factory.mktemp(f"loss_{request.param}")
-    return request.param, export_artifacts(copy.deepcopy(source_mlp), torch.zeros(2, 4), folder, loss=loss)
+    return request.param, export_artifacts(
+        copy.deepcopy(source_mlp), torch.zeros(2, 4), folder, loss=loss, verify=False
+    )
 
 
 def test_loss_equals_torch_loss(loss_export: tuple[str, TrainingArtifacts], source_mlp: MLP) -> None:
@@ -278,7 +284,7 @@ def test_model_returning_its_loss(tmp_path: Path, loss: str, with_logits: bool) 
         target = torch.randint(0, 3, (6,), generator=generator)
     else:
         target = torch.randn(6, 3, generator=generator)
-    artifacts = export_artifacts(copy.deepcopy(model), (x[:2], target[:2]), tmp_path, loss=None)
+    artifacts = export_artifacts(copy.deepcopy(model), (x[:2], target[:2]), tmp_path, loss=None, verify=False)
     manifest = artifacts.manifest
     assert manifest.loss == "model"
     assert [(s.name, s.dtype) for s in manifest.inputs] == [
@@ -334,7 +340,7 @@ def test_adamw_defaults_are_torch_adamw_defaults(mlp_adamw: Exported) -> None:
 
 def test_adamw_options_override_defaults(tmp_path: Path) -> None:
     options = {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}
-    artifacts = export_artifacts(MLP(), torch.zeros(2, 4), tmp_path, optimizer_options=options)
+    artifacts = export_artifacts(MLP(), torch.zeros(2, 4), tmp_path, optimizer_options=options, verify=False)
     attributes = _optimizer_nodes(artifacts)["AdamWOptimizer"]
     assert (attributes["alpha"], attributes["beta"]) == (pytest.approx(0.8), pytest.approx(0.99))
     assert attributes["epsilon"] == pytest.approx(1e-6)
@@ -407,7 +413,7 @@ _FROZEN = ["fc1.bias", "fc1.weight"]
 @pytest.fixture(scope="module")
 def frozen_mlp(source_mlp: MLP, tmp_path_factory: pytest.TempPathFactory) -> TrainingArtifacts:
     return export_artifacts(
-        copy.deepcopy(source_mlp), torch.zeros(2, 4), tmp_path_factory.mktemp("frozen"), frozen=_FROZEN
+        copy.deepcopy(source_mlp), torch.zeros(2, 4), tmp_path_factory.mktemp("frozen"), frozen=_FROZEN, verify=False
     )
 
 
@@ -529,7 +535,7 @@ def bn_only(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     torch.manual_seed(6)
     model = BNOnly()
     return Exported(
-        export_artifacts(copy.deepcopy(model), torch.zeros(2, 4), tmp_path_factory.mktemp("bn")), model
+        export_artifacts(copy.deepcopy(model), torch.zeros(2, 4), tmp_path_factory.mktemp("bn"), verify=False), model
     )
 
 
@@ -548,7 +554,7 @@ def test_batchnorm_checkpoint_starts_from_model_statistics(tmp_path: Path) -> No
         model.bn.running_mean.copy_(torch.arange(6.0))
         model.bn.running_var.fill_(2.0)
     # The exporter traces one training-mode forward; that must not leak into the checkpoint.
-    artifacts = export_artifacts(model, torch.randn(4, 4), tmp_path)
+    artifacts = export_artifacts(model, torch.randn(4, 4), tmp_path, verify=False)
     state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
     np.testing.assert_array_equal(state.parameters["bn.running_mean"].data, np.arange(6.0, dtype=np.float32))
     np.testing.assert_array_equal(state.parameters["bn.running_var"].data, np.full(6, 2.0, dtype=np.float32))
@@ -599,7 +605,7 @@ def test_graphs_are_ir10_opset21_at_most(request: pytest.FixtureRequest, fixture
 def test_ir11_source_gives_ir10_artifacts(tmp_path: Path, source_mlp: MLP) -> None:
     proto = _onnx_export(source_mlp, torch.zeros(2, 4))
     proto.ir_version = 11  # what onnx >= 1.18 stamps on everything it writes
-    artifacts = export_artifacts(proto, output_dir=tmp_path)
+    artifacts = export_artifacts(proto, output_dir=tmp_path, verify=False)
     assert proto.ir_version == 11, "the caller's ModelProto must not change"
     for graph in GRAPHS:
         assert onnx.load(getattr(artifacts, graph)).ir_version <= 10, graph
@@ -646,7 +652,7 @@ def test_torch_parameters_without_grad_are_frozen_like_in_torch(tmp_path: Path) 
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     model[0].weight.requires_grad_(False)
-    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "art", frozen=["0.bias"])
+    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "art", frozen=["0.bias"], verify=False)
     assert artifacts.manifest.frozen == ("0.bias", "0.weight")
     assert artifacts.manifest.trainable == ("2.bias", "2.weight")
     state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))

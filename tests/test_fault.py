@@ -13,8 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Exported
 from tests.helpers import RunIf
+
+pytestmark = pytest.mark.slow  # a worker process that forks and kills training children
 
 TRIALS = 40
 WORKER = Path(__file__).with_name("fault_worker.py")

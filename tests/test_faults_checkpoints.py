@@ -64,6 +64,7 @@ def _temps(folder: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- kills, both resume paths
+@pytest.mark.slow
 @RunIf(fork=True)  # the worker forks one child per run
 def test_every_kill_resumes_both_ways_bit_equal_to_a_run_never_killed(mlp_adamw: Exported, tmp_path: Path) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
@@ -369,6 +370,7 @@ def _load_in_child(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # compiles a library, loads checkpoints in child processes
 def test_a_checkpoint_naming_a_library_never_loads_it(
     mlp_adamw: Exported, marker_library: tuple[Path, Path], tmp_path: Path
 ) -> None:

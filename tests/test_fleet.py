@@ -46,6 +46,8 @@ from ort_lightning.fleet import (  # noqa: E402
 )
 from ort_lightning.fleet.app import FleetServer  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 LR = 0.05
 EPOCHS = 2
 SIZES = (12, 20, 8)  # unequal, so that weighting by example count matters

@@ -28,6 +28,8 @@ import pytest
 from ort_lightning.storage.atomic import verify_digest
 from tests.helpers import RunIf
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
 ROOT = Path(__file__).resolve().parents[1]

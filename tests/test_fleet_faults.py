@@ -28,6 +28,8 @@ from ort_lightning.fleet.experiment import FleetConfig  # noqa: E402
 
 from .test_fleet import EPOCHS, LR, SIZES, _assert_close, _reference, _values_in, iid_data  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 DEVICE_TIMEOUT = 3.0
 HUNG = 1  # the partition whose data loader blocks
 #: Released when the test ends, so that the abandoned device's thread returns instead of lingering.

@@ -28,6 +28,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E40
 from ort_lightning.fleet import ClientData, FleetClient, LocalGrid, get_values  # noqa: E402
 from ort_lightning.fleet.worker import WORKER  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 LR = 0.05
 #: Samples per device (batches of 4): unequal, so that the devices' step counts differ.
 SIZES = (8, 12, 4, 8, 4, 12)

@@ -170,6 +170,7 @@ def test_nonfinite_skip_leaves_the_torch_optimizer_untouched(mlp_adamw: Exported
     _assert_same_parameters(module, reference)
 
 
+@pytest.mark.slow  # two DDP ranks
 def test_two_ddp_ranks_match_torch_with_the_double_batch(mlp_adamw: Exported, tmp_path: Path) -> None:
     import subprocess
 

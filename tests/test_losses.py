@@ -1,4 +1,7 @@
-"""Torch loss modules as `export_artifacts(loss=...)`: step-1 loss and gradients equal torch's own module."""
+"""Torch loss modules as `export_artifacts(loss=...)`: step-1 loss and gradients equal torch's own module.
+
+The exports skip verification (``verify=False``): each test compares the gradients with torch itself.
+"""
 
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ def test_torch_loss_module_matches_torch(case: str, tmp_path: Path) -> None:
     make_loss, make_model, make_labels = CASES[case]
     torch.manual_seed(0)
     model, loss_fn, x, labels = make_model(), make_loss(), _features(), make_labels()
-    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path, loss=loss_fn, optimizer="sgd")
+    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path, loss=loss_fn, optimizer="sgd", verify=False)
     losses, grads, _ = ort_steps(artifacts, (x, labels))
     expected, reference = torch_step(model, lambda m: loss_fn(m(x), labels))
     assert losses[0] == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -96,7 +99,7 @@ def test_a_loss_name_means_torchs_default_module(tmp_path: Path) -> None:
     # "cross_entropy" is nn.CrossEntropyLoss(): -100 labels are ignored, as in torch.
     torch.manual_seed(0)
     model, x, labels = nn.Linear(4, CLASSES), _features(), _classes(ignored=-100)
-    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path, loss="cross_entropy")
+    artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path, loss="cross_entropy", verify=False)
     assert artifacts.manifest.loss_options == {"reduction": "mean", "ignore_index": -100, "label_smoothing": 0.0}
     losses, grads, _ = ort_steps(artifacts, (x, labels))
     expected, reference = torch_step(model, lambda m: nn.functional.cross_entropy(m(x), labels))
@@ -121,7 +124,7 @@ def test_cross_entropy_on_rank_3_logits_takes_the_class_axis_1(tmp_path: Path) -
     x = torch.randn(4, 4, 5, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, CLASSES, (4, 5), generator=torch.Generator().manual_seed(1))
     labels[0, :2] = -100
-    artifacts = export_artifacts(model, torch.zeros(2, 4, 5), tmp_path, loss=loss_fn, optimizer="sgd")
+    artifacts = export_artifacts(model, torch.zeros(2, 4, 5), tmp_path, loss=loss_fn, optimizer="sgd", verify=False)
     assert artifacts.manifest.labels[0].shape == ("batch", 5)
     losses, grads, _ = ort_steps(artifacts, (x, labels))
     expected, reference = torch_step(model, lambda m: loss_fn(m(x), labels))
@@ -156,7 +159,9 @@ def test_flattened_language_model_trains_like_torch(tmp_path: Path) -> None:
     ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(0))
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
-    artifacts = export_artifacts(model, torch.zeros(2, 6, dtype=torch.long), tmp_path, loss=loss_fn, optimizer="sgd")
+    artifacts = export_artifacts(
+        model, torch.zeros(2, 6, dtype=torch.long), tmp_path, loss=loss_fn, optimizer="sgd", verify=False
+    )
     # The flattened rows get their own symbol, B*T: labels for forward() are sized from it.
     assert artifacts.manifest.labels[0].shape == ("batch*6",)
     losses, grads, module = ort_steps(artifacts, (ids, labels.view(-1)))
@@ -194,7 +199,7 @@ def test_loss_options_reach_the_manifest_and_inspect(tmp_path: Path, capsys: pyt
     from ort_lightning.cli import main
 
     loss = nn.CrossEntropyLoss(weight=WEIGHT, ignore_index=-1, reduction="sum")
-    artifacts = export_artifacts(nn.Linear(4, CLASSES), torch.zeros(2, 4), tmp_path / "a", loss=loss)
+    artifacts = export_artifacts(nn.Linear(4, CLASSES), torch.zeros(2, 4), tmp_path / "a", loss=loss, verify=False)
     options = artifacts.manifest.loss_options
     assert options["ignore_index"] == -1
     assert options["reduction"] == "sum"
@@ -208,7 +213,7 @@ def test_loss_options_reach_the_manifest_and_inspect(tmp_path: Path, capsys: pyt
 
 def test_label_range_accepts_ignore_index_and_still_refuses_other_values(tmp_path: Path) -> None:
     loss = nn.CrossEntropyLoss(ignore_index=-7)
-    artifacts = export_artifacts(nn.Linear(4, CLASSES), torch.zeros(2, 4), tmp_path, loss=loss)
+    artifacts = export_artifacts(nn.Linear(4, CLASSES), torch.zeros(2, 4), tmp_path, loss=loss, verify=False)
     x = _features()
     ort_steps(artifacts, (x, _classes(ignored=-7)))  # trains: -7 is ignored
     labels = _classes(ignored=-7)

@@ -14,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import Exported
+
+pytestmark = pytest.mark.slow  # DDP ranks on two nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,6 +18,8 @@ import pytest
 
 from tools.run_notebooks import NOTEBOOKS, ROOT, figures, main
 
+pytestmark = pytest.mark.slow  # notebook kernels
+
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 #: A committed figure beyond this is not a "modest" PNG any more (the script saves them at 60 dpi).
 MAX_FIGURE_BYTES = 80_000

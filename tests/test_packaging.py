@@ -136,6 +136,7 @@ def test_py_typed_marker_ships() -> None:
     assert (ROOT / "ort_lightning" / "py.typed").is_file()
 
 
+@pytest.mark.slow  # a child process
 def test_import_without_onnxruntime_names_both_install_commands() -> None:
     code = "import sys; sys.modules['onnxruntime'] = None; import ort_lightning"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
@@ -153,6 +154,7 @@ def test_public_names() -> None:
     )
 
 
+@pytest.mark.slow  # a child process
 def test_import_leaves_the_root_logger_as_it_was() -> None:
     # onnxruntime's import calls logging.basicConfig(level=INFO); Lightning's INFO lines would print twice.
     code = "import logging, ort_lightning; root = logging.getLogger(); print(len(root.handlers), root.level)"

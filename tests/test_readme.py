@@ -22,6 +22,7 @@ def test_the_readme_has_the_blocks_this_test_runs() -> None:
     assert "train_loader" in blocks[0].code
 
 
+@pytest.mark.slow  # child processes; the README's own models, verified as the README exports them
 def test_every_readme_python_block_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))

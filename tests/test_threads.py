@@ -131,6 +131,7 @@ class _TorchHeavy(ORTLightningModule):
         return batch
 
 
+@pytest.mark.timing  # two torch threads beat one only when no other process takes the second core
 @multicore
 def test_a_fit_whose_own_torch_work_outweighs_orts_keeps_torchs_threads(
     mlp_adamw: Exported, default_threads: int

@@ -33,7 +33,7 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.errors import ExportError
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.reference import Call, labels_for, reference_loss
-from tests.helpers import GradientProbe, quiet_trainer
+from tests.helpers import GradientProbe, quiet_trainer, tiered
 from tests.test_verify import _scale_gradient
 
 CLASSES = 10
@@ -249,7 +249,13 @@ def _frozen(model: nn.Module) -> list[str]:
     return [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
 
 
-@pytest.mark.parametrize("case", CORRECT, ids=[case.name for case in CORRECT])
+#: What the fast tier verifies (a few seconds each); the full run verifies every model.
+FAST_VERIFIED = {"multihead-attention", "transformer-decoder", "lstm-lm"}
+#: What the fast tier trains; the others take seconds each.
+FAST_TRAINED = {"efficientnet-b0-like", "multihead-attention", "transformer-encoder", "lora-bert", "lstm-lm"}
+
+
+@pytest.mark.parametrize("case", tiered(CORRECT, ids=[case.name for case in CORRECT], fast=FAST_VERIFIED))
 def test_a_correct_model_at_default_settings_is_verified(tmp_path: Path, case: Correct) -> None:
     torch.manual_seed(0)
     model = case.build()
@@ -327,7 +333,9 @@ WRONG: dict[str, Callable[[Path], str]] = {
 }
 
 
-@pytest.mark.parametrize("tamper", list(WRONG), ids=list(WRONG))
+@pytest.mark.parametrize(
+    "tamper", tiered(list(WRONG), ids=list(WRONG), fast={"gradient-scaled-by-1.01", "sign-flipped"})
+)
 def test_a_wrong_artifact_is_refused_naming_the_parameter(tmp_path: Path, tamper: str) -> None:
     torch.manual_seed(0)
     model, example = ResidualBNNet(), torch.randn(8, 3, 8, 8)
@@ -353,6 +361,7 @@ def _trainer_gradients(artifacts: TrainingArtifacts, arrays: dict[str, np.ndarra
     return probe.grads
 
 
+@pytest.mark.slow
 def test_the_verification_step_is_the_training_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, example = ResNet18(width=4), _images(8)
@@ -375,7 +384,7 @@ def test_the_verification_step_is_the_training_step(tmp_path: Path) -> None:
     assert json.loads((job / "job.json").read_text())["batches"] == batches
 
 
-@pytest.mark.parametrize("case", CORRECT, ids=[case.name for case in CORRECT])
+@pytest.mark.parametrize("case", tiered(CORRECT, ids=[case.name for case in CORRECT], fast=FAST_TRAINED))
 def test_a_correct_model_trains_under_a_trainer(tmp_path: Path, case: Correct) -> None:
     """Each zoo model's artifacts train: two AdamW steps move the weights and keep the loss finite."""
     torch.manual_seed(0)

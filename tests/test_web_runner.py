@@ -156,6 +156,7 @@ def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_d
 
 
 # ----------------------------------------------------------------------------- Node trains as ORT's Python loop
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 @pytest.mark.parametrize("graphs", ["ort", "onnx"], ids=["ort-graphs", "onnx-graphs"])
 def test_node_runner_trains_and_evaluates_as_orts_python_loop(
@@ -192,6 +193,7 @@ SCHEDULES: dict[str, tuple[dict[str, object], Callable[[int], float]]] = {
 }
 
 
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 @pytest.mark.parametrize("schedule", list(SCHEDULES), ids=list(SCHEDULES))
 def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_it(
@@ -218,6 +220,7 @@ def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_
 
 
 # ----------------------------------------------------------------------------- bad inputs, refused by name
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 def test_weights_of_the_wrong_length_are_refused_with_the_expected_count(digits_device: Device, tmp_path: Path) -> None:
     job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights[:-1], _digits_batches(1))
@@ -227,6 +230,7 @@ def test_weights_of_the_wrong_length_are_refused_with_the_expected_count(digits_
         run_node(DRIVER, str(job))
 
 
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 def test_a_batch_with_the_wrong_number_of_tensors_is_refused_with_the_inputs(
     digits_device: Device, tmp_path: Path
@@ -240,6 +244,7 @@ def test_a_batch_with_the_wrong_number_of_tensors_is_refused_with_the_inputs(
     assert not (tmp_path / "trained.bin").exists()
 
 
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 def test_int32_labels_are_explained_where_onnxruntime_web_throws_a_bare_number(
     digits_device: Device, tmp_path: Path
@@ -274,6 +279,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 @pytest.mark.parametrize("mistake", list(MISTAKES), ids=list(MISTAKES))
 def test_a_callers_mistake_is_refused_by_name(digits_device: Device, tmp_path: Path, mistake: str) -> None:
@@ -282,6 +288,7 @@ def test_a_callers_mistake_is_refused_by_name(digits_device: Device, tmp_path: P
         run_node(ROOT / "tests" / "web" / "mistakes.mjs", str(job), mistake)
 
 
+@pytest.mark.slow  # Node
 @RunIf(node=True)
 @pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning")
 def test_eval_outputs_of_a_generated_folder_without_model_outputs_are_refused(tmp_path: Path) -> None:

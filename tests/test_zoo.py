@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, export_artifacts
-from tests.helpers import GradientProbe, quiet_trainer
+from tests.helpers import GradientProbe, quiet_trainer, tiered
 
 EXAMPLE_BATCH, TRAIN_BATCH, CLASSES = 4, 8, 3
 
@@ -158,7 +158,12 @@ def _torch_gradients(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("zoo", ZOO, ids=[z.name for z in ZOO])
+#: What the fast tier runs; the full run trains every model. Each export is verified too: the one step that the
+#: verifier compares with torch at 1e-4 beside this test's 1e-3 after a Trainer's first step.
+FAST = {"mobilenetv3-block-hardswish-se", "transformer-encoder-padding-mask"}
+
+
+@pytest.mark.parametrize("zoo", tiered(ZOO, ids=[z.name for z in ZOO], fast=FAST))
 def test_zoo_model_trains_and_matches_torch(tmp_path: Path, zoo: Zoo) -> None:
     torch.manual_seed(0)
     model = zoo.build()

@@ -84,10 +84,14 @@ def compare_step(
     folder: Path | None = None,
     seed: int = 0,
     source: object = None,
+    verify: bool = True,
 ) -> StepResult:
     """Export `model` at `example`, run one ORT train step (MSE loss) on `batch`, compare with torch.
 
     `source` (an ONNX file or ModelProto of `model`) is exported instead of the torch module when given.
+    `verify` is `export_artifacts`' own: its child process adds nothing where the caller compares the
+    gradients itself (the layers that draw random numbers are the exception: only the verifier compares
+    their gradients, at a Dropout ratio of 0).
 
     Raises:
         ExportError: when the model cannot be exported or legalized.
@@ -95,7 +99,9 @@ def compare_step(
     reference = copy.deepcopy(model).train()
     with tempfile.TemporaryDirectory() as scratch:
         target_folder = folder or Path(scratch) / "artifacts"
-        export_artifacts(source if source is not None else model, example, target_folder, loss="mse")  # type: ignore[arg-type]
+        export_artifacts(
+            source if source is not None else model, example, target_folder, loss="mse", verify=verify  # type: ignore[arg-type]
+        )
         with torch.no_grad():
             shape = copy.deepcopy(reference)(*batch).shape
         target = torch.randn(shape, generator=torch.Generator().manual_seed(seed))

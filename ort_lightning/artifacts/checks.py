@@ -16,7 +16,7 @@ Example::
     >>> from pathlib import Path
     >>> from ort_lightning import export_artifacts
     >>> folder = Path(tempfile.mkdtemp())
-    >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder)
+    >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, verify=False)
     >>> facts = read_graph(folder / "training_model.onnx")
     >>> facts.role, "lazy_reset_grad" in [spec.name for spec in facts.inputs]
     ('training_model', True)

@@ -5,7 +5,7 @@ Example::
     >>> import tempfile, torch
     >>> from ort_lightning import export_artifacts, TrainingArtifacts
     >>> folder = tempfile.mkdtemp()
-    >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder)
+    >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, verify=False)
     >>> TrainingArtifacts.load(folder).manifest.optimizer
     'adamw'
 """
@@ -53,7 +53,8 @@ class TrainingArtifacts:
         >>> from pathlib import Path
         >>> from ort_lightning import export_artifacts
         >>> folder = Path(tempfile.mkdtemp())
-        >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, nominal_checkpoint=True)
+        >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, nominal_checkpoint=True,
+        ...                      verify=False)
         >>> (folder / "checkpoint").unlink()  # what a device receives: graphs and the nominal checkpoint
         >>> device = TrainingArtifacts.load(folder)
         >>> device.weightless, device.nominal_checkpoint.name
@@ -152,7 +153,7 @@ class TrainingArtifacts:
             >>> import tempfile, torch
             >>> from ort_lightning import export_artifacts
             >>> folder = tempfile.mkdtemp()
-            >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder)
+            >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, verify=False)
             >>> TrainingArtifacts.load(folder).adopted
             False
         """

@@ -11,7 +11,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> [(spec.name, spec.shape) for spec in state_specs(artifacts)]
     [('weight', (3, 4)), ('bias', (3,))]
     >>> flat_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)}, state_specs(artifacts)).shape
@@ -75,7 +75,7 @@ def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ..
 
         >>> import tempfile, torch
         >>> from ort_lightning import export_artifacts
-        >>> state_summary(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+        >>> state_summary(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False))
         [('bias', (3,), True), ('weight', (3, 4), True)]
     """
     if not artifacts.weightless:

@@ -4,7 +4,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> module = ORTLightningModule(artifacts, lr=0.01)
     >>> sorted(name for name, _ in module.named_parameters())
     ['bias', 'weight']
@@ -241,7 +241,7 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
 
             >>> import tempfile, torch
             >>> from ort_lightning import export_artifacts
-            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
             >>> module = ORTLightningModule(artifacts)
             >>> session = module.ort_session
             >>> module.set_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})

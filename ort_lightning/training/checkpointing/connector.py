@@ -15,7 +15,8 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+    >>> module = ORTLightningModule(artifacts)
     >>> checkpoint = {}
     >>> module.on_save_checkpoint(checkpoint)
     >>> sorted(checkpoint)

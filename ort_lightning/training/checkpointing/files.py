@@ -15,7 +15,8 @@ Example::
     >>> from pathlib import Path
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> folder = Path(tempfile.mkdtemp())
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a"))
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a", verify=False)
+    >>> module = ORTLightningModule(artifacts)
     >>> path = module.save_ort_checkpoint(folder / "start.ortckpt")
     >>> resumed = ORTLightningModule(folder / "a", checkpoint=path)
     >>> bool(torch.equal(resumed.weight, module.weight))

@@ -10,7 +10,8 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+    >>> module = ORTLightningModule(artifacts)
     >>> isinstance(module, CheckpointMethods), module.start_progress
     (True, {'global_step': 0, 'epoch': 0})
 """
@@ -218,7 +219,7 @@ class CheckpointMethods(pl.LightningModule):
 
             >>> import tempfile, torch
             >>> from ort_lightning import ORTLightningModule, export_artifacts
-            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
             >>> module = ORTLightningModule(artifacts)
             >>> module.load_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
             >>> float(module.weight.detach().sum()), module.start_progress["global_step"]

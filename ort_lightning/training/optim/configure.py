@@ -8,8 +8,8 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()),
-    ...                             lr_scheduler="constant")
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+    >>> module = ORTLightningModule(artifacts, lr_scheduler="constant")
     >>> type(module.configure_optimizers()).__name__
     'ORTOptimizer'
 """

@@ -18,7 +18,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
     >>> module = ORTLightningModule(artifacts, optimizer=sgd, lr_scheduler="constant")
     >>> optimizer = module.configure_optimizers()

@@ -10,7 +10,8 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+    >>> module = ORTLightningModule(artifacts)
     >>> isinstance(module, EvaluationMethods), module(torch.zeros(5, 4)).shape
     (True, torch.Size([5, 3]))
 """
@@ -82,7 +83,7 @@ class EvaluationMethods(pl.LightningModule):
 
             >>> import tempfile, torch
             >>> from ort_lightning import ORTLightningModule, export_artifacts
-            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
             >>> module = ORTLightningModule(artifacts)
             >>> loss, logits = module.evaluate_batch((torch.zeros(2, 4), torch.tensor([0, 2])))
             >>> tuple(loss.shape), tuple(logits.shape)

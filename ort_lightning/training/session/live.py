@@ -29,7 +29,8 @@ Example::
 
     >>> import dataclasses, tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+    >>> module = ORTLightningModule(artifacts)
     >>> live = module.live_session
     >>> weight = module.weight
     >>> live.replace(settings=dataclasses.replace(live.settings, intra_op_threads=1))  # rebuilt: another thread setting

@@ -14,7 +14,8 @@ Example::
 
     >>> import copy, tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+    >>> module = ORTLightningModule(artifacts)
     >>> twin = copy.deepcopy(module)
     >>> torch.equal(twin.weight, module.weight), twin.weight.data_ptr() != module.weight.data_ptr()
     (True, True)
