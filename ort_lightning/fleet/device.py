@@ -65,6 +65,7 @@ from flwr.clientapp import ClientApp
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
+from ort_lightning.fleet.arrays import WeightLayout
 from ort_lightning.fleet.client import (
     ARRAYS_KEY,
     METRICS_KEY,
@@ -116,28 +117,10 @@ class DeviceFolder:
         inputs = [spec.name for spec in artifacts.manifest.graph_inputs]
         return cls(files, weight_order(artifacts, files), inputs, None if schedule is not None else lr)
 
-    def flat(self, arrays: ArrayRecord) -> np.ndarray:
-        """The server's values as one float32 buffer in the device's order.
-
-        Raises:
-            ConfigurationError: for values of other tensors or shapes than the folder's.
-        """
-        given = {name: tuple(arrays[name].shape) for name in arrays}
-        if given != dict(self.order):
-            raise ConfigurationError(
-                f"The server sent the values {given}, but the device folder trains {dict(self.order)}; start the "
-                "FleetServer from the artifacts the devices hold (one export)."
-            )
-        return np.concatenate([arrays[name].numpy().astype(np.float32, copy=False).ravel() for name, _ in self.order])
-
-    def named(self, weights: np.ndarray) -> dict[str, torch.Tensor]:
-        """A flat buffer as name -> tensor (views of `weights`)."""
-        named, at = {}, 0
-        for name, shape in self.order:
-            size = math.prod(shape)
-            named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
-            at += size
-        return named
+    @functools.cached_property
+    def layout(self) -> WeightLayout:
+        """The flat buffer's tensors: the server's values in, the device's values out."""
+        return WeightLayout(self.order)
 
 
 def _complete(artifacts: TrainingArtifacts, start: str) -> bool:
@@ -215,7 +198,7 @@ class DeviceClient:
         entered = time.perf_counter()
         data = self._data(context)
         folder = self.folder()
-        weights = folder.flat(message.content.array_records[ARRAYS_KEY])
+        weights = folder.layout.flat(message.content.array_records[ARRAYS_KEY])
         with self._kept(context) as kept:
             device = OrtDevice.open(folder.files, weights=weights, checkpoint=kept, lr=folder.lr,
                                     intra_op_threads=self.intra_op_threads)
@@ -228,7 +211,7 @@ class DeviceClient:
                 examples = trained.examples
             seconds = time.perf_counter() - started
             _check_finite(losses)
-            values = folder.named(device.get_weights())
+            values = folder.layout.record(device.get_weights())
             if self.optimizer_state == "keep":
                 context.state[_STATE_KEY] = _saved(device)
         finally:
@@ -239,7 +222,7 @@ class DeviceClient:
             "setup_seconds": started - entered, "fit_seconds": seconds,
             "steps_per_second": steps / seconds if seconds > 0 else math.nan,
         }
-        return Message(RecordDict({ARRAYS_KEY: ArrayRecord(values), METRICS_KEY: MetricRecord(metrics)}),
+        return Message(RecordDict({ARRAYS_KEY: values, METRICS_KEY: MetricRecord(metrics)}),
                        reply_to=message)
 
     def evaluate(self, message: Message, context: Context) -> Message:
@@ -251,7 +234,7 @@ class DeviceClient:
                 "batches from `data`, or set the strategy's fraction_evaluate=0."
             )
         folder = self.folder()
-        device = OrtDevice.open(folder.files, weights=folder.flat(message.content.array_records[ARRAYS_KEY]),
+        device = OrtDevice.open(folder.files, weights=folder.layout.flat(message.content.array_records[ARRAYS_KEY]),
                                 evaluation=True, intra_op_threads=self.intra_op_threads)
         try:
             result = evaluate_device(device, data.test, folder.inputs)
