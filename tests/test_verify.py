@@ -20,6 +20,7 @@ from ort_lightning.cli import main as cli_main
 from ort_lightning.errors import ArtifactError, ExportError
 from ort_lightning.export import after_generation
 from ort_lightning.export import source as _export
+from ort_lightning.export.verify import job as _job
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.compare import BatchCheck, compare, mismatch_message
 from ort_lightning.export.verify.reference import Reference
@@ -302,14 +303,14 @@ def test_a_trainable_parameter_without_an_ort_gradient_is_named(tmp_path: Path) 
 def test_a_verification_past_its_time_limit_becomes_an_export_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_verify, "TIMEOUT_S", 0.05)
+    monkeypatch.setattr(_job, "TIMEOUT_S", 0.05)
     with pytest.raises(ExportError, match=r"took longer than 0.05 s .*verify=False"):
         export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "slow")
 
 
 def test_a_child_that_cannot_start_becomes_an_export_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The interpreter that runs the child lacks the package's dependencies.
-    monkeypatch.setattr(_verify, "_BOOTSTRAP", "raise SystemExit('No module named onnxruntime')")
+    monkeypatch.setattr(_job, "BOOTSTRAP", "raise SystemExit('No module named onnxruntime')")
     with pytest.raises(ExportError, match=r"exited with status 1 \(No module named onnxruntime\).*import onnxruntime"):
         export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "no_ort")
 
