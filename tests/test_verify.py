@@ -26,6 +26,7 @@ from ort_lightning.export.verify.compare import BatchCheck, compare, mismatch_me
 from ort_lightning.export.verify.reference import Reference
 from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP, Exported, SummedMSE
+from tests.helpers import scale_gradient
 
 
 class AvgPoolNet(torch.nn.Module):
@@ -204,24 +205,11 @@ def test_a_torch_model_whose_graph_computes_other_gradients_names_the_worst_para
         export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "tripled")
 
 
-def _scale_gradient(path: Path, parameter: str, factor: float) -> None:
-    """Multiply one gradient of a training graph by `factor` before it is accumulated."""
-    proto = onnx.load(path)
-    grad = f"{parameter}_grad"
-    index = next(i for i, node in enumerate(proto.graph.node) if grad in node.input)
-    scaled = f"{grad}_tampered"
-    proto.graph.initializer.append(onnx.numpy_helper.from_array(torch.tensor(factor).numpy(), "tamper_factor"))
-    proto.graph.node.insert(index, onnx.helper.make_node("Mul", [grad, "tamper_factor"], [scaled]))
-    accumulator = proto.graph.node[index + 1]
-    accumulator.input[list(accumulator.input).index(grad)] = scaled
-    onnx.save(proto, path)
-
-
 def test_a_tampered_training_graph_gives_export_error_naming_the_parameter(tmp_path: Path) -> None:
     model = MLP()
     pristine = copy.deepcopy(model)
     artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "tampered", verify=False)
-    _scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
+    scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
     with pytest.raises(ExportError, match=r"gradient of 'fc2\.bias' differs from float64 torch by .*relative 0\.5 "):
         _verify.verify_export(
             artifacts.manifest, artifacts.directory, model=pristine, example_inputs=torch.zeros(2, 4),

@@ -34,8 +34,7 @@ from ort_lightning.errors import ExportError
 from ort_lightning.export.verify import job as _job
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.reference import Call, labels_for, reference_loss
-from tests.helpers import GradientProbe, quiet_trainer, tiered
-from tests.test_verify import _scale_gradient
+from tests.helpers import GradientProbe, quiet_trainer, scale_gradient, tiered
 
 CLASSES = 10
 
@@ -290,12 +289,12 @@ class ResidualBNNet(nn.Module):
 
 
 def _flip_sign(path: Path) -> str:
-    _scale_gradient(path, "fc.weight", -1.0)
+    scale_gradient(path, "fc.weight", -1.0)
     return "fc.weight"
 
 
 def _scaled(path: Path) -> str:
-    _scale_gradient(path, "block.weight", 1.01)
+    scale_gradient(path, "block.weight", 1.01)
     return "block.weight"
 
 

@@ -281,7 +281,8 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
         tensors, fetches, loss = self._steps.train(batch, self.trainer, batch_idx, self._labels)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
-        self._log_metrics("train", fetches, tensors)
+        if self._metrics:  # NOTE: checked here, so that a step without metrics goes nowhere else
+            self._log_metrics("train", fetches, tensors)
         return loss
 
     @override
