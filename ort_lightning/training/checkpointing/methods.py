@@ -173,7 +173,7 @@ class CheckpointHooks(pl.LightningModule):
         Example::
 
             >>> import tempfile, torch
-            >>> from ort_lightning import export_artifacts
+            >>> from ort_lightning import ORTLightningModule, export_artifacts
             >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
             >>> module = ORTLightningModule(artifacts)
             >>> session = module.ort_session
