@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, artifacts: str, steps: int, batch:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     module = ORTLightningModule(artifacts, lr=1e-3)
-    session, inputs = module.ort_session, module._live.train_inputs
+    session, inputs = module.ort_session, module.live_session.views.train_inputs
     x, y = torch.randn(batch, 512), torch.randint(0, 10, (batch,))
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     coalesced = CoalescedTensors(grads)

@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 import torch
@@ -31,7 +32,7 @@ from onnxruntime import OrtValue
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 __all__ = ["DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "ort_deaths", "ort_device_loop",
-           "ort_device_run", "ort_device_start", "quiet_trainer", "tiered"]
+           "ort_device_run", "ort_device_start", "quiet_trainer", "scale_gradient", "tiered"]
 
 Tensor = torch.Tensor | np.ndarray
 
@@ -265,3 +266,16 @@ def tiered(cases: Sequence[Any], *, ids: Sequence[str], fast: Iterable[str]) -> 
     assert not unknown, f"fast ids {sorted(unknown)} name no case"
     return [pytest.param(case, id=name, marks=() if name in wanted else pytest.mark.slow)
             for case, name in zip(cases, ids, strict=True)]
+
+
+def scale_gradient(path: Path, parameter: str, factor: float) -> None:
+    """Multiply one gradient of a training graph by `factor` before it is accumulated (a wrong graph, on purpose)."""
+    proto = onnx.load(path)
+    grad = f"{parameter}_grad"
+    index = next(i for i, node in enumerate(proto.graph.node) if grad in node.input)
+    scaled = f"{grad}_tampered"
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.array(factor, dtype=np.float32), "tamper_factor"))
+    proto.graph.node.insert(index, onnx.helper.make_node("Mul", [grad, "tamper_factor"], [scaled]))
+    accumulator = proto.graph.node[index + 1]
+    accumulator.input[list(accumulator.input).index(grad)] = scaled
+    onnx.save(proto, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -321,3 +322,15 @@ def test_inspect_shows_progress_and_refuses_damage(mlp_adamw: Exported, tmp_path
     _damage("truncated", tmp_path / "last.ortckpt")
     assert main(["inspect", str(tmp_path / "last.ortckpt")]) == 2
     assert "CheckpointError: Checkpoint" in capsys.readouterr().err
+
+
+def test_a_pickled_module_keeps_where_its_run_starts(mlp_adamw: Exported, tmp_path: Path) -> None:
+    """A pickle (Lightning's spawn launcher, a deep copy) keeps the run's origin: its steps, epochs and seed."""
+    path = ORTLightningModule(mlp_adamw.artifacts).save_ort_checkpoint(
+        tmp_path / "state.ortckpt", properties={"global_step": 7, "next_epoch": 2, "seed": 1234})
+    resumed = ORTLightningModule(mlp_adamw.artifacts, checkpoint=path)
+    twin = pickle.loads(pickle.dumps(resumed))
+    assert (twin.start_progress, twin.seed) == ({"global_step": 7, "epoch": 2}, 1234)
+    for (name, weight), (_, copied) in zip(resumed.named_parameters(), twin.named_parameters(), strict=True):
+        assert torch.equal(weight, copied), name
+        assert weight.data_ptr() != copied.data_ptr(), name

@@ -20,6 +20,7 @@ from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import ORTLightningModule, export_artifacts
 from ort_lightning.fleet.parameters import get_values
+from ort_lightning.fleet.server import GlobalModel
 from tests.conftest import Exported
 
 
@@ -80,3 +81,18 @@ def test_an_export_reads_each_graph_once(tmp_path: Path, reads: Counter[str], ve
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     export_artifacts(model, torch.zeros(2, 4), tmp_path / "artifacts", verify=verify)
     assert dict(reads) == GRAPHS
+
+
+def test_a_fleet_start_reads_each_file_once(mlp_adamw: Exported, tmp_path: Path, reads: Counter[str]) -> None:
+    GlobalModel(_copy(mlp_adamw, tmp_path / "artifacts"))
+    assert dict(reads) == {**GRAPHS, "checkpoint": 1}
+
+
+def test_a_resumed_fleet_start_reads_the_round_once(mlp_adamw: Exported, tmp_path: Path, reads: Counter[str]) -> None:
+    path = GlobalModel(mlp_adamw.artifacts).save(tmp_path / "round-0003.ortckpt", server_round=3)
+    folder = _copy(mlp_adamw, tmp_path / "artifacts")
+    reads.clear()
+    resumed = GlobalModel(folder, checkpoint=path)
+    # NOTE: the round's number comes from the one read that checked the file and built the session.
+    assert resumed.server_round == 3
+    assert dict(reads) == {**GRAPHS, "round-0003.ortckpt": 1, "checkpoint": 1}

@@ -20,11 +20,13 @@ from ort_lightning.cli import main as cli_main
 from ort_lightning.errors import ArtifactError, ExportError
 from ort_lightning.export import after_generation
 from ort_lightning.export import source as _export
+from ort_lightning.export.verify import job as _job
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.compare import BatchCheck, compare, mismatch_message
 from ort_lightning.export.verify.reference import Reference
 from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP, Exported, SummedMSE
+from tests.helpers import scale_gradient
 
 
 class AvgPoolNet(torch.nn.Module):
@@ -203,24 +205,11 @@ def test_a_torch_model_whose_graph_computes_other_gradients_names_the_worst_para
         export_artifacts(TripledMLP(), torch.zeros(2, 4), tmp_path / "tripled")
 
 
-def _scale_gradient(path: Path, parameter: str, factor: float) -> None:
-    """Multiply one gradient of a training graph by `factor` before it is accumulated."""
-    proto = onnx.load(path)
-    grad = f"{parameter}_grad"
-    index = next(i for i, node in enumerate(proto.graph.node) if grad in node.input)
-    scaled = f"{grad}_tampered"
-    proto.graph.initializer.append(onnx.numpy_helper.from_array(torch.tensor(factor).numpy(), "tamper_factor"))
-    proto.graph.node.insert(index, onnx.helper.make_node("Mul", [grad, "tamper_factor"], [scaled]))
-    accumulator = proto.graph.node[index + 1]
-    accumulator.input[list(accumulator.input).index(grad)] = scaled
-    onnx.save(proto, path)
-
-
 def test_a_tampered_training_graph_gives_export_error_naming_the_parameter(tmp_path: Path) -> None:
     model = MLP()
     pristine = copy.deepcopy(model)
     artifacts = export_artifacts(model, torch.zeros(2, 4), tmp_path / "tampered", verify=False)
-    _scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
+    scale_gradient(artifacts.training_model, "fc2.bias", 1.5)
     with pytest.raises(ExportError, match=r"gradient of 'fc2\.bias' differs from float64 torch by .*relative 0\.5 "):
         _verify.verify_export(
             artifacts.manifest, artifacts.directory, model=pristine, example_inputs=torch.zeros(2, 4),
@@ -302,14 +291,14 @@ def test_a_trainable_parameter_without_an_ort_gradient_is_named(tmp_path: Path) 
 def test_a_verification_past_its_time_limit_becomes_an_export_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_verify, "TIMEOUT_S", 0.05)
+    monkeypatch.setattr(_job, "TIMEOUT_S", 0.05)
     with pytest.raises(ExportError, match=r"took longer than 0.05 s .*verify=False"):
         export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "slow")
 
 
 def test_a_child_that_cannot_start_becomes_an_export_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The interpreter that runs the child lacks the package's dependencies.
-    monkeypatch.setattr(_verify, "_BOOTSTRAP", "raise SystemExit('No module named onnxruntime')")
+    monkeypatch.setattr(_job, "BOOTSTRAP", "raise SystemExit('No module named onnxruntime')")
     with pytest.raises(ExportError, match=r"exited with status 1 \(No module named onnxruntime\).*import onnxruntime"):
         export_artifacts(MLP(), torch.zeros(2, 4), tmp_path / "no_ort")
 

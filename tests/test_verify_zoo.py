@@ -31,10 +31,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.errors import ExportError
+from ort_lightning.export.verify import job as _job
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.reference import Call, labels_for, reference_loss
-from tests.helpers import GradientProbe, quiet_trainer, tiered
-from tests.test_verify import _scale_gradient
+from tests.helpers import GradientProbe, quiet_trainer, scale_gradient, tiered
 
 CLASSES = 10
 
@@ -289,12 +289,12 @@ class ResidualBNNet(nn.Module):
 
 
 def _flip_sign(path: Path) -> str:
-    _scale_gradient(path, "fc.weight", -1.0)
+    scale_gradient(path, "fc.weight", -1.0)
     return "fc.weight"
 
 
 def _scaled(path: Path) -> str:
-    _scale_gradient(path, "block.weight", 1.01)
+    scale_gradient(path, "block.weight", 1.01)
     return "block.weight"
 
 
@@ -370,14 +370,14 @@ def test_the_verification_step_is_the_training_step(tmp_path: Path) -> None:
     job.mkdir()
     batches = [8, 9]
     for batch in batches:
-        _verify._prepare(job, artifacts.directory, artifacts.manifest, batch, model=model, examples=[example],
-                         call=Call(), loss_fn=reference_loss("cross_entropy"))
-    _verify._write_job(job, artifacts.directory, artifacts.manifest, batches)
-    _verify._run_child(job, artifacts.directory, batches)
+        _verify.prepare_batch(job, artifacts.directory, artifacts.manifest, batch, model=model, examples=[example],
+                              call=Call(), loss_fn=reference_loss("cross_entropy"))
+    _job.write_job(job, artifacts.directory, artifacts.manifest, batches)
+    _job.run_child(job, artifacts.directory, batches)
     for batch in batches:
         with np.load(job / f"inputs_{batch}.npz") as arrays:
             trained = _trainer_gradients(artifacts, dict(arrays))
-        with _verify._result(job, batch) as (_, child):  # the child's gradients, read from disk one by one
+        with _job.read_result(job, batch) as (_, child):  # the child's gradients, read from disk one by one
             assert set(trained) == set(child) == set(artifacts.manifest.trainable)
             for name, grad in trained.items():
                 assert torch.equal(grad, torch.from_numpy(child[name])), (batch, name)

@@ -189,7 +189,9 @@ def _claim_identity() -> None:
     """Say, as Flower's runtimes do, which task this process runs: Messages are stamped with it."""
     # NOTE: Flower reads the run id from a process-wide identity when a Message is created;
     # its runtimes set it at start-up, and a process that already has one keeps it.
-    if TaskIdentity._run_id is None:
+    try:
+        TaskIdentity.run_id  # noqa: B018 - Flower's getter raises RuntimeError while no run id is set
+    except RuntimeError:
         TaskIdentity.task_id = 1
         TaskIdentity.run_id = _RUN_ID
         TaskIdentity.node_id = SUPERLINK_NODE_ID

@@ -36,7 +36,6 @@ from torch.utils.data import DataLoader
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.fleet.client import WEIGHT_KEY, evaluate_module
 from ort_lightning.fleet.parameters import get_values, set_values
-from ort_lightning.training.checkpointing.files import read_checkpoint
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["ROUND_PROPERTY", "CheckpointEachRound", "GlobalModel", "round_path"]
@@ -64,7 +63,8 @@ class GlobalModel:
         self, artifacts: TrainingArtifacts | str | os.PathLike[str], *, checkpoint: str | os.PathLike[str] | None = None
     ) -> None:
         self.module = ORTLightningModule(artifacts, checkpoint=checkpoint, lr_scheduler="constant")
-        properties = {} if checkpoint is None else read_checkpoint(Path(checkpoint), self.module.artifacts)
+        # NOTE: the module read and checked the file once; its properties come from that read.
+        properties = self.module.checkpointing.run.origin.properties
         #: The round the values come from (0: the start; a resumed file's round otherwise).
         self.server_round = int(properties.get(ROUND_PROPERTY, 0))
 

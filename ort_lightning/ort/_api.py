@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _INSTALL_HINT = (
     "ort-lightning needs ONNX Runtime's training package (onnxruntime-training 1.19.2). Install one of:\n"
@@ -68,6 +69,9 @@ onnxruntime.set_default_logger_severity(SEVERITY_ERROR)
 
 __all__ = [
     "SEVERITY_ERROR",
+    "bound_module",
+    "bound_optimizer",
+    "bound_state",
     "CheckpointState",
     "Module",
     "Optimizer",
@@ -87,3 +91,22 @@ ort_converter = _converter
 #: The generated readers of ONNX Runtime's ``.ort`` format (flatbuffers), shipped in its ``tools`` package.
 ort_flatbuffers = _fbs
 training_graph_utils = _training_graph_utils
+
+
+# NOTE: ORT 1.19.2's Python wrappers (``onnxruntime.training.api``) keep their C++ objects in ``_state``,
+# ``_model`` and ``_optimizer``; what this package needs of them exists only there (the OrtValue steps, a
+# checkpoint's save and properties, ``copy_buffer_to_parameters`` taking a C-level OrtValue). These three
+# are the one place that reaches under the wrappers: a release that renames them is this module's business.
+def bound_state(state: CheckpointState) -> Any:
+    """The C++ CheckpointState under ORT's Python `state`."""
+    return state._state
+
+
+def bound_module(module: Module) -> Any:
+    """The C++ Module under ORT's Python `module` (its ``train_step_with_ort_values``, ``lazy_reset_grad``, ...)."""
+    return module._model
+
+
+def bound_optimizer(optimizer: Optimizer) -> Any:
+    """The C++ Optimizer under ORT's Python `optimizer` (its ``optimizer_step``, learning rate)."""
+    return optimizer._optimizer

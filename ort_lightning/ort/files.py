@@ -1,4 +1,6 @@
-"""Files ONNX Runtime reads: checkpoint summaries, and the inputs and outputs of a graph file (``.ort`` too).
+"""Files ONNX Runtime reads: checkpoint summaries, a graph file's inputs and outputs, what an optimizer runs.
+
+Graph files may be ``.onnx`` or ``.ort``.
 
 A running session writes its own files (`ort_lightning.ort.session.TrainingSession.save`,
 ``export_for_inferencing``).
@@ -15,10 +17,14 @@ from typing import Any
 from ort_lightning.errors import ArtifactError
 from ort_lightning.ort._api import (
     CheckpointState,
+    bound_state,
     onnxruntime,
 )
 from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort._api import ort_flatbuffers as _fbs
+from ort_lightning.ort.generate import OPTIMIZER_NODES as _OPTIMIZER_NODES
+from ort_lightning.ort.generate import optimizer_kind_of
+from ort_lightning.ort.graph_files import load_graph
 from ort_lightning.ort.options import session_options
 
 __all__ = [
@@ -27,6 +33,7 @@ __all__ = [
     "checkpoint_summary",
     "nominal_summary",
     "nominal_summary_of",
+    "optimizer_kind_in",
     "ort_graph_io",
     "ort_metadata",
     "ort_node_attributes",
@@ -126,7 +133,7 @@ def summary_of(state: Any) -> tuple[list[tuple[str, tuple[int, ...], bool]], dic
     Raises:
         RuntimeError: (one of `CHECKPOINT_READ_ERRORS`) for a nominal state (its parameters hold no data yet).
     """
-    bound = state._state
+    bound = bound_state(state)
     parameters = []
     for name in bound.parameter_names():
         parameter = bound.get_parameter(name)
@@ -150,7 +157,7 @@ def nominal_summary(path: os.PathLike[str] | str) -> tuple[list[str], dict[str, 
 
 def nominal_summary_of(state: Any) -> tuple[list[str], dict[str, Any]] | None:
     """`nominal_summary` of ORT's CheckpointState `state`, already read."""
-    bound = state._state
+    bound = bound_state(state)
     names = list(bound.parameter_names())
     try:
         for name in names[:1]:
@@ -169,3 +176,43 @@ CHECKPOINT_READ_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, _C.Fail
 #: (a full disk gives a RuntimeError whose text says "errno:28" for a checkpoint, "Protobuf serialization failed"
 #: for an inference model).
 WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, *CHECKPOINT_READ_ERRORS)
+
+
+def optimizer_kind_in(optimizer_model: os.PathLike[str] | str) -> str:
+    """Read ``"adamw"`` or ``"sgd"`` from an optimizer graph (``.onnx`` or ``.ort``).
+
+    Raises:
+        ArtifactError: for a graph with neither optimizer node.
+    """
+    nodes = _optimizer_nodes(os.fspath(optimizer_model))
+    kind = optimizer_kind_of(nodes)
+    if kind is None:
+        raise ArtifactError(
+            f"Optimizer graph {os.fspath(optimizer_model)} has nodes {sorted(set(nodes))} but no "
+            f"{' or '.join(_OPTIMIZER_NODES)} node; re-export the artifacts with "
+            "export_artifacts(..., optimizer='adamw' or 'sgd')."
+        )
+    return kind
+
+
+def _optimizer_nodes(path: str) -> list[str]:
+    """Node types of an optimizer graph; for an ``.ort`` graph, what its inputs and operator list say."""
+    if not path.endswith(".ort"):
+        advice = ("it is damaged or truncated: copy the artifacts again from where they were exported, or re-export "
+                  "them with export_artifacts()")
+        return [node.op_type for node in load_graph(path, advice=advice).graph.node]
+    config = path[: -len(".ort")] + ".required_operators.config"
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as stream:
+                return [op for line in stream if not line.startswith("#")
+                        for op in line.strip().split(";")[-1].split(",")]
+        except UnicodeDecodeError as error:
+            raise ArtifactError(
+                f"{config} is not UTF-8 text ({error.reason} at byte {error.start}), so it is not the operator list "
+                f"that ONNX Runtime's converter wrote beside {os.path.basename(path)}; copy it again from where the "
+                "artifacts were exported, or delete it (the optimizer kind is then read from the graph's inputs)."
+            ) from error
+    # NOTE: without the operator list, the inputs tell: only AdamW keeps second-order moments.
+    inputs, _ = ort_graph_io(path)
+    return ["AdamWOptimizer" if any(name == "second_order_moments" for name, _, _ in inputs) else "SGDOptimizerV2"]

@@ -24,6 +24,7 @@ import onnx
 from ort_lightning.errors import ExportError
 from ort_lightning.ort._api import (
     CheckpointState,
+    bound_state,
     onnxblock,
     root_logger_kept,
 )
@@ -264,7 +265,7 @@ def write_device_files(
                     Path(graph), output_dir=Path(folder), optimization_styles=[_converter.OptimizationStyle.Fixed]
                 )
     if nominal_checkpoint:
-        state = CheckpointState.load_checkpoint(os.fspath(checkpoint))._state
+        state = bound_state(CheckpointState.load_checkpoint(os.fspath(checkpoint)))
         trainable: list[bytes] = []
         frozen: list[bytes] = []
         for name in state.parameter_names():

@@ -1,8 +1,9 @@
-"""ONNX Runtime's training API as the rest of the package sees it: one surface, four modules.
+"""ONNX Runtime's training API as the rest of the package sees it: one surface, five modules.
 
 `_api` imports ONNX Runtime (the only import of it), `generate` writes artifacts, `session`
-assembles the objects that train them, `files` reads and writes ORT's files. This module gathers
-their surface, so that an ORT upgrade, or its absence, is this package's business alone.
+assembles the objects that train them, `state` holds a CheckpointState in memory, `files` reads
+ORT's files. This module gathers their surface, so that an ORT upgrade, or its absence, is this
+package's business alone.
 
 Example::
 
@@ -22,22 +23,15 @@ from ort_lightning.ort.files import (
     WRITE_ERRORS,
     checkpoint_summary,
     nominal_summary,
+    optimizer_kind_in,
     ort_graph_io,
     ort_metadata,
     ort_node_attributes,
 )
 from ort_lightning.ort.generate import OPTIMIZER_NODES, generate, is_block, optimizer_kind_of, write_device_files
-from ort_lightning.ort.session import (
-    HeldState,
-    SessionSettings,
-    TrainingSession,
-    assemble,
-    buffer_order,
-    optimizer_kind_in,
-    parse_device,
-    read_state,
-    session_options,
-)
+from ort_lightning.ort.options import session_options
+from ort_lightning.ort.session import SessionSettings, TrainingSession, assemble, parse_device
+from ort_lightning.ort.state import HeldState, buffer_order, read_state
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",

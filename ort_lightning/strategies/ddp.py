@@ -139,8 +139,7 @@ class ORTDDPStrategy(DDPStrategy):
 
     def _raise_lost(self, error: RuntimeError, collective: str) -> NoReturn:
         """Raise `DistributedError` from `error` when a peer rank is gone; raise `error` as it is otherwise."""
-        module = self.lightning_module
-        step = f" at global_step={module.trainer.global_step}" if module is not None and module._trainer else ""
+        step = _at_step(self.lightning_module)
         lost = lost_rank(error, rank=self.global_rank, world_size=self.world_size, where=f"{collective}{step}")
         if lost is None:
             raise error
@@ -260,3 +259,14 @@ def check_strategy(strategy: Strategy) -> None:
 
 
 ORTDDPStrategy.register_strategies(StrategyRegistry)
+
+
+def _at_step(module: Any) -> str:
+    """`` at global_step=N`` for a module attached to a Trainer; empty otherwise."""
+    if module is None:
+        return ""
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # NOTE: Lightning's `trainer` property raises for a module attached to none
+        return ""
+    return "" if trainer is None else f" at global_step={trainer.global_step}"

@@ -27,10 +27,10 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.runtime import SessionSettings
 from ort_lightning.strategies import check_strategy
-from ort_lightning.training.checkpointing.connector import CheckpointConnector
+from ort_lightning.training.checkpointing.connector import CheckpointConnector, RunState
 from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 from ort_lightning.training.checkpointing.io import install_atomic_io
-from ort_lightning.training.checkpointing.methods import CheckpointMethods
+from ort_lightning.training.checkpointing.methods import CheckpointHooks
 from ort_lightning.training.guards import check_precision, check_torch_parameters, label_range_of, updated_parameters
 from ort_lightning.training.metrics import stage_metrics_for
 from ort_lightning.training.optim import hybrid as _hybrid
@@ -44,7 +44,7 @@ from ort_lightning.training.optim.schedules import (
     describe,
     total_steps_of,
 )
-from ort_lightning.training.session.evaluation import EvaluationMethods
+from ort_lightning.training.session.evaluation import EvaluationHooks, ModuleEvaluation
 from ort_lightning.training.session.live import LiveSession
 from ort_lightning.training.session.session_views import DEVICE_KEY, state_values
 from ort_lightning.training.session.step import NonFiniteGuard, StepPath
@@ -53,19 +53,29 @@ from ort_lightning.training.threads.policy import ThreadPolicy
 __all__ = ["ORTLightningModule"]
 
 #: What a pickle of the module leaves out: ORT's objects (they do not pickle) and what holds them.
-_UNPICKLED = ("_live", "_checkpoints", "_schedule")
+_UNPICKLED = ("_live", "checkpointing", "evaluation")
+
+#: Where a module's pickle keeps where its run stands (`RunState`: no ORT object).
+_RUN_KEY = "_ort_run"
 
 
 def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
-class ORTLightningModule(CheckpointMethods, EvaluationMethods):
+class ORTLightningModule(CheckpointHooks, EvaluationHooks):
     """Train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
     The ORT components (CheckpointState, Module, Optimizer) are built at once on the CPU, and
     again in ``configure_model`` if the trainer runs on another device. ``named_parameters()``
     yields torch tensors that share memory with ORT's state, under the torch module's names.
+
+    The Lightning hooks are short and hand their work to collaborators that the module builds with
+    declared inputs and holds: `live_session` (the running session, the one way to change it), the
+    step path (the one owner of the training step), ``evaluation``
+    (`ort_lightning.training.session.evaluation.ModuleEvaluation`: the eval graph) and ``checkpointing``
+    (`ort_lightning.training.checkpointing.connector.CheckpointConnector`: what the module writes and
+    reads, and where its run starts). No collaborator reads another's private state.
 
     Args:
         artifacts: `TrainingArtifacts` or the folder `export_artifacts` wrote.
@@ -157,18 +167,15 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         # accumulation that micro-batch's gradients are then kept apart until it counts.
         overridden = type(self).training_step is not ORTLightningModule.training_step
         self._steps = StepPath(self._nonfinite, keep_apart=overridden, seed=torch.initial_seed())
-        self._optimizers_configured = False  # a later fit starts a fresh optimizer (configure_optimizers)
-        self._state_restored = False  # set by on_load_checkpoint: keep the restored optimizer state
         start: _ort.HeldState | None = None
-        if checkpoint is None:
-            self._set_origin(RunOrigin())
-        else:  # NOTE: the file is read once: its check and the session's build share the read
+        origin = RunOrigin()
+        if checkpoint is not None:  # NOTE: the file is read once: its check and the session's build share the read
             properties, start = read_checkpoint_state(Path(checkpoint), self.artifacts,
                                                       weights_given=values is not None)
-            self._set_origin(RunOrigin.of_file(properties))
+            origin = RunOrigin.of_file(properties)
         self._start_session(device, checkpoint=start, values=values)
         schedule = module_schedule(self.artifacts, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
-                                   stored=self._origin.properties, lr_scheduler=lr_scheduler,
+                                   stored=origin.properties, lr_scheduler=lr_scheduler,
                                    on_nonfinite=on_nonfinite, hybrid=optimizer is not None)
         self.lr, self.warmup_steps, self.total_steps = schedule.lr, schedule.warmup_steps, schedule.total_steps
         self.lr_scheduler = lr_scheduler
@@ -183,9 +190,8 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         self._metrics = {} if metrics is None else stage_metrics_for(metrics, self.artifacts.manifest)
         for stage, collection in self._metrics.items():
             self.add_module(f"{stage}_metrics", collection)
-        self._label_index = len(self.artifacts.manifest.inputs)
         self._labels = label_range_of(self.artifacts) if check_labels else None
-        self._connect_checkpoints()
+        self._connect(RunState(origin=origin))
 
     # ----------------------------------------------------------------------------- the ORT session
     @property
@@ -222,38 +228,9 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         """The thread policy of this module's fits: its ``choice`` and the ``reason`` for it (see `ThreadPolicy`)."""
         return self._threads
 
-    def set_values(self, values: Mapping[str, Any]) -> None:
-        """Copy `values` into the running ORT session's memory: nothing is rebuilt, nothing else changes.
-
-        Unlike `load_values` (another start: a fresh or kept optimizer state), the optimizer state,
-        the training progress and the thread setting stay as they are; the parameters stay the same
-        objects over the same memory. Through the one operation that changes a running session
-        (`ort_lightning.training.session.live.LiveSession.replace` with ``values=`` alone).
-
-        Args:
-            values: name -> tensor or numpy array, for every state tensor of the training graph
-                (``ort_lightning.fleet.get_values`` of a module of these artifacts).
-
-        Raises:
-            ConfigurationError: for missing, unexpected or misshapen values.
-
-        Example::
-
-            >>> import tempfile, torch
-            >>> from ort_lightning import export_artifacts
-            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-            >>> module = ORTLightningModule(artifacts)
-            >>> session = module.ort_session
-            >>> module.set_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
-            >>> float(module.weight.detach().sum()), module.ort_session is session
-            (12.0, True)
-        """
-        self._live.replace(values=values)
-
     def _start_session(self, device: str, *, checkpoint: _ort.HeldState | None = None, values: Any = None) -> None:
         """Build the ORT session (`LiveSession`, the only place it is built and changed)."""
         threads = self._threads
-        self._schedule: Any = None  # the scheduler of the current fit
         settings = SessionSettings(device=device, spinning=threads.spinning(None),
                                    intra_op_threads=threads.session_threads(None),
                                    custom_op_library=self.custom_op_library)
@@ -261,9 +238,12 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
             self, self.artifacts, self._steps, settings=settings, checkpoint=checkpoint, values=values,
             optimizers=lambda: () if self._trainer is None else self.trainer.optimizers)
 
-    def _connect_checkpoints(self) -> None:
-        self._checkpoints = CheckpointConnector(self._live, self._steps, self.artifacts, metrics=self._metrics,
-                                                hybrid=self._optimizer_factory is not None)
+    def _connect(self, run: RunState) -> None:
+        """Build the collaborators the hooks hand their work to; `run` is where the run stands."""
+        self.evaluation = ModuleEvaluation(self._live, labels=self._labels, metrics=self._metrics,
+                                           label_index=len(self.artifacts.manifest.inputs))
+        self.checkpointing = CheckpointConnector(self._live, self._steps, self.artifacts, metrics=self._metrics,
+                                                 hybrid=self._optimizer_factory is not None, run=run)
 
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
@@ -299,11 +279,10 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Forward and backward in ORT; gradients land in ORT's buffers. Logs ``train_loss``."""
-        tensors, fetches, loss = self._steps.train(
-            self._live.train_inputs, batch, self.trainer, batch_idx, self._labels)
+        tensors, fetches, loss = self._steps.train(batch, self.trainer, batch_idx, self._labels)
         self.log("train_loss", loss, prog_bar=True, batch_size=tensors[0].shape[0])
-        if self._metrics:
-            self._update_metrics("train", fetches, tensors)
+        if self._metrics:  # NOTE: checked here, so that a step without metrics goes nowhere else
+            self._log_metrics("train", fetches, tensors)
         return loss
 
     @override
@@ -314,14 +293,12 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         when the state was just restored (``checkpoint=`` before the first fit, or ``ckpt_path=``),
         so that a resume continues exactly: a second ``fit`` warms up and decays again, its steps count from 0.
         """
-        if self._optimizers_configured and not self._state_restored:
-            self._live.replace(include_optimizer_state=False)  # the weights kept, a fresh optimizer state
-            self._set_origin(RunOrigin(seed=self._steps.seed))  # its steps and epochs count from 0
-        self._optimizers_configured, self._state_restored = True, False
-        configured, self._schedule = configure(
+        checkpointing = self.checkpointing
+        start = checkpointing.begin_fit()
+        configured, checkpointing.schedule = configure(
             self._live.session, self._live.views.trainable, self.artifacts,
             factory=self._optimizer_factory, lr=self.lr, lr_scheduler=self.lr_scheduler, warmup_steps=self.warmup_steps,
-            total_steps=lambda: total_steps_of(self.trainer, self.total_steps), start=self._origin.schedule)
+            total_steps=lambda: total_steps_of(self.trainer, self.total_steps), start=start)
         return configured
 
     @override
@@ -330,7 +307,7 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
         # NOTE: a ckpt_path resume of a run that had reached its end (killed after its last save) has no
         # step left to take: Lightning ends it at once, as it does for torch modules.
         if self.trainer.global_step < self.trainer.estimated_stepping_batches:
-            check_not_finished(self._schedule)
+            check_not_finished(self.checkpointing.schedule)
         check_torch_parameters(self, updated_parameters(self.trainer.optimizers))
 
     @override
@@ -399,20 +376,20 @@ class ORTLightningModule(CheckpointMethods, EvaluationMethods):
     @override
     def on_train_epoch_end(self) -> None:
         """Stop the fit when the epoch's last update left NaN/inf in the parameters (no later loss shows it)."""
-        self._check_parameters()
+        self.checkpointing.check_parameters(self._trainer)
 
     @override
     def __getstate__(self) -> dict[str, Any]:
-        """Leave out ORT's objects and what holds them (`_UNPICKLED`); keep the device to rebuild them on."""
+        """Leave out ORT's objects and what holds them (`_UNPICKLED`); keep the run and the device to rebuild on."""
         state = {name: value for name, value in super().__getstate__().items() if name not in _UNPICKLED}
-        return {**state, DEVICE_KEY: self._live.session.device}
+        return {**state, DEVICE_KEY: self._live.session.device, _RUN_KEY: self.checkpointing.run}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild ORT's objects from the artifacts on the pickled device, then copy the pickled values in by name."""
-        device = state.pop(DEVICE_KEY)
+        device, run = state.pop(DEVICE_KEY), state.pop(_RUN_KEY)
         super().__setstate__(state)
         values = state_values(self, self.artifacts)
         # NOTE: a weightless folder has no weights to build from: its nominal checkpoint takes the pickled ones.
         self._start_session(device, values=values if self.artifacts.weightless else None)
         self._live.load(values)
-        self._connect_checkpoints()
+        self._connect(run)

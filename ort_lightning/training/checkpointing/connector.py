@@ -1,7 +1,9 @@
-"""`CheckpointConnector`: what an `ORTLightningModule` writes and reads, in one place.
+"""`CheckpointConnector`: what an `ORTLightningModule` writes and reads, and where its run starts.
 
 The module's hooks and public methods hand their checkpoint work to it, as Lightning's
-``Trainer`` hands its own to ``trainer/connectors/checkpoint_connector.py``:
+``Trainer`` hands its own to ``trainer/connectors/checkpoint_connector.py``. It owns the run's
+`RunState` (the origin a checkpoint gave, whether a restored state or a fresh optimizer state
+starts the next fit) and the current fit's schedule, so that no other object keeps them:
 
 - ORT checkpoint files (``save_ort_checkpoint``): the CheckpointState with the run's progress,
   seed and schedule as properties, written atomically with a digest;
@@ -9,7 +11,8 @@ The module's hooks and public methods hand their checkpoint work to it, as Light
   weights;
 - Lightning's ``.ckpt`` (``on_save_checkpoint``, ``on_load_checkpoint``,
   ``load_from_checkpoint``): ORT's state as bytes, the run's progress and the artifacts'
-  identity, checked on load.
+  identity, checked on load;
+- another start of the same module (``load_values``) and the start of each fit (`CheckpointConnector.begin_fit`).
 
 Example::
 
@@ -26,8 +29,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +43,7 @@ from ort_lightning.training.checkpointing.files import (
     PROGRESS_KEY,
     RunOrigin,
     export_inference,
+    read_checkpoint_state,
     restored_state,
     state_bytes,
     state_digest,
@@ -59,13 +65,30 @@ from ort_lightning.training.optim.schedules import schedule_properties
 
 if TYPE_CHECKING:
     from ort_lightning.artifacts import TrainingArtifacts
+    from ort_lightning.training.optim.schedules import Progress
     from ort_lightning.training.session.live import LiveSession
     from ort_lightning.training.session.step import StepPath
 
-__all__ = ["STATE_DIGEST_KEY", "CheckpointConnector", "find_artifacts"]
+__all__ = ["STATE_DIGEST_KEY", "CheckpointConnector", "RunState", "find_artifacts"]
 
 #: Where a ``.ckpt``'s progress record keeps the sha256 of its ORT state bytes.
 STATE_DIGEST_KEY = "ort_state_sha256"
+
+
+@dataclass
+class RunState:
+    """Where a module's run stands between its fits (no ORT object: it pickles with the module).
+
+    Attributes:
+        origin: where the run starts in the whole training (the checkpoint it started from).
+        restored: a state was just restored (``checkpoint=``, a ``.ckpt``, ``load_values(optimizer_state=)``):
+            the next fit keeps its optimizer state.
+        configured: a fit configured its optimizers: a later fit starts a fresh optimizer state.
+    """
+
+    origin: RunOrigin = field(default_factory=RunOrigin)
+    restored: bool = False
+    configured: bool = False
 
 
 class CheckpointConnector:
@@ -73,24 +96,102 @@ class CheckpointConnector:
 
     Args:
         live: the module's running ORT session (read to write, replaced to restore).
-        steps: the module's step path (the seed of ORT's random stream in use).
+        steps: the module's step path (the seed of ORT's random stream in use; it continues the origin's steps).
         artifacts: what is trained (identity, outputs).
         hybrid: whether a torch optimizer updates (its state is in Lightning's ``.ckpt``, ORT's is unused).
         metrics: the module's metrics by stage (a ``.ckpt`` records their names).
+        run: where the run stands (a pickled module's); None starts at the beginning of the training.
+
+    Attributes:
+        run: where the run stands (`RunState`).
+        schedule: the scheduler of the current fit (its settings go into ORT checkpoint files), or None.
     """
 
     def __init__(
         self, live: LiveSession, steps: StepPath, artifacts: TrainingArtifacts, *, hybrid: bool,
-        metrics: Mapping[str, Any],
+        metrics: Mapping[str, Any], run: RunState | None = None,
     ) -> None:
         self.live, self.steps, self.artifacts = live, steps, artifacts
         self.hybrid, self.metrics = hybrid, metrics
+        self.run = RunState() if run is None else run
+        self.schedule: Any = None
+        self.start_from(self.run.origin)
+
+    def start_from(self, origin: RunOrigin) -> None:
+        """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
+        self.run.origin = origin
+        self.steps.continue_run(origin.step, origin.seed)
+
+    @property
+    def progress(self) -> dict[str, int]:
+        """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run."""
+        return {"global_step": self.run.origin.step, "epoch": self.run.origin.epoch}
+
+    def begin_fit(self) -> Progress:
+        """Start a fit's optimizer state; return where its schedule starts.
+
+        A fit after another one starts a fresh optimizer state (the weights kept, its steps and epochs
+        counted from 0), unless a state was restored since, which it continues.
+        """
+        run = self.run
+        if run.configured and not run.restored:
+            self.live.replace(include_optimizer_state=False)
+            self.start_from(RunOrigin(seed=self.steps.seed))
+        run.configured, run.restored = True, False
+        return run.origin.schedule
+
+    def check_parameters(self, trainer: Any) -> None:
+        """Inside a fit, stop it when the last update left NaN/inf in the parameters.
+
+        Raises:
+            NonFiniteLossError: naming the update and the parameters.
+        """
+        # NOTE: between two saves the next step's NaN loss shows an overflowed update; the steps pay nothing.
+        if trainer is not None and trainer.training:
+            self.steps.check_parameters(trainer)
+
+    def set_values(self, values: Mapping[str, Any]) -> None:
+        """Copy `values` into the running session's memory; nothing else changes (see the module's method).
+
+        Raises:
+            ConfigurationError: for missing, unexpected or misshapen values.
+        """
+        self.live.replace(values=values)
+
+    def load_values(self, values: Any, *, optimizer_state: Path | None, evaluation: bool) -> None:
+        """Start again from `values`, with a fresh optimizer state or `optimizer_state`'s; see the module's method.
+
+        Raises:
+            ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
+            CheckpointError: for an `optimizer_state` file that is damaged or of other artifacts.
+        """
+        live = self.live
+        settings = dataclasses.replace(live.settings, evaluation=evaluation)
+        if optimizer_state is not None:
+            properties, held = read_checkpoint_state(optimizer_state, self.artifacts, weights_given=True)
+            origin = RunOrigin.of_file(properties)
+            live.replace(checkpoint=held, values=values, settings=settings)
+        elif self.hybrid or live.session.optimizer_kind != "adamw":
+            # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
+            origin = RunOrigin(seed=self.steps.seed)
+            live.replace(values=values)
+            self.steps.reset()
+        else:
+            origin = RunOrigin(seed=self.steps.seed)
+            live.replace(values=values, include_optimizer_state=False, settings=settings)
+        self.start_from(origin)
+        self.run.configured, self.run.restored = False, optimizer_state is not None
 
     def save_ort_checkpoint(
         self, path: str | os.PathLike[str], *, include_optimizer_state: bool, properties: dict[str, Any] | None,
-        origin: RunOrigin, schedule: Any, trainer: Any,
+        trainer: Any,
     ) -> Path:
-        """Write ORT's state with the run's progress, seed and `schedule` as properties; see the module's method."""
+        """Write ORT's state with the run's progress, seed and schedule as properties; see the module's method.
+
+        Raises:
+            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
+        """
+        self.check_parameters(trainer)
         # NOTE: under a torch optimizer (hybrid training) ORT's optimizer state is never used;
         # the file holds the weights, and the torch optimizer's state lives in Lightning's .ckpt.
         include_optimizer_state = include_optimizer_state and not self.hybrid
@@ -99,8 +200,8 @@ class CheckpointConnector:
             "lr": float(session.get_lr()),
             "optimizer_state": int(include_optimizer_state),
             "seed": self.steps.seed_in_use(),
-            **schedule_properties(schedule),
-            **origin.progress_properties(trainer),
+            **schedule_properties(self.schedule),
+            **self.run.origin.progress_properties(trainer),
             **(properties or {}),
         }
         return write_ort_checkpoint(session, path, include_optimizer_state=include_optimizer_state, properties=values)
@@ -125,16 +226,22 @@ class CheckpointConnector:
             )
         return self.export_inference_model(file_path, None)
 
-    def dump(self, checkpoint: dict[str, Any], origin: RunOrigin) -> None:
-        """Store ORT's state (weights, and the optimizer's unless hybrid), the progress since `origin`, the identity."""
+    def dump(self, checkpoint: dict[str, Any], trainer: Any) -> None:
+        """Store ORT's state (weights, and the optimizer's unless hybrid), the progress since the origin, the identity.
+
+        Raises:
+            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
+        """
+        self.check_parameters(trainer)
+        origin = self.run.origin
         state = state_bytes(self.live.session, include_optimizer_state=not self.hybrid)
         checkpoint[ORT_STATE_KEY] = state
         checkpoint[PROGRESS_KEY] = {**origin.lightning_record(self.steps.seed_in_use()),
                                     STATE_DIGEST_KEY: state_digest(state)}
         checkpoint[IDENTITY_KEY] = {**identity_of(self.artifacts), "metrics": metric_names(self.metrics)}
 
-    def restore(self, checkpoint: dict[str, Any]) -> RunOrigin:
-        """Replace the running session with a ``.ckpt``'s state; return the origin of the run it continues.
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        """Replace the running session with a ``.ckpt``'s state and continue the run it records.
 
         Raises:
             CheckpointError: for a ``.ckpt`` without ORT state, of other artifacts, with a damaged state, digest,
@@ -161,7 +268,8 @@ class CheckpointConnector:
                     folder=artifacts.directory,
                 )
             self.live.replace(checkpoint=path)
-        return origin
+        self.start_from(origin)
+        self.run.restored = True
 
 
 @contextlib.contextmanager

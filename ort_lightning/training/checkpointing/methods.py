@@ -1,10 +1,12 @@
-"""`CheckpointMethods`: the checkpoint part of `ORTLightningModule`, what it writes and reads.
+"""`CheckpointHooks`: the checkpoint hooks of `ORTLightningModule`, each handing its work to the connector.
 
-`ORTLightningModule` derives from it: its ORT checkpoint files (``save_ort_checkpoint``), inference
+`ORTLightningModule` takes this group of hooks and methods as Lightning's ``LightningModule`` takes
+its hook groups from ``core/hooks.py``: its ORT checkpoint files (``save_ort_checkpoint``), inference
 models (``export_inference_model``, ``to_onnx``), Lightning's ``.ckpt`` (``on_save_checkpoint``,
-``on_load_checkpoint``, ``load_from_checkpoint``) and where its run starts (``start_progress``).
-Each method hands the work to the module's `CheckpointConnector`, with the run's origin and
-schedule as arguments.
+``on_load_checkpoint``, ``load_from_checkpoint``), another start (``load_values``), new values in
+place (``set_values``) and where its run starts (``start_progress``). The hooks hold no state: the
+module's `CheckpointConnector` (its ``checkpointing``, a collaborator with declared inputs) owns the
+run's origin and the fit's schedule.
 
 Example::
 
@@ -12,60 +14,34 @@ Example::
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> module = ORTLightningModule(artifacts)
-    >>> isinstance(module, CheckpointMethods), module.start_progress
+    >>> isinstance(module, CheckpointHooks), module.start_progress
     (True, {'global_step': 0, 'epoch': 0})
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
 from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
-from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 
-if TYPE_CHECKING:
-    from ort_lightning.artifacts import TrainingArtifacts
-    from ort_lightning.training.session.live import LiveSession
-    from ort_lightning.training.session.step import StepPath
-
-__all__ = ["CheckpointMethods"]
+__all__ = ["CheckpointHooks"]
 
 
-class CheckpointMethods(pl.LightningModule):
-    """What an `ORTLightningModule` writes and reads; the module sets the attributes below.
+class CheckpointHooks(pl.LightningModule):
+    """What an `ORTLightningModule` writes and reads: each hook hands its work to `checkpointing`.
 
     Attributes:
-        _checkpoints: does the work.
-        _origin: where the run starts in the whole training (the checkpoint it started from).
-        _schedule: the scheduler of the current fit (its settings go into ORT checkpoint files).
-        _steps: the module's step path (it continues the origin's steps and seed).
-        _state_restored: set when a ``.ckpt`` was restored, so that ``configure_optimizers`` keeps its state.
-        _optimizers_configured: set by ``configure_optimizers``; a later fit starts a fresh optimizer state.
-        _live: the running session, changed only through its ``replace``.
-        _optimizer_factory: a torch optimizer's factory (its update holds no state in ORT), or None.
+        checkpointing: the collaborator that does the work and owns the run's origin (`CheckpointConnector`),
+            built by the module.
     """
 
-    _checkpoints: CheckpointConnector
-    _origin: RunOrigin
-    _schedule: Any
-    _steps: StepPath
-    _state_restored: bool
-    _optimizers_configured: bool
-    _live: LiveSession
-    _optimizer_factory: Any
-    artifacts: TrainingArtifacts
-
-    def _set_origin(self, origin: RunOrigin) -> None:
-        """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
-        self._origin = origin
-        self._steps.continue_run(origin.step, origin.seed)
+    checkpointing: CheckpointConnector
 
     def save_ort_checkpoint(
         self,
@@ -96,10 +72,8 @@ class CheckpointMethods(pl.LightningModule):
         Raises:
             NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
         """
-        self._check_parameters()
-        return self._checkpoints.save_ort_checkpoint(
-            path, include_optimizer_state=include_optimizer_state, properties=properties, origin=self._origin,
-            schedule=self._schedule, trainer=self._trainer)
+        return self.checkpointing.save_ort_checkpoint(
+            path, include_optimizer_state=include_optimizer_state, properties=properties, trainer=self._trainer)
 
     def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None = None) -> Path:
         """Write the eval graph with the current weights as a plain ONNX inference model.
@@ -117,7 +91,7 @@ class CheckpointMethods(pl.LightningModule):
         Raises:
             ConfigurationError: for an output name the eval graph does not have.
         """
-        return self._checkpoints.export_inference_model(path, outputs)
+        return self.checkpointing.export_inference_model(path, outputs)
 
     @override
     def to_onnx(self, file_path: Any = None, input_sample: Any = None, **kwargs: Any) -> None:
@@ -128,7 +102,7 @@ class CheckpointMethods(pl.LightningModule):
         Raises:
             ConfigurationError: for no file path (or a buffer), or ``torch.onnx.export`` options.
         """
-        self._checkpoints.to_onnx(file_path, kwargs)
+        self.checkpointing.to_onnx(file_path, kwargs)
 
     @property
     def start_progress(self) -> dict[str, int]:
@@ -137,7 +111,7 @@ class CheckpointMethods(pl.LightningModule):
         Nonzero when the run started from an ORT checkpoint: the first epoch of this run is epoch
         ``start_progress["epoch"]`` of the whole training, so that numbers never repeat.
         """
-        return {"global_step": self._origin.step, "epoch": self._origin.epoch}
+        return self.checkpointing.progress
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -148,13 +122,7 @@ class CheckpointMethods(pl.LightningModule):
         Raises:
             NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
         """
-        self._check_parameters()
-        self._checkpoints.dump(checkpoint, self._origin)
-
-    def _check_parameters(self) -> None:
-        # NOTE: between two saves the next step's NaN loss shows an overflowed update; the steps pay nothing.
-        if self._trainer is not None and self._trainer.training:
-            self._steps.check_parameters(self._trainer)
+        self.checkpointing.dump(checkpoint, self._trainer)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -164,8 +132,7 @@ class CheckpointMethods(pl.LightningModule):
             CheckpointError: for a ``.ckpt`` of other artifacts, or metrics it was trained with and that
                 are not passed again.
         """
-        self._set_origin(self._checkpoints.restore(checkpoint))
-        self._state_restored = True
+        self.checkpointing.restore(checkpoint)
 
     @classmethod
     @override
@@ -188,6 +155,34 @@ class CheckpointMethods(pl.LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **find_artifacts(checkpoint_path, kwargs))
 
     # ----------------------------------------------------------------------------- another start, same module
+    def set_values(self, values: Mapping[str, Any]) -> None:
+        """Copy `values` into the running ORT session's memory: nothing is rebuilt, nothing else changes.
+
+        Unlike `load_values` (another start: a fresh or kept optimizer state), the optimizer state,
+        the training progress and the thread setting stay as they are; the parameters stay the same
+        objects over the same memory. Through the one operation that changes a running session
+        (`ort_lightning.training.session.live.LiveSession.replace` with ``values=`` alone).
+
+        Args:
+            values: name -> tensor or numpy array, for every state tensor of the training graph
+                (``ort_lightning.fleet.get_values`` of a module of these artifacts).
+
+        Raises:
+            ConfigurationError: for missing, unexpected or misshapen values.
+
+        Example::
+
+            >>> import tempfile, torch
+            >>> from ort_lightning import ORTLightningModule, export_artifacts
+            >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
+            >>> module = ORTLightningModule(artifacts)
+            >>> session = module.ort_session
+            >>> module.set_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)})
+            >>> float(module.weight.detach().sum()), module.ort_session is session
+            (12.0, True)
+        """
+        self.checkpointing.set_values(values)
+
     def load_values(
         self, values: Any, *, optimizer_state: str | os.PathLike[str] | None = None, evaluation: bool = True,
     ) -> None:
@@ -226,18 +221,4 @@ class CheckpointMethods(pl.LightningModule):
             (12.0, 0)
         """
         kept = None if optimizer_state is None else Path(optimizer_state)
-        settings = dataclasses.replace(self._live.settings, evaluation=evaluation)
-        if kept is not None:
-            properties, held = read_checkpoint_state(kept, self.artifacts, weights_given=True)
-            origin = RunOrigin.of_file(properties)
-            self._live.replace(checkpoint=held, values=values, settings=settings)
-        elif self._optimizer_factory is not None or self._live.session.optimizer_kind != "adamw":
-            # NOTE: no optimizer state in ORT (SGD, a torch optimizer's update): the values are all there is to load.
-            origin = RunOrigin(seed=self._steps.seed)
-            self._live.replace(values=values)
-            self._steps.reset()
-        else:
-            origin = RunOrigin(seed=self._steps.seed)
-            self._live.replace(values=values, include_optimizer_state=False, settings=settings)
-        self._set_origin(origin)
-        self._optimizers_configured, self._state_restored = False, kept is not None
+        self.checkpointing.load_values(values, optimizer_state=kept, evaluation=evaluation)

@@ -1,10 +1,13 @@
-"""`EvaluationMethods`: the eval graph's part of `ORTLightningModule`: forward, validate, test, predict.
+"""The eval graph's part of `ORTLightningModule`: `ModuleEvaluation` does the work, `EvaluationHooks` are the hooks.
 
-`ORTLightningModule` derives from it. Each method runs ORT's eval graph through the module's
-running session (`ort_lightning.training.session.live.LiveSession.evaluator`: a session built for
-training alone is rebuilt with the eval graph once): ``forward`` and
-``predict_step`` on model inputs (placeholders fill the labels), ``validation_step``,
-``test_step`` and `evaluate_batch` on labelled batches, logging the loss and the stage's metrics.
+`ModuleEvaluation` is a collaborator with declared inputs (the running session, the label range,
+the metrics by stage, where the labels sit in a batch): it runs ORT's eval graph through
+`ort_lightning.training.session.live.LiveSession.evaluator` (a session built for training alone
+is rebuilt with the eval graph once) and updates the stage's metrics. `EvaluationHooks` is the
+group of Lightning hooks that hand their batch to it and log what it returns (``forward``,
+``validation_step``, ``test_step``, ``predict_step``, `EvaluationHooks.evaluate_batch`), as
+Lightning's ``LightningModule`` takes its hook groups from ``core/hooks.py``: the hooks stay
+methods of the LightningModule, and the only state they reach is the one public collaborator.
 
 Example::
 
@@ -12,12 +15,13 @@ Example::
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> module = ORTLightningModule(artifacts)
-    >>> isinstance(module, EvaluationMethods), module(torch.zeros(5, 4)).shape
+    >>> isinstance(module.evaluation, ModuleEvaluation), module(torch.zeros(5, 4)).shape
     (True, torch.Size([5, 3]))
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -30,23 +34,58 @@ if TYPE_CHECKING:
     from ort_lightning.bridge import LabelRange
     from ort_lightning.training.session.live import LiveSession
 
-__all__ = ["EvaluationMethods"]
+__all__ = ["EvaluationHooks", "ModuleEvaluation"]
 
 
-class EvaluationMethods(pl.LightningModule):
-    """The eval graph's hooks of an `ORTLightningModule`; the module sets the attributes below.
+class ModuleEvaluation:
+    """Run a module's eval graph on its batches and update the stage's metrics.
 
-    Attributes:
-        _live: the running ORT session.
-        _labels: the label range checked per batch, or None.
-        _metrics: stage -> metric collection (``train``, ``val``, ``test``), empty without metrics.
-        _label_index: where the first label sits in a batch (after the model inputs).
+    Args:
+        live: the module's running ORT session.
+        labels: the label range checked per batch, or None.
+        metrics: stage -> metric collection (``train``, ``val``, ``test``), empty without metrics.
+        label_index: where the first label sits in a batch (after the model inputs).
     """
 
-    _live: LiveSession
-    _labels: LabelRange | None
-    _metrics: dict[str, Any]
-    _label_index: int
+    def __init__(
+        self, live: LiveSession, *, labels: LabelRange | None, metrics: Mapping[str, Any], label_index: int
+    ) -> None:
+        self.live, self.labels, self.metrics, self.label_index = live, labels, metrics, label_index
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """The model outputs for model inputs alone (placeholders fill the labels)."""
+        return self.live.evaluator.predict(inputs, entry="forward()", labels_allowed=False)
+
+    def predict(self, batch: Any) -> Any:
+        """The model outputs for a batch of model inputs (labels, if present, are ignored)."""
+        return self.live.evaluator.predict(batch, entry="predict_step()", labels_allowed=True)
+
+    def evaluate(self, batch: Any) -> tuple[Sequence[torch.Tensor], Any, torch.Tensor]:
+        """Run the eval graph on a labelled `batch`; return its tensors, the fetches and the loss."""
+        return self.live.evaluator.evaluate(batch, self.labels)
+
+    def outputs(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """``(loss, *model_outputs)`` of the eval graph on one labelled `batch`."""
+        _, fetches, loss = self.evaluate(batch)
+        return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
+
+    def update_metrics(self, stage: str, fetches: Any, tensors: Sequence[torch.Tensor]) -> Any | None:
+        """Update `stage`'s metrics with the logits and the first label; return them to log (None: no metrics)."""
+        if not self.metrics:
+            return None
+        collection = self.metrics[stage]
+        collection.update(to_torch(fetches[1]), tensors[self.label_index])
+        return collection
+
+
+class EvaluationHooks(pl.LightningModule):
+    """The eval graph's hooks of an `ORTLightningModule`: each hands its batch to `evaluation` and logs.
+
+    Attributes:
+        evaluation: the collaborator that runs the eval graph (`ModuleEvaluation`), built by the module.
+    """
+
+    evaluation: ModuleEvaluation
 
     @override
     def forward(self, *inputs: torch.Tensor) -> Any:
@@ -54,7 +93,7 @@ class EvaluationMethods(pl.LightningModule):
 
         Labels are not needed: placeholders fill the label inputs (the loss is discarded).
         """
-        return self._live.evaluator.predict(inputs, entry="forward()", labels_allowed=False)
+        return self.evaluation.forward(inputs)
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -69,7 +108,7 @@ class EvaluationMethods(pl.LightningModule):
     @override
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Return the model outputs for a batch of model inputs (labels, if present, are ignored)."""
-        return self._live.evaluator.predict(batch, entry="predict_step()", labels_allowed=True)
+        return self.evaluation.predict(batch)
 
     @torch.no_grad()
     def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
@@ -89,18 +128,16 @@ class EvaluationMethods(pl.LightningModule):
             >>> tuple(loss.shape), tuple(logits.shape)
             ((), (2, 3))
         """
-        _, fetches, loss = self._live.evaluator.evaluate(batch, self._labels)
-        return (loss, *(to_torch(fetches[i]) for i in range(1, len(fetches))))
+        return self.evaluation.outputs(batch)
 
     def _evaluate(self, stage: str, batch: Any) -> torch.Tensor:
-        tensors, fetches, loss = self._live.evaluator.evaluate(batch, self._labels)
+        tensors, fetches, loss = self.evaluation.evaluate(batch)
         size = tensors[0].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=size, sync_dist=self.trainer.world_size > 1)
-        if self._metrics:
-            self._update_metrics(stage, fetches, tensors)
+        self._log_metrics(stage, fetches, tensors)
         return loss
 
-    def _update_metrics(self, stage: str, fetches: Any, tensors: Any) -> None:
-        collection = self._metrics[stage]
-        collection.update(to_torch(fetches[1]), tensors[self._label_index])
-        self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])
+    def _log_metrics(self, stage: str, fetches: Any, tensors: Sequence[torch.Tensor]) -> None:
+        collection = self.evaluation.update_metrics(stage, fetches, tensors)
+        if collection is not None:
+            self.log_dict(collection, on_step=False, on_epoch=True, batch_size=tensors[0].shape[0])

@@ -88,7 +88,7 @@ class LiveSession:
 
     Attributes:
         views: the session and the torch views of its memory (replaced by every rebuild).
-        train_inputs: the training graph's batch binder, kept here for the per-step path.
+        steps: the step path, the one owner of the training step: every build points it at the new session.
     """
 
     def __init__(
@@ -229,9 +229,9 @@ class LiveSession:
         self._follow()
 
     def _follow(self) -> None:
+        """Point the step path and the fit's optimizers at the views just built (the one place they are re-pointed)."""
         views = self.views
-        self.train_inputs = views.train_inputs
-        self.steps.attach(views.session, views.gradients)
+        self.steps.attach(views.session, views.gradients, views.train_inputs)
         for optimizer in self.optimizers():
             if hasattr(optimizer, "follow"):
                 optimizer.follow(views.session)

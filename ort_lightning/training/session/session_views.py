@@ -139,8 +139,7 @@ class SessionViews:
         #: Top-level names of the module's children that hold ORT's parameters (not torch's own).
         self.ort_children = {view.name.split(".")[0] for view in views if "." in view.name}
         self.gradients: GradientViews = bind_views(module, views, artifacts.manifest.buffers)
-        # NOTE: bound once here, so that the per-step path looks nothing up.
-        self.train_step = self.session.train_step
+        # NOTE: bound once here, so that the eval path looks nothing up (the training step is the step path's).
         self.eval_step = self.session.eval_step
 
     def reattach(self, module: torch.nn.Module) -> None:

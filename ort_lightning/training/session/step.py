@@ -222,13 +222,14 @@ class StepPath:
         self._window = _Window()
         self._session: _ort.TrainingSession | None = None
         self._train_step: Callable[[Any], Any] | None = None
+        self._binder: BatchBinder | None = None
         self._gradients = GradientViews(())
         self._finite = FiniteCheck(())
 
     def __getstate__(self) -> dict[str, Any]:
         """Leave ORT's objects out of a pickle; the module attaches the rebuilt ones."""
         state = dict(self.__dict__)
-        state.update(_session=None, _train_step=None, _gradients=GradientViews(()), _window=_Window(),
+        state.update(_session=None, _train_step=None, _binder=None, _gradients=GradientViews(()), _window=_Window(),
                      _finite=FiniteCheck(()))
         return state
 
@@ -243,16 +244,20 @@ class StepPath:
         base = lightning_seed()
         return self.seed if base is None else base
 
-    def attach(self, session: _ort.TrainingSession, gradients: GradientViews) -> None:
-        """Work on a (re)built session and its gradient views."""
-        self._session, self._gradients = session, gradients
+    def attach(self, session: _ort.TrainingSession, gradients: GradientViews, binder: BatchBinder) -> None:
+        """Work on a (re)built session: its training step, its gradient views and its training graph's binder.
+
+        The one place the step path is pointed at ORT's objects, called by the one place that builds
+        them (`ort_lightning.training.session.live.LiveSession`).
+        """
+        self._session, self._gradients, self._binder = session, gradients, binder
         self._train_step = session.train_step
         self._window = _Window()
         self._finite = FiniteCheck([parameter for parameter, _ in gradients.pairs])
 
     # ----------------------------------------------------------------------------- per micro-batch
     def train(
-        self, binder: BatchBinder, batch: Any, trainer: Any, batch_idx: int, labels: LabelRange | None
+        self, batch: Any, trainer: Any, batch_idx: int, labels: LabelRange | None
     ) -> tuple[Sequence[torch.Tensor], Any, torch.Tensor]:
         """ORT's forward and backward on one micro-batch; return its tensors, fetches and loss.
 
@@ -260,7 +265,8 @@ class StepPath:
         """
         self.before_graph(trainer, batch_idx)
         assert self._train_step is not None, "attach() a session first"
-        tensors, fetches, loss = binder.step(self._train_step, batch, labels)
+        assert self._binder is not None, "attach() a session first"
+        tensors, fetches, loss = self._binder.step(self._train_step, batch, labels)
         self.nonfinite.observe(loss, trainer, batch_idx)
         return tensors, fetches, loss
 
