@@ -37,7 +37,7 @@ export class FleetDevice {
     this.host = host;
     /** What a view shows: the device, its phase and progress, what it has done. */
     this.status = {fleet: '', device: '', phase: 'connecting', round: 0, epoch: 0, epochs: 0, step: 0, steps: 0,
-      loss: NaN, rounds: 0, parameters: 0, message: ''};
+      loss: NaN, rounds: 0, parameters: 0, message: '', notice: ''};
     this.ort = null;
     this.files = null;
     this.data = null;
@@ -58,6 +58,7 @@ export class FleetDevice {
         if (typeof data === 'string') {
           const message = JSON.parse(data);
           if (message.type === 'admitted') this.admitted(message);
+          else if (message.type === 'notice') this.update({notice: message.message});
           else await this.welcome(message);
         } else {
           id = unpack(data).header.id;
@@ -123,7 +124,7 @@ export class FleetDevice {
       const run = await this.epochs(header, decoded, epochs, device);
       const seconds = since(started);
       const trained = await device.getWeights();
-      const reply = {type: 'result', id: header.id, examples: run.examples, steps: run.losses.length,
+      const reply = {type: 'result', id: header.id, round: header.round, examples: run.examples, steps: run.losses.length,
         losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
         open_seconds: (started - opened) / 1000};
       if (typeof header.clip === 'number') reply.update_norm = clip(trained, weights, header.clip);

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -31,7 +32,8 @@ import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
 from ort_lightning.errors import DeviceReplyError
-from ort_lightning.fleet.browser.frames import read_result, unpack
+from ort_lightning.fleet.browser.frames import Result, read_result, unpack
+from ort_lightning.fleet.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
 from ort_lightning.fleet.local import CLIENT_ERROR_CODE
@@ -130,6 +132,8 @@ class Hub:
         self.parameters = sum(math.prod(shape) for _, shape in self.specs)
         self.device_timeout = device_timeout
         self.refusals: list[Refusal] = []
+        #: What became of every reply that reached the server (used, refused, dropped).
+        self.ledger = Ledger()
         self._schedule: Schedule | None = None
         self._changed = threading.Condition()
         self._devices: dict[int, BrowserDevice] = {}
@@ -198,9 +202,17 @@ class Hub:
     def receive(self, device: BrowserDevice, frame: bytes | dict[str, Any]) -> None:
         """A binary result frame, or a text frame's JSON (``error``), from `device`."""
         found = self._owed_by(device)
-        if found is None:
-            said = f": {frame.get('message')}" if isinstance(frame, dict) else ""
-            _LOG.warning("%s sent a frame while it owed nothing%s", device.name, said)
+        header: dict[str, Any] = frame if isinstance(frame, dict) else {}
+        payload = memoryview(b"")
+        if isinstance(frame, bytes):
+            try:
+                header, payload = unpack(frame, device=device.name)
+            except DeviceReplyError as error:
+                self._refused(device, found[1].server_round if found else 0, str(error))
+                return
+        said = header.get("id")
+        if found is None or (said is not None and said != found[0]):
+            self._stray(device, header)
             return
         message_id, owed = found
         _LOG.debug("round %d: %d bytes from %s", owed.server_round, len(frame) if isinstance(frame, bytes) else 0,
@@ -209,12 +221,21 @@ class Hub:
             if isinstance(frame, dict):
                 raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
                                        f"{frame.get('message', 'no reason given')}")
-            header, payload = unpack(frame, device=device.name)
             result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given,
                                  stated=owed.last_epoch is None)
         except DeviceReplyError as error:
-            self.refuse(device, str(error))
+            self._refused(device, owed.server_round, str(error))
             return
+        reply = self._reply(owed, header, result)
+        with self._changed:
+            if self._owed.pop(message_id, None) is not None:
+                self._replies[message_id] = reply
+                self.ledger.accepted(message_id, Receipt(owed.server_round, device.name, device.partition, "used"))
+                self.ledger.closed(message_id, owed.server_round)
+                self._changed.notify_all()
+
+    def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
+        """The checked result as Flower's reply to the message it answers."""
         steps = owed.last_epoch if owed.last_epoch is not None else result.last_epoch_steps
         last = result.losses[-steps:] if steps else []
         timings = _timings(header)
@@ -224,11 +245,29 @@ class Hub:
             "steps": result.steps, "steps_per_second": rate, **timings,
         }
         arrays = ArrayRecord(self._named(result.weights))
-        reply = Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=owed.message)
+        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=owed.message)
+
+    def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:
+        """A reply that failed its checks: on the ledger, and its device dropped."""
         with self._changed:
-            if self._owed.pop(message_id, None) is not None:
-                self._replies[message_id] = reply
-                self._changed.notify_all()
+            self.ledger.record(Receipt(server_round, device.name, device.partition, "refused", reason))
+        self.refuse(device, reason)
+
+    def _stray(self, device: BrowserDevice, header: dict[str, Any]) -> None:
+        """A reply to a message `device` owes no more (or never got): dropped, and the device told why."""
+        said = header.get("id")
+        with self._changed:
+            closed = self.ledger.round_of(said)
+            if closed is not None:
+                reason = (f"{device.name} sent its reply to round {closed} after that round had closed for it (it had "
+                          "answered already, failed, or the round ended without it); the reply is dropped")
+            else:
+                reason = (f"{device.name} sent a {header.get('type', 'reply')!r} frame for message {str(said)[:40]!r}, "
+                          "which the fleet never sent it; the frame is dropped")
+            self.ledger.record(Receipt(closed or 0, device.name, device.partition, "dropped", reason))
+        _LOG.warning("%s", reason)
+        if device.send is not None and self._schedule is not None:
+            self._schedule(device.send(json.dumps({"type": "notice", "message": reason})))
 
     def lost(self, device: BrowserDevice, reason: str) -> None:
         """`device`'s socket closed: each reply it owed becomes an error reply."""
@@ -273,8 +312,11 @@ class Hub:
         with self._changed:
             self._fail(message, reason)
 
-    def collect(self, message_ids: Sequence[str], *, wait: float | None) -> list[Message]:
-        """Replies to `message_ids` that are in, after waiting up to `wait` seconds for all (None: no limit)."""
+    def collect(self, message_ids: Sequence[str], *, wait: float | None, close: bool = False) -> list[Message]:
+        """Replies to `message_ids` that are in, after waiting up to `wait` seconds for all (None: no limit).
+
+        With `close`, the round ends here: a message still unanswered is owed no more (a late reply is dropped).
+        """
         wanted = list(message_ids)
         end = None if wait is None else time.monotonic() + wait
         while True:
@@ -289,6 +331,12 @@ class Hub:
                     break
                 self._changed.wait(max(0.0, min(limit - now, 1.0)))
         with self._changed:
+            for message_id in wanted:
+                # NOTE: a round that ended before a device answered closes its message: a late reply is dropped.
+                abandoned = self._owed.pop(message_id, None) if close else None
+                if abandoned is not None:
+                    self.ledger.closed(message_id, abandoned.server_round)
+                self.ledger.collected(message_id)
             return [self._replies.pop(i) for i in wanted if i in self._replies]
 
     # ----------------------------------------------------------------------------- helpers
@@ -321,6 +369,7 @@ class Hub:
             owed = [(i, o) for i, o in self._owed.items() if o.device is device]
             for message_id, entry in owed:
                 del self._owed[message_id]
+                self.ledger.closed(message_id, entry.server_round)
                 self._fail(entry.message, reason)
             server_round = owed[0][1].server_round if owed else 0
             # NOTE: a page closed between rounds has simply left; one that owed a round, or was refused, failed.
@@ -333,6 +382,8 @@ class Hub:
             _LOG.warning("%s left the fleet%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
         elif member and not self._closing:
             _LOG.info("%s left the fleet between rounds: %s", device.name, reason)
+        elif close and not member:
+            _LOG.warning("%s refused: %s", device.name, reason)
         self._tell(event)
         if close and device.close is not None and self._schedule is not None:
             self._schedule(device.close(POLICY_VIOLATION, reason[:120]))

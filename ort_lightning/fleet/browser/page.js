@@ -46,6 +46,7 @@ function show(status) {
   document.getElementById('fleet').textContent = status.fleet || 'ort-lightning fleet';
   document.getElementById('status').textContent = `${status.device ? status.device + ': ' : ''}${describe(status)}`;
   document.getElementById('rounds').textContent = `rounds taken part in: ${status.rounds}`;
+  document.getElementById('notice').textContent = status.notice ? `the fleet says: ${status.notice}` : '';
   document.getElementById('leave').disabled = status.phase === 'disconnected';
 }
 
