@@ -39,7 +39,9 @@ class Receipt:
 
 
 class Ledger:
-    """Receipts in arrival order, and the rounds of recently closed messages (not thread-safe: the hub locks).
+    """Receipts as they are settled (a used one when collected) and the rounds of recently closed messages.
+
+    Not thread-safe: the hub calls it under its lock.
 
     Args:
         remember: how many closed message ids to keep (older ones are forgotten, so memory stays flat).

@@ -145,6 +145,8 @@ class _Site:
             if message.get("type") not in ("ready", "error"):
                 reason = f"{device.name} sent a text frame that is not the fleet's wire format: {message['problem']}"
                 self.hub.refuse(device, reason)
+                # NOTE: closed here, before the handler returns: a handler that returns first drops the socket unsaid.
+                await _close(socket, POLICY_VIOLATION, reason[:120])
                 return f"was refused: {reason}"
             if message.get("type") == "ready":
                 refused = self.hub.ready(device, message.get("parameters"), message.get("identity"))
