@@ -34,8 +34,11 @@ function describe(status) {
       return `round ${status.round} sent${loss}; waiting for the next round`;
     case 'waiting':
       return `ready (${status.parameters} parameters); waiting for a round`;
-    case 'failed':
     case 'disconnected':
+      // NOTE: 1000 is the leave button's normal closure; any other code is the server's or the network's.
+      return status.message.startsWith('1000') ? 'left this fleet; reload the page to join again as this device'
+        : `${status.phase}: ${status.message}`;
+    case 'failed':
       return `${status.phase}: ${status.message}`;
     default:
       return status.phase;
