@@ -190,3 +190,27 @@ def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
     assert "pixel: disconnected: 1008: pixel found the fleet full" in texts["full"]
     assert sorted(path.name for path in shots.iterdir()) == [f"{s}.png" for s in sorted(texts)]
     assert [(r.server_round, r.devices) for r in server.history] == [(1, 1)]
+
+
+@RunIf(chromium=True)
+@pytest.mark.slow
+def test_a_page_reconnects_to_a_server_restarted_with_the_same_token(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+) -> None:
+    _, web = digits_folders
+    tab = _DevTools(tmp_path / "profile")
+    options = {"devices": 1, "ort_web": ort_web_dist(), "token": "the-same-token-after-a-restart"}
+    try:
+        with BrowserFleet(web, DATA, port=0, **options) as first:  # type: ignore[arg-type]
+            port = first.port
+            tab.call("Page.navigate", url=first.url + "&name=pixel")
+            tab.wait_for(r"pixel: ready")
+        away = tab.wait_for(r"the fleet is out of reach; trying again every 3 s")
+        with BrowserFleet(web, DATA, port=port, **options) as second:  # type: ignore[arg-type]
+            back = tab.wait_for(r"pixel: ready \(\d+ parameters\); waiting for a round", timeout=30)
+            assert second.wait_for_devices(10)
+    finally:
+        tab.close()
+    assert "pixel: disconnected: 10" in away
+    assert "Leave this fleet" in back
+    assert [(event.device, event.kind) for event in second.hub.events] == [("pixel", "joined")]
