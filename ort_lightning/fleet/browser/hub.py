@@ -27,15 +27,14 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Error, Message, RecordDict
 
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.browser.frames import Result, read_result, unpack
 from ort_lightning.fleet.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.browser.population import Population, PopulationEvent
-from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
+from ort_lightning.fleet.browser.reply import reply_records
+from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY
 from ort_lightning.fleet.local import CLIENT_ERROR_CODE
 
 __all__ = ["BrowserDevice", "Hub", "OnEvent", "Refusal"]
@@ -92,16 +91,6 @@ class _Owed:
     last_epoch: int | None
     deadline: float
     server_round: int
-
-
-def _timings(header: dict[str, Any]) -> dict[str, float]:
-    """The page's own timings: its local fit, its first step alone, opening its session (NaN when absent)."""
-    names = {"fit_seconds": "seconds", "first_step_seconds": "first_step_seconds", "open_seconds": "open_seconds"}
-    timings = {ours: float(v) if isinstance(v := header.get(theirs), (int, float)) else math.nan
-               for ours, theirs in names.items()}
-    # NOTE: a page's set-up is opening its session; the steps' rate is a simulated device's column too.
-    timings["setup_seconds"] = timings["open_seconds"]
-    return timings
 
 
 class Hub:
@@ -236,16 +225,8 @@ class Hub:
 
     def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
         """The checked result as Flower's reply to the message it answers."""
-        steps = owed.last_epoch if owed.last_epoch is not None else result.last_epoch_steps
-        last = result.losses[-steps:] if steps else []
-        timings = _timings(header)
-        rate = result.steps / timings["fit_seconds"] if timings["fit_seconds"] > 0 else math.nan
-        metrics: dict[str, int | float | list[int] | list[float]] = {
-            WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
-            "steps": result.steps, "steps_per_second": rate, **timings,
-        }
-        arrays = ArrayRecord(self._named(result.weights))
-        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=owed.message)
+        arrays, metrics = reply_records(result, header, self.specs, last_epoch=owed.last_epoch)
+        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
 
     def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:
         """A reply that failed its checks: on the ledger, and its device dropped."""
@@ -343,14 +324,6 @@ class Hub:
     def _owed_by(self, device: BrowserDevice) -> tuple[str, _Owed] | None:
         with self._changed:
             return next(((i, o) for i, o in self._owed.items() if o.device is device), None)
-
-    def _named(self, weights: np.ndarray) -> dict[str, torch.Tensor]:
-        named, at = {}, 0
-        for name, shape in self.specs:
-            size = math.prod(shape)
-            named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
-            at += size
-        return named
 
     def _expire(self) -> None:
         now = time.monotonic()
