@@ -1,10 +1,11 @@
-"""Flower's differential privacy with client-side fixed clipping over web devices (Node devices, the page's code).
+"""Flower's differential privacy over web devices (Node devices, the page's code), clipped on either side.
 
 `DifferentialPrivacyClientSideFixedClipping` puts the clipping norm in each train message; the
-device clips its own update (``device.js``'s ``clip``) before it replies. With the noise off, the
-round's global update is then the example-weighted mean of updates of norm at most the clipping
-norm, so its norm is at most that norm, where the same round without the wrapper moves the
-weights more than ten times as far.
+device clips its own update (``device.js``'s ``clip``) before it replies.
+`DifferentialPrivacyServerSideFixedClipping` clips each device's update on the server, before it
+aggregates; the devices send their updates whole. With the noise off, the round's global update
+is then the example-weighted mean of updates of norm at most the clipping norm, so its norm is at
+most that norm, where the same round without a wrapper moves the weights more than ten times as far.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from .helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg  # noqa: E402
+from flwr.serverapp.strategy import (  # noqa: E402
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+    Strategy,
+)
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
@@ -34,13 +40,14 @@ NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
 NORM = 0.05
 
 
-def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Path, *, dp: bool) -> float:
+def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Path, *, dp: str | None) -> float:
     node = shutil.which("node")
     assert node is not None
-    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
-    if dp:
-        strategy = DifferentialPrivacyClientSideFixedClipping(strategy, noise_multiplier=0.0, clipping_norm=NORM,
-                                                              num_sampled_clients=2)
+    strategy: Strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
+    if dp is not None:
+        wrapper = {"client": DifferentialPrivacyClientSideFixedClipping,
+                   "server": DifferentialPrivacyServerSideFixedClipping}[dp]
+        strategy = wrapper(strategy, noise_multiplier=0.0, clipping_norm=NORM, num_sampled_clients=2)
     server = FleetServer(GlobalModel(exported), strategy, rounds=1, directory=folder)
     with BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist()) as fleet:
         devices = subprocess.Popen([node, "--experimental-websocket", str(NODE_DEVICE), fleet.url, "--ort-web",
@@ -58,11 +65,12 @@ def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Pa
 
 @RunIf(node=True)
 @pytest.mark.slow
-def test_web_devices_clip_their_updates_to_the_norm_the_server_sends(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+@pytest.mark.parametrize("side", ["client", "server"], ids=["clipped-on-the-device", "clipped-on-the-server"])
+def test_web_device_updates_are_clipped_to_the_norm(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, side: str  # noqa: F811
 ) -> None:
     exported, web = digits_folders
-    clipped = _update_norm(exported, web, tmp_path / "dp", dp=True)
-    plain = _update_norm(exported, web, tmp_path / "plain", dp=False)
+    clipped = _update_norm(exported, web, tmp_path / "dp", dp=side)
+    plain = _update_norm(exported, web, tmp_path / "plain", dp=None)
     assert 0 < clipped <= NORM * (1 + 1e-5), clipped
     assert plain > 10 * NORM, plain

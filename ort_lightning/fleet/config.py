@@ -82,6 +82,8 @@ class FleetConfig:
             are connected before the run stops (null: no limit).
         certfile: ``engine: browser``: a PEM certificate to serve HTTPS and WSS with (with ``keyfile``).
         keyfile: ``engine: browser``: the certificate's PEM private key.
+        token: ``engine: browser``: the join token (None: a random one); a run restarted with ``resume`` and the
+            token it printed takes its pages back as they reconnect.
     """
 
     out: str = "fleet-digits"
@@ -112,6 +114,7 @@ class FleetConfig:
     wait_timeout: float | None = 600.0
     certfile: str | None = None
     keyfile: str | None = None
+    token: str | None = None
 
     def __post_init__(self) -> None:
         checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),

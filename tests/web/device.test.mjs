@@ -65,12 +65,15 @@ test('a round shows its epoch and step, then sent, and counts the rounds taken p
   assert.ok(phases.includes('training 4 1/1 1/2'), phases.join('; '));
   assert.ok(phases.includes('training 4 1/1 2/2'), phases.join('; '));
   assert.deepEqual({ ...shown.at(-1), loss: undefined }, { fleet: 'digits', device: 'laptop', phase: 'sent', round: 4,
-    epoch: 1, epochs: 1, step: 2, steps: 2, loss: undefined, rounds: 1, parameters: 3, message: '', partition: 1 });
+    epoch: 1, epochs: 1, step: 2, steps: 2, loss: undefined, rounds: 1, parameters: 3, message: '', notice: '', partition: 1 });
   const result = sent.at(-1);
   assert.ok(result instanceof Uint8Array);
   const length = new DataView(result.buffer).getUint32(0, true);
   const header = JSON.parse(new TextDecoder().decode(result.slice(4, 4 + length)));
-  assert.deepEqual([header.type, header.id, header.examples, header.steps], ['result', 'm1', 4, 2]);
+  assert.deepEqual([header.type, header.id, header.round, header.examples, header.steps], ['result', 'm1', 4, 4, 2]);
+  await device.receive(JSON.stringify({ type: 'notice', message: 'laptop sent its reply to round 4 after that round had closed' }));
+  assert.equal(shown.at(-1).notice, 'laptop sent its reply to round 4 after that round had closed');
+  assert.equal(shown.at(-1).phase, 'sent');
 });
 
 test('a round that fails becomes an error frame naming the message', async () => {

@@ -37,7 +37,7 @@ export class FleetDevice {
     this.host = host;
     /** What a view shows: the device, its phase and progress, what it has done. */
     this.status = {fleet: '', device: '', phase: 'connecting', round: 0, epoch: 0, epochs: 0, step: 0, steps: 0,
-      loss: NaN, rounds: 0, parameters: 0, message: ''};
+      loss: NaN, rounds: 0, parameters: 0, message: '', notice: ''};
     this.ort = null;
     this.files = null;
     this.data = null;
@@ -58,6 +58,7 @@ export class FleetDevice {
         if (typeof data === 'string') {
           const message = JSON.parse(data);
           if (message.type === 'admitted') this.admitted(message);
+          else if (message.type === 'notice') this.update({notice: message.message});
           else await this.welcome(message);
         } else {
           id = unpack(data).header.id;
@@ -123,7 +124,7 @@ export class FleetDevice {
       const run = await this.epochs(header, decoded, epochs, device);
       const seconds = since(started);
       const trained = await device.getWeights();
-      const reply = {type: 'result', id: header.id, examples: run.examples, steps: run.losses.length,
+      const reply = {type: 'result', id: header.id, round: header.round, examples: run.examples, steps: run.losses.length,
         losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
         open_seconds: (started - opened) / 1000};
       if (typeof header.clip === 'number') reply.update_norm = clip(trained, weights, header.clip);
@@ -140,6 +141,7 @@ export class FleetDevice {
     let examples = 0;
     let firstStep = NaN;
     let lastEpochSteps = 0;
+    let painted = performance.now();
     for (let epoch = 0; epoch < count; epoch += 1) {
       const batches = await epochBatches(this.data, header, decoded, epoch, device);
       examples = 0;
@@ -153,6 +155,12 @@ export class FleetDevice {
         examples += result.examples;
         lastEpochSteps += result.steps;
         this.update({epoch: epoch + 1, step: index + 1, steps: batches.length, loss: result.losses.at(-1)});
+        // NOTE: onnxruntime-web's steps resolve as microtasks, which never let the page paint; a task break every
+        // 50 ms lets a person see the steps (and the tab stay responsive) at a negligible cost.
+        if (performance.now() - painted > 50) {
+          await new Promise((resolve) => setTimeout(resolve, 0));
+          painted = performance.now();
+        }
       }
     }
     return {losses, examples, firstStep, lastEpochSteps};

@@ -72,7 +72,8 @@ def run_browser_experiment(
                       port=config.port, devices=config.devices, epochs=config.epochs,
                       device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
                       ort_web=config.ort_web, on_event=on_event, min_devices=config.min_devices,
-                      wait_timeout=config.wait_timeout, certfile=config.certfile, keyfile=config.keyfile) as fleet:
+                      wait_timeout=config.wait_timeout, certfile=config.certfile, keyfile=config.keyfile,
+                      token=config.token) as fleet:
         if echo:
             _announce(fleet, fleet.min_devices)
         started = time.perf_counter()

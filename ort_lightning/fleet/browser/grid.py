@@ -104,7 +104,7 @@ class BrowserGrid(ServerGrid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Send every message, then wait up to `timeout` seconds for the replies (each device has its own timeout)."""
-        return self._hub.collect(list(self.push_messages(messages)), wait=timeout)
+        return self._hub.collect(list(self.push_messages(messages)), wait=timeout, close=True)
 
     def _frame(self, message: Message) -> tuple[Message, bytes, int, int | None, int] | None:
         """What `Hub.send` takes for a train message: (message, frame, examples given, last epoch's steps, round)."""

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -26,14 +27,14 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Error, Message, RecordDict
 
 from ort_lightning.errors import DeviceReplyError
-from ort_lightning.fleet.browser.frames import read_result, unpack
+from ort_lightning.fleet.browser.frames import Result, read_result, unpack
+from ort_lightning.fleet.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.browser.population import Population, PopulationEvent
-from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
+from ort_lightning.fleet.browser.reply import reply_records
+from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY
 from ort_lightning.fleet.local import CLIENT_ERROR_CODE
 
 __all__ = ["BrowserDevice", "Hub", "OnEvent", "Refusal"]
@@ -92,16 +93,6 @@ class _Owed:
     server_round: int
 
 
-def _timings(header: dict[str, Any]) -> dict[str, float]:
-    """The page's own timings: its local fit, its first step alone, opening its session (NaN when absent)."""
-    names = {"fit_seconds": "seconds", "first_step_seconds": "first_step_seconds", "open_seconds": "open_seconds"}
-    timings = {ours: float(v) if isinstance(v := header.get(theirs), (int, float)) else math.nan
-               for ours, theirs in names.items()}
-    # NOTE: a page's set-up is opening its session; the steps' rate is a simulated device's column too.
-    timings["setup_seconds"] = timings["open_seconds"]
-    return timings
-
-
 class Hub:
     """Connected devices and owed replies (see the module docstring).
 
@@ -130,6 +121,8 @@ class Hub:
         self.parameters = sum(math.prod(shape) for _, shape in self.specs)
         self.device_timeout = device_timeout
         self.refusals: list[Refusal] = []
+        #: What became of every reply that reached the server (used, refused, dropped).
+        self.ledger = Ledger()
         self._schedule: Schedule | None = None
         self._changed = threading.Condition()
         self._devices: dict[int, BrowserDevice] = {}
@@ -198,9 +191,17 @@ class Hub:
     def receive(self, device: BrowserDevice, frame: bytes | dict[str, Any]) -> None:
         """A binary result frame, or a text frame's JSON (``error``), from `device`."""
         found = self._owed_by(device)
-        if found is None:
-            said = f": {frame.get('message')}" if isinstance(frame, dict) else ""
-            _LOG.warning("%s sent a frame while it owed nothing%s", device.name, said)
+        header: dict[str, Any] = frame if isinstance(frame, dict) else {}
+        payload = memoryview(b"")
+        if isinstance(frame, bytes):
+            try:
+                header, payload = unpack(frame, device=device.name)
+            except DeviceReplyError as error:
+                self._refused(device, found[1].server_round if found else 0, str(error))
+                return
+        said = header.get("id")
+        if found is None or (said is not None and said != found[0]):
+            self._stray(device, header)
             return
         message_id, owed = found
         _LOG.debug("round %d: %d bytes from %s", owed.server_round, len(frame) if isinstance(frame, bytes) else 0,
@@ -209,26 +210,45 @@ class Hub:
             if isinstance(frame, dict):
                 raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
                                        f"{frame.get('message', 'no reason given')}")
-            header, payload = unpack(frame, device=device.name)
             result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given,
                                  stated=owed.last_epoch is None)
         except DeviceReplyError as error:
-            self.refuse(device, str(error))
+            self._refused(device, owed.server_round, str(error))
             return
-        steps = owed.last_epoch if owed.last_epoch is not None else result.last_epoch_steps
-        last = result.losses[-steps:] if steps else []
-        timings = _timings(header)
-        rate = result.steps / timings["fit_seconds"] if timings["fit_seconds"] > 0 else math.nan
-        metrics: dict[str, int | float | list[int] | list[float]] = {
-            WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
-            "steps": result.steps, "steps_per_second": rate, **timings,
-        }
-        arrays = ArrayRecord(self._named(result.weights))
-        reply = Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord(metrics)}), reply_to=owed.message)
+        reply = self._reply(owed, header, result)
         with self._changed:
             if self._owed.pop(message_id, None) is not None:
                 self._replies[message_id] = reply
+                self.ledger.accepted(message_id, Receipt(owed.server_round, device.name, device.partition, "used"))
+                self.ledger.closed(message_id, owed.server_round)
                 self._changed.notify_all()
+
+    def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
+        """The checked result as Flower's reply to the message it answers."""
+        arrays, metrics = reply_records(result, header, self.specs, last_epoch=owed.last_epoch)
+        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
+
+    def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:
+        """A reply that failed its checks: on the ledger, and its device dropped."""
+        with self._changed:
+            self.ledger.record(Receipt(server_round, device.name, device.partition, "refused", reason))
+        self.refuse(device, reason)
+
+    def _stray(self, device: BrowserDevice, header: dict[str, Any]) -> None:
+        """A reply to a message `device` owes no more (or never got): dropped, and the device told why."""
+        said = header.get("id")
+        with self._changed:
+            closed = self.ledger.round_of(said)
+            if closed is not None:
+                reason = (f"{device.name} sent its reply to round {closed} after that round had closed for it (it had "
+                          "answered already, failed, or the round ended without it); the reply is dropped")
+            else:
+                reason = (f"{device.name} sent a {header.get('type', 'reply')!r} frame for message {str(said)[:40]!r}, "
+                          "which the fleet never sent it; the frame is dropped")
+            self.ledger.record(Receipt(closed or 0, device.name, device.partition, "dropped", reason))
+        _LOG.warning("%s", reason)
+        if device.send is not None and self._schedule is not None:
+            self._schedule(device.send(json.dumps({"type": "notice", "message": reason})))
 
     def lost(self, device: BrowserDevice, reason: str) -> None:
         """`device`'s socket closed: each reply it owed becomes an error reply."""
@@ -273,8 +293,11 @@ class Hub:
         with self._changed:
             self._fail(message, reason)
 
-    def collect(self, message_ids: Sequence[str], *, wait: float | None) -> list[Message]:
-        """Replies to `message_ids` that are in, after waiting up to `wait` seconds for all (None: no limit)."""
+    def collect(self, message_ids: Sequence[str], *, wait: float | None, close: bool = False) -> list[Message]:
+        """Replies to `message_ids` that are in, after waiting up to `wait` seconds for all (None: no limit).
+
+        With `close`, the round ends here: a message still unanswered is owed no more (a late reply is dropped).
+        """
         wanted = list(message_ids)
         end = None if wait is None else time.monotonic() + wait
         while True:
@@ -289,20 +312,18 @@ class Hub:
                     break
                 self._changed.wait(max(0.0, min(limit - now, 1.0)))
         with self._changed:
+            for message_id in wanted:
+                # NOTE: a round that ended before a device answered closes its message: a late reply is dropped.
+                abandoned = self._owed.pop(message_id, None) if close else None
+                if abandoned is not None:
+                    self.ledger.closed(message_id, abandoned.server_round)
+                self.ledger.collected(message_id)
             return [self._replies.pop(i) for i in wanted if i in self._replies]
 
     # ----------------------------------------------------------------------------- helpers
     def _owed_by(self, device: BrowserDevice) -> tuple[str, _Owed] | None:
         with self._changed:
             return next(((i, o) for i, o in self._owed.items() if o.device is device), None)
-
-    def _named(self, weights: np.ndarray) -> dict[str, torch.Tensor]:
-        named, at = {}, 0
-        for name, shape in self.specs:
-            size = math.prod(shape)
-            named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
-            at += size
-        return named
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -321,6 +342,7 @@ class Hub:
             owed = [(i, o) for i, o in self._owed.items() if o.device is device]
             for message_id, entry in owed:
                 del self._owed[message_id]
+                self.ledger.closed(message_id, entry.server_round)
                 self._fail(entry.message, reason)
             server_round = owed[0][1].server_round if owed else 0
             # NOTE: a page closed between rounds has simply left; one that owed a round, or was refused, failed.
@@ -333,6 +355,8 @@ class Hub:
             _LOG.warning("%s left the fleet%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
         elif member and not self._closing:
             _LOG.info("%s left the fleet between rounds: %s", device.name, reason)
+        elif close and not member:
+            _LOG.warning("%s refused: %s", device.name, reason)
         self._tell(event)
         if close and device.close is not None and self._schedule is not None:
             self._schedule(device.close(POLICY_VIOLATION, reason[:120]))

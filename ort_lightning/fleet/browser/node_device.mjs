@@ -9,6 +9,7 @@
 //   const {joinFleet} = await import('.../ort_lightning/fleet/browser/node_device.mjs');
 //   const device = await joinFleet(url, {ort, name: 'node-1'});   // resolves once the server admitted it
 //   ...; device.leave();                                           // closes as a page's leave button does
+//   await stayInFleet(url, {ort, name: 'node-2'});                  // joins again after a server restart
 //
 // A device keeps its identity in `storage` (a Map-like {getItem, setItem}; one per device by default, so that
 // joining again with the same storage comes back as the same device).
@@ -69,10 +70,13 @@ export function joinFleet(url, {ort, name = '', storage = memoryStorage(), show}
       show?.(status);
     }});
   const closed = new Promise((resolve) => {
-    socket.onclose = (event) => {
-      device.closed(event.code, event.reason);
-      resolve({code: event.code, reason: event.reason});
+    const end = (code, reason) => {
+      device.closed(code, reason);
+      resolve({code, reason});
     };
+    socket.onclose = (event) => end(event.code, event.reason);
+    // NOTE: Node 20's WebSocket fires only `error`, no `close`, when it cannot connect (a server that is down).
+    socket.onerror = () => (socket.readyState === WebSocket.OPEN ? undefined : end(1006, 'the fleet is out of reach'));
   });
   socket.onmessage = (event) => device.receive(event.data);
   return new Promise((resolve, reject) => {
@@ -82,6 +86,34 @@ export function joinFleet(url, {ort, name = '', storage = memoryStorage(), show}
     };
     closed.then(({code, reason}) => reject(new Error(`the fleet closed the connection (${code}: ${reason})`)));
   });
+}
+
+/**
+ * Keeps one device in the fleet at `url` across server restarts: joins, and whenever the connection closes for any
+ * reason but leaving (1000) or a refusal (1008), joins again every `every` ms with the identity it kept, as the
+ * fleet's page does, until it is back or `patience` ms have passed without a connection.
+ *
+ * @param {string} url The fleet's URL (with its token: a server restarted with the same token takes it back).
+ * @param {object} options joinFleet's options, and `every` and `patience` (ms).
+ * @returns {Promise<?number>} The close code that ended it (1000 or 1008), or null once patience ran out.
+ */
+export async function stayInFleet(url, {every = 1000, patience = 60000, ...options} = {}) {
+  const storage = options.storage ?? memoryStorage();
+  let since = null;
+  for (;;) {
+    let code;
+    try {
+      const joined = await joinFleet(url, {...options, storage});
+      since = null;
+      ({code} = await joined.closed);
+    } catch (error) {
+      code = /\(1008: /.test(error.message) ? 1008 : null;
+    }
+    if (code === 1000 || code === 1008) return code;
+    since ??= Date.now();
+    if (Date.now() - since > patience) return null;
+    await new Promise((resolve) => setTimeout(resolve, every));
+  }
 }
 
 async function main([url, ...args]) {

@@ -34,8 +34,11 @@ function describe(status) {
       return `round ${status.round} sent${loss}; waiting for the next round`;
     case 'waiting':
       return `ready (${status.parameters} parameters); waiting for a round`;
-    case 'failed':
     case 'disconnected':
+      // NOTE: 1000 is the leave button's normal closure; any other code is the server's or the network's.
+      return status.message.startsWith('1000') ? 'left this fleet; reload the page to join again as this device'
+        : `${status.phase}: ${status.message}`;
+    case 'failed':
       return `${status.phase}: ${status.message}`;
     default:
       return status.phase;
@@ -46,23 +49,46 @@ function show(status) {
   document.getElementById('fleet').textContent = status.fleet || 'ort-lightning fleet';
   document.getElementById('status').textContent = `${status.device ? status.device + ': ' : ''}${describe(status)}`;
   document.getElementById('rounds').textContent = `rounds taken part in: ${status.rounds}`;
+  document.getElementById('notice').textContent = status.notice ? `the fleet says: ${status.notice}` : '';
   document.getElementById('leave').disabled = status.phase === 'disconnected';
 }
 
-function main() {
+/** Seconds between two tries to reach a fleet that went away, and how long to keep trying. */
+const RETRY_SECONDS = 3;
+const PATIENCE_SECONDS = 600;
+
+/**
+ * Opens the fleet's WebSocket for `device`; when it closes for any reason but leaving (1000) or a refusal (1008),
+ * as when the server restarts, tries again every RETRY_SECONDS for up to PATIENCE_SECONDS: a server restarted with
+ * the same token takes the device back (its identity is in localStorage).
+ */
+function connect(device, link, since = null) {
   const url = new URL('join', location.href);
   url.protocol = location.protocol === 'https:' ? 'wss:' : 'ws:';
   url.search = location.search;
   const socket = new WebSocket(url);
   socket.binaryType = 'arraybuffer';
+  link.socket = socket;
+  socket.onopen = () => { since = null; };
+  socket.onmessage = (event) => device.receive(event.data);
+  socket.onclose = (event) => {
+    device.closed(event.code, event.reason);
+    const start = since ?? performance.now();
+    if (event.code === 1000 || event.code === 1008 || performance.now() - start > PATIENCE_SECONDS * 1000) return;
+    device.update({message: `${event.code}: the fleet is out of reach; trying again every ${RETRY_SECONDS} s`});
+    setTimeout(() => connect(device, link, start), RETRY_SECONDS * 1000);
+  };
+}
+
+function main() {
+  const link = {socket: null};
   const device = new FleetDevice({
-    send: (frame) => socket.send(frame), importModule: (specifier) => import(specifier), fetchBytes, openDevice, show,
-    storage: localStorage,
+    send: (frame) => link.socket.send(frame), importModule: (specifier) => import(specifier), fetchBytes, openDevice,
+    show, storage: localStorage,
   });
   // NOTE: 1000, a normal closure: the server logs the device as one that left, not one that failed.
-  document.getElementById('leave').onclick = () => socket.close(1000, 'left the fleet');
-  socket.onmessage = (event) => device.receive(event.data);
-  socket.onclose = (event) => device.closed(event.code, event.reason);
+  document.getElementById('leave').onclick = () => link.socket.close(1000, 'left the fleet');
+  connect(device, link);
 }
 
 main();

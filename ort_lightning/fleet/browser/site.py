@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
@@ -41,8 +42,21 @@ SCRIPTS = ("page.js", "device.js", "frames.js")
 _HERE = Path(__file__).resolve().parent
 #: WebSocket close code of a page that leaves on purpose (RFC 6455): its leave button.
 NORMAL_CLOSURE = 1000
-_WRONG_TOKEN = ("This fleet's join token is missing or wrong: open the URL the fleet printed "
-                "(http://HOST:PORT/?token=...), with its token.")
+_WRONG_TOKEN = ("This fleet's join token is missing or wrong (a page of another fleet, or of a run started with "
+                "another token, has another): open the URL the fleet printed (http://HOST:PORT/?token=...), with its "
+                "token.")
+_LOG = logging.getLogger("ort_lightning.fleet.browser")
+
+
+def _refuse_token(what: str, address: str) -> None:
+    # NOTE: the log names the address, never the token that was sent: a wrong token may be a near miss of the right one.
+    _LOG.warning("%s from %s came with a missing or wrong join token (another fleet's page, or one of a run with "
+                 "another token); refused", what, address)
+
+
+def _address(connection: Request | WebSocket) -> str:
+    client = connection.client
+    return f"{client.host}:{client.port}" if client else "unknown"
 
 
 def _close_reason(code: int | None, frame_limit: int) -> str:
@@ -70,6 +84,7 @@ class _Site:
 
     async def page(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):
+            _refuse_token("a page", _address(request))
             return PlainTextResponse(_WRONG_TOKEN, status_code=403)
         return FileResponse(_HERE / "page.html", media_type="text/html")
 
@@ -95,12 +110,13 @@ class _Site:
 
     async def join(self, socket: WebSocket) -> None:
         await socket.accept()
+        address = _address(socket)
         if not self.admitted(socket.query_params.get("token")):
             # NOTE: accepted first, so that the page can show why: a refused handshake reaches it as a bare 403.
-            await socket.close(code=POLICY_VIOLATION, reason="wrong join token; open the URL the fleet printed")
+            _refuse_token("a device's connection", address)
+            await socket.close(code=POLICY_VIOLATION, reason="wrong join token (another fleet's, or an earlier run's); "
+                                                             "open the URL the fleet printed")
             return
-        client = socket.client
-        address = f"{client.host}:{client.port}" if client else "unknown"
         device = BrowserDevice(socket.query_params.get("name", ""), address, send=lambda frame: _send(socket, frame),
                                close=lambda code, why: _close(socket, code, why))
         self.hub.join(device)
@@ -126,6 +142,12 @@ class _Site:
                 self.hub.receive(device, event["bytes"])
                 continue
             message = _json(event.get("text"))
+            if message.get("type") not in ("ready", "error"):
+                reason = f"{device.name} sent a text frame that is not the fleet's wire format: {message['problem']}"
+                self.hub.refuse(device, reason)
+                # NOTE: closed here, before the handler returns: a handler that returns first drops the socket unsaid.
+                await _close(socket, POLICY_VIOLATION, reason[:120])
+                return f"was refused: {reason}"
             if message.get("type") == "ready":
                 refused = self.hub.ready(device, message.get("parameters"), message.get("identity"))
                 if refused is not None:
@@ -137,12 +159,20 @@ class _Site:
                 self.hub.receive(device, message)
 
 
+#: What a device's text frame must be: a JSON object of these types (results travel as binary frames).
+_EXPECTED = "a JSON object of type 'ready' or 'error' (results travel as binary frames); use the fleet's page"
+
+
 def _json(text: str | None) -> dict[str, Any]:
+    """The text frame's JSON object; else ``{"problem": ...}`` saying what it is instead."""
     try:
         value = json.loads(text or "")
     except json.JSONDecodeError:
-        return {"type": "error", "message": f"sent a text frame that is not JSON: {(text or '')[:80]!r}"}
-    return value if isinstance(value, dict) else {"type": "error", "message": "sent a text frame that is not an object"}
+        return {"problem": f"{(text or '')[:40]!r} is not JSON, but {_EXPECTED}"}
+    if not isinstance(value, dict) or value.get("type") not in ("ready", "error"):
+        what = f"type {value.get('type')!r}" if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+        return {"problem": f"it is {what}, but {_EXPECTED}"}
+    return value
 
 
 async def _send(socket: WebSocket, frame: bytes | str) -> None:
