@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from ort_lightning.errors import ConfigurationError
 
 from .conftest import Exported
+from .helpers import cli_error_line
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -146,4 +147,4 @@ def test_fleet_command_takes_set_and_names_a_misspelt_key(tmp_path: Path) -> Non
     failed = run("fleet", "--config", path, "--set", "round=1", cwd=tmp_path, ok=False)
     assert failed.returncode == 2
     assert re.fullmatch(r"ort-lightning: error: ConfigurationError: Unknown key `round` in --set; did you mean "
-                        r"`rounds`\? Valid keys: \[.*\]\.\n", failed.stderr), failed.stderr
+                        r"`rounds`\? Valid keys: \[.*\]\.", cli_error_line(failed.stderr)), failed.stderr
