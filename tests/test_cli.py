@@ -17,7 +17,7 @@ import pytest
 import torch
 from onnxruntime.training.api import CheckpointState
 
-from ort_lightning.cli.console import ERROR_PREFIX
+from ort_lightning.cli.console import ERROR_PREFIX, main
 
 from .helpers import cli_error_line
 from .test_cli_errors import MISTAKES
@@ -67,20 +67,28 @@ def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
 DIGITS_PARAMETERS = 64 * 64 + 64 + 64 * 10 + 10
 
 
-def test_export_from_factory_then_inspect(digits_artifacts: Path) -> None:
-    result = run("inspect", digits_artifacts, cwd=digits_artifacts.parent)
-    assert "input float32 [batch, 64]" in result.stdout
-    assert "labels int64 [batch]" in result.stdout
+def _inspect(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``ort-lightning inspect PATH`` prints, from its entry point in this process (the demo's test runs the
+    installed script's inspect)."""
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 0
+    return capsys.readouterr().out
+
+
+def test_export_from_factory_then_inspect(digits_artifacts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = _inspect(digits_artifacts, capsys)
+    assert "input float32 [batch, 64]" in shown
+    assert "labels int64 [batch]" in shown
     loss_row = r"^loss: +cross_entropy reduction=mean ignore_index=-100 label_smoothing=0.0$"  # torch's defaults
-    assert re.search(loss_row, result.stdout, re.MULTILINE)
-    assert "onnx::" not in result.stdout
-    assert f"{DIGITS_PARAMETERS:,} values" in result.stdout
-    assert "adamw" in result.stdout
+    assert re.search(loss_row, shown, re.MULTILINE)
+    assert "onnx::" not in shown
+    assert f"{DIGITS_PARAMETERS:,} values" in shown
+    assert "adamw" in shown
 
 
-def test_inspect_an_ort_checkpoint_file(digits_artifacts: Path) -> None:
-    result = run("inspect", digits_artifacts / "checkpoint", cwd=digits_artifacts.parent)
-    assert f"parameters: {DIGITS_PARAMETERS:,} values in 4 tensors ({DIGITS_PARAMETERS:,} trainable)" in result.stdout
+def test_inspect_an_ort_checkpoint_file(digits_artifacts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = _inspect(digits_artifacts / "checkpoint", capsys)
+    assert f"parameters: {DIGITS_PARAMETERS:,} values in 4 tensors ({DIGITS_PARAMETERS:,} trainable)" in shown
 
 
 def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
