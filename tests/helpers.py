@@ -8,6 +8,7 @@
 - `GradientProbe` keeps the gradients the first optimizer step applies and every training loss.
 - `RunIf` is one ``skipif`` marker for what a test needs of the machine, as Lightning's own tests have.
 - `ort_deaths` records the order in which ONNX Runtime frees a C++ Module and its CheckpointState.
+- `cli_error_line` is the console script's one error line, what a user's script reads of its stderr.
 - `tiered` parametrizes a long list of cases of which the fast tier (``pytest -m "not slow"``) runs a few.
 """
 
@@ -31,8 +32,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from onnxruntime import OrtValue
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-__all__ = ["DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "ort_deaths", "ort_device_loop",
-           "ort_device_run", "ort_device_start", "quiet_trainer", "scale_gradient", "tiered"]
+__all__ = ["DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "cli_error_line", "ort_deaths",
+           "ort_device_loop", "ort_device_run", "ort_device_start", "quiet_trainer", "scale_gradient", "tiered"]
 
 Tensor = torch.Tensor | np.ndarray
 
@@ -279,3 +280,21 @@ def scale_gradient(path: Path, parameter: str, factor: float) -> None:
     accumulator = proto.graph.node[index + 1]
     accumulator.input[list(accumulator.input).index(grad)] = scaled
     onnx.save(proto, path)
+
+
+# ----------------------------------------------------------------------------- the console script's errors
+def cli_error_line(stderr: str) -> str:
+    """Return the console script's one error line from a child's stderr, checking the contract.
+
+    The error is the last line and the only one with the ``ort-lightning: error:`` prefix; nothing
+    on stderr is a traceback or a usage text. Lines before it may be a library's own, printed as it
+    was imported (torch's "No CUDA runtime is found, using CUDA_HOME=..."): the tests accept them.
+    """
+    from ort_lightning.cli.console import ERROR_PREFIX
+
+    lines = stderr.splitlines()
+    assert lines, "nothing on stderr"
+    assert stderr.endswith("\n"), stderr[-3000:]
+    assert [line for line in lines if line.startswith(ERROR_PREFIX)] == [lines[-1]], stderr[-3000:]
+    assert not any(line.startswith(("Traceback", "usage:", "  File ")) for line in lines), stderr[-3000:]
+    return lines[-1]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import math
+import os
 import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,12 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-import yaml
 from onnxruntime.training.api import CheckpointState
+
+from ort_lightning.cli.console import ERROR_PREFIX, main
+
+from .helpers import cli_error_line
+from .test_cli_errors import MISTAKES
 
 pytestmark = pytest.mark.slow  # console-script runs
 
@@ -64,20 +67,28 @@ def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
 DIGITS_PARAMETERS = 64 * 64 + 64 + 64 * 10 + 10
 
 
-def test_export_from_factory_then_inspect(digits_artifacts: Path) -> None:
-    result = run("inspect", digits_artifacts, cwd=digits_artifacts.parent)
-    assert "input float32 [batch, 64]" in result.stdout
-    assert "labels int64 [batch]" in result.stdout
+def _inspect(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``ort-lightning inspect PATH`` prints, from its entry point in this process (the demo's test runs the
+    installed script's inspect)."""
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 0
+    return capsys.readouterr().out
+
+
+def test_export_from_factory_then_inspect(digits_artifacts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = _inspect(digits_artifacts, capsys)
+    assert "input float32 [batch, 64]" in shown
+    assert "labels int64 [batch]" in shown
     loss_row = r"^loss: +cross_entropy reduction=mean ignore_index=-100 label_smoothing=0.0$"  # torch's defaults
-    assert re.search(loss_row, result.stdout, re.MULTILINE)
-    assert "onnx::" not in result.stdout
-    assert f"{DIGITS_PARAMETERS:,} values" in result.stdout
-    assert "adamw" in result.stdout
+    assert re.search(loss_row, shown, re.MULTILINE)
+    assert "onnx::" not in shown
+    assert f"{DIGITS_PARAMETERS:,} values" in shown
+    assert "adamw" in shown
 
 
-def test_inspect_an_ort_checkpoint_file(digits_artifacts: Path) -> None:
-    result = run("inspect", digits_artifacts / "checkpoint", cwd=digits_artifacts.parent)
-    assert f"parameters: {DIGITS_PARAMETERS:,} values in 4 tensors ({DIGITS_PARAMETERS:,} trainable)" in result.stdout
+def test_inspect_an_ort_checkpoint_file(digits_artifacts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = _inspect(digits_artifacts / "checkpoint", capsys)
+    assert f"parameters: {DIGITS_PARAMETERS:,} values in 4 tensors ({DIGITS_PARAMETERS:,} trainable)" in shown
 
 
 def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
@@ -95,197 +106,75 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
     assert re.search(r"\(([\d,]+) trainable\)", result.stdout).group(1) == str(total - frozen_count)  # type: ignore[union-attr]
 
 
-CNN_CONFIG = ROOT / "examples" / "stripes_cnn.yaml"
-
-
 def test_help_lists_every_subcommand(tmp_path: Path) -> None:
     shown = run("--help", cwd=tmp_path).stdout
     for command in ("demo", "export", "inspect", "fleet", "fit", "validate", "test", "predict"):
         assert re.search(rf"^ +{command} +\S", shown, re.MULTILINE), shown
 
 
-def _digits_labels() -> torch.Tensor:
-    from ort_lightning.demo import DigitsDataModule
+# ----------------------------------------------------------------------------- errors, as a user's shell sees them
+#: A few of tests/test_cli_errors.py's mistakes through the installed script, one per way an error is made:
+#: argparse, the package's own error, LightningCLI's parser, a file read.
+CHILD_MISTAKES = ("misspelled-command", "bad-loss", "misspelled-key", "inspect-lightning-ckpt")
 
-    data = DigitsDataModule()
-    data.setup("predict")
-    return data.val_set.tensors[1]
+#: A ``sitecustomize`` that prints a line on stderr when torch is imported, as a torch build does on a machine
+#: with a CUDA toolkit and no GPU.
+NOISY_IMPORT = """
+import importlib.abc, sys
 
+class Noise(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'", file=sys.stderr)
+        return None
 
-def _torch_accuracy_of(ckpt: Path) -> float:
-    """The held-out digits' accuracy of the .ckpt's weights in the plain torch model, computed here."""
-    from ort_lightning.demo import DigitsDataModule, digits_mlp
-
-    model = digits_mlp()
-    model.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"], strict=False)
-    data = DigitsDataModule()
-    data.setup("validate")
-    images, labels = data.val_set.tensors
-    with torch.no_grad():
-        return float((model(images).argmax(dim=1) == labels).float().mean())
-
-
-def _metric(name: str, shown: str) -> float:
-    """A metric's value from Lightning's results table."""
-    return float(re.search(rf"{name}\W+([\d.]+)", shown).group(1))  # type: ignore[union-attr]
+sys.meta_path.insert(0, Noise())
+"""
 
 
-def test_digits_config_trains_as_written_then_evaluates_the_trained_model(tmp_path: Path) -> None:
-    tiny = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
-    fit = run("fit", "--config", CONFIG, *tiny, cwd=tmp_path)
-    assert "exported ort_lightning.demo:digits_mlp to runs/digits/artifacts" in fit.stdout
-    assert "LightningCLI's args parameter" not in fit.stderr
-    assert (tmp_path / "runs/digits/checkpoints/last.ckpt").is_file()
-    evaluate = [*tiny, "--ckpt_path", "last"]
-    validate = run("validate", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    val_loss = _metric("val_loss", validate.stdout)
-    # Untrained, the 10-class cross-entropy is about ln(10) = 2.30; one epoch brings it well below.
-    assert val_loss < math.log(10) - 0.5
-    test = run("test", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    test_loss = _metric("test_loss", test.stdout)
-    assert test_loss == pytest.approx(val_loss, abs=1e-6)  # the same held-out images, the same trained model
-    # every logged metric is shown, not only the loss: the config's accuracy, as plain torch computes it
-    accuracy = _torch_accuracy_of(tmp_path / "runs/digits/checkpoints/last.ckpt")
-    assert _metric("val_acc", validate.stdout) == pytest.approx(accuracy, abs=1e-6)
-    assert _metric("test_acc", test.stdout) == pytest.approx(accuracy, abs=1e-6)
-    predict = run("predict", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    written = Path(re.search(r"written to (\S+)", predict.stdout).group(1))  # type: ignore[union-attr]
-    assert written == Path("runs/digits/predictions.pt")
-    logits = torch.load(tmp_path / written, weights_only=True)
-    labels = _digits_labels()
-    assert logits.shape == (len(labels), 10)
-    assert (logits.argmax(dim=1) == labels).float().mean() > 0.7
-    # evaluation runs log nothing: the fit's logs are the only version
-    assert [p.name for p in (tmp_path / "runs/digits/lightning_logs").iterdir()] == ["version_0"]
-
-
-def test_cnn_config_trains_as_written(tmp_path: Path) -> None:
-    tiny = ["--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
-    fit = run("fit", "--config", CNN_CONFIG, *tiny, cwd=tmp_path)
-    assert "exported ort_lightning.demo:stripes_cnn" in fit.stdout
-    test = run("test", "--config", CNN_CONFIG, *tiny, "--ckpt_path", "last", cwd=tmp_path)
-    test_loss = float(re.search(r"test_loss\W+([\d.]+)", test.stdout).group(1))  # type: ignore[union-attr]
-    assert test_loss < math.log(4) - 0.3  # 4 classes: ln(4) = 1.39 untrained
-
-
-def test_lightning_cli_print_config(digits_artifacts: Path, tmp_path: Path) -> None:
-    result = run("fit", "--config", CONFIG, "--model.artifacts", digits_artifacts, "--print_config", cwd=tmp_path)
-    assert f"artifacts: {digits_artifacts}" in result.stdout
-    assert "class_path: ort_lightning.demo.DigitsDataModule" in result.stdout
-    config = yaml.safe_load(result.stdout)
-    assert "optimizer" not in config
-    assert "lr_scheduler" not in config
-    assert config["export"]["factory"] == "ort_lightning.demo:digits_mlp"
-
-
-# ----------------------------------------------------------------------------- errors
-@dataclass(frozen=True)
-class Mistake:
-    """A command with one mistake, the files it needs in its folder, and the one error line it must print."""
-
-    args: tuple[str, ...]
-    pattern: str
-    files: dict[str, bytes] = field(default_factory=dict)
-
-
-def _torch_ckpt() -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"state_dict": {"w": torch.zeros(2)}}, buffer)
-    return buffer.getvalue()
-
-
-def _fit(*args: str) -> tuple[str, ...]:
-    return ("fit", "--config", str(CONFIG), *args)
-
-
-FACTORY = ("export", "ort_lightning.demo:digits_mlp", "--out", "x")
-MISTAKES = {
-    # export / inspect / the subcommand itself (argparse)
-    "bad-source": Mistake(("export", "no_colon_here", "--out", "x"), r"package\.module:factory"),
-    "no-factory": Mistake(("export", "ort_lightning.demo:nothing", "--out", "x", "--input-shape", "64"),
-                          r"no callable 'nothing'"),
-    "no-shape": Mistake(FACTORY, r"needs --input-shape"),
-    "bad-loss": Mistake((*FACTORY, "--input-shape", "64", "--loss", "hinge"),
-                        r"ExportError: Expected `loss` to be one of"),
-    "bad-frozen": Mistake((*FACTORY, "--input-shape", "64", "--frozen", "nope"), r"Cannot freeze \['nope'\]"),
-    "shape-with-x": Mistake((*FACTORY, "--input-shape", "3x32x32"),
-                            r"bad --input-shape '3x32x32'.*e\.g\. --input-shape 3,32,32"),
-    "shape-for-cnn": Mistake(("export", "ort_lightning.demo:stripes_cnn", "--out", "x", "--input-shape", "64"),
-                             r"cannot run on inputs of shape \(batch, 64\).*--input-shape"),
-    "bad-optimizer-option": Mistake((*FACTORY, "--input-shape", "64", "--optimizer-option", "wd"),
-                                    r"bad --optimizer-option 'wd': expected KEY=NUMBER"),
-    "misspelled-option": Mistake((*FACTORY, "--input-shape", "64", "--frozn", "a"),
-                                 r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
-    "misspelled-command": Mistake(("fitt",), r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', "
-                                             r"'fleet', 'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
-    "demo-out-file": Mistake(("demo", "--out", "notes.txt"), r"--out 'notes\.txt' is a file, but --out names the "
-                             r"folder that receives artifacts/.*; pass a folder", {"notes.txt": b"mine"}),
-    "export-out-file": Mistake((*FACTORY[:-1], "notes.txt", "--input-shape", "64"),
-                               r"--out 'notes\.txt' is a file.*pass a folder", {"notes.txt": b"mine"}),
-    "inspect-missing": Mistake(("inspect", "missing"), r"missing does not exist"),
-    "inspect-junk": Mistake(("inspect", "junk"), r"junk is not an ONNX Runtime checkpoint; inspect reads",
-                            {"junk": b"not a checkpoint"}),
-    "inspect-lightning-ckpt": Mistake(("inspect", "last.ckpt"), r"last\.ckpt is a torch/Lightning checkpoint.*inspect "
-                                      r"reads an artifacts folder.*ORT checkpoint file", {"last.ckpt": _torch_ckpt()}),
-    # LightningCLI subcommands: caught after parsing, before any export, seed or process start
-    "missing-artifacts": Mistake(_fit("--model.artifacts", "nothere", "--export.factory", "null"),
-                                 r"model\.artifacts folder 'nothere' does not exist; add an export: section.*"
-                                 r"ort-lightning export"),
-    "misspelled-key": Mistake(_fit("--trainer.max_epocs", "3"),
-                              r"unknown key 'trainer\.max_epocs'; did you mean 'trainer\.max_epochs'\?"),
-    "misspelled-key-in-file": Mistake(("fit", "--config", "typo.yaml"),
-                                      r"unknown key 'model\.lrr'; did you mean 'model\.lr'\? Valid keys under "
-                                      r"'model': ",
-                                      {"typo.yaml": CONFIG.read_bytes().replace(b"  lr: 0.01", b"  lrr: 0.01")}),
-    "bad-value": Mistake(_fit("--model.lr", "fast"), r"bad value 'fast' for model\.lr: expected a float"),
-    "misspelled-value": Mistake(_fit("--trainer.precision", "16-mixd"),
-                                r"bad value '16-mixd' for trainer\.precision; did you mean '16-mixed'\? Valid values: "
-                                r".*32-true"),
-    "precision": Mistake(_fit("--trainer.precision", "16-mixed"),
-                         r"--trainer\.precision '16-mixed' is not supported.*32-true"),
-    "plain-ddp": Mistake(_fit("--trainer.strategy", "ddp", "--trainer.devices", "2"),
-                         r"--trainer\.strategy 'ddp' cannot train ORT.*ort_ddp"),
-    "misspelled-strategy": Mistake(_fit("--trainer.strategy", "ort_dpp"),
-                                   r"unknown --trainer\.strategy 'ort_dpp'; did you mean 'ort_ddp'\?"),
-    "misspelled-accelerator": Mistake(_fit("--trainer.accelerator", "cpus"),
-                                      r"--trainer\.accelerator 'cpus' cannot run ORT graphs; did you mean 'cpu'\? "
-                                      r"Valid values: auto, cpu, gpu"),
-    "wrong-input-shape": Mistake(_fit("--export.input_shape", "[3, 32, 32]", "--model.artifacts", "fresh"),
-                                 r"cannot run on inputs of shape \(batch, 3,32,32\).*export\.input_shape"),
-    "bad-class-path": Mistake(_fit("--data", "foo.Bar"),
-                              r"bad value 'foo\.Bar' for data: No module named 'foo'; name an importable class"),
-    "no-last-checkpoint": Mistake(("validate", "--config", str(CONFIG), "--ckpt_path", "last"),
-                                  r"--ckpt_path last found no last\.ckpt \(runs/digits/checkpoints\); run fit with "
-                                  r"this config first"),
-    "misspelled-ckpt-path": Mistake(("predict", "--config", str(CONFIG), "--ckpt_path", "lst"),
-                                    r"--ckpt_path 'lst' is not a file; did you mean 'last'\?"),
-    "no-config": Mistake(("fit",), r"required: fit\.model\.artifacts, fit\.data; pass --config cfg\.yaml"),
-    "missing-config-file": Mistake(("validate", "--config", "nothere.yaml"),
-                                   r"config file '.*nothere\.yaml' does not exist; pass --config"),
-}
+def _attempt(name: str, folder: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    for file, content in MISTAKES[name].files.items():
+        (folder / file).write_bytes(content)
+    return subprocess.run([str(SCRIPT), *MISTAKES[name].args], capture_output=True, text=True, cwd=folder,
+                          timeout=300, check=False, env=env)
 
 
 @pytest.fixture(scope="module")
 def mistakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
-    """Run every mistaken command once, a few at a time (each one mostly waits for its imports)."""
+    """Run each mistaken command once, and one with a noisy import, side by side (each mostly imports)."""
+    noise = tmp_path_factory.mktemp("noise")
+    (noise / "sitecustomize.py").write_text(NOISY_IMPORT)
+    noisy_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(noise), os.environ.get("PYTHONPATH")]))}
+    runs = {name: (name, None) for name in CHILD_MISTAKES}
+    runs["noisy-import"] = ("no-shape", noisy_env)
 
-    def attempt(name: str) -> tuple[str, tuple[Path, subprocess.CompletedProcess[str]]]:
-        folder = tmp_path_factory.mktemp(name)
-        for file, content in MISTAKES[name].files.items():
-            (folder / file).write_bytes(content)
-        return name, (folder, run(*MISTAKES[name].args, cwd=folder, ok=False))
+    def attempt(key: str) -> tuple[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+        name, env = runs[key]
+        folder = tmp_path_factory.mktemp(key)
+        return key, (folder, _attempt(name, folder, env))
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(pool.map(attempt, MISTAKES))
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        return dict(pool.map(attempt, runs))
 
 
-@pytest.mark.parametrize("name", list(MISTAKES))
-def test_error_is_one_line_with_status_2(
+@pytest.mark.parametrize("name", CHILD_MISTAKES)
+def test_the_console_script_prints_one_error_line_with_status_2(
     mistakes: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str
 ) -> None:
     folder, result = mistakes[name]
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.count("\n") == 1, result.stderr[-3000:]  # nothing else on stderr: no usage, no traceback
-    assert result.stderr.startswith("ort-lightning: error: "), result.stderr
-    assert re.search(MISTAKES[name].pattern, result.stderr), result.stderr
-    assert not (folder / "runs").exists()  # refused before anything was exported or trained
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]  # this torch prints nothing at import
+    assert re.search(MISTAKES[name].pattern, cli_error_line(result.stderr)), result.stderr
+    assert not (folder / "runs").exists()
+
+
+def test_a_line_printed_at_import_leaves_the_error_line_last_and_alone(
+    mistakes: dict[str, tuple[Path, subprocess.CompletedProcess[str]]],
+) -> None:
+    folder, result = mistakes["noisy-import"]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("No CUDA runtime is found"), result.stderr  # the noise did print
+    line = cli_error_line(result.stderr)
+    assert re.fullmatch(rf"{ERROR_PREFIX}.*{MISTAKES['no-shape'].pattern}.*", line), line
+    assert not (folder / "x").exists()

@@ -14,7 +14,7 @@ from ort_lightning.cli.factory import export_factory, parse_shape
 from ort_lightning.cli.lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
 from ort_lightning.cli.usage import OneLineParser, UsageError, one_line_argument_error
 from tests.helpers import RunIf
-from tests.test_cli import MISTAKES
+from tests.test_cli_errors import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,11 +127,12 @@ def test_inspect_rows_share_one_value_column() -> None:
 
 def test_errors_catalog_names_only_cli_tests_that_exist() -> None:
     catalog = (ROOT / "docs" / "errors.md").read_text().split("## Command line")[1]
-    source = (ROOT / "tests" / "test_cli.py").read_text()
-    cited = re.findall(r"tests/test_cli\.py::(\w+)(?:\[([\w-]+)\])?", catalog)
-    for name, case in cited:
-        assert f"def {name}(" in source, name
+    cited = re.findall(r"tests/(test_cli\w*\.py)::(\w+)(?:\[([\w-]+)\])?", catalog)
+    for file, name, case in cited:
+        source = (ROOT / "tests" / file).read_text()
+        assert f"def {name}(" in source, (file, name)
         if case:
-            assert f'"{case}"' in source, case
+            assert f'"{case}"' in source, (file, case)
     # and every mistake the console script is tested with is in the catalog
-    assert set(MISTAKES) <= {case for name, case in cited if name == "test_error_is_one_line_with_status_2"}
+    assert set(MISTAKES) <= {case for file, name, case in cited
+                             if (file, name) == ("test_cli_errors.py", "test_error_is_one_line_with_status_2")}

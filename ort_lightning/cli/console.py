@@ -11,7 +11,9 @@ Subcommands:
   devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
   ``--browsers``: the devices are browsers that open the URL it prints (``engine: browser``).
 
-Errors print one line, without a traceback, and exit with status 2.
+Errors print one line, without a traceback, and exit with status 2: the last line on stderr, the only
+one that starts with ``ort-lightning: error:``. A line a library prints as it is imported (torch's
+"No CUDA runtime is found" on a machine with a CUDA toolkit and no GPU) may come before it.
 
 Example::
 
@@ -33,7 +35,10 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from ort_lightning.cli.usage import OneLineParser, UsageError
 from ort_lightning.errors import ORTLightningError
 
-__all__ = ["main", "output_folder"]
+__all__ = ["ERROR_PREFIX", "main", "output_folder"]
+
+#: How the console script's one error line starts.
+ERROR_PREFIX = "ort-lightning: error: "
 
 _LIGHTNING_HELP = {
     "fit": "train with LightningCLI: fit --config cfg.yaml (fit --help lists every key)",
@@ -57,14 +62,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             handler = lambda: namespace.handler(namespace)  # noqa: E731
         handler()
     except UsageError as error:
-        print(f"ort-lightning: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+        return _print_error(str(error))
     except (ImportError, OSError, ValueError, RuntimeError, ORTLightningError, MisconfigurationException) as error:
         # One line, no traceback: ORT's and Lightning's refusals, and the package's own errors.
-        message = " ".join(str(error).split())
-        print(f"ort-lightning: error: {type(error).__name__}: {message}", file=sys.stderr)
-        return 2
+        return _print_error(f"{type(error).__name__}: {error}")
     return 0
+
+
+def _print_error(message: str) -> int:
+    """Print `message` as the one error line, after anything printed before it; return the exit status, 2."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print(f"{ERROR_PREFIX}{' '.join(message.split())}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _import_from_current_folder() -> None:

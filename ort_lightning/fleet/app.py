@@ -15,7 +15,7 @@ Example::
     >>> from ort_lightning import export_artifacts
     >>> from ort_lightning.fleet import ClientData, FleetClient, GlobalModel, run_local
     >>> folder = Path(tempfile.mkdtemp())
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a")
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a", verify=False)
     >>> def data(partition: int, partitions: int) -> ClientData:
     ...     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(partition))
     ...     return ClientData(train=DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4))

@@ -37,7 +37,7 @@ Example::
     >>> import tempfile, torch
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> from ort_lightning import export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> def data(partition: int, partitions: int) -> ClientData:
     ...     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     ...     return ClientData(train=DataLoader(TensorDataset(x, y), batch_size=4))

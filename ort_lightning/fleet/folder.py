@@ -17,7 +17,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> weight_order(artifacts, device_files(artifacts))
     [('weight', (3, 4)), ('bias', (3,))]
 """

@@ -11,7 +11,8 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()))
+    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
+    ...                                               verify=False))
     >>> state_order(module.artifacts)
     ['weight', 'bias']
     >>> values = get_values(module)

@@ -14,7 +14,7 @@ Example::
     >>> from pathlib import Path
     >>> from ort_lightning import export_artifacts
     >>> folder = Path(tempfile.mkdtemp())
-    >>> model = GlobalModel(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a"))
+    >>> model = GlobalModel(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a", verify=False))
     >>> path = model.save(folder / "round-0000.ortckpt", server_round=0)
     >>> GlobalModel(folder / "a", checkpoint=path).server_round
     0

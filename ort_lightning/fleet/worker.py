@@ -26,7 +26,7 @@ Example::
     >>> import tempfile, torch
     >>> from ort_lightning import export_artifacts
     >>> from ort_lightning.fleet.parameters import get_values
-    >>> folder = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp()).directory
+    >>> folder = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False).directory
     >>> kind = SlotKind.of(folder, start="auto", module_options={"lr": 0.1}, trainer_options={"max_epochs": 1})
     >>> def build() -> Slot:
     ...     return Slot(ORTLightningModule(folder, lr=0.1), pl.Trainer(max_epochs=1, logger=False))

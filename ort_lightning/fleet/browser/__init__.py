@@ -61,7 +61,7 @@ Example::
     >>> from ort_lightning import export_artifacts
     >>> from ort_lightning.fleet.digits import DigitsPartitions
     >>> artifacts = export_artifacts(torch.nn.Linear(64, 10), torch.zeros(2, 64), tempfile.mkdtemp(),
-    ...                              nominal_checkpoint=True)
+    ...                              nominal_checkpoint=True, verify=False)
     >>> fleet = BrowserFleet(artifacts, DigitsPartitions(), port=0, devices=2,
     ...                      ort_web="https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist")
     >>> fleet.url.startswith("http://127.0.0.1:"), fleet.hub.parameters

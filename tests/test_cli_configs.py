@@ -1,0 +1,104 @@
+"""The example configs through the ``ort-lightning`` console script's LightningCLI subcommands: a real subprocess."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from .test_cli import CONFIG, ROOT, run
+
+pytestmark = pytest.mark.slow  # console-script runs
+
+CNN_CONFIG = ROOT / "examples" / "stripes_cnn.yaml"
+
+
+@pytest.fixture(scope="module")
+def digits_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits artifacts, exported in this process: print_config only names the folder."""
+    from ort_lightning import export_artifacts
+    from ort_lightning.demo import digits_mlp
+
+    folder = tmp_path_factory.mktemp("cli") / "art"
+    export_artifacts(digits_mlp(), torch.zeros(2, 64), folder, verify=False)
+    return folder
+
+
+def _digits_labels() -> torch.Tensor:
+    from ort_lightning.demo import DigitsDataModule
+
+    data = DigitsDataModule()
+    data.setup("predict")
+    return data.val_set.tensors[1]
+
+
+def _torch_accuracy_of(ckpt: Path) -> float:
+    """The held-out digits' accuracy of the .ckpt's weights in the plain torch model, computed here."""
+    from ort_lightning.demo import DigitsDataModule, digits_mlp
+
+    model = digits_mlp()
+    model.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"], strict=False)
+    data = DigitsDataModule()
+    data.setup("validate")
+    images, labels = data.val_set.tensors
+    with torch.no_grad():
+        return float((model(images).argmax(dim=1) == labels).float().mean())
+
+
+def _metric(name: str, shown: str) -> float:
+    """A metric's value from Lightning's results table."""
+    return float(re.search(rf"{name}\W+([\d.]+)", shown).group(1))  # type: ignore[union-attr]
+
+
+def test_digits_config_trains_as_written_then_evaluates_the_trained_model(tmp_path: Path) -> None:
+    tiny = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
+    fit = run("fit", "--config", CONFIG, *tiny, cwd=tmp_path)
+    assert "exported ort_lightning.demo:digits_mlp to runs/digits/artifacts" in fit.stdout
+    assert "LightningCLI's args parameter" not in fit.stderr
+    assert (tmp_path / "runs/digits/checkpoints/last.ckpt").is_file()
+    evaluate = [*tiny, "--ckpt_path", "last"]
+    validate = run("validate", "--config", CONFIG, *evaluate, cwd=tmp_path)
+    val_loss = _metric("val_loss", validate.stdout)
+    # Untrained, the 10-class cross-entropy is about ln(10) = 2.30; one epoch brings it well below.
+    assert val_loss < math.log(10) - 0.5
+    test = run("test", "--config", CONFIG, *evaluate, cwd=tmp_path)
+    test_loss = _metric("test_loss", test.stdout)
+    assert test_loss == pytest.approx(val_loss, abs=1e-6)  # the same held-out images, the same trained model
+    # every logged metric is shown, not only the loss: the config's accuracy, as plain torch computes it
+    accuracy = _torch_accuracy_of(tmp_path / "runs/digits/checkpoints/last.ckpt")
+    assert _metric("val_acc", validate.stdout) == pytest.approx(accuracy, abs=1e-6)
+    assert _metric("test_acc", test.stdout) == pytest.approx(accuracy, abs=1e-6)
+    predict = run("predict", "--config", CONFIG, *evaluate, cwd=tmp_path)
+    written = Path(re.search(r"written to (\S+)", predict.stdout).group(1))  # type: ignore[union-attr]
+    assert written == Path("runs/digits/predictions.pt")
+    logits = torch.load(tmp_path / written, weights_only=True)
+    labels = _digits_labels()
+    assert logits.shape == (len(labels), 10)
+    assert (logits.argmax(dim=1) == labels).float().mean() > 0.7
+    # evaluation runs log nothing: the fit's logs are the only version
+    assert [p.name for p in (tmp_path / "runs/digits/lightning_logs").iterdir()] == ["version_0"]
+
+
+def test_cnn_config_trains_as_written(tmp_path: Path) -> None:
+    tiny = ["--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
+    fit = run("fit", "--config", CNN_CONFIG, *tiny, cwd=tmp_path)
+    assert "exported ort_lightning.demo:stripes_cnn" in fit.stdout
+    test = run("test", "--config", CNN_CONFIG, *tiny, "--ckpt_path", "last", cwd=tmp_path)
+    test_loss = float(re.search(r"test_loss\W+([\d.]+)", test.stdout).group(1))  # type: ignore[union-attr]
+    assert test_loss < math.log(4) - 0.3  # 4 classes: ln(4) = 1.39 untrained
+
+
+def test_lightning_cli_print_config(digits_artifacts: Path, tmp_path: Path) -> None:
+    result = run("fit", "--config", CONFIG, "--model.artifacts", digits_artifacts, "--print_config", cwd=tmp_path)
+    assert f"artifacts: {digits_artifacts}" in result.stdout
+    assert "class_path: ort_lightning.demo.DigitsDataModule" in result.stdout
+    config = yaml.safe_load(result.stdout)
+    assert "optimizer" not in config
+    assert "lr_scheduler" not in config
+    assert config["export"]["factory"] == "ort_lightning.demo:digits_mlp"
+
+
