@@ -26,6 +26,7 @@ from .helpers import RunIf
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
@@ -159,16 +160,9 @@ def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
     try:
         with BrowserFleet(web, DATA, port=0, devices=1, epochs=30, ort_web=ort_web_dist(), name="digits") as fleet:
             tab.call("Page.navigate", url=fleet.url + "&name=pixel")
-            states = [("waiting", r"pixel: ready \(\d+ parameters\); waiting for a round"),
-                      ("training", r"pixel: round 1, epoch \d+/30, step \d+/\d+, loss \d+\.\d{4}"),
-                      ("sent", r"pixel: round 1 sent, loss \d+\.\d{4}; waiting for the next round")]
-            runner = threading.Thread(target=fleet.run, args=(server,), kwargs={"join_timeout": 90})
-            for state, pattern in states:
-                texts[state] = tab.wait_for(pattern)
-                assert tab.screenshot(shots / f"{state}.png").startswith(b"\x89PNG")
-                if state == "waiting":
-                    runner.start()
-            runner.join(timeout=120)
+            waiting = r"pixel: ready \(\d+ parameters\); waiting for a round"
+            texts["waiting"] = tab.wait_for(waiting)
+            tab.screenshot(shots / "waiting.png")
             tab.call("Runtime.evaluate", expression="document.getElementById('leave').click()")
             texts["left"] = tab.wait_for(r"left this fleet; reload the page to join again as this device")
             tab.screenshot(shots / "left.png")
@@ -180,8 +174,26 @@ def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
                 tab.call("Page.reload")
                 texts["full"] = tab.wait_for(r"found the fleet full: 1 devices are connected, its most")
                 tab.screenshot(shots / "full.png")
+            end = time.monotonic() + 30
+            while fleet.connected and time.monotonic() < end:
+                time.sleep(0.02)
+            tab.call("Page.reload")
+            tab.wait_for(waiting)
+            runner = threading.Thread(target=fleet.run, args=(server,), kwargs={"join_timeout": 90})
+            runner.start()
+            for state, pattern in [("training", r"pixel: round 1, epoch \d+/30, step \d+/\d+, loss \d+\.\d{4}"),
+                                   ("sent", r"pixel: round 1 sent, loss \d+\.\d{4}; waiting for the next round")]:
+                texts[state] = tab.wait_for(pattern)
+                assert tab.screenshot(shots / f"{state}.png").startswith(b"\x89PNG")
+            runner.join(timeout=120)
+            texts["finished"] = tab.wait_for(r"pixel: the fleet's run finished; this device took part in 1 round")
+            tab.screenshot(shots / "finished.png")
+            with connect(url, max_size=None) as late, pytest.raises(ConnectionClosed) as closed:
+                late.recv()
     finally:
         tab.close()
+    assert closed.value.rcvd is not None  # a page that comes after the run is told that it finished
+    assert closed.value.rcvd.code == 4000
     for state, text in texts.items():
         assert text.startswith("digits\n"), (state, text)
         assert "Leave this fleet" in text

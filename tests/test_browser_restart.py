@@ -5,7 +5,8 @@ Two Node devices (``node_device.mjs``'s ``stayInFleet``, which reconnects as the
 stopped process closes its sockets); its run ends with `FleetError` once no device is left. The
 user starts it again on the same port with the same token, resuming from the last round
 checkpoint (``GlobalModel(checkpoint=...)``, the fleet config's ``resume``): the devices join it
-again on their own, and the run finishes rounds 3 and 4. Every round checkpoint 1-4 is there, and
+again on their own, and the run finishes rounds 3 and 4; then both are told that the run finished
+(close code 4000) and stop trying to join. Every round checkpoint 1-4 is there, and
 each resumed round equals the float64 FedAvg of ONNX Runtime's Python loop over the replies it used,
 from the round before.
 """
@@ -97,6 +98,7 @@ def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_c
     finally:
         output, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, output
+    assert output.strip().splitlines()[-1] == "[4000,4000]", output
     assert 2 <= finished < ROUNDS
     assert sorted(path.name for path in rounds.glob("round-*.ortckpt")) == [
         f"round-{n:04d}.ortckpt" for n in range(1, ROUNDS + 1)]

@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-const { FleetDevice } = await import(new URL('../../ort_lightning/fleet/browser/device.js', import.meta.url).href);
+const { FINAL_CLOSES, FleetDevice, RUN_FINISHED } = await import(new URL('../../ort_lightning/fleet/browser/device.js', import.meta.url).href);
 const { pack } = await import(new URL('../../ort_lightning/fleet/browser/frames.js', import.meta.url).href);
 
 const WELCOME = JSON.stringify({ type: 'welcome', fleet: 'digits', device: 'browser-1', ort: 'ort.mjs',
@@ -94,4 +94,16 @@ test('client-side fixed clipping scales the update to the norm, and leaves a sma
   const small = new Float32Array([1.3, 1.4, 1, 1]);
   assert.ok(Math.abs(clip(small, sent, 1) - 0.5) < 1e-6);
   assert.deepEqual(small, new Float32Array([1.3, 1.4, 1, 1]));
+});
+
+test('the run\'s end is a phase of its own and a final close; a server gone away is neither', () => {
+  const { host: fake, shown } = host(memoryStorage());
+  const device = new FleetDevice(fake);
+  device.closed(1012, 'service restart');
+  assert.equal(shown.at(-1).phase, 'disconnected');
+  device.closed(RUN_FINISHED, 'the fleet\'s run finished');
+  assert.equal(shown.at(-1).phase, 'finished');
+  assert.equal(shown.at(-1).message, '4000: the fleet\'s run finished');
+  assert.deepEqual([...FINAL_CLOSES].sort(), [1000, 1008, 4000]);
+  assert.ok(!FINAL_CLOSES.includes(1012) && !FINAL_CLOSES.includes(1006) && !FINAL_CLOSES.includes(1001));
 });

@@ -1,6 +1,6 @@
 // node --experimental-websocket tests/web/node_stay.mjs URL DIST: two Node devices, a and b, stay in the fleet
 // (node_device.mjs's stayInFleet): when the server goes away they join again every 200 ms, for up to 5 s, with the
-// identities they kept. Exits once both have given up (the fleet's last close) or left; prints their end codes.
+// identities they kept. Exits once both were told the run finished (4000), gave up or left; prints their end codes.
 import { pathToFileURL } from 'node:url';
 
 const [url, dist] = process.argv.slice(2);

@@ -19,6 +19,11 @@
 
 import {readTrain, resultFrame, unpack} from './frames.js';
 
+/** Close code of the server when the fleet's run is over (an application code, RFC 6455's 4000-4999). */
+export const RUN_FINISHED = 4000;
+/** Close codes after which a device does not join again: leaving (1000), a refusal (1008), the run's end. */
+export const FINAL_CLOSES = Object.freeze([1000, 1008, RUN_FINISHED]);
+
 /** Seconds since `start` (a performance.now() value). */
 const since = (start) => (performance.now() - start) / 1000;
 
@@ -74,7 +79,8 @@ export class FleetDevice {
 
   /** The connection closed, with the server's code and reason. */
   closed(code, reason) {
-    this.update({phase: 'disconnected', message: `${code}${reason ? ': ' + reason : ''}`});
+    this.update({phase: code === RUN_FINISHED ? 'finished' : 'disconnected',
+      message: `${code}${reason ? ': ' + reason : ''}`});
   }
 
   /** Merges `changes` into `status` and shows it. */

@@ -190,6 +190,9 @@ class BrowserFleet:
     def run(self, server: FleetServer, *, join_timeout: float | None = None) -> FleetServer:
         """Serve, wait for the browsers, and run `server`'s rounds over them (`BrowserGrid`).
 
+        Once the rounds are over, every page is told that the run finished (close code 4000, `hub.RUN_FINISHED`):
+        it shows so and does not try to join again, as it does after a server restart.
+
         Args:
             server: the fleet's server (its strategy, rounds, checkpoints, evaluation).
             join_timeout: seconds to wait for `devices` browsers (None: no limit).
@@ -207,6 +210,7 @@ class BrowserFleet:
         grid = BrowserGrid(self.hub, local or self._epochs, floor=strategy_floor(server.strategy),
                            wait_timeout=self.wait_timeout)
         server.main(grid, Context(_RUN_ID, 0, {}, RecordDict(), {}))
+        self.hub.finish()
         return server
 
     def close(self) -> None:

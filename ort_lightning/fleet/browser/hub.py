@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
@@ -37,7 +38,7 @@ from ort_lightning.fleet.browser.reply import reply_records
 from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY
 from ort_lightning.fleet.local import CLIENT_ERROR_CODE
 
-__all__ = ["BrowserDevice", "Hub", "OnEvent", "Refusal"]
+__all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
 _LOG = logging.getLogger("ort_lightning.fleet.browser")
 #: WebSocket close code for a policy violation (RFC 6455): a refused device.
@@ -45,8 +46,12 @@ POLICY_VIOLATION = 1008
 #: WebSocket close code of a frame over the size limit (RFC 6455).
 TOO_BIG = 1009
 
-#: Sends a coroutine to the web server's event loop (a socket's send or close).
-Schedule = Callable[[Coroutine[Any, Any, None]], None]
+#: WebSocket close code once the fleet's run is over (an application code, RFC 6455's 4000-4999): the page stops
+#: and does not join again (device.js's RUN_FINISHED).
+RUN_FINISHED = 4000
+
+#: Sends a coroutine to the web server's event loop (a socket's send or close); its future, to wait for it.
+Schedule = Callable[[Coroutine[Any, Any, None]], concurrent.futures.Future[None]]
 #: Told of each device that joins, comes back, leaves or is refused (called without the hub's lock).
 OnEvent = Callable[[PopulationEvent], None]
 
@@ -130,11 +135,31 @@ class Hub:
         self._replies: dict[str, Message] = {}
         self._joins = 0
         self._closing = False
+        #: Whether the run's rounds are over (`finish`): a page that opens the fleet's URL now is told so.
+        self.finished = False
+        #: Every open connection, ready or not, by `id` (a page that loads its files is not a device yet).
+        self._open: dict[int, BrowserDevice] = {}
 
     def close(self) -> None:
         """The fleet is shutting down: sockets that close from now on are no device's failure."""
         with self._changed:
             self._closing = True
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """The rounds are over: tell every open page so (`RUN_FINISHED`), so that none tries to join again.
+
+        Waits up to `timeout` seconds for the closing handshakes; a page that does not answer is left to the server's
+        shutdown.
+        """
+        with self._changed:
+            self._closing = self.finished = True
+            closers = [device.close for device in self._open.values() if device.close is not None]
+        if self._schedule is None or not closers:
+            return
+        schedule = self._schedule
+        concurrent.futures.wait([schedule(close(RUN_FINISHED, "the fleet's run finished")) for close in closers],
+                                timeout=timeout)
+        _LOG.info("the run finished: %d page(s) told so", len(closers))
 
     def bind(self, schedule: Schedule) -> None:
         """Where socket sends and closes run (the web server's event loop)."""
@@ -146,6 +171,7 @@ class Hub:
         with self._changed:
             self._joins += 1
             device.name = device.name or f"browser-{self._joins}"
+            self._open[id(device)] = device
 
     def ready(self, device: BrowserDevice, parameters: object, identity: object) -> str | None:
         """The page loaded the device files; returns why it is refused, or None once it is a node."""
@@ -252,6 +278,8 @@ class Hub:
 
     def lost(self, device: BrowserDevice, reason: str) -> None:
         """`device`'s socket closed: each reply it owed becomes an error reply."""
+        with self._changed:
+            self._open.pop(id(device), None)
         self._drop(device, reason, close=False)
 
     def refuse(self, device: BrowserDevice, reason: str) -> None:

@@ -17,7 +17,7 @@
 import {pathToFileURL} from 'node:url';
 
 import {openDevice} from '../../web/runner.js';
-import {FleetDevice} from './device.js';
+import {FINAL_CLOSES, FleetDevice} from './device.js';
 
 /**
  * A storage in memory, as a page's localStorage.
@@ -90,12 +90,12 @@ export function joinFleet(url, {ort, name = '', storage = memoryStorage(), show}
 
 /**
  * Keeps one device in the fleet at `url` across server restarts: joins, and whenever the connection closes for any
- * reason but leaving (1000) or a refusal (1008), joins again every `every` ms with the identity it kept, as the
+ * reason but leaving (1000), a refusal (1008) or the end of the fleet's run (4000), joins again every `every` ms with the identity it kept, as the
  * fleet's page does, until it is back or `patience` ms have passed without a connection.
  *
  * @param {string} url The fleet's URL (with its token: a server restarted with the same token takes it back).
  * @param {object} options joinFleet's options, and `every` and `patience` (ms).
- * @returns {Promise<?number>} The close code that ended it (1000 or 1008), or null once patience ran out.
+ * @returns {Promise<?number>} The close code that ended it (1000, 1008 or 4000), or null once patience ran out.
  */
 export async function stayInFleet(url, {every = 1000, patience = 60000, ...options} = {}) {
   const storage = options.storage ?? memoryStorage();
@@ -109,7 +109,7 @@ export async function stayInFleet(url, {every = 1000, patience = 60000, ...optio
     } catch (error) {
       code = /\(1008: /.test(error.message) ? 1008 : null;
     }
-    if (code === 1000 || code === 1008) return code;
+    if (FINAL_CLOSES.includes(code)) return code;
     since ??= Date.now();
     if (Date.now() - since > patience) return null;
     await new Promise((resolve) => setTimeout(resolve, every));

@@ -4,7 +4,7 @@
 // and hands every message to a `FleetDevice` (device.js: the protocol, shared with Node devices), which
 // trains the rounds with runner.js; this script only shows the device's status.
 
-import {FleetDevice} from './device.js';
+import {FINAL_CLOSES, FleetDevice} from './device.js';
 import {openDevice} from './runner.js';
 
 /**
@@ -38,6 +38,8 @@ function describe(status) {
       // NOTE: 1000 is the leave button's normal closure; any other code is the server's or the network's.
       return status.message.startsWith('1000') ? 'left this fleet; reload the page to join again as this device'
         : `${status.phase}: ${status.message}`;
+    case 'finished':
+      return `the fleet's run finished; this device took part in ${status.rounds} round(s)`;
     case 'failed':
       return `${status.phase}: ${status.message}`;
     default:
@@ -50,7 +52,7 @@ function show(status) {
   document.getElementById('status').textContent = `${status.device ? status.device + ': ' : ''}${describe(status)}`;
   document.getElementById('rounds').textContent = `rounds taken part in: ${status.rounds}`;
   document.getElementById('notice').textContent = status.notice ? `the fleet says: ${status.notice}` : '';
-  document.getElementById('leave').disabled = status.phase === 'disconnected';
+  document.getElementById('leave').disabled = status.phase === 'disconnected' || status.phase === 'finished';
 }
 
 /** Seconds between two tries to reach a fleet that went away, and how long to keep trying. */
@@ -58,8 +60,8 @@ const RETRY_SECONDS = 3;
 const PATIENCE_SECONDS = 600;
 
 /**
- * Opens the fleet's WebSocket for `device`; when it closes for any reason but leaving (1000) or a refusal (1008),
- * as when the server restarts, tries again every RETRY_SECONDS for up to PATIENCE_SECONDS: a server restarted with
+ * Opens the fleet's WebSocket for `device`; when it closes for any reason but leaving (1000), a refusal (1008) or
+ * the end of the fleet's run (4000), as when the server restarts, tries again every RETRY_SECONDS for up to PATIENCE_SECONDS: a server restarted with
  * the same token takes the device back (its identity is in localStorage).
  */
 function connect(device, link, since = null) {
@@ -74,7 +76,7 @@ function connect(device, link, since = null) {
   socket.onclose = (event) => {
     device.closed(event.code, event.reason);
     const start = since ?? performance.now();
-    if (event.code === 1000 || event.code === 1008 || performance.now() - start > PATIENCE_SECONDS * 1000) return;
+    if (FINAL_CLOSES.includes(event.code) || performance.now() - start > PATIENCE_SECONDS * 1000) return;
     device.update({message: `${event.code}: the fleet is out of reach; trying again every ${RETRY_SECONDS} s`});
     setTimeout(() => connect(device, link, start), RETRY_SECONDS * 1000);
   };

@@ -15,6 +15,7 @@ Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -30,7 +31,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ort_lightning.fleet.browser.hub import POLICY_VIOLATION, TOO_BIG, BrowserDevice, Hub
+from ort_lightning.fleet.browser.hub import POLICY_VIOLATION, RUN_FINISHED, TOO_BIG, BrowserDevice, Hub
 from ort_lightning.web import TRAINING_BUILD, asset
 
 __all__ = ["ROLES", "SCRIPTS", "web_app"]
@@ -116,6 +117,9 @@ class _Site:
             _refuse_token("a device's connection", address)
             await socket.close(code=POLICY_VIOLATION, reason="wrong join token (another fleet's, or an earlier run's); "
                                                              "open the URL the fleet printed")
+            return
+        if self.hub.finished:
+            await socket.close(code=RUN_FINISHED, reason="the fleet's run finished")
             return
         device = BrowserDevice(socket.query_params.get("name", ""), address, send=lambda frame: _send(socket, frame),
                                close=lambda code, why: _close(socket, code, why))
@@ -207,8 +211,8 @@ def web_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
 
-        def schedule(coroutine: Coroutine[Any, Any, None]) -> None:
-            asyncio.run_coroutine_threadsafe(coroutine, loop)
+        def schedule(coroutine: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
+            return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
         hub.bind(schedule)
         yield
