@@ -91,8 +91,8 @@ export function joinFleet(url, {ort, name = '', storage = memoryStorage(), show}
 /**
  * Keeps one device in the fleet at `url` across server restarts: joins, and whenever the connection closes for any
  * reason but leaving (1000), a refusal (1008) or the end of the fleet's run (4000), joins again every `every` ms
- * with the identity it kept, as the
- * fleet's page does, until it is back or `patience` ms have passed without a connection.
+ * with the identity it kept, as the fleet's page does, until it is back or `patience` ms have passed without a
+ * connection.
  *
  * @param {string} url The fleet's URL (with its token: a server restarted with the same token takes it back).
  * @param {object} options joinFleet's options, and `every` and `patience` (ms).

@@ -62,8 +62,7 @@ const PATIENCE_SECONDS = 600;
 /**
  * Opens the fleet's WebSocket for `device`. When it closes for any reason but leaving (1000), a refusal (1008) or
  * the end of the fleet's run (4000), as when the server restarts, it tries again every RETRY_SECONDS for up to
- * PATIENCE_SECONDS: a server restarted with
- * the same token takes the device back (its identity is in localStorage).
+ * PATIENCE_SECONDS: a server restarted with the same token takes the device back (its identity is in localStorage).
  */
 function connect(device, link, since = null) {
   const url = new URL('join', location.href);
