@@ -1,9 +1,11 @@
-"""Doctest collection of the package: ort_lightning.fleet needs the optional `fleet` extra (Flower); markers.
+"""Doctest collection of the package; a core per test worker, the `cores` and `spread` markers; long files first.
 
-`slow` is registered in pyproject.toml. `timing` is .ci/run's business: which lane runs a test.
+`slow` is registered in pyproject.toml; `cores` and `spread` are about how .ci/run shares the machine.
 """
 
 import importlib.util
+import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -11,9 +13,71 @@ import pytest
 # tests/test_fleet.py is, instead of failing collection.
 collect_ignore = [] if importlib.util.find_spec("flwr") else ["ort_lightning/fleet"]
 
+#: The cores this process found when it started, before ``--core-per-worker`` pinned it to one of them.
+MACHINE_CORES = frozenset(os.sched_getaffinity(0))
+#: Set by the main pytest process under ``--core-per-worker`` for the pytest-xdist workers it starts.
+CORE_PER_WORKER = "ORT_LIGHTNING_TESTS_CORE_PER_WORKER"
+
+
+def _pin_this_worker() -> None:
+    """Under ``--core-per-worker``, pin this pytest-xdist worker (worker i to the i-th core, round robin)."""
+    # NOTE: ORT's intra-op pool and torch's OpenMP threads spin after their last kernel. With several test
+    # processes on 2 cores, each one's pools over both cores take CPU from the others (the fast tier measured
+    # 252 s of CPU on two cores against 139 s on one). ORT's pool is sized from this affinity by the thread
+    # policy, torch's at its first use: hence here, as the worker imports this file, before tests/conftest.py
+    # imports torch. The processes a test starts inherit the core.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw3"
+    if worker and os.environ.get(CORE_PER_WORKER):
+        cores = sorted(MACHINE_CORES)
+        os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
+
+
+_pin_this_worker()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--core-per-worker``: each pytest-xdist worker (and every process it starts) runs on one core."""
+    parser.addoption(
+        "--core-per-worker", action="store_true",
+        help="pin each pytest-xdist worker, and the processes it starts, to one core (worker i to the i-th core, "
+             "round robin); tests marked `cores` need the machine's cores and must run without it",
+    )
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register `timing`, the marker that only .ci/run reads."""
-    # NOTE: a test that decides by measured wall time fails when other processes share the cores; .ci/run runs
-    # these alone, after the fast and slow lanes (which run side by side), and the fast tier runs them as usual.
-    config.addinivalue_line("markers", "timing: decides by measured wall time; .ci/run runs these alone, last")
+    """Register `cores` and `spread`; under ``--core-per-worker``, tell the workers to pin themselves."""
+    # NOTE: a test that decides by measured wall time, or that checks the thread pools across several cores,
+    # needs the machine to itself: .ci/run runs these alone and unpinned, after the rest.
+    config.addinivalue_line(
+        "markers", "cores: needs the machine's cores to itself (measured wall time, thread pools across cores); "
+                   ".ci/run runs these alone, last")
+    config.addinivalue_line(
+        "markers", "spread: starts a group of processes (Ray, a Flower deployment, browsers, Node devices) that a "
+                   "pinned worker lets run on every core")
+    if config.getoption("core_per_worker") and not hasattr(config, "workerinput"):
+        os.environ[CORE_PER_WORKER] = "1"  # the workers start after this hook, with this environment
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """A `spread` test runs on every core, also under ``--core-per-worker``; its processes inherit that."""
+    # NOTE: a group of processes on one core waits on itself: Ray's simulation took 123 s pinned against 23 s.
+    pinned = os.sched_getaffinity(0)
+    if item.get_closest_marker("spread"):
+        os.sched_setaffinity(0, MACHINE_CORES)
+    try:
+        return (yield)
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with `spread` tests first, then those with `slow` tests, so that a run does not end on a long file.
+
+    With ``pytest -n N --dist loadfile --no-loadscope-reorder`` pytest-xdist hands out files in this order.
+    """
+    def rank(marker: str) -> set[object]:
+        return {item.path for item in items if item.get_closest_marker(marker)}
+
+    spread, slow = rank("spread"), rank("slow")
+    items.sort(key=lambda item: (item.path not in spread, item.path not in slow))  # stable: a file keeps its order

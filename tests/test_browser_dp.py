@@ -65,6 +65,7 @@ def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Pa
 
 @RunIf(node=True)
 @pytest.mark.slow
+@pytest.mark.spread
 @pytest.mark.parametrize("side", ["client", "server"], ids=["clipped-on-the-device", "clipped-on-the-server"])
 def test_web_device_updates_are_clipped_to_the_norm(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, side: str  # noqa: F811

@@ -52,7 +52,7 @@ from ort_lightning.fleet.browser.frames import pack, read_result, train_frame, u
 from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spread]
 
 LR = 0.01
 HIDDEN = 16

@@ -96,6 +96,7 @@ class _Resident:
 
 @RunIf(node=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_fifty_node_devices_ten_rounds_ten_leave_five_come_back_nothing_lost(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:

@@ -34,6 +34,7 @@ DRIVER = ROOT / "tests" / "web" / "node_fleet.mjs"
 
 @RunIf(node=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_node_devices_leave_and_come_back_as_themselves(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:

@@ -69,6 +69,7 @@ def _page_text(url: str, pattern: str, profile: Path, fleet: BrowserFleet) -> st
 
 @RunIf(chromium=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_the_page_shows_its_fleet_device_status_rounds_and_a_leave_button(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:
@@ -93,6 +94,7 @@ def test_the_page_shows_its_fleet_device_status_rounds_and_a_leave_button(
 
 @RunIf(chromium=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_a_reloaded_page_comes_back_as_the_same_device(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:
@@ -178,6 +180,7 @@ class _AggregatesWhenSet(FedAvg):
 
 @RunIf(chromium=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:
@@ -240,6 +243,7 @@ def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
 
 @RunIf(chromium=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_a_page_reconnects_to_a_server_restarted_with_the_same_token(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:

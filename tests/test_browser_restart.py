@@ -62,6 +62,7 @@ def _fleet(web: TrainingArtifacts, port: int) -> BrowserFleet:
 
 @RunIf(node=True)
 @pytest.mark.slow
+@pytest.mark.spread
 def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_come_back(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
 ) -> None:

@@ -59,6 +59,7 @@ def _poisoned(fleet: BrowserFleet) -> None:
 
 @RunIf(node=True)
 @pytest.mark.slow
+@pytest.mark.spread
 @pytest.mark.parametrize("strategy", [FedMedian, FedTrimmedAvg, FedAvg], ids=["median", "trimmed-mean", "fedavg"])
 def test_a_poisoned_device_is_outvoted_by_robust_strategies_and_visible_under_fedavg(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, strategy: type  # noqa: F811

@@ -22,7 +22,7 @@ import pytest
 from ort_lightning.storage.atomic import verify_digest
 from tests.helpers import RunIf
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spread]
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 

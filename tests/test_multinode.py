@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import Exported
 
-pytestmark = pytest.mark.slow  # DDP ranks on two nodes
+pytestmark = [pytest.mark.slow, pytest.mark.spread]  # DDP ranks on two nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 

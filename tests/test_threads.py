@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -23,7 +23,12 @@ from tests.conftest import THREAD_ENVIRONMENT, Exported
 from tests.test_parity import _loader, _trainer
 
 STEPS = 24
-multicore = pytest.mark.skipif(available_cores() < 2, reason="the policy changes nothing torch does on one core")
+_one_core = pytest.mark.skipif(available_cores() < 2, reason="the policy changes nothing torch does on one core")
+
+
+def multicore(test: Callable[..., None]) -> Callable[..., None]:
+    """A test of the policy across cores: `cores`, so that .ci/run runs it alone and unpinned (conftest.py)."""
+    return pytest.mark.cores(_one_core(test))
 
 
 class _ThreadProbe(L.Callback):
@@ -131,7 +136,7 @@ class _TorchHeavy(ORTLightningModule):
         return batch
 
 
-@pytest.mark.timing  # two torch threads beat one only when no other process takes the second core
+@pytest.mark.cores  # two torch threads beat one only when no other process takes the second core
 @multicore
 def test_a_fit_whose_own_torch_work_outweighs_orts_keeps_torchs_threads(
     mlp_adamw: Exported, default_threads: int

@@ -33,10 +33,10 @@ Example::
     >>> module = ORTLightningModule(artifacts)
     >>> live = module.live_session
     >>> weight = module.weight
-    >>> live.replace(settings=dataclasses.replace(live.settings, intra_op_threads=1))  # rebuilt: another thread setting
+    >>> live.replace(settings=dataclasses.replace(live.settings, spinning=False))  # rebuilt: another thread setting
     True
-    >>> module.ort_session.intra_op_threads, module.weight is weight
-    (1, True)
+    >>> module.ort_session.spinning, module.weight is weight
+    (False, True)
     >>> live.replace(values={"weight": torch.ones(3, 4), "bias": torch.zeros(3)})  # copied in place
     False
     >>> bool(module.weight.sum() == 12)
