@@ -1,6 +1,6 @@
-"""Doctest collection of the package; a core per test worker, the `cores` and `spread` markers; long files first.
+"""Doctest collection of the package; a core per test worker; the `alone` and `spread` markers; slow files first.
 
-`slow` is registered in pyproject.toml; `cores` and `spread` are about how .ci/run shares the machine.
+`slow` is registered in pyproject.toml; `alone` and `spread` are about how .ci/run shares the machine.
 """
 
 import importlib.util
@@ -40,19 +40,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--core-per-worker", action="store_true",
         help="pin each pytest-xdist worker, and the processes it starts, to one core (worker i to the i-th core, "
-             "round robin); tests marked `cores` need the machine's cores and must run without it",
+             "round robin); tests marked `alone` need the machine to themselves and must run without it",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register `cores` and `spread`; under ``--core-per-worker``, tell the workers to pin themselves."""
-    # NOTE: a test that decides by measured wall time, or that checks the thread pools across several cores,
-    # needs the machine to itself: .ci/run runs these alone and unpinned, after the rest.
+    """Register `alone` and `spread`; under ``--core-per-worker``, tell the workers to pin themselves."""
+    # NOTE: a test that decides by measured wall time, checks the thread pools across several cores, or starts
+    # Ray (beside the other tests on a loaded machine, a Ray round hung past its 300 s limit) needs the machine
+    # to itself: .ci/run runs these alone and unpinned, after the rest.
     config.addinivalue_line(
-        "markers", "cores: needs the machine's cores to itself (measured wall time, thread pools across cores); "
-                   ".ci/run runs these alone, last")
+        "markers", "alone: needs the machine to itself (measured wall time, thread pools across cores, Ray); "
+                   ".ci/run runs these one at a time, last")
     config.addinivalue_line(
-        "markers", "spread: starts a group of processes (Ray, a Flower deployment, browsers, Node devices) that a "
+        "markers", "spread: starts a group of processes (a Flower deployment, browsers, Node devices) that a "
                    "pinned worker lets run on every core")
     if config.getoption("core_per_worker") and not hasattr(config, "workerinput"):
         os.environ[CORE_PER_WORKER] = "1"  # the workers start after this hook, with this environment
@@ -61,7 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     """A `spread` test runs on every core, also under ``--core-per-worker``; its processes inherit that."""
-    # NOTE: a group of processes on one core waits on itself: Ray's simulation took 123 s pinned against 23 s.
+    # NOTE: a group of processes on one core waits on itself: a Flower deployment took 116 s pinned against 48 s.
     pinned = os.sched_getaffinity(0)
     if item.get_closest_marker("spread"):
         os.sched_setaffinity(0, MACHINE_CORES)
@@ -72,12 +73,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with `spread` tests first, then those with `slow` tests, so that a run does not end on a long file.
+    """Files with `slow` tests first, so that a pytest-xdist run does not end on a long file.
 
-    With ``pytest -n N --dist loadfile --no-loadscope-reorder`` pytest-xdist hands out files in this order.
+    With ``pytest -n N --dist loadfile --no-loadscope-reorder`` pytest-xdist hands out files in this order
+    (its default order, most tests first, left the single long tests for the end).
     """
-    def rank(marker: str) -> set[object]:
-        return {item.path for item in items if item.get_closest_marker(marker)}
-
-    spread, slow = rank("spread"), rank("slow")
-    items.sort(key=lambda item: (item.path not in spread, item.path not in slow))  # stable: a file keeps its order
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the files keep their order, a file its tests'

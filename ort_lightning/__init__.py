@@ -1,5 +1,9 @@
 """ort-lightning: train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
+The public names are imported on first use, so that a process that needs no Lightning (``ort-lightning
+inspect``, ``ort-lightning export``) does not import it: Lightning's import alone costs seconds. ONNX
+Runtime is imported at once: a missing or wrong build fails here, with the install command.
+
 Example::
 
     >>> import ort_lightning
@@ -9,12 +13,28 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+import ort_lightning.ort._api  # noqa: F401 - ONNX Runtime's build checked, its logging quieted
 from ort_lightning._version import __version__
-from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.callbacks import ORTCheckpoint
-from ort_lightning.export import export_artifacts
-from ort_lightning.strategies import ORTDDPStrategy
-from ort_lightning.training import ORTLightningModule, ORTOptimizer
+
+if TYPE_CHECKING:
+    from ort_lightning.artifacts import TrainingArtifacts
+    from ort_lightning.callbacks import ORTCheckpoint
+    from ort_lightning.export import export_artifacts
+    from ort_lightning.strategies import ORTDDPStrategy
+    from ort_lightning.training import ORTLightningModule, ORTOptimizer
+
+#: Each public name and the module it comes from.
+_HOMES = {
+    "ORTCheckpoint": "ort_lightning.callbacks",
+    "ORTDDPStrategy": "ort_lightning.strategies",
+    "ORTLightningModule": "ort_lightning.training",
+    "ORTOptimizer": "ort_lightning.training",
+    "TrainingArtifacts": "ort_lightning.artifacts",
+    "export_artifacts": "ort_lightning.export",
+}
 
 __all__ = [
     "ORTCheckpoint",
@@ -25,3 +45,16 @@ __all__ = [
     "__version__",
     "export_artifacts",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Import a public name from its module on first use (PEP 562)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ort_lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -300,7 +300,7 @@ def test_kept_optimizer_state_continues_the_devices_adamw_step(mlp_adamw: Export
     assert steps == [2 * (size // 4) for size in SIZES]
 
 
-@pytest.mark.spread
+@pytest.mark.alone  # Ray
 def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, tmp_path: Path) -> None:
     """One true run on Flower's simulation engine (Ray): 2 devices, 1 round, the same numbers as by hand."""
     from flwr.simulation import run_simulation

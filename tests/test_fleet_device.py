@@ -339,7 +339,7 @@ PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|
 
 
 @pytest.mark.slow
-@pytest.mark.spread
+@pytest.mark.alone  # Ray
 def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
     from .test_cli import run
 

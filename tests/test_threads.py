@@ -27,8 +27,8 @@ _one_core = pytest.mark.skipif(available_cores() < 2, reason="the policy changes
 
 
 def multicore(test: Callable[..., None]) -> Callable[..., None]:
-    """A test of the policy across cores: `cores`, so that .ci/run runs it alone and unpinned (conftest.py)."""
-    return pytest.mark.cores(_one_core(test))
+    """A test of the policy across cores: `alone`, so that .ci/run runs it alone and unpinned (conftest.py)."""
+    return pytest.mark.alone(_one_core(test))
 
 
 class _ThreadProbe(L.Callback):
@@ -136,7 +136,7 @@ class _TorchHeavy(ORTLightningModule):
         return batch
 
 
-@pytest.mark.cores  # two torch threads beat one only when no other process takes the second core
+@pytest.mark.alone  # two torch threads beat one only when no other process takes the second core
 @multicore
 def test_a_fit_whose_own_torch_work_outweighs_orts_keeps_torchs_threads(
     mlp_adamw: Exported, default_threads: int

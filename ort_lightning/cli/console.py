@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-
 from ort_lightning.cli.usage import OneLineParser, UsageError
 from ort_lightning.errors import ORTLightningError
 
@@ -63,10 +61,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler()
     except UsageError as error:
         return _print_error(str(error))
-    except (ImportError, OSError, ValueError, RuntimeError, ORTLightningError, MisconfigurationException) as error:
+    except Exception as error:
+        if not isinstance(error, _one_line_errors()):
+            raise
         # One line, no traceback: ORT's and Lightning's refusals, and the package's own errors.
         return _print_error(f"{type(error).__name__}: {error}")
     return 0
+
+
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """The errors printed as one line: Lightning's only where it was imported (``inspect`` does not import it)."""
+    errors: tuple[type[Exception], ...] = (ImportError, OSError, ValueError, RuntimeError, ORTLightningError)
+    lightning = sys.modules.get("lightning.fabric.utilities.exceptions")
+    return (*errors, lightning.MisconfigurationException) if lightning else errors
 
 
 def _print_error(message: str) -> int:
