@@ -148,10 +148,27 @@ def test_import_without_onnxruntime_names_both_install_commands() -> None:
 
 def test_public_names() -> None:
     import ort_lightning
+    from ort_lightning.artifacts import TrainingArtifacts
+    from ort_lightning.callbacks import ORTCheckpoint
+    from ort_lightning.export import export_artifacts
+    from ort_lightning.strategies import ORTDDPStrategy
+    from ort_lightning.training import ORTLightningModule, ORTOptimizer
 
-    assert {"export_artifacts", "TrainingArtifacts", "ORTLightningModule", "ORTOptimizer"} <= set(
-        ort_lightning.__all__
-    )
+    public = [ORTCheckpoint, ORTDDPStrategy, ORTLightningModule, ORTOptimizer, TrainingArtifacts, export_artifacts]
+    assert ort_lightning.__all__ == sorted(["__version__", *(thing.__name__ for thing in public)])
+    assert all(getattr(ort_lightning, thing.__name__) is thing for thing in public)  # imported on first use
+    with pytest.raises(AttributeError, match="no attribute 'ORTModule'"):
+        ort_lightning.ORTModule  # noqa: B018
+
+
+@pytest.mark.slow  # a child process
+def test_inspect_and_its_one_line_error_do_not_import_lightning(tmp_path: Path) -> None:
+    code = ("import sys; from ort_lightning.cli import main; status = main(['inspect', sys.argv[1]]); "
+            "print(status, 'lightning' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.split() == ["2", "False"]
+    assert result.stderr.strip().splitlines()[-1].startswith("ort-lightning: error: ")
 
 
 @pytest.mark.slow  # a child process
