@@ -19,6 +19,7 @@ import torch
 from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import ORTLightningModule, export_artifacts
+from ort_lightning.artifacts import checks
 from ort_lightning.fleet.parameters import get_values
 from ort_lightning.fleet.server import GlobalModel
 from tests.conftest import Exported
@@ -80,6 +81,22 @@ def test_an_export_reads_each_graph_once(tmp_path: Path, reads: Counter[str], ve
     # as they were written (the verifier's child process reads its own copy: another process, not counted here).
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     export_artifacts(model, torch.zeros(2, 4), tmp_path / "artifacts", verify=verify)
+    assert dict(reads) == GRAPHS
+
+
+@pytest.mark.parametrize("remembered", [checks._KNOWN_LIMIT - 3, checks._KNOWN_LIMIT - 2, checks._KNOWN_LIMIT - 1])
+def test_an_export_after_many_others_reads_each_graph_once(
+    tmp_path: Path, reads: Counter[str], monkeypatch: pytest.MonkeyPatch, remembered: int
+) -> None:
+    # A process that exported before holds other graphs' facts: the export's own three must stay among them.
+    monkeypatch.setattr(checks, "_KNOWN", {})
+    graph = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [], []))
+    for index in range(remembered):
+        path = tmp_path / f"earlier_{index}.onnx"
+        onnx.save(graph, path)
+        checks.remember_graph(path, graph)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    export_artifacts(model, torch.zeros(2, 4), tmp_path / "artifacts", verify=False)
     assert dict(reads) == GRAPHS
 
 

@@ -92,6 +92,8 @@ def read_graph(path: Path) -> GraphFacts:
 
 #: Facts of graphs the export just wrote (`remember_graph`), by path, size and mtime.
 _KNOWN: dict[tuple[Path, int, int], GraphFacts] = {}
+#: How many graphs' facts `_KNOWN` keeps: the last few exports' graphs.
+_KNOWN_LIMIT = 32
 
 
 def remember_graph(path: Path, model: onnx.ModelProto) -> None:
@@ -101,8 +103,9 @@ def remember_graph(path: Path, model: onnx.ModelProto) -> None:
         ArtifactError: as `read_graph` would for the file.
     """
     stat = path.stat()
-    if len(_KNOWN) >= 32:
-        _KNOWN.clear()
+    while len(_KNOWN) >= _KNOWN_LIMIT:
+        # The oldest go first: clearing them all could drop the graphs of the export in progress.
+        del _KNOWN[next(iter(_KNOWN))]
     _KNOWN[(path, stat.st_size, stat.st_mtime_ns)] = _facts_of(path, model)
 
 
