@@ -30,7 +30,7 @@ from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
 from ort_lightning.demo import digits_mlp
-from ort_lightning.fleet.client import DataFn
+from ort_lightning.fleet.protocol import DataFn
 from ort_lightning.fleet.worker import fresh_loops
 
 #: torch.optim.AdamW's defaults, the options ``export_artifacts(optimizer="adamw")`` exports.

@@ -35,8 +35,8 @@ from ort_lightning.demo import FEATURES, digits_mlp
 from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet import FleetServer, GlobalModel
 from ort_lightning.fleet.browser import BrowserFleet
-from ort_lightning.fleet.client import ClientData
 from ort_lightning.fleet.digits import DigitsPartitions
+from ort_lightning.fleet.protocol import ClientData
 from ort_lightning.web import find_ort_web
 
 NODE_DEVICE = Path(__file__).resolve().parents[1] / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"

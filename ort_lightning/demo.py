@@ -19,14 +19,13 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ort_lightning.demo_data import STRIPE_CLASSES, split_digits, stripes
+
 __all__ = ["DigitsDataModule", "StripesDataModule", "digits_mlp", "stripes_cnn"]
 
 #: Inputs per image (8x8 pixels, flattened) and classes.
 FEATURES = 64
 CLASSES = 10
-#: The generated stripes images: 1 channel of 12x12 pixels; horizontal, vertical and the two diagonals.
-STRIPE_SHAPE = (1, 12, 12)
-STRIPE_CLASSES = 4
 
 
 def digits_mlp(hidden: int = 64, seed: int = 0) -> torch.nn.Module:
@@ -59,18 +58,6 @@ def stripes_cnn(channels: int = 8, seed: int = 0) -> torch.nn.Module:
         torch.random.set_rng_state(generator_state)
 
 
-def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            'The digits demo needs scikit-learn; install it with pip install "ort-lightning[cli]".'
-        ) from error
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    return x, torch.tensor(digits.target, dtype=torch.int64)
-
-
 class DigitsDataModule(pl.LightningDataModule):
     """scikit-learn's digits as ``(pixels float32 [B, 64] in [0, 1], label int64 [B])`` batches.
 
@@ -90,11 +77,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         """Split the images once, the same way for every stage."""
-        x, y = _load_digits()
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.seed))
-        held_out = int(len(y) * self.val_fraction)
-        self.train_set = TensorDataset(x[order[held_out:]], y[order[held_out:]])
-        self.val_set = TensorDataset(x[order[:held_out]], y[order[:held_out]])
+        self.train_set, self.val_set = split_digits(self.val_fraction, self.seed)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches."""
@@ -112,22 +95,6 @@ class DigitsDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         """The held-out batches again (labels are ignored by predict)."""
         return self.val_dataloader()
-
-
-def _stripes(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noisy 12x12 images of one short stripe each; the label is the stripe's direction."""
-    generator = torch.Generator().manual_seed(seed)
-    size = STRIPE_SHAPE[-1]
-    labels = torch.randint(0, STRIPE_CLASSES, (count,), generator=generator)
-    images = 0.3 * torch.randn((count, *STRIPE_SHAPE), generator=generator)
-    steps = {0: (0, 1), 1: (1, 0), 2: (1, 1), 3: (1, -1)}
-    starts = torch.randint(3, size - 3, (count, 2), generator=generator)
-    for index in range(count):
-        dy, dx = steps[int(labels[index])]
-        y, x = (int(v) for v in starts[index])
-        for offset in range(-2, 3):
-            images[index, 0, y + offset * dy, x + offset * dx] += 1.0
-    return images, labels
 
 
 class StripesDataModule(pl.LightningDataModule):
@@ -159,8 +126,8 @@ class StripesDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         """Draw the images once, the same way for every stage."""
-        self.train_set = TensorDataset(*_stripes(self.train_size, self.seed))
-        self.val_set = TensorDataset(*_stripes(max(1, self.train_size // 4), self.seed + 1))
+        self.train_set = TensorDataset(*stripes(self.train_size, self.seed))
+        self.val_set = TensorDataset(*stripes(max(1, self.train_size // 4), self.seed + 1))
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (the last incomplete one dropped: BatchNorm needs 2+ samples)."""

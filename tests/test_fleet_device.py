@@ -306,6 +306,54 @@ def test_a_hung_a_failing_and_a_diverging_device_leave_the_round_to_the_others(
     _assert_close(_values(round_path(tmp_path, 1)), _fedavg(fits), atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- no Lightning on a device
+#: A SuperNode's process with Lightning absent: it loads the deployment's app and trains one round through it.
+_WITHOUT_LIGHTNING = """
+import sys
+sys.modules.update(dict.fromkeys(("lightning", "pytorch_lightning", "lightning_fabric")))  # None: import fails
+import numpy as np, torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from ort_lightning.fleet.deploy import client
+from ort_lightning.fleet.local import LocalGrid
+
+folder, values, out, partitions = sys.argv[1], np.load(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+LocalGrid(ClientApp(), nodes=1)  # the task identity Flower stamps on a Message
+arrays = ArrayRecord({name: torch.from_numpy(values[name]) for name in values.files})
+message = Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}), dst_node_id=1,
+                  message_type="train")
+run_config = {"artifacts": folder, "devices": partitions, "epochs": 1, "lr": 0.01, "batch_size": 32, "seed": 0}
+context = Context(1, 1, {"partition-id": 1, "num-partitions": partitions}, RecordDict(), run_config)
+reply = client(message, context)
+assert not reply.has_error(), reply.error
+np.savez(out, **{name: array.numpy() for name, array in reply.content.array_records["arrays"].items()})
+print(sorted(name for name, module in sys.modules.items() if module is not None
+             and (name.split(".")[0] == "lightning" or name.startswith("ort_lightning.training"))))
+"""
+
+
+@pytest.mark.slow
+def test_a_supernode_trains_a_round_with_lightning_absent(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    exported, device = folders
+    start = _values(exported.checkpoint)
+    np.savez(tmp_path / "start.npz", **start)
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_LIGHTNING, str(device.directory), str(tmp_path / "start.npz"),
+         str(tmp_path / "trained.npz"), str(DEVICES)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"  # neither Lightning nor the Trainer's side of the package was loaded
+    trained = np.load(tmp_path / "trained.npz")
+    expected = ort_device_loop(device.directory, _epochs(1, 1), lr=None, graphs="ort", values=start)
+    _assert_close({name: trained[name] for name in trained.files}, expected, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- Node: the same round
 @pytest.mark.slow
 @RunIf(node=True)

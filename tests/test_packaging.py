@@ -161,6 +161,25 @@ def test_public_names() -> None:
         ort_lightning.ORTModule  # noqa: B018
 
 
+def test_fleet_public_names() -> None:
+    pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]"')
+    import ort_lightning.fleet as fleet
+    from ort_lightning.fleet.app import FleetServer, RoundRecord
+    from ort_lightning.fleet.client import FleetClient, evaluate_module
+    from ort_lightning.fleet.device import DeviceClient
+    from ort_lightning.fleet.local import LocalGrid, run_local
+    from ort_lightning.fleet.parameters import get_values, set_values, state_order
+    from ort_lightning.fleet.protocol import ClientData
+    from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+
+    public = [CheckpointEachRound, ClientData, DeviceClient, FleetClient, FleetServer, GlobalModel, LocalGrid,
+              RoundRecord, evaluate_module, get_values, round_path, run_local, set_values, state_order]
+    assert fleet.__all__ == sorted(thing.__name__ for thing in public)
+    assert all(getattr(fleet, thing.__name__) is thing for thing in public)  # imported on first use
+    with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
+        fleet.Trainer  # noqa: B018
+
+
 @pytest.mark.slow  # a child process
 def test_inspect_and_its_one_line_error_do_not_import_lightning(tmp_path: Path) -> None:
     code = ("import sys; from ort_lightning.cli import main; status = main(['inspect', sys.argv[1]]); "

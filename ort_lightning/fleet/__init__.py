@@ -8,10 +8,14 @@ ask for it by name: no device has a Trainer. The server runs Flower's own
 strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
 complete ORT checkpoint. `LocalGrid` runs the same apps in this process, without Ray.
 
-The subpackage sits above ``training``: nothing below it imports it.
+The subpackage sits above ``training``: nothing below it imports it. Its names are imported on
+first use, so that a device (`DeviceClient`, the deployment's ``client``) imports no Lightning.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 try:
     import flwr  # noqa: F401
@@ -20,12 +24,32 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         'ort_lightning.fleet needs Flower; install it with pip install "ort-lightning[fleet]".'
     ) from error
 
-from ort_lightning.fleet.app import FleetServer, RoundRecord
-from ort_lightning.fleet.client import ClientData, FleetClient, evaluate_module
-from ort_lightning.fleet.device import DeviceClient
-from ort_lightning.fleet.local import LocalGrid, run_local
-from ort_lightning.fleet.parameters import get_values, set_values, state_order
-from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+if TYPE_CHECKING:
+    from ort_lightning.fleet.app import FleetServer, RoundRecord
+    from ort_lightning.fleet.client import FleetClient, evaluate_module
+    from ort_lightning.fleet.device import DeviceClient
+    from ort_lightning.fleet.local import LocalGrid, run_local
+    from ort_lightning.fleet.parameters import get_values, set_values, state_order
+    from ort_lightning.fleet.protocol import ClientData
+    from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+
+#: Each public name and the module it comes from.
+_HOMES = {
+    "CheckpointEachRound": "ort_lightning.fleet.server",
+    "ClientData": "ort_lightning.fleet.protocol",
+    "DeviceClient": "ort_lightning.fleet.device",
+    "FleetClient": "ort_lightning.fleet.client",
+    "FleetServer": "ort_lightning.fleet.app",
+    "GlobalModel": "ort_lightning.fleet.server",
+    "LocalGrid": "ort_lightning.fleet.local",
+    "RoundRecord": "ort_lightning.fleet.app",
+    "evaluate_module": "ort_lightning.fleet.client",
+    "get_values": "ort_lightning.fleet.parameters",
+    "round_path": "ort_lightning.fleet.server",
+    "run_local": "ort_lightning.fleet.local",
+    "set_values": "ort_lightning.fleet.parameters",
+    "state_order": "ort_lightning.fleet.parameters",
+}
 
 __all__ = [
     "CheckpointEachRound",
@@ -43,3 +67,16 @@ __all__ = [
     "set_values",
     "state_order",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Import a public name from its module on first use (PEP 562): a device imports no Lightning."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'ort_lightning.fleet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

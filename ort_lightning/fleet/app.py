@@ -40,13 +40,10 @@ from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.protocol import DEVICE_TIMEOUT
 from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
 
 __all__ = ["DEVICE_TIMEOUT", "FleetServer", "RoundRecord"]
-
-#: Seconds a device may take to answer a round by default (ten minutes: far above a device's
-#: local fit in these experiments, which is seconds, and far below "for ever").
-DEVICE_TIMEOUT = 600.0
 
 
 @dataclass

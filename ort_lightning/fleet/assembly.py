@@ -1,4 +1,4 @@
-"""What a fleet experiment is built from: the device folder, each device's client, the server.
+"""What a fleet experiment is built from: the device folder and the server (each device's client: `runner`).
 
 Each takes the `FleetConfig` and the artifacts; the data comes as an argument (``data`` for the
 devices, ``test`` for the server's evaluation), so that nothing here knows a data set.
@@ -15,12 +15,10 @@ from torch.utils.data import DataLoader
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.client import DataFn, FleetClient
 from ort_lightning.fleet.config import STRATEGIES, FleetConfig
-from ort_lightning.fleet.device import DeviceClient
 from ort_lightning.fleet.server import GlobalModel
 
-__all__ = ["device_folder", "fleet_client", "fleet_server", "quiet_ray"]
+__all__ = ["device_folder", "fleet_server", "quiet_ray"]
 
 
 def _strategy(config: FleetConfig) -> Strategy:
@@ -38,20 +36,6 @@ def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Tra
     checkpoint): the files a browser loads, and the ones a simulated device opens.
     """
     return prepare_for_web(artifacts, Path(config.out) / "device", lr=config.lr)
-
-
-def fleet_client(
-    config: FleetConfig, artifacts: str | os.PathLike[str], data: DataFn
-) -> DeviceClient | FleetClient:
-    """What each device of the experiment runs on the folder `artifacts`: its node's partition of `data`, the options.
-
-    ``runner: ort`` runs ONNX Runtime's device loop (`DeviceClient`) at ``lr``: computed by the
-    optimizer graph of a prepared folder (`device_folder`), set through ORT's ``set_learning_rate``
-    on a plain one. ``runner: lightning`` runs a Trainer over an `ORTLightningModule` (`FleetClient`).
-    """
-    kind = FleetClient if config.runner == "lightning" else DeviceClient
-    return kind(Path(artifacts), data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state,
-                start=config.start)
 
 
 def fleet_server(

@@ -51,7 +51,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,16 @@ from torch.utils.data import DataLoader
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.parameters import get_values, set_values
+from ort_lightning.fleet.protocol import (  # the protocol's names, still importable from here
+    ARRAYS_KEY,
+    METRICS_KEY,
+    OPTIMIZER_STATES,
+    STARTS,
+    WEIGHT_KEY,
+    ClientData,
+    DataFn,
+    check_client_options,
+)
 from ort_lightning.fleet.worker import WORKER, Slot, SlotKind
 from ort_lightning.training.module import ORTLightningModule
 
@@ -73,32 +83,8 @@ __all__ = [
     "check_client_options", "evaluate_module",
 ]
 
-#: Record keys, as Flower's strategies name them by default.
-ARRAYS_KEY = "arrays"
-METRICS_KEY = "metrics"
-WEIGHT_KEY = "num-examples"
 #: Where a client keeps its ORT optimizer state between rounds (``optimizer_state="keep"``).
 _STATE_KEY = "ort_lightning_state"
-OPTIMIZER_STATES = ("fresh", "keep")
-#: Where a device starts: its nominal checkpoint plus the server's values, or its complete checkpoint.
-STARTS = ("auto", "nominal", "complete")
-
-
-@dataclass(frozen=True)
-class ClientData:
-    """One device's data: training batches, and optionally evaluation batches.
-
-    Attributes:
-        train: batches in the order of the training graph's inputs (model inputs, then labels).
-        test: batches for ``evaluate`` messages; None means the device does not evaluate.
-    """
-
-    train: DataLoader
-    test: DataLoader | None = None
-
-
-#: ``(partition_id, num_partitions) -> ClientData``: a device's data, from Flower's node config.
-DataFn = Callable[[int, int], ClientData]
 
 
 @dataclass(frozen=True)
@@ -259,26 +245,6 @@ class FleetClient:
             "enable_progress_bar": False, "enable_model_summary": False, **self.trainer_options,
             "max_epochs": self.epochs,
         }
-
-
-def check_client_options(optimizer_state: str, start: str, epochs: int) -> None:
-    """Check a device's options (`FleetClient`'s and `DeviceClient`'s).
-
-    Raises:
-        ConfigurationError: for an unknown `optimizer_state` or `start`, or a non-positive `epochs`.
-    """
-    if optimizer_state not in OPTIMIZER_STATES:
-        raise ConfigurationError(
-            f"Expected `optimizer_state` to be one of {OPTIMIZER_STATES}, but got {optimizer_state!r}; "
-            'pass "fresh" (a new optimizer every round) or "keep" (each client keeps its own).'
-        )
-    if start not in STARTS:
-        raise ConfigurationError(
-            f"Expected `start` to be one of {STARTS}, but got {start!r}; pass \"nominal\" (the nominal "
-            'checkpoint plus the server\'s values), "complete" (the complete checkpoint) or "auto".'
-        )
-    if epochs < 1:
-        raise ConfigurationError(f"Expected `epochs` >= 1, but got {epochs}; pass the local epochs per round.")
 
 
 def _kept_state(module: ORTLightningModule) -> ArrayRecord:

@@ -19,10 +19,9 @@ from typing import Any
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.app import DEVICE_TIMEOUT
-from ort_lightning.fleet.client import OPTIMIZER_STATES, STARTS
 from ort_lightning.fleet.digits import SPLITS
 from ort_lightning.fleet.keys import check_keys, check_types, parse_override
+from ort_lightning.fleet.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig"]
 

@@ -29,18 +29,20 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.assembly import fleet_client, fleet_server
-from ort_lightning.fleet.client import FleetClient
 from ort_lightning.fleet.config import FleetConfig
-from ort_lightning.fleet.device import DeviceClient
 from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader
-from ort_lightning.fleet.report import report
+from ort_lightning.fleet.runner import fleet_client
+
+if TYPE_CHECKING:
+    from ort_lightning.fleet.client import FleetClient
+    from ort_lightning.fleet.device import DeviceClient
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -93,6 +95,11 @@ server = ServerApp()
 
 @server.main()
 def _main(grid: Grid, context: Context) -> None:
+    # The server's parts (Lightning among them) are imported here: each SuperNode loads this module for
+    # `client`, and a device imports no Lightning (tests/test_fleet_device.py).
+    from ort_lightning.fleet.assembly import fleet_server
+    from ort_lightning.fleet.report import report
+
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.

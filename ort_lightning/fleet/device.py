@@ -66,15 +66,8 @@ from flwr.clientapp import ClientApp
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from ort_lightning.fleet.arrays import WeightLayout
-from ort_lightning.fleet.client import (
-    ARRAYS_KEY,
-    METRICS_KEY,
-    WEIGHT_KEY,
-    ClientData,
-    DataFn,
-    check_client_options,
-)
 from ort_lightning.fleet.folder import device_files, ordered, weight_order
+from ort_lightning.fleet.protocol import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY, ClientData, DataFn, check_client_options
 from ort_lightning.ort.device import DeviceFiles, OrtDevice
 
 __all__ = ["DeviceClient", "DeviceFolder"]

@@ -13,7 +13,7 @@ of the training split, cut into ``n`` contiguous parts of one ordering of it:
   holds one or two of the 1,438 training images.
 
 Each device evaluates on its IID share of the held-out split. The held-out split is the one
-`ort_lightning.demo.DigitsDataModule` holds out.
+`ort_lightning.demo.DigitsDataModule` holds out (`ort_lightning.demo_data.split_digits`).
 
 Example::
 
@@ -31,8 +31,8 @@ from functools import lru_cache
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ort_lightning.demo import DigitsDataModule
-from ort_lightning.fleet.client import ClientData
+from ort_lightning.demo_data import split_digits
+from ort_lightning.fleet.protocol import ClientData
 
 __all__ = ["SPLITS", "WRITERS", "DigitsPartitions", "digits_test_loader", "writer_groups"]
 
@@ -45,9 +45,7 @@ WRITERS = 13
 def _splits(seed: int) -> tuple[TensorDataset, TensorDataset]:
     # NOTE: loading and splitting the digits costs about 0.7 s, and a fleet asks for every device's
     # partition every round; callers index these tensors (a copy) and never write into them.
-    data = DigitsDataModule(seed=seed)
-    data.setup("fit")
-    return data.train_set, data.val_set
+    return split_digits(seed=seed)
 
 
 @lru_cache(maxsize=8)

@@ -37,13 +37,15 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.assembly import device_folder, fleet_client, fleet_server, quiet_ray
+from ort_lightning.fleet.assembly import device_folder, fleet_server, quiet_ray
 from ort_lightning.fleet.browser.experiment import run_browser_experiment
-from ort_lightning.fleet.client import DataFn, FleetClient
+from ort_lightning.fleet.client import FleetClient
 from ort_lightning.fleet.config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
 from ort_lightning.fleet.device import DeviceClient
 from ort_lightning.fleet.local import run_local
+from ort_lightning.fleet.protocol import DataFn
 from ort_lightning.fleet.report import report
+from ort_lightning.fleet.runner import fleet_client
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment"]
 

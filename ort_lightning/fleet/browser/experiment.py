@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from ort_lightning.fleet.app import FleetServer
 from ort_lightning.fleet.assembly import device_folder, fleet_server
 from ort_lightning.fleet.browser.fleet import BrowserFleet
-from ort_lightning.fleet.client import DataFn
 from ort_lightning.fleet.config import FleetConfig
+from ort_lightning.fleet.protocol import DataFn
 from ort_lightning.fleet.report import report
 
 __all__ = ["run_browser_experiment"]

@@ -26,9 +26,9 @@ from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs, PageData, stra
 from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
 from ort_lightning.fleet.browser.site import web_app
 from ort_lightning.fleet.browser.tls import is_loopback, tls_files
-from ort_lightning.fleet.client import DataFn
 from ort_lightning.fleet.folder import device_files, ordered, weight_order
 from ort_lightning.fleet.local import _RUN_ID
+from ort_lightning.fleet.protocol import DataFn
 from ort_lightning.web import find_ort_web
 
 __all__ = ["BrowserFleet"]

@@ -35,8 +35,8 @@ from ort_lightning.fleet.browser.frames import Result, read_result, unpack
 from ort_lightning.fleet.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.browser.reply import reply_records
-from ort_lightning.fleet.client import ARRAYS_KEY, METRICS_KEY
 from ort_lightning.fleet.local import CLIENT_ERROR_CODE
+from ort_lightning.fleet.protocol import ARRAYS_KEY, METRICS_KEY
 
 __all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 

@@ -21,7 +21,7 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from ort_lightning.fleet.browser.frames import Result
-from ort_lightning.fleet.client import WEIGHT_KEY
+from ort_lightning.fleet.protocol import WEIGHT_KEY
 
 __all__ = ["reply_records"]
 
