@@ -13,10 +13,10 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 import ort_lightning.ort._api  # noqa: F401 - ONNX Runtime's build checked, its logging quieted
+from ort_lightning._lazy import lazy_names
 from ort_lightning._version import __version__
 
 if TYPE_CHECKING:
@@ -47,14 +47,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """Import a public name from its module on first use (PEP 562)."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'ort_lightning' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # later lookups find it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)

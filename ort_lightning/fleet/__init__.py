@@ -14,7 +14,6 @@ first use, so that a device (`DeviceClient`, the deployment's ``client``) import
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 try:
@@ -23,6 +22,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         'ort_lightning.fleet needs Flower; install it with pip install "ort-lightning[fleet]".'
     ) from error
+
+from ort_lightning._lazy import lazy_names
 
 if TYPE_CHECKING:
     from ort_lightning.fleet.app import FleetServer, RoundRecord
@@ -69,14 +70,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """Import a public name from its module on first use (PEP 562): a device imports no Lightning."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'ort_lightning.fleet' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # later lookups find it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_names(globals(), _HOMES)
