@@ -51,6 +51,11 @@ def _dumped_dom(url: str, profile: Path) -> str:
     return run.stdout
 
 
+def _status(dom: str) -> str:
+    """The page's status and notice lines in a dumped DOM: what a failed assertion should show."""
+    return " / ".join(re.findall(r'<p id="(?:status|notice)">(.*?)</p>', dom, re.DOTALL)) or dom[-300:]
+
+
 def _page_text(url: str, pattern: str, profile: Path, fleet: BrowserFleet) -> str:
     """The page's text once it shows `pattern`; then its browser closes, and the fleet sees the device go.
 
@@ -102,10 +107,16 @@ def test_a_reloaded_page_comes_back_as_the_same_device(
     profile = tmp_path / "profile"  # one browser profile: its localStorage holds the page's identity
     with BrowserFleet(web, DATA, port=0, devices=2, ort_web=ort_web_dist(), name="reload") as fleet:
         first = _dumped_dom(fleet.url + "&name=pixel", profile)
+        # The page's socket closes as its browser exits; the server may see that a moment later (on a loaded machine,
+        # after the next browser had started). A page that came back before then would be refused as a second tab
+        # claiming a connected identity, so the reload waits until the fleet has seen the page go.
+        end = time.monotonic() + 30
+        while fleet.connected and time.monotonic() < end:
+            time.sleep(0.02)
         joined = {device.name for device in fleet.connected}
         again = _dumped_dom(fleet.url + "&name=reloaded", profile)
-    assert "pixel: ready" in first
-    assert "pixel: ready" in again  # the server gave the page its own name back, not the one it asked for
+    assert "pixel: ready" in first, _status(first)
+    assert "pixel: ready" in again, _status(again)  # the server gave the page its own name back, not the one asked
     assert joined == set()  # the first page closed with its browser
     kinds = [(event.device, event.kind, event.detail) for event in fleet.hub.events]
     assert [(d, k) for d, k, _ in kinds] == [("pixel", "joined"), ("pixel", "left"), ("pixel", "came back"),
