@@ -197,7 +197,7 @@ class CheckpointConnector:
         include_optimizer_state = include_optimizer_state and not self.hybrid
         session = self.live.session
         values: dict[str, int | float | str] = {
-            "lr": float(session.get_lr()),
+            **self._learning_rate(trainer),
             "optimizer_state": int(include_optimizer_state),
             "seed": self.steps.seed_in_use(),
             **schedule_properties(self.schedule),
@@ -205,6 +205,17 @@ class CheckpointConnector:
             **(properties or {}),
         }
         return write_ort_checkpoint(session, path, include_optimizer_state=include_optimizer_state, properties=values)
+
+    def _learning_rate(self, trainer: Any) -> dict[str, float]:
+        """``{"lr": ...}``: the rate of the optimizer that updates, or nothing where none is known.
+
+        NOTE: under a torch optimizer (hybrid training) ORT's optimizer never runs, and its rate is not the run's;
+        the torch optimizer's first param group is, once a fit has built it.
+        """
+        if not self.hybrid:
+            return {"lr": float(self.live.session.get_lr())}
+        optimizers = getattr(trainer, "optimizers", None) or []
+        return {"lr": float(optimizers[0].param_groups[0]["lr"])} if optimizers else {}
 
     def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None) -> Path:
         """Write the eval graph with the current weights, keeping `outputs` (None: the model's own)."""
