@@ -156,3 +156,19 @@ def test_save_outside_a_fit_keeps_where_the_run_started(mlp_adamw: Exported, fir
     assert found["note"] == "copy"
     assert found["global_step"] == FIRST_EPOCHS * BATCHES
     assert found["next_epoch"] == FIRST_EPOCHS
+
+
+def test_properties_are_replaced_only_in_an_ort_checkpoint_with_a_bag(mlp_adamw: Exported, tmp_path: Path) -> None:
+    from ort_lightning.errors import CheckpointError
+    from ort_lightning.ort.properties import replace_properties
+
+    exported = tmp_path / "checkpoint"  # generate_artifacts writes no property bag
+    exported.write_bytes(mlp_adamw.artifacts.checkpoint.read_bytes())
+    replace_properties(exported, {})  # nothing to replace, nothing to add
+    assert properties(exported) == {}
+    with pytest.raises(CheckpointError, match=r"has no property bag to replace; save it from a state that holds"):
+        replace_properties(exported, {"epoch": 1})
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"\xff\xff\xff\x7f not a flatbuffer")
+    with pytest.raises(CheckpointError, match=r"notes\.txt is not an ONNX Runtime checkpoint \("):
+        replace_properties(other, {"epoch": 1})

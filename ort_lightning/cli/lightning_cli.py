@@ -119,6 +119,9 @@ class _ORTLightningCLI(LightningCLI):
             if config.get("logger") in (None, True):
                 kwargs["logger"] = False
             self.save_config_callback = None
+        if config.get("enable_model_summary") is None:
+            # NOTE: quiet by default: Lightning's summary table (17 lines for the digits MLP) only on request.
+            kwargs["enable_model_summary"] = False
         configured = config.get("callbacks") or []
         callbacks = [*(configured if isinstance(configured, list) else [configured]), *progress_callbacks(config)]
         if self.subcommand == "predict":

@@ -96,7 +96,8 @@ def fit_line(trainer: pl.Trainer) -> str:
         fit: 10 epochs, 230 steps; train_loss 0.09, val_loss 0.1068; best runs/ckpts/epoch=8-step=207.ckpt,
         last runs/ckpts/last.ckpt; logs runs/lightning_logs/version_0
     """
-    parts = [f"fit: {trainer.current_epoch} epochs, {trainer.global_step} steps"]
+    epochs, steps = trainer.current_epoch, trainer.global_step
+    parts = [f"fit: {epochs} epoch{'s' * (epochs != 1)}, {steps} step{'s' * (steps != 1)}"]
     metrics = format_metrics(trainer.callback_metrics)
     if metrics:
         parts.append(metrics)

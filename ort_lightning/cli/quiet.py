@@ -11,7 +11,10 @@ nothing of the user:
   ```Trainer.fit` stopped: `max_epochs=10` reached.`` (the command's own last line says so);
 - ``isinstance(treespec, LeafSpec)`` is deprecated (Lightning's ``_pytree`` on torch 2.13);
 - the logging interval (``The number of training batches (23) is smaller than the logging
-  interval``): a short epoch of an example, logged once per epoch anyway.
+  interval``): a short epoch of an example, logged once per epoch anyway;
+- ``Seed set to 0`` (the config's ``seed_everything``, echoed);
+- jsonargparse's deprecations of the calls LightningCLI makes (``instantiate_classes``,
+  ``add_instantiator``, ``skip_none``): nothing a config can change.
 
 Any other line of Lightning's, a warning about the user's own code or data among them, still prints.
 
@@ -38,14 +41,18 @@ KNOWN_LINES = (
     r"💡 Tip: ",
     r"Loading `train_dataloader` to estimate number of stepping batches",
     r"`Trainer\.(fit|validate|test|predict)` stopped: ",
+    r"Seed set to ",
 )
 #: Warnings of the pinned versions that the console script does not print (regular expressions of the message).
 KNOWN_WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",
     r"The number of training batches \(\d+\) is smaller than the logging interval",
+    # LightningCLI's own calls of jsonargparse 4.4x-4.5x API that jsonargparse deprecates
+    r"(?s)\s*(By default only one JsonargparseDeprecationWarning|.*\bwas deprecated in v4\.\d+\.\d+)",
 )
-#: The loggers Lightning's ``rank_zero_info`` writes through.
-_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+#: The loggers Lightning's ``rank_zero_info`` (and ``seed_everything``) write through.
+_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+            "lightning.fabric.utilities.seed")
 
 
 class _KnownLines(logging.Filter):
