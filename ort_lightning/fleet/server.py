@@ -71,7 +71,7 @@ class GlobalModel:
         if checkpoint is not None:
             # NOTE: the server goes on with the fleet's rounds, not with the steps and epochs of the run that wrote
             # the file (a Lightning run's ORTCheckpoint file): its round files record rounds alone.
-            self.module.load_values(get_values(self.module))
+            self.module.checkpointing.count_from_zero()
 
     def arrays(self) -> ArrayRecord:
         """The global values as Flower's ``ArrayRecord`` (name -> array, in the training graph's order)."""

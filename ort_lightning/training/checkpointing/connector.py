@@ -122,6 +122,15 @@ class CheckpointConnector:
         self.run.origin = origin
         self.steps.continue_run(origin.step, origin.seed)
 
+    def count_from_zero(self) -> None:
+        """Count steps and epochs from 0 from here; the weights, the optimizer state and the seed stay (no rebuild).
+
+        For an owner whose files record a count of its own (a fleet server's rounds), not the steps and
+        epochs of the run that wrote the checkpoint it started from.
+        """
+        origin = self.run.origin
+        self.start_from(RunOrigin(seed=self.steps.seed, properties=origin.properties))
+
     @property
     def progress(self) -> dict[str, int]:
         """Optimizer steps (``"global_step"``) and epochs (``"epoch"``) done before this run."""
