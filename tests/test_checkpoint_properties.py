@@ -156,6 +156,10 @@ def test_save_outside_a_fit_keeps_where_the_run_started(mlp_adamw: Exported, fir
     assert found["note"] == "copy"
     assert found["global_step"] == FIRST_EPOCHS * BATCHES
     assert found["next_epoch"] == FIRST_EPOCHS
+    # the schedule this module resolved from the file (no fit has built one): the first run's, as it set it
+    assert (found["schedule_lr"], found["schedule_total_steps"]) == ("0.01", 100)
+    assert not SCHEDULE & set(properties(ORTLightningModule(mlp_adamw.artifacts, checkpoint=start, total_steps=None,
+                                                             warmup_steps=0.1).save_ort_checkpoint(tmp_path / "b")))
 
 
 def test_properties_are_replaced_only_in_an_ort_checkpoint_with_a_bag(mlp_adamw: Exported, tmp_path: Path) -> None:

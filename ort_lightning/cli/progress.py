@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -107,6 +108,12 @@ def fit_line(trainer: pl.Trainer) -> str:
     return "; ".join(parts)
 
 
+def _shown(path: str) -> str:
+    """`path` from the current folder when it lies inside it (Lightning makes checkpoint paths absolute)."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def _checkpoint_parts(trainer: pl.Trainer) -> list[str]:
     """``best PATH`` (a callback with a monitor) and ``last PATH`` of the first checkpoint callback that wrote one."""
     for callback in trainer.checkpoint_callbacks:
@@ -114,11 +121,12 @@ def _checkpoint_parts(trainer: pl.Trainer) -> list[str]:
             continue
         parts = []
         if callback.monitor is not None and callback.best_model_path:
-            parts.append(f"best {callback.best_model_path} ({callback.monitor} {float(callback.best_model_score):.4g})"
-                         if callback.best_model_score is not None else f"best {callback.best_model_path}")
+            best = f"best {_shown(callback.best_model_path)}"
+            score = callback.best_model_score
+            parts.append(f"{best} ({callback.monitor} {float(score):.4g})" if score is not None else best)
         last = callback.last_model_path or callback.best_model_path
         if last:
-            parts.append(f"last {last}")
+            parts.append(f"last {_shown(last)}")
         if parts:
             return [", ".join(parts)]
     return []

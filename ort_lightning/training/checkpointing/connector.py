@@ -101,6 +101,7 @@ class CheckpointConnector:
         hybrid: whether a torch optimizer updates (its state is in Lightning's ``.ckpt``, ORT's is unused).
         metrics: the module's metrics by stage (a ``.ckpt`` records their names).
         run: where the run stands (a pickled module's); None starts at the beginning of the training.
+        planned: the schedule's properties before a fit builds the schedule (`planned_schedule_properties`).
 
     Attributes:
         run: where the run stands (`RunState`).
@@ -109,10 +110,11 @@ class CheckpointConnector:
 
     def __init__(
         self, live: LiveSession, steps: StepPath, artifacts: TrainingArtifacts, *, hybrid: bool,
-        metrics: Mapping[str, Any], run: RunState | None = None,
+        metrics: Mapping[str, Any], run: RunState | None = None, planned: Mapping[str, int | float | str] | None = None,
     ) -> None:
         self.live, self.steps, self.artifacts = live, steps, artifacts
         self.hybrid, self.metrics = hybrid, metrics
+        self.planned = dict(planned or {})
         self.run = RunState() if run is None else run
         self.schedule: Any = None
         self.start_from(self.run.origin)
@@ -209,7 +211,7 @@ class CheckpointConnector:
             **self._learning_rate(trainer),
             "optimizer_state": int(include_optimizer_state),
             "seed": self.steps.seed_in_use(),
-            **schedule_properties(self.schedule),
+            **(schedule_properties(self.schedule) if self.schedule is not None else self.planned),
             **self.run.origin.progress_properties(trainer),
             **(properties or {}),
         }
