@@ -47,6 +47,10 @@ def digits_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
     result = run("demo", "--out", tmp_path / "demo", "--epochs", "10", cwd=tmp_path)
+    # the README's command into pipes: one line per epoch and a few more, no progress bar, no Lightning notices
+    printed = (result.stdout + result.stderr).splitlines()
+    assert len(printed) <= 24, "\n".join(printed)
+    assert len([line for line in printed if re.match(r"epoch \d+/10: ", line)]) == 10, result.stdout
     accuracy = float(re.search(r"validation accuracy: ([\d.]+)%", result.stdout).group(1))  # type: ignore[union-attr]
     assert accuracy > 95.0
     assert (tmp_path / "demo" / "artifacts" / "training_model.onnx").is_file()
@@ -100,7 +104,7 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
     frozen, frozen_count = first.name, math.prod(first.dims)
     total = sum(parameter.numel() for parameter in model.parameters())  # 3*5 + 5 + 5*2 + 2
     result = run("export", path, "--out", tmp_path / "art", "--loss", "mse", "--optimizer-option",
-                 "weight_decay=0.0", "--frozen", frozen, cwd=tmp_path)
+                 "weight_decay=0.0", "--frozen", frozen, "--report", cwd=tmp_path)
     assert "weight_decay=0.0" in result.stdout
     assert "target float32 [batch, 2]" in result.stdout
     assert re.search(r"\(([\d,]+) trainable\)", result.stdout).group(1) == str(total - frozen_count)  # type: ignore[union-attr]

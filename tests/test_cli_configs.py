@@ -1,7 +1,9 @@
 """The example configs through the ``ort-lightning`` console script's LightningCLI subcommands.
 
 They run the console script's `main` in this process: a child would pay Lightning's import (about 5 s of CPU)
-for each of the nine runs. tests/test_cli.py runs the installed script itself (``demo``, ``export``, ``fit``).
+for each run. tests/test_cli.py runs the installed script itself (``demo``, ``export``, ``fit``);
+tests/test_cli_output.py runs docs/cli.md's commands, the digits config's ``fit``, resume, ``validate``,
+``test`` and ``predict`` among them, and checks what they print and compute.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ort_lightning.cli import main
 
 from .test_cli import CONFIG, ROOT
 
-pytestmark = pytest.mark.slow  # nine LightningCLI runs
+pytestmark = pytest.mark.slow  # LightningCLI runs that train
 
 CNN_CONFIG = ROOT / "examples" / "stripes_cnn.yaml"
 
@@ -64,7 +66,7 @@ def digits_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _digits_labels() -> torch.Tensor:
+def digits_labels() -> torch.Tensor:
     from ort_lightning.demo import DigitsDataModule
 
     data = DigitsDataModule()
@@ -72,7 +74,7 @@ def _digits_labels() -> torch.Tensor:
     return data.val_set.tensors[1]
 
 
-def _torch_accuracy_of(ckpt: Path) -> float:
+def torch_accuracy_of(ckpt: Path) -> float:
     """The held-out digits' accuracy of the .ckpt's weights in the plain torch model, computed here."""
     from ort_lightning.demo import DigitsDataModule, digits_mlp
 
@@ -85,38 +87,9 @@ def _torch_accuracy_of(ckpt: Path) -> float:
         return float((model(images).argmax(dim=1) == labels).float().mean())
 
 
-def _metric(name: str, shown: str) -> float:
+def metric(name: str, shown: str) -> float:
     """A metric's value from Lightning's results table."""
     return float(re.search(rf"{name}\W+([\d.]+)", shown).group(1))  # type: ignore[union-attr]
-
-
-def test_digits_config_trains_as_written_then_evaluates_the_trained_model(run: Any, tmp_path: Path) -> None:
-    tiny = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
-    fit = run("fit", "--config", CONFIG, *tiny, cwd=tmp_path)
-    assert "exported ort_lightning.demo:digits_mlp to runs/digits/artifacts" in fit.stdout
-    assert "LightningCLI's args parameter" not in fit.stderr
-    assert (tmp_path / "runs/digits/checkpoints/last.ckpt").is_file()
-    evaluate = [*tiny, "--ckpt_path", "last"]
-    validate = run("validate", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    val_loss = _metric("val_loss", validate.stdout)
-    # Untrained, the 10-class cross-entropy is about ln(10) = 2.30; one epoch brings it well below.
-    assert val_loss < math.log(10) - 0.5
-    test = run("test", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    test_loss = _metric("test_loss", test.stdout)
-    assert test_loss == pytest.approx(val_loss, abs=1e-6)  # the same held-out images, the same trained model
-    # every logged metric is shown, not only the loss: the config's accuracy, as plain torch computes it
-    accuracy = _torch_accuracy_of(tmp_path / "runs/digits/checkpoints/last.ckpt")
-    assert _metric("val_acc", validate.stdout) == pytest.approx(accuracy, abs=1e-6)
-    assert _metric("test_acc", test.stdout) == pytest.approx(accuracy, abs=1e-6)
-    predict = run("predict", "--config", CONFIG, *evaluate, cwd=tmp_path)
-    written = Path(re.search(r"written to (\S+)", predict.stdout).group(1))  # type: ignore[union-attr]
-    assert written == Path("runs/digits/predictions.pt")
-    logits = torch.load(tmp_path / written, weights_only=True)
-    labels = _digits_labels()
-    assert logits.shape == (len(labels), 10)
-    assert (logits.argmax(dim=1) == labels).float().mean() > 0.7
-    # evaluation runs log nothing: the fit's logs are the only version
-    assert [p.name for p in (tmp_path / "runs/digits/lightning_logs").iterdir()] == ["version_0"]
 
 
 def test_cnn_config_trains_as_written(run: Any, tmp_path: Path) -> None:

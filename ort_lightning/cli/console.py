@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ort_lightning.cli.quiet import quiet_lightning
 from ort_lightning.cli.usage import OneLineParser, UsageError
 from ort_lightning.errors import ORTLightningError
 
@@ -58,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             namespace = _parser().parse_args(args)
             handler = lambda: namespace.handler(namespace)  # noqa: E731
-        handler()
+        with quiet_lightning():
+            handler()
     except UsageError as error:
         return _print_error(str(error))
     except Exception as error:
@@ -128,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--nominal-checkpoint", action="store_true",
                         help="also write nominal_checkpoint (no weights), what devices that receive weights start from")
     export.add_argument("--ort-format", action="store_true", help="also write .ort graphs (mobile builds of ORT)")
+    export.add_argument("--report", action="store_true",
+                        help="print the whole inspect report of the artifacts, not only the one summary line")
     export.set_defaults(handler=_export)
 
     inspect = commands.add_parser("inspect", help="describe an artifacts folder or an ORT checkpoint file")
@@ -174,6 +178,7 @@ def _demo(args: argparse.Namespace) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
     from ort_lightning import ORTCheckpoint, ORTLightningModule, export_artifacts
+    from ort_lightning.cli.progress import fit_line, progress_callbacks
     from ort_lightning.demo import FEATURES, DigitsDataModule, digits_mlp
 
     out: Path = output_folder(args.out, writes="artifacts/, checkpoints/, digits.onnx and logs/")
@@ -183,15 +188,15 @@ def _demo(args: argparse.Namespace) -> None:
     checkpoints = ORTCheckpoint(out / "checkpoints", inference_model=out / "digits.onnx")
     trainer = pl.Trainer(
         max_epochs=args.epochs, logger=CSVLogger(out, name="logs"),
-        default_root_dir=out, enable_model_summary=False, callbacks=[checkpoints],
+        default_root_dir=out, enable_model_summary=False, callbacks=[checkpoints, *progress_callbacks()],
     )
     trainer.fit(module, datamodule=data)
+    print(fit_line(trainer))
     accuracy = _accuracy(module, data.val_dataloader())
-    print(f"validation accuracy: {accuracy:.2%}  (val_loss {trainer.callback_metrics['val_loss'].item():.4f})")
+    print(f"validation accuracy: {accuracy:.2%}")
     print(f"artifacts:        {artifacts.directory}")
     print(f"ORT checkpoint:   {checkpoints.last_path}")
     print(f"inference model:  {out / 'digits.onnx'}")
-    print(f"logs:             {trainer.logger.log_dir if trainer.logger else out}")
 
 
 def _accuracy(module: Any, loader: Any) -> float:
@@ -205,7 +210,7 @@ def _accuracy(module: Any, loader: Any) -> float:
 # ----------------------------------------------------------------------------- export
 def _export(args: argparse.Namespace) -> None:
     from ort_lightning import export_artifacts
-    from ort_lightning.cli.describe import describe
+    from ort_lightning.cli.describe import describe, summary_line
     from ort_lightning.cli.factory import export_factory, parse_shape
 
     output_folder(args.out, writes="the artifacts")
@@ -221,8 +226,7 @@ def _export(args: argparse.Namespace) -> None:
         shapes = [parse_shape(text) for text in args.input_shape]
         artifacts = export_factory(args.source, shapes, args.out, dtypes=args.input_dtype,
                                    input_names=args.input_name or None, **common)
-    print(f"wrote {artifacts.directory}")
-    print(describe(artifacts.directory))
+    print(describe(artifacts.directory) if args.report else summary_line(artifacts.directory))
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -261,8 +265,8 @@ def _fleet(args: argparse.Namespace) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     artifacts = _digits_artifacts(Path(config.out) / "artifacts", hidden=config.hidden, seed=config.seed)
     with warnings.catch_warnings():
+        # NOTE: a device's fit has no validation data by design; the known Lightning lines go in main's filter.
         warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
         # The digits are the example's data set: each device's share, and the held-out digits for the accuracy.
         data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
         run_experiment(config, artifacts, None if config.page_data else data, test=digits_test_loader(config.seed))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ort_lightning.cli.usage import UsageError
 
-__all__ = ["describe", "format_rows"]
+__all__ = ["describe", "format_rows", "summary_line"]
 
 Rows = list[tuple[str, str]]
 
@@ -47,6 +47,26 @@ def describe(path: Path) -> str:
             "with torch.load(path, weights_only=True)"
         )
     return format_rows([("checkpoint", str(path)), *checkpoint_rows(path)])
+
+
+def summary_line(directory: Path) -> str:
+    """One line on an artifacts folder: inputs and labels, loss, optimizer, parameters, the verification's status.
+
+    What ``ort-lightning export`` prints; `describe` (``export --report``, ``inspect``) gives every row.
+    """
+    from ort_lightning import TrainingArtifacts
+    from ort_lightning.artifacts.state import state_summary
+
+    artifacts = TrainingArtifacts.load(directory)
+    manifest = artifacts.manifest
+    tensors = ", ".join(f"{spec.name} {spec.dtype} [{', '.join(map(str, spec.shape))}]"
+                        for spec in (*manifest.inputs, *manifest.labels))
+    parameters = state_summary(artifacts)
+    trainable = sum(math.prod(shape) for _, shape, grad in parameters if grad)
+    total = sum(math.prod(shape) for _, shape, _ in parameters)
+    verified = str((manifest.verification or {}).get("status", "not verified"))
+    return (f"wrote {artifacts.directory}: {tensors}; loss {manifest.loss}; optimizer {manifest.optimizer}; "
+            f"{total:,} parameters ({trainable:,} trainable); verification {verified}")
 
 
 def artifacts_rows(directory: Path) -> Rows:

@@ -29,6 +29,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
 from ort_lightning.cli.factory import export_factory
+from ort_lightning.cli.progress import fit_line, progress_callbacks
 from ort_lightning.cli.usage import UsageError, did_you_mean, one_line_argument_error
 from ort_lightning.strategies import check_strategy, trains_ort_graphs
 from ort_lightning.training.guards import precision_supported
@@ -118,21 +119,21 @@ class _ORTLightningCLI(LightningCLI):
             if config.get("logger") in (None, True):
                 kwargs["logger"] = False
             self.save_config_callback = None
+        if config.get("enable_model_summary") is None:
+            # NOTE: quiet by default: Lightning's summary table (17 lines for the digits MLP) only on request.
+            kwargs["enable_model_summary"] = False
+        configured = config.get("callbacks") or []
+        callbacks = [*(configured if isinstance(configured, list) else [configured]), *progress_callbacks(config)]
         if self.subcommand == "predict":
-            configured = config.get("callbacks") or []
-            writer = PredictionWriter(Path(config.get("default_root_dir") or ".") / "predictions.pt")
-            kwargs["callbacks"] = [*(configured if isinstance(configured, list) else [configured]), writer]
+            callbacks.append(PredictionWriter(Path(config.get("default_root_dir") or ".") / "predictions.pt"))
+        kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
         check_strategy(trainer.strategy)  # a strategy given as a class, before any process starts
         return trainer
 
     def after_fit(self) -> None:
-        callback = self.trainer.checkpoint_callback
-        last = getattr(callback, "last_model_path", "") if callback is not None else ""
-        if last:
-            print(f"last checkpoint: {last} (validate, test or predict it with the same config and --ckpt_path last)")
-        if self.trainer.logger is not None:
-            print(f"logs: {self.trainer.log_dir}")
+        if self.trainer.is_global_zero:
+            print(fit_line(self.trainer))
 
 
 def _check_precision(precision: Any) -> None:

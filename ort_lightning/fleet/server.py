@@ -68,6 +68,10 @@ class GlobalModel:
         properties = self.module.checkpointing.run.origin.properties
         #: The round the values come from (0: the start; a resumed file's round otherwise).
         self.server_round = int(properties.get(ROUND_PROPERTY, 0))
+        if checkpoint is not None:
+            # NOTE: the server goes on with the fleet's rounds, not with the steps and epochs of the run that wrote
+            # the file (a Lightning run's ORTCheckpoint file): its round files record rounds alone.
+            self.module.checkpointing.count_from_zero()
 
     def arrays(self) -> ArrayRecord:
         """The global values as Flower's ``ArrayRecord`` (name -> array, in the training graph's order)."""

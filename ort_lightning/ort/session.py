@@ -33,6 +33,7 @@ from ort_lightning.ort._api import (
 from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort.files import optimizer_kind_in
 from ort_lightning.ort.options import session_options
+from ort_lightning.ort.properties import replace_properties
 from ort_lightning.ort.settings import SessionSettings
 from ort_lightning.ort.state import HeldState, copy_parameters, state_outlives
 
@@ -163,18 +164,29 @@ class TrainingSession:
         """Return the outputs of the training (or eval) graph, in order."""
         return list(bound_module(self._module).output_names(training))
 
-    def save(self, path: os.PathLike[str] | str, *, include_optimizer_state: bool) -> None:
-        """Write the CheckpointState (and optionally the optimizer's step and moments) to `path`."""
-        _C.save_checkpoint(bound_state(self._state), os.fspath(path), include_optimizer_state)
+    def save(
+        self, path: os.PathLike[str] | str, *, include_optimizer_state: bool,
+        properties: Mapping[str, int | float | str] | None = None,
+    ) -> None:
+        """Write the CheckpointState (and optionally the optimizer's step and moments) to `path`.
 
-    def set_properties(self, properties: Mapping[str, int | float | str]) -> None:
-        """Store int, float or str properties in the CheckpointState (saved with it)."""
+        Args:
+            path: the file to write.
+            include_optimizer_state: also write the optimizer's step and moments.
+            properties: the file's properties, exactly (`replace_properties`): none that the state was loaded
+                with or that an earlier save wrote. None keeps what the state holds (a snapshot to rebuild from).
+        """
         state = bound_state(self._state)
-        for name, value in properties.items():
+        if properties and not state.property_names():
+            # NOTE: ORT writes a property bag only for a state that holds a property; the file's is replaced below.
+            name, value = next(iter(properties.items()))
             state.add_property(name, value)
+        _C.save_checkpoint(state, os.fspath(path), include_optimizer_state)
+        if properties is not None:
+            replace_properties(path, properties)
 
     def properties(self) -> dict[str, Any]:
-        """The properties the CheckpointState holds (those it was loaded with, and those set since)."""
+        """The properties the CheckpointState holds (those it was loaded with, and those a save added)."""
         state = bound_state(self._state)
         return {name: state.get_property(name) for name in state.property_names()}
 

@@ -42,6 +42,7 @@ from ort_lightning.training.optim.schedules import (
     check_lr_scheduler,
     check_not_finished,
     describe,
+    planned_schedule_properties,
     total_steps_of,
 )
 from ort_lightning.training.session.evaluation import EvaluationHooks, ModuleEvaluation
@@ -242,8 +243,11 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
         """Build the collaborators the hooks hand their work to; `run` is where the run stands."""
         self.evaluation = ModuleEvaluation(self._live, labels=self._labels, metrics=self._metrics,
                                            label_index=len(self.artifacts.manifest.inputs))
+        hybrid = self._optimizer_factory is not None
+        planned = planned_schedule_properties(lr=self.lr, warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                                              lr_scheduler=self.lr_scheduler, hybrid=hybrid)
         self.checkpointing = CheckpointConnector(self._live, self._steps, self.artifacts, metrics=self._metrics,
-                                                 hybrid=self._optimizer_factory is not None, run=run)
+                                                 hybrid=hybrid, run=run, planned=planned)
 
     # ----------------------------------------------------------------------------- Lightning hooks
     @override

@@ -101,6 +101,7 @@ class CheckpointConnector:
         hybrid: whether a torch optimizer updates (its state is in Lightning's ``.ckpt``, ORT's is unused).
         metrics: the module's metrics by stage (a ``.ckpt`` records their names).
         run: where the run stands (a pickled module's); None starts at the beginning of the training.
+        planned: the schedule's properties before a fit builds the schedule (`planned_schedule_properties`).
 
     Attributes:
         run: where the run stands (`RunState`).
@@ -109,10 +110,11 @@ class CheckpointConnector:
 
     def __init__(
         self, live: LiveSession, steps: StepPath, artifacts: TrainingArtifacts, *, hybrid: bool,
-        metrics: Mapping[str, Any], run: RunState | None = None,
+        metrics: Mapping[str, Any], run: RunState | None = None, planned: Mapping[str, int | float | str] | None = None,
     ) -> None:
         self.live, self.steps, self.artifacts = live, steps, artifacts
         self.hybrid, self.metrics = hybrid, metrics
+        self.planned = dict(planned or {})
         self.run = RunState() if run is None else run
         self.schedule: Any = None
         self.start_from(self.run.origin)
@@ -121,6 +123,15 @@ class CheckpointConnector:
         """Continue the steps, epochs and seed of the run that wrote the checkpoint this run starts from."""
         self.run.origin = origin
         self.steps.continue_run(origin.step, origin.seed)
+
+    def count_from_zero(self) -> None:
+        """Count steps and epochs from 0 from here; the weights, the optimizer state and the seed stay (no rebuild).
+
+        For an owner whose files record a count of its own (a fleet server's rounds), not the steps and
+        epochs of the run that wrote the checkpoint it started from.
+        """
+        origin = self.run.origin
+        self.start_from(RunOrigin(seed=self.steps.seed, properties=origin.properties))
 
     @property
     def progress(self) -> dict[str, int]:
@@ -197,14 +208,25 @@ class CheckpointConnector:
         include_optimizer_state = include_optimizer_state and not self.hybrid
         session = self.live.session
         values: dict[str, int | float | str] = {
-            "lr": float(session.get_lr()),
+            **self._learning_rate(trainer),
             "optimizer_state": int(include_optimizer_state),
             "seed": self.steps.seed_in_use(),
-            **schedule_properties(self.schedule),
+            **(schedule_properties(self.schedule) if self.schedule is not None else self.planned),
             **self.run.origin.progress_properties(trainer),
             **(properties or {}),
         }
         return write_ort_checkpoint(session, path, include_optimizer_state=include_optimizer_state, properties=values)
+
+    def _learning_rate(self, trainer: Any) -> dict[str, float]:
+        """``{"lr": ...}``: the rate of the optimizer that updates, or nothing where none is known.
+
+        NOTE: under a torch optimizer (hybrid training) ORT's optimizer never runs, and its rate is not the run's;
+        the torch optimizer's first param group is, once a fit has built it.
+        """
+        if not self.hybrid:
+            return {"lr": float(self.live.session.get_lr())}
+        optimizers = getattr(trainer, "optimizers", None) or []
+        return {"lr": float(optimizers[0].param_groups[0]["lr"])} if optimizers else {}
 
     def export_inference_model(self, path: str | os.PathLike[str], outputs: Sequence[str] | None) -> Path:
         """Write the eval graph with the current weights, keeping `outputs` (None: the model's own)."""

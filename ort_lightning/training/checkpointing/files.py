@@ -164,9 +164,9 @@ class RunOrigin:
         return {"version": _version(), "seed": seed, "global_step": self.step, "epoch": self.epoch}
 
     def progress_properties(self, trainer: Any) -> dict[str, int]:
-        """Where training stands, counted across resumes; empty outside a Trainer."""
-        if trainer is None:
-            return {}
+        """Where training stands, counted across resumes; outside a Trainer, where the run started (if not at 0)."""
+        if trainer is None:  # NOTE: an absent progress reads as the start (`of_file`): nothing to write there
+            return {"global_step": self.step, "epoch": self.epoch, "next_epoch": self.epoch} if self.step else {}
         epochs = trainer.fit_loop.epoch_progress.current
         return {"global_step": self.step + trainer.global_step, "epoch": self.epoch + epochs.completed,
                 "next_epoch": self.epoch + epochs.processed}
@@ -255,7 +255,9 @@ def _read_nominal(
 
 def state_bytes(session: _ort.TrainingSession, *, include_optimizer_state: bool = True) -> torch.Tensor:
     """The full ORT state (weights, optimizer step and moments) as a uint8 tensor of checkpoint bytes."""
-    with snapshot(session, include_optimizer_state=include_optimizer_state) as path:
+    # NOTE: no properties: a .ckpt keeps the run's progress in its own record, and its ORT bytes must not carry a
+    # loaded file's properties to whoever reads them as an ORT checkpoint.
+    with snapshot(session, include_optimizer_state=include_optimizer_state, properties={}) as path:
         data = bytearray(path.read_bytes())
     return torch.frombuffer(data, dtype=torch.uint8)
 
@@ -301,10 +303,14 @@ def write_ort_checkpoint(
     include_optimizer_state: bool,
     properties: dict[str, int | float | str],
 ) -> Path:
-    """Store `properties` (and the package version) in `session`'s state and write it to `path` atomically."""
-    session.set_properties({"ort_lightning_version": _version(), **properties})
+    """Write `session`'s state to `path` atomically, with `properties` and the package version as its only properties.
+
+    No property that the state was loaded with (another run's ``monitor_value``, a fleet's round) or that an
+    earlier save wrote goes into the file: its properties are this write's.
+    """
+    values = {"ort_lightning_version": _version(), **properties}
     atomic_write(
-        path, lambda temp: session.save(temp, include_optimizer_state=include_optimizer_state)
+        path, lambda temp: session.save(temp, include_optimizer_state=include_optimizer_state, properties=values)
     )
     return Path(path)
 

@@ -60,11 +60,13 @@ class CheckpointHooks(pl.LightningModule):
             include_optimizer_state: also store the optimizer's step count and moments, which an
                 exact resume needs. Under hybrid training (``optimizer=`` a torch optimizer) the file
                 holds the weights only: the torch optimizer's state is in Lightning's ``.ckpt``.
-            properties: int, float or str values stored in the file. Always added: ``lr``,
-                ``ort_lightning_version``, ``optimizer_state`` (1 or 0) and ``seed`` (ORT's random
-                stream); the linear schedule's ``schedule_lr``, ``schedule_warmup_steps`` and
-                ``schedule_total_steps``; inside a fit, ``global_step``, ``epoch`` and ``next_epoch``
-                (the epoch a resume starts in), counted across resumes.
+            properties: int, float or str values stored in the file. Always added: ``lr`` (under a
+                torch optimizer, its rate once a fit built it), ``ort_lightning_version``,
+                ``optimizer_state`` (1 or 0) and ``seed`` (ORT's random stream); the linear schedule's
+                ``schedule_lr``, ``schedule_warmup_steps`` and ``schedule_total_steps``; ``global_step``,
+                ``epoch`` and ``next_epoch`` (the epoch a resume starts in), counted across resumes (outside
+                a fit: where the run started, when not at the beginning). The file holds these and
+                nothing else: no property of the checkpoint this run started from is copied into it.
 
         Returns:
             The path written.

@@ -43,6 +43,7 @@ __all__ = [
     "lr_scheduler_config",
     "resolve_schedule",
     "resolve_warmup",
+    "planned_schedule_properties",
     "schedule_properties",
     "torch_schedule",
 ]
@@ -279,6 +280,26 @@ def schedule_properties(scheduler: object) -> dict[str, int | float | str]:
         SCHEDULE_PROPERTIES["warmup_steps"]: scheduler.warmup_steps,
         SCHEDULE_PROPERTIES["total_steps"]: scheduler.total_steps,
     }
+
+
+def planned_schedule_properties(
+    *, lr: float, warmup_steps: int | float, total_steps: int | None, lr_scheduler: object, hybrid: bool,
+) -> dict[str, int | float | str]:
+    """`schedule_properties` of the linear schedule a module will run, known before a fit builds it; else empty.
+
+    What a file saved outside a fit records: the schedule the module resolved (its arguments, else the
+    file it started from). Empty where a fit decides it (a fraction of warmup, an estimated total), for
+    another schedule, and under a torch optimizer, whose schedule ORT's optimizer does not run.
+
+    Example::
+
+        >>> planned_schedule_properties(lr=0.1, warmup_steps=2, total_steps=8, lr_scheduler="linear", hybrid=False)
+        {'schedule_lr': '0.1', 'schedule_warmup_steps': 2, 'schedule_total_steps': 8}
+    """
+    if hybrid or lr_scheduler != "linear" or total_steps is None or not isinstance(warmup_steps, int):
+        return {}
+    return {SCHEDULE_PROPERTIES["lr"]: repr(float(lr)), SCHEDULE_PROPERTIES["warmup_steps"]: warmup_steps,
+            SCHEDULE_PROPERTIES["total_steps"]: int(total_steps)}
 
 
 def total_steps_of(trainer: Any, total_steps: int | None) -> int:

@@ -78,11 +78,17 @@ def start_checkpoint(
 
 
 @contextlib.contextmanager
-def snapshot(session: _ort.TrainingSession, *, include_optimizer_state: bool) -> Iterator[Path]:
-    """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh)."""
+def snapshot(
+    session: _ort.TrainingSession, *, include_optimizer_state: bool,
+    properties: Mapping[str, int | float | str] | None = None,
+) -> Iterator[Path]:
+    """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh).
+
+    `properties` are the file's, exactly; None keeps those the state holds.
+    """
     with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
         path = Path(folder) / "state"
-        session.save(path, include_optimizer_state=include_optimizer_state)
+        session.save(path, include_optimizer_state=include_optimizer_state, properties=properties)
         yield path
 
 
