@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper
+from torch.onnx import symbolic_helper, symbolic_opset14
 
 __all__ = ["SYMBOLICS", "registered"]
 
@@ -99,6 +99,44 @@ def _rrelu(g: Any, x: Any, lower: Any, upper: Any, training: Any, generator: Any
     )
 
 
+def _repeat_heads(g: Any, x: Any, query: Any) -> Any:
+    """(B, H_kv, S, D) -> (B, H_q, S, D), each key/value head repeated H_q / H_kv times in a row.
+
+    As transformers' ``repeat_kv``: Unsqueeze to (B, H_kv, 1, S, D), Expand the new axis to the group
+    size, Reshape to (B, H_q, S, D). Shapes are read at run time, so the batch and sequence stay dynamic.
+    """
+    shape, heads = g.op("Shape", x), g.op("Shape", query)
+    one, two, four = (_const(g, [n], torch.int64) for n in (1, 2, 4))
+    group = g.op("Div", g.op("Slice", heads, one, two), g.op("Slice", shape, one, two))
+    expand_to = g.op("Concat", _const(g, [1, 1], torch.int64), group, _const(g, [1, 1], torch.int64), axis_i=0)
+    grouped = g.op("Expand", g.op("Unsqueeze", x, two), expand_to)
+    target = g.op("Concat", g.op("Slice", heads, _const(g, [0], torch.int64), two),
+                  g.op("Slice", shape, two, four), axis_i=0)
+    repeated = g.op("Reshape", grouped, target)
+    sizes = symbolic_helper._get_tensor_sizes(x)
+    query_sizes = symbolic_helper._get_tensor_sizes(query)
+    if sizes is not None and query_sizes is not None and len(sizes) == 4:
+        repeated.setType(x.type().with_sizes([sizes[0], query_sizes[1], sizes[2], sizes[3]]))
+    return repeated
+
+
+@symbolic_helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
+def _scaled_dot_product_attention(g: Any, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+                                  is_causal: bool, scale: Any, enable_gqa: bool) -> Any:
+    """Grouped-query attention (``enable_gqa=True``): keys and values repeated per group, then torch's own.
+
+    NOTE: torch 2.13's opset-14 symbolic refuses ``enable_gqa`` ("conversion of
+    scaled_dot_product_attention not implemented if enable_gqa is True"), and transformers asks for
+    it whenever it passes SDPA no mask (a causal batch without padding). Without ``enable_gqa`` the
+    call goes to torch's symbolic unchanged.
+    """
+    if enable_gqa:
+        key, value = _repeat_heads(g, key, query), _repeat_heads(g, value, query)
+    return symbolic_opset14.scaled_dot_product_attention(
+        g, query, key, value, attn_mask, dropout_p, is_causal, scale, False
+    )
+
+
 #: aten op -> its symbolic, registered for the exporter's opset while `torch_to_onnx` runs.
 SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::rms_norm": _rms_norm,
@@ -107,6 +145,7 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::channel_shuffle": _channel_shuffle,
     "aten::feature_dropout": _feature_dropout,
     "aten::rrelu": _rrelu,
+    "aten::scaled_dot_product_attention": _scaled_dot_product_attention,
 }
 
 
