@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper, symbolic_opset14
+from torch.onnx import symbolic_helper, symbolic_opset11, symbolic_opset14
 
-__all__ = ["SYMBOLICS", "registered"]
+__all__ = ["SYMBOLICS", "Conversion", "registered"]
 
 _OPSET = 17
 
@@ -137,23 +138,81 @@ def _scaled_dot_product_attention(g: Any, query: Any, key: Any, value: Any, attn
     )
 
 
-#: aten op -> its symbolic, registered for the exporter's opset while `torch_to_onnx` runs.
-SYMBOLICS: dict[str, Callable[..., Any]] = {
-    "aten::rms_norm": _rms_norm,
-    "aten::threshold": _threshold,
-    "aten::bilinear": _bilinear,
-    "aten::channel_shuffle": _channel_shuffle,
-    "aten::feature_dropout": _feature_dropout,
-    "aten::rrelu": _rrelu,
-    "aten::scaled_dot_product_attention": _scaled_dot_product_attention,
+@symbolic_helper.parse_args("v", "i", "i", "v", "v")
+def _diff(g: Any, x: Any, n: int, dim: int, prepend: Any, append: Any) -> Any:
+    """``torch.diff`` (n times along `dim`, after `prepend` and before `append`): Slice, Slice, Sub.
+
+    NOTE: transformers calls it on ``position_ids`` to find packed sequences when a decoder runs
+    without a cache and without an attention mask (``use_cache=False``, as fine-tuning scripts set).
+    """
+    parts = [part for part in (prepend, x, append) if not symbolic_helper._is_none(part)]
+    values = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis_i=dim)
+    axis = _const(g, [dim], torch.int64)
+    for _ in range(n):
+        later = g.op("Slice", values, _const(g, [1], torch.int64), _const(g, [2**62], torch.int64), axis)
+        earlier = g.op("Slice", values, _const(g, [0], torch.int64), _const(g, [-1], torch.int64), axis)
+        values = g.op("Sub", later, earlier)
+    return values
+
+
+@symbolic_helper.parse_args("v", "i", "none")
+def _cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
+    """``cumsum`` of a bool tensor counts in int64, as torch does; other types go to torch's symbolic.
+
+    NOTE: torch's symbolic writes ``CumSum`` on the bool itself, which ONNX does not type
+    (transformers' packed-sequence check: ``(position_diff != 1).cumsum(-1)``).
+    """
+    if symbolic_helper._is_bool(x) and (dtype is None or symbolic_helper._is_none(dtype)):
+        x = g.op("Cast", x, to_i=torch.onnx.TensorProtoDataType.INT64)
+    return symbolic_opset11.cumsum(g, x, dim, dtype)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A symbolic the package registers for one aten op, and why torch's own does not do."""
+
+    symbolic: Callable[..., Any]
+    reason: str
+
+
+#: aten op -> its conversion, registered for the exporter's opset while `torch_to_onnx` runs
+#: (docs/ops.md lists them with their reasons).
+SYMBOLICS: dict[str, Conversion] = {
+    "aten::rms_norm": Conversion(_rms_norm, "no symbolic at opset 17 (nn.RMSNorm); becomes ReduceMean arithmetic"),
+    "aten::threshold": Conversion(
+        _threshold, "torch's symbolic takes threshold 0 only (nn.Threshold); becomes Where(x > threshold, x, value)"
+    ),
+    "aten::bilinear": Conversion(_bilinear, "no symbolic (nn.Bilinear); becomes one MatMul, a product and a sum"),
+    "aten::channel_shuffle": Conversion(
+        _channel_shuffle, "no symbolic (nn.ChannelShuffle); becomes Reshape/Transpose/Reshape"
+    ),
+    "aten::feature_dropout": Conversion(
+        _feature_dropout, "torch's symbolic refuses training mode (nn.Dropout1d/2d/3d); becomes a per-channel "
+        "Dropout mask"
+    ),
+    "aten::rrelu": Conversion(
+        _rrelu, "ORT's eval graph would keep sampling its slopes (nn.RReLU in training): refused with the fix"
+    ),
+    "aten::scaled_dot_product_attention": Conversion(
+        _scaled_dot_product_attention, "torch's symbolic refuses enable_gqa=True (grouped-query attention: "
+        "transformers' Llama-family decoders at SDPA without a mask); keys and values become Unsqueeze/Expand/Reshape "
+        "per group, then torch's own symbolic"
+    ),
+    "aten::diff": Conversion(
+        _diff, "no symbolic (transformers' packed-sequence check on position_ids under use_cache=False); becomes "
+        "Slice, Slice, Sub"
+    ),
+    "aten::cumsum": Conversion(
+        _cumsum, "torch's symbolic writes CumSum on a bool, which ONNX does not type; a bool is cast to int64 first"
+    ),
 }
 
 
 @contextlib.contextmanager
 def registered(opset: int = _OPSET) -> Iterator[None]:
     """Register `SYMBOLICS` for `opset` while the block runs; torch's own symbolics come back after."""
-    for name, symbolic in SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+    for name, conversion in SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, conversion.symbolic, opset)
     try:
         yield
     finally:
