@@ -237,6 +237,14 @@ def _with_bool_mask(batch: int) -> tuple[torch.Tensor, ...]:
     return x, torch.ones(batch, 1, 4, 4, dtype=torch.bool).tril()
 
 
+def _with_empty_rows(batch: int) -> tuple[torch.Tensor, ...]:
+    """A causal bool mask whose first query row attends to nothing in every other sample (left padding)."""
+    (x,) = _randn(4, 8)(batch)
+    mask = torch.ones(batch, 1, 4, 4, dtype=torch.bool).tril()
+    mask[::2, :, :, 0] = False
+    return x, mask
+
+
 _ATTENTION = [
     Case("mha", "attention", lambda: Attention(), _randn(4, 8)),
     Case("mha-key-padding-mask", "attention", lambda: Attention(), _with_padding),
@@ -247,6 +255,7 @@ _ATTENTION = [
     Case("sdpa-gqa", "attention", lambda: GroupedSDPA(kv_heads=2), _randn(4, 8)),
     Case("sdpa-gqa-causal", "attention", lambda: GroupedSDPA(kv_heads=1, causal=True), _randn(4, 8)),
     Case("sdpa-gqa-bool-mask", "attention", lambda: GroupedSDPA(kv_heads=2), _with_bool_mask),
+    Case("sdpa-bool-mask-empty-rows", "attention", lambda: SDPA(), _with_empty_rows),
     Case("transformer-encoder-layer", "attention", lambda: EncoderLayer(), _with_padding),
     Case("transformer-decoder-layer", "attention", lambda: First(DecoderLayer()), _randn(4, 8)),
 ]

@@ -121,21 +121,43 @@ def _repeat_heads(g: Any, x: Any, query: Any) -> Any:
     return repeated
 
 
+def _safe_mask(g: Any, attn_mask: Any, query: Any) -> tuple[Any, Any]:
+    """A bool mask as an additive mask of the query's type (0, or its lowest finite value), and the rows' multiplier.
+
+    The multiplier is 1 for a query row that may attend somewhere and 0 for one that may attend nowhere.
+    """
+    dtype = torch.onnx.JitScalarType.from_value(query)
+    lowest = torch.finfo(dtype.dtype()).min
+    additive = g.op("Where", attn_mask, _const(g, 0.0, dtype.dtype()), _const(g, lowest, dtype.dtype()))
+    allowed = g.op("Cast", attn_mask, to_i=dtype.onnx_type())
+    anywhere = g.op("ReduceMax", allowed, axes_i=[-1], keepdims_i=1)
+    return additive, anywhere
+
+
 @symbolic_helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
 def _scaled_dot_product_attention(g: Any, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
                                   is_causal: bool, scale: Any, enable_gqa: bool) -> Any:
-    """Grouped-query attention (``enable_gqa=True``): keys and values repeated per group, then torch's own.
+    """Torch's symbolic, with keys and values repeated per group (``enable_gqa``) and a differentiable bool mask.
 
     NOTE: torch 2.13's opset-14 symbolic refuses ``enable_gqa`` ("conversion of
     scaled_dot_product_attention not implemented if enable_gqa is True"), and transformers asks for
-    it whenever it passes SDPA no mask (a causal batch without padding). Without ``enable_gqa`` the
-    call goes to torch's symbolic unchanged.
+    it whenever it passes SDPA no mask (a causal batch without padding).
+
+    NOTE: with a bool mask, torch's symbolic adds -inf and then replaces the NaN a fully masked
+    row's Softmax gives by 0. That is torch's forward, but ORT's Softmax gradient of the NaN row
+    is NaN, and left padding makes such rows (a pad query attends to no key). Here the mask adds
+    the lowest finite value instead, and the rows that may attend nowhere are multiplied by 0:
+    torch's output (0 there) and a zero gradient. A float mask or none goes to torch's symbolic.
     """
     if enable_gqa:
         key, value = _repeat_heads(g, key, query), _repeat_heads(g, value, query)
-    return symbolic_opset14.scaled_dot_product_attention(
+    rows = None
+    if not symbolic_helper._is_none(attn_mask) and symbolic_helper._is_bool(attn_mask):
+        attn_mask, rows = _safe_mask(g, attn_mask, query)
+    out = symbolic_opset14.scaled_dot_product_attention(
         g, query, key, value, attn_mask, dropout_p, is_causal, scale, False
     )
+    return out if rows is None else g.op("Mul", out, rows)
 
 
 @symbolic_helper.parse_args("v", "i", "i", "v", "v")
