@@ -21,7 +21,8 @@ Example::
     ...                                   num_attention_heads=2, num_key_value_heads=1)
     >>> model = transformers.LlamaForCausalLM(config)
     >>> values = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    >>> folder = write_pretrained(values, Path(tempfile.mkdtemp()) / "out", model=model, source="zeros")
+    >>> root = Path(tempfile.mkdtemp())
+    >>> folder = write_pretrained(values, root / "out", artifacts=root, model=model, source="zeros")
     >>> sorted(path.name for path in folder.iterdir())
     ['config.json', 'generation_config.json', 'model.safetensors']
 """
@@ -48,7 +49,7 @@ def write_pretrained(
     values: Mapping[str, torch.Tensor],
     folder: str | os.PathLike[str],
     *,
-    artifacts: Path | None = None,
+    artifacts: Path,
     model: torch.nn.Module | None = None,
     merge: bool = False,
     source: str,
@@ -58,7 +59,7 @@ def write_pretrained(
     Args:
         values: name -> tensor of ORT's state (``named_parameters()`` names; a tied weight once).
         folder: where the model writes itself; created if missing, its files replaced.
-        artifacts: the artifacts folder whose record rebuilds the model (when `model` is None).
+        artifacts: the artifacts folder whose record rebuilds the model (unless `model` is given).
         model: the torch model the artifacts were exported from, instead of the record's rebuild;
             its parameters take `values` (a merge happens on a copy of it).
         merge: merge peft adapters into the base weights (``merge_and_unload``) and write the merged
@@ -71,8 +72,6 @@ def write_pretrained(
         ConfigurationError: for a `model` that has no ``save_pretrained``.
     """
     if model is None:
-        if artifacts is None:
-            raise ConfigurationError("write_pretrained needs the artifacts folder or the model; pass one of them.")
         model = rebuild(read_record(artifacts))
     elif not callable(getattr(model, "save_pretrained", None)):
         raise ConfigurationError(

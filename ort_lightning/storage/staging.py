@@ -30,6 +30,18 @@ Example::
     ...     pass
     >>> (out / "a.bin").read_bytes(), sorted(path.name for path in out.iterdir())
     (b'new', ['a.bin'])
+
+A staged subfolder replaces the destination's whole; one named in `obsolete` goes when the new set lacks it:
+
+    >>> (out / "sub").mkdir(); _ = (out / "sub" / "old.json").write_text("{}")
+    >>> with staged_folder(out, needed=10) as stage:
+    ...     (stage / "sub").mkdir(); _ = (stage / "sub" / "new.json").write_text("{}")
+    >>> sorted(path.name for path in (out / "sub").iterdir())
+    ['new.json']
+    >>> with staged_folder(out, needed=10, obsolete=("sub",)) as stage:
+    ...     _ = (stage / "a.bin").write_bytes(b"newest")
+    >>> sorted(path.name for path in out.iterdir())
+    ['a.bin']
 """
 
 from __future__ import annotations
