@@ -34,7 +34,9 @@ transformers = pytest.importorskip("transformers")
 STEPS = 3
 #: The write-back's logits against the trained module's eval graph: largest difference over largest |logit|.
 TOLERANCE = 1e-5
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+#: Adapters in attention and MLP, and a trained copy of the LM head (peft keeps the original beside it, unread).
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+            modules_to_save=["lm_head"])
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ def test_a_peft_adapter_folder_saved_from_torch_starts_a_fine_tune(tmp_path: Pat
     _first_step(model, batch, tmp_path / "artifacts")
     trainable = TrainingArtifacts.load(tmp_path / "artifacts").manifest.trainable
     assert trainable
-    assert all("lora_" in name for name in trainable)
+    assert all("lora_" in name or "modules_to_save" in name for name in trainable)
 
 
 def test_a_written_full_fine_tune_starts_the_next_one(full: Run, tmp_path: Path) -> None:

@@ -80,8 +80,9 @@ def rebuild(record: PretrainedRecord) -> torch.nn.Module:
 def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, source: str) -> None:
     """Copy `values` (ORT's state by torch name) into `model`'s parameters and buffers.
 
-    Every parameter of `model` must get a value, directly or through a tied name; buffers that ORT's
-    state does not hold (computed from the config, such as rotary frequencies) keep theirs.
+    Every parameter of `model` must get a value, directly or through a tied name, except those no forward
+    reads (peft's ``original_module`` beside a ``modules_to_save`` copy); buffers that ORT's state does
+    not hold (computed from the config, such as rotary frequencies) keep theirs.
 
     Raises:
         CheckpointError: for a value `model` has no tensor for, one of another shape, or a parameter
@@ -104,6 +105,7 @@ def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, s
         for name, value in values.items():
             tensors[name].copy_(value)
             given.add(id(tensors[name]))
+    given |= _never_read(model)
     missing = sorted(name for name, parameter in parameters.items() if id(parameter) not in given)
     if missing:
         raise CheckpointError(
@@ -111,6 +113,18 @@ def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, s
             f"{type(model).__name__} it is written back into; pass the model the artifacts were exported from "
             "(model=), or the artifacts the checkpoint was trained on."
         )
+
+
+def _never_read(model: torch.nn.Module) -> set[int]:
+    """The parameters a forward never reads: peft's ``original_module`` beside a ``modules_to_save`` copy.
+
+    NOTE: the export leaves them out of the graph (the forward reads the trained copy), so ORT's state
+    has no value for them; peft's adapter folder does not hold them, and a merge drops them.
+    """
+    originals = [getattr(module, "original_module", None) for module in model.modules()
+                 if hasattr(module, "modules_to_save")]
+    return {id(parameter) for original in originals if isinstance(original, torch.nn.Module)
+            for parameter in original.parameters()}
 
 
 def _listed(what: str, items: list[str]) -> str:
