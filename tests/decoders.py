@@ -72,7 +72,7 @@ def decoder(family: str, *, kv_heads: int = 2, tied: bool = False, seed: int = 0
     options: dict[str, Any] = {
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "max_position_embeddings": 64,
-        "tie_word_embeddings": tied, "use_cache": False, "bos_token_id": 1, "eos_token_id": 2, **extra,
+        "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2, **extra,
     }
     if family != "gpt-neox":
         options["num_key_value_heads"] = kv_heads

@@ -13,7 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tools._case_models import SDPA, Attention, Bag, DecoderLayer, EncoderLayer, First, Fn, Interpolate, Pre
+from tools._case_models import (
+    SDPA,
+    Attention,
+    Bag,
+    DecoderLayer,
+    EncoderLayer,
+    First,
+    Fn,
+    GroupedSDPA,
+    Interpolate,
+    Pre,
+)
 
 __all__ = ["CASES", "REFUSED", "Case"]
 
@@ -226,6 +237,14 @@ def _with_bool_mask(batch: int) -> tuple[torch.Tensor, ...]:
     return x, torch.ones(batch, 1, 4, 4, dtype=torch.bool).tril()
 
 
+def _with_empty_rows(batch: int) -> tuple[torch.Tensor, ...]:
+    """A causal bool mask whose first query row attends to nothing in every other sample (left padding)."""
+    (x,) = _randn(4, 8)(batch)
+    mask = torch.ones(batch, 1, 4, 4, dtype=torch.bool).tril()
+    mask[::2, :, :, 0] = False
+    return x, mask
+
+
 _ATTENTION = [
     Case("mha", "attention", lambda: Attention(), _randn(4, 8)),
     Case("mha-key-padding-mask", "attention", lambda: Attention(), _with_padding),
@@ -233,6 +252,10 @@ _ATTENTION = [
     Case("sdpa-causal", "attention", lambda: SDPA(causal=True), _randn(4, 8)),
     Case("sdpa-float-mask", "attention", lambda: SDPA(), _with_float_mask),
     Case("sdpa-bool-mask", "attention", lambda: SDPA(), _with_bool_mask),
+    Case("sdpa-gqa", "attention", lambda: GroupedSDPA(kv_heads=2), _randn(4, 8)),
+    Case("sdpa-gqa-causal", "attention", lambda: GroupedSDPA(kv_heads=1, causal=True), _randn(4, 8)),
+    Case("sdpa-gqa-bool-mask", "attention", lambda: GroupedSDPA(kv_heads=2), _with_bool_mask),
+    Case("sdpa-bool-mask-empty-rows", "attention", lambda: SDPA(), _with_empty_rows),
     Case("transformer-encoder-layer", "attention", lambda: EncoderLayer(), _with_padding),
     Case("transformer-decoder-layer", "attention", lambda: First(DecoderLayer()), _randn(4, 8)),
 ]
@@ -310,6 +333,8 @@ _OPS = [
     _op("masked-fill", lambda h: h.masked_fill(h > 0.5, -1.0)),
     _op("where", lambda h: torch.where(h > 0, h * h, -h)),
     _op("cumsum", lambda h: h.cumsum(1)),
+    _op("cumsum-bool", lambda h: h * (h > 0).cumsum(1)),
+    _op("diff", lambda h: torch.diff(h, dim=1, prepend=h[:, :1])),
     _op("prod", lambda h: h.prod(1, keepdim=True)),
     _op("atan", torch.atan),
     _op("einsum", lambda h: torch.einsum("bi,bj->bij", h, h).flatten(1)),
