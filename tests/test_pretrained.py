@@ -65,7 +65,6 @@ def _relative(found: torch.Tensor, expected: torch.Tensor) -> float:
 def _train(model: torch.nn.Module, root: Path) -> Run:
     batch = token_batch(padding="right")
     untrained = _logits(model, batch)
-    # NOTE: the example has an attention_mask, so that transformers' SDPA path exports (no enable_gqa).
     artifacts = export_artifacts(model.train(), batch, root / "artifacts", loss=None, verify=False)
     module = ORTLightningModule(artifacts, lr=1e-2, lr_scheduler="constant")
     ort = ORTCheckpoint(root / "ort", every_n_train_steps=STEPS, save_last=False, pretrained=True)
@@ -153,7 +152,7 @@ def test_a_peft_adapter_folder_saved_from_torch_starts_a_fine_tune(tmp_path: Pat
     config = peft.LoraConfig(**LORA, init_lora_weights=False)  # non-zero adapters: their values matter
     peft.get_peft_model(decoder("llama", seed=2), config).save_pretrained(tmp_path / "adapter")
     model = peft.PeftModel.from_pretrained(decoder("llama", seed=2), tmp_path / "adapter", is_trainable=True)
-    batch = token_batch(padding="right", seed=1)
+    batch = token_batch(padding="left", seed=1)
     _first_step(model, batch, tmp_path / "artifacts")
     trainable = TrainingArtifacts.load(tmp_path / "artifacts").manifest.trainable
     assert trainable
@@ -163,7 +162,7 @@ def test_a_peft_adapter_folder_saved_from_torch_starts_a_fine_tune(tmp_path: Pat
 def test_a_written_full_fine_tune_starts_the_next_one(full: Run, tmp_path: Path) -> None:
     folder = full.module.save_pretrained(tmp_path / "model")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    _first_step(model.train(), token_batch(padding="right", seed=1), tmp_path / "artifacts")
+    _first_step(model.train(), token_batch(padding="left", seed=1), tmp_path / "artifacts")
 
 
 def test_an_export_over_a_transformers_folder_replaces_or_drops_its_record(full: Run, tmp_path: Path) -> None:
