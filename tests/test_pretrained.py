@@ -246,3 +246,21 @@ def test_the_callback_refuses_artifacts_without_a_record_before_training(
                                                  "model to rebuild .* or leave pretrained= out"):
         trainer.fit(ORTLightningModule(linear), loader)
     assert not list(tmp_path.glob("*.ortckpt"))
+
+
+def test_the_active_one_of_two_adapters_comes_back_from_the_artifacts_folder(tmp_path: Path) -> None:
+    # NOTE: non-zero adapters straight from the export: the rebuild draws other random values, so equal logits
+    # mean the folder's values are the exported ones.
+    model = peft.get_peft_model(decoder("llama", seed=3), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                         init_lora_weights=False), adapter_name="first")
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["v_proj", "down_proj"], init_lora_weights=False))
+    model.set_adapter("second")
+    batch = token_batch(padding="left", seed=2)
+    expected = _logits(model, batch)
+    artifacts = export_artifacts(model.train(), batch, tmp_path / "artifacts", loss=None, verify=False)
+    assert all(".second." in name for name in artifacts.manifest.trainable)
+    folder = save_pretrained(artifacts.directory, tmp_path / "adapter")
+    assert sorted(path.name for path in folder.iterdir()) == ["README.md", "second"]  # peft's layout for a named one
+    loaded = peft.PeftModel.from_pretrained(decoder("llama", seed=3), folder / "second", adapter_name="second")
+    assert _relative(_logits(loaded, batch), expected) < TOLERANCE
+    assert _relative(_logits(decoder("llama", seed=3), batch), expected) > 100 * TOLERANCE

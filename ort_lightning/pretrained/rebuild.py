@@ -81,8 +81,8 @@ def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, s
     """Copy `values` (ORT's state by torch name) into `model`'s parameters and buffers.
 
     Every parameter of `model` must get a value, directly or through a tied name, except those no forward
-    reads (peft's ``original_module`` beside a ``modules_to_save`` copy); buffers that ORT's state does
-    not hold (computed from the config, such as rotary frequencies) keep theirs.
+    reads (peft's inactive adapters, its ``original_module`` beside a ``modules_to_save`` copy); buffers
+    that ORT's state does not hold (computed from the config, such as rotary frequencies) keep theirs.
 
     Raises:
         CheckpointError: for a value `model` has no tensor for, one of another shape, or a parameter
@@ -116,15 +116,28 @@ def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, s
 
 
 def _never_read(model: torch.nn.Module) -> set[int]:
-    """The parameters a forward never reads: peft's ``original_module`` beside a ``modules_to_save`` copy.
+    """The parameters a forward never reads: peft's inactive adapters, and ``original_module`` beside a copy.
 
-    NOTE: the export leaves them out of the graph (the forward reads the trained copy), so ORT's state
-    has no value for them; peft's adapter folder does not hold them, and a merge drops them.
+    NOTE: the export leaves them out of the graph (the forward reads the active adapter and the trained
+    ``modules_to_save`` copy), so ORT's state has no value for them; the adapter folder holds the active
+    adapter only, and a merge drops the rest.
     """
-    originals = [getattr(module, "original_module", None) for module in model.modules()
-                 if hasattr(module, "modules_to_save")]
-    return {id(parameter) for original in originals if isinstance(original, torch.nn.Module)
-            for parameter in original.parameters()}
+    unread: list[torch.nn.Module | torch.nn.Parameter] = []
+    for module in model.modules():
+        names = getattr(module, "active_adapters", None)  # NOTE: a list on peft's layers, a method on transformers'
+        if not isinstance(names, list | tuple):
+            continue
+        active = set(names)
+        layers = [getattr(module, name, None) for name in getattr(module, "adapter_layer_names", ())]
+        layers.append(getattr(module, "modules_to_save", None))
+        for layer in layers:
+            if isinstance(layer, torch.nn.ModuleDict | torch.nn.ParameterDict):
+                unread += [value for key, value in layer.items() if key not in active]
+        original = getattr(module, "original_module", None)
+        if hasattr(module, "modules_to_save") and isinstance(original, torch.nn.Module):
+            unread.append(original)
+    return {id(parameter) for item in unread
+            for parameter in (item.parameters() if isinstance(item, torch.nn.Module) else [item])}
 
 
 def _listed(what: str, items: list[str]) -> str:

@@ -4,8 +4,9 @@
 artifacts' record (`ort_lightning.pretrained.record`) or given by the caller, and lets the model
 write itself:
 
-- a peft model writes its adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``,
-  each further adapter in a subfolder of its name), which ``PeftModel.from_pretrained(base, folder)`` loads;
+- a peft model writes its adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) of
+  the active adapter, the one that trained (at the top for ``default``, else in a subfolder of its name,
+  as peft writes it), which ``PeftModel.from_pretrained(base, folder)`` loads;
 - a transformers model writes ``model.safetensors`` + ``config.json``, which
   ``AutoModelForCausalLM.from_pretrained(folder)`` (or the model's own class) loads;
 - with ``merge=True``, a peft model is merged first (``merge_and_unload``) and written as the
@@ -81,8 +82,12 @@ def write_pretrained(
         )
     load_values(model, values, source=source)
     written: Any = _merged(model) if merge else model
+    # NOTE: a peft model writes its active adapter, the one trained: ORT's state holds no other adapter's values.
+    # (PeftModel.active_adapters is a list; transformers' own active_adapters is a method.)
+    active = getattr(written, "active_adapters", None)
+    options = {"selected_adapters": list(active)} if isinstance(active, list) else {}
     with staged_folder(folder, needed=None) as stage:
-        written.save_pretrained(stage)
+        written.save_pretrained(stage, **options)
     return Path(folder)
 
 

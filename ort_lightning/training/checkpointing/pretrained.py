@@ -73,9 +73,10 @@ def save_pretrained(
 ) -> Path:
     """Write a trained model as the folder transformers or peft loads, through the model's own ``save_pretrained``.
 
-    For artifacts exported from a peft ``PeftModel``, the folder is its adapter folder
-    (``adapter_model.safetensors`` + ``adapter_config.json``) that ``PeftModel.from_pretrained(base, folder)``
-    loads; for a transformers model (a full fine-tune), ``model.safetensors`` + ``config.json`` that
+    For artifacts exported from a peft ``PeftModel``, the folder is the adapter folder of its active
+    adapter, the one that trained (``adapter_model.safetensors`` + ``adapter_config.json``, in a subfolder
+    of its name unless it is peft's ``default``) that ``PeftModel.from_pretrained(base, folder)`` loads;
+    for a transformers model (a full fine-tune), ``model.safetensors`` + ``config.json`` that
     ``AutoModelForCausalLM.from_pretrained(folder)`` loads. The model is rebuilt from what the export
     recorded beside the artifacts (its config and adapter configs: random weights, no download), then
     given the trained values.
