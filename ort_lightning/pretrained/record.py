@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -106,7 +107,10 @@ def write_record(model: object, folder: Path) -> bool:
     config.save_pretrained(directory)
     generation = getattr(base, "generation_config", None)
     if generation is not None:
-        generation.save_pretrained(directory)
+        with contextlib.suppress(ValueError):
+            # NOTE: transformers validates a generation config as it saves it and refuses one it finds
+            # inconsistent; such a record keeps the config alone, and the rebuilt model the defaults it gives.
+            generation.save_pretrained(directory)
     adapters: list[str] = []
     active = None
     if adapted:
