@@ -373,9 +373,9 @@ REFUSED: dict[str, str] = {
     # nn.LocalResponseNorm on 4-d input exports a data-dependent If; ORT's gradient builder aborts on it.
     "norm-localresponse": r"'If' .* is control flow on the gradient path",
     # torch's exporter has no symbolic for these at opset 17 (col2im needs 18, which ORT 1.19.2 cannot train).
-    "pool-fractionalmax2d": r"torch.onnx.export failed .*fractional_max_pool2d",
-    "conv-fold": r"torch.onnx.export failed .*col2im",
-    "lstm-2layer-proj": r"torch.onnx.export failed .*LSTMs with projections",
+    "pool-fractionalmax2d": r"no conversion of aten::fractional_max_pool2d at opset 17, called in module 'layer'",
+    "conv-fold": r"no conversion of aten::col2im at opset 17, called in module '1' \(Fold\)",
+    "lstm-2layer-proj": r"no conversion of aten::lstm .*LSTMs with projections",
     # nn.EmbeddingBag exports a Loop over the bags.
     "embeddingbag-mean": r"'Loop' .*torch module 'bag'.* is control flow",
     "embeddingbag-sum": r"'Loop' .*torch module 'bag'.* is control flow",
@@ -383,9 +383,10 @@ REFUSED: dict[str, str] = {
     # ONNX Atan and ReduceProd have no gradient in ORT 1.19.2 and no exact rewrite here yet.
     # Random in training, and ORT's eval graph would stay random (it turns off Dropout only):
     # AlphaDropout's training formula cannot become an identity there, RReLU would keep sampling.
-    "dropout-alphadropout": r"torch.onnx.export failed .*aten::alpha_dropout, training mode",
-    "dropout-featurealphadropout": r"torch.onnx.export failed .*aten::feature_alpha_dropout, training mode",
-    "act-rrelu": r"nn.RReLU samples its negative slopes in training.*use nn.LeakyReLU",
+    "dropout-alphadropout": r"no conversion of aten::alpha_dropout .*'layer' \(AlphaDropout\).*training mode",
+    "dropout-featurealphadropout": r"no conversion of aten::feature_alpha_dropout .*training mode",
+    "act-rrelu": r"cannot convert Sequential: aten::rrelu, called in module '1' \(RReLU\): nn.RReLU samples its "
+                 r"negative slopes in training.*use nn.LeakyReLU",
     "op-atan": r"no gradient for the ONNX op 'Atan'",
     "op-prod": r"no gradient for the ONNX op 'ReduceProd'",
 }
