@@ -264,3 +264,17 @@ def test_the_active_one_of_two_adapters_comes_back_from_the_artifacts_folder(tmp
     loaded = peft.PeftModel.from_pretrained(decoder("llama", seed=3), folder / "second", adapter_name="second")
     assert _relative(_logits(loaded, batch), expected) < TOLERANCE
     assert _relative(_logits(decoder("llama", seed=3), batch), expected) > 100 * TOLERANCE
+
+
+def test_inspect_names_what_save_pretrained_rebuilds(
+    lora: Run, full: Run, linear: TrainingArtifacts, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = {}
+    for name, folder in (("lora", lora.artifacts.directory), ("full", full.artifacts.directory),
+                         ("linear", linear.directory)):
+        assert main(["inspect", str(folder)]) == 0
+        shown[name] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pretrained:"))
+    assert shown["lora"].endswith("LlamaForCausalLM with peft adapters default (active) (save-pretrained writes the "
+                                  "active one)")
+    assert shown["full"].endswith("LlamaForCausalLM (save-pretrained writes its transformers folder)")
+    assert "not a transformers model" in shown["linear"]
