@@ -1,7 +1,7 @@
 """The exported model again: built from its record (random weights, no download), then given the trained values.
 
 `rebuild` reads the configs the record holds with transformers' and peft's own readers
-(``AutoConfig``/``GenerationConfig``, ``PeftConfig.from_pretrained``), builds the model class it
+(the model class's ``config_class``, ``GenerationConfig``, ``PeftConfig.from_pretrained``), builds the model class it
 names and wraps it with ``get_peft_model`` and ``add_adapter`` in the recorded order, the recorded
 adapter active. `load_values` copies ORT's state into it by ``named_parameters()`` name.
 
@@ -57,8 +57,9 @@ def rebuild(record: PretrainedRecord) -> torch.nn.Module:
     """
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(record.directory)
-    model: Any = _model_class(record)(config)
+    model_class = _model_class(record)
+    # NOTE: the class's own config class, not AutoConfig: a model class of the user's need not be registered.
+    model: Any = model_class(model_class.config_class.from_pretrained(record.directory))
     if (record.directory / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(record.directory)
     if not record.adapters:
