@@ -204,6 +204,8 @@ def test_sources_that_cannot_be_read_are_refused(lora: Run, tmp_path: Path) -> N
     with pytest.raises(ConfigurationError, match=r"Expected the source to be an ORTLightningModule or the path of an "
                                                  r"ORT checkpoint file, .* but got 'missing.ckpt'"):
         save_pretrained("missing.ckpt", tmp_path / "out")
+    with pytest.raises(ArtifactError, match="holds no training_model.onnx .* so it is not a training artifacts folder"):
+        save_pretrained(tmp_path, tmp_path / "out")  # a folder, but no artifacts folder
     with pytest.raises(ConfigurationError, match="the source is a module, which trains .* already; leave artifacts="):
         save_pretrained(lora.module, tmp_path / "out", artifacts=lora.artifacts.directory)
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")

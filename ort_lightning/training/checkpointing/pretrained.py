@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ort_lightning.artifacts import MANIFEST_NAME, TrainingArtifacts
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.pretrained.writer import write_pretrained
 from ort_lightning.training.checkpointing.connector import STATE_DIGEST_KEY
@@ -132,7 +132,7 @@ def trained_values(
             f".ckpt or an artifacts folder, but got {_shown(source)}; pass the trained module or an existing file."
         )
     path = Path(source)
-    if (path / MANIFEST_NAME).is_file():
+    if path.is_dir():  # NOTE: an artifacts folder (a generate_artifacts one too); another folder is refused by load
         exported = TrainingArtifacts.load(path)
         return _file_values(exported.checkpoint, exported), exported, f"The checkpoint of {path}"
     if zipfile.is_zipfile(path):
