@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ort_lightning.callbacks import ORTCheckpoint
     from ort_lightning.export import export_artifacts
     from ort_lightning.strategies import ORTDDPStrategy
-    from ort_lightning.training import ORTLightningModule, ORTOptimizer
+    from ort_lightning.training import ORTLightningModule, ORTOptimizer, save_pretrained
 
 #: Each public name and the module it comes from.
 _HOMES = {
@@ -34,6 +34,7 @@ _HOMES = {
     "ORTOptimizer": "ort_lightning.training",
     "TrainingArtifacts": "ort_lightning.artifacts",
     "export_artifacts": "ort_lightning.export",
+    "save_pretrained": "ort_lightning.training",
 }
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "TrainingArtifacts",
     "__version__",
     "export_artifacts",
+    "save_pretrained",
 ]
 
 

@@ -59,7 +59,8 @@ MISTAKES = {
     "misspelled-option": Mistake((*FACTORY, "--input-shape", "64", "--frozn", "a"),
                                  r"unrecognized arguments: --frozn a; did you mean '--frozen'\?"),
     "misspelled-command": Mistake(("fitt",), r"invalid choice: 'fitt' \(choose from 'demo', 'export', 'inspect', "
-                                             r"'fleet', 'fit', 'validate', 'test', 'predict'\); did you mean 'fit'\?"),
+                                             r"'save-pretrained', 'fleet', 'fit', 'validate', 'test', 'predict'\); "
+                                             r"did you mean 'fit'\?"),
     "demo-out-file": Mistake(("demo", "--out", "notes.txt"), r"--out 'notes\.txt' is a file, but --out names the "
                              r"folder that receives artifacts/.*; pass a folder", {"notes.txt": b"mine"}),
     "export-out-file": Mistake((*FACTORY[:-1], "notes.txt", "--input-shape", "64"),

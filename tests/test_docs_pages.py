@@ -43,7 +43,7 @@ PUBLIC_MODULES = ("ort_lightning", "ort_lightning.errors", "ort_lightning.fleet"
 
 #: In-process blocks that take more than about 10 s on an idle 2-core machine, and why (scripts are always slow).
 SLOW_BLOCKS = {
-    "docs/guide/huggingface.md-block0": "exports and verifies a BERT and a GPT-2: about 11 s with the quick start",
+    "docs/guide/huggingface.md-block3": "exports and verifies a BERT and a GPT-2: about 11 s with the quick start",
 }
 
 _BLOCKS = [block for path in docs_pages() for block in python_blocks(path)]

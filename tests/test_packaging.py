@@ -152,9 +152,10 @@ def test_public_names() -> None:
     from ort_lightning.callbacks import ORTCheckpoint
     from ort_lightning.export import export_artifacts
     from ort_lightning.strategies import ORTDDPStrategy
-    from ort_lightning.training import ORTLightningModule, ORTOptimizer
+    from ort_lightning.training import ORTLightningModule, ORTOptimizer, save_pretrained
 
-    public = [ORTCheckpoint, ORTDDPStrategy, ORTLightningModule, ORTOptimizer, TrainingArtifacts, export_artifacts]
+    public = [ORTCheckpoint, ORTDDPStrategy, ORTLightningModule, ORTOptimizer, TrainingArtifacts, export_artifacts,
+              save_pretrained]
     assert ort_lightning.__all__ == sorted(["__version__", *(thing.__name__ for thing in public)])
     assert all(getattr(ort_lightning, thing.__name__) is thing for thing in public)  # imported on first use
     with pytest.raises(AttributeError, match="no attribute 'ORTModule'"):

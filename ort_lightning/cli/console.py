@@ -7,6 +7,8 @@ Subcommands:
 - ``fit | validate | test | predict --config cfg.yaml``: LightningCLI over `ORTLightningModule`
   and any ``LightningDataModule``.
 - ``inspect DIR | CHECKPOINT``: what a set of artifacts or an ORT checkpoint holds.
+- ``save-pretrained CHECKPOINT --out FOLDER``: a trained checkpoint (``.ortckpt`` with ``--artifacts``, ``.ckpt``)
+  as the folder peft or transformers loads (an adapter folder; ``--merge``: the merged model).
 - ``fleet --config fleet.yaml [--set KEY=VALUE ...]``: federated training of the digits artifacts on simulated
   devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
   ``--browsers``: the devices are browsers that open the URL it prints (``engine: browser``).
@@ -138,6 +140,18 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", type=Path)
     inspect.set_defaults(handler=_inspect)
 
+    pretrained = commands.add_parser(
+        "save-pretrained", help="write a trained checkpoint as a peft adapter or transformers folder"
+    )
+    pretrained.add_argument("source", type=Path,
+                            help="an ORT checkpoint file (.ortckpt), a Lightning .ckpt, or an artifacts folder")
+    pretrained.add_argument("--out", type=Path, required=True, help="the folder save_pretrained writes")
+    pretrained.add_argument("--artifacts", type=Path, default=None,
+                            help="the artifacts folder the checkpoint was trained on (needed for an .ortckpt)")
+    pretrained.add_argument("--merge", action="store_true",
+                            help="merge the peft adapters into the base weights and write the merged model")
+    pretrained.set_defaults(handler=_save_pretrained)
+
     fleet = commands.add_parser("fleet", help="federated training of the digits artifacts on simulated devices")
     fleet.add_argument("--config", type=Path, required=True,
                        help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
@@ -245,6 +259,15 @@ def _inspect(args: argparse.Namespace) -> None:
     from ort_lightning.cli.describe import describe
 
     print(describe(args.path))
+
+
+# ----------------------------------------------------------------------------- save-pretrained
+def _save_pretrained(args: argparse.Namespace) -> None:
+    from ort_lightning import save_pretrained
+
+    output_folder(args.out, writes="the model's save_pretrained files")
+    folder = save_pretrained(args.source, args.out, artifacts=args.artifacts, merge=args.merge)
+    print(f"wrote {folder}: {', '.join(sorted(path.name for path in folder.iterdir()))}")
 
 
 # ----------------------------------------------------------------------------- fleet

@@ -91,10 +91,34 @@ def artifacts_rows(directory: Path) -> Rows:
     rows.append(("learning rate", _learning_rate(manifest)))
     rows += weightless_rows(artifacts) if artifacts.weightless else checkpoint_rows(artifacts.checkpoint)
     rows += [(title, ", ".join(names) or "-") for title, names in _initializer_roles(artifacts)]
+    rows += pretrained_rows(artifacts.directory)
     if not artifacts.adopted:  # ORT's generator records neither a verification nor versions
         rows += report_rows(manifest.verification)
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in manifest.versions.items())))
     return rows
+
+
+def pretrained_rows(directory: Path) -> Rows:
+    """What ``save-pretrained`` rebuilds: the transformers class and the peft adapters the export recorded.
+
+    Example::
+
+        >>> import tempfile
+        >>> pretrained_rows(Path(tempfile.mkdtemp()))
+        [('pretrained', "- (not a transformers model: save-pretrained needs the model's code)")]
+    """
+    from ort_lightning.errors import ArtifactError
+    from ort_lightning.pretrained.record import read_record
+
+    try:
+        record = read_record(directory)
+    except ArtifactError:
+        return [("pretrained", "- (not a transformers model: save-pretrained needs the model's code)")]
+    model = record.model_class.rpartition(".")[2]
+    if not record.adapters:
+        return [("pretrained", f"{model} (save-pretrained writes its transformers folder)")]
+    adapters = ", ".join(f"{name} (active)" if name == record.active_adapter else name for name in record.adapters)
+    return [("pretrained", f"{model} with peft adapters {adapters} (save-pretrained writes the active one)")]
 
 
 def _learning_rate(manifest: Any) -> str:

@@ -8,7 +8,8 @@ The pipeline, stage by stage (each a module of this package):
    graphs and the checkpoint (`ort_lightning.ort`), with the loss of `losses/`;
 4. `after_generation`: passes on the generated graphs, each file loaded and saved once;
 5. `verify/`: one training step in a child process against torch autograd;
-6. the manifest ``ort_lightning.json`` is written;
+6. the manifest ``ort_lightning.json`` is written, and for a transformers or peft model what rebuilds
+   it (``pretrained/``, `ort_lightning.pretrained.record`), for the write-back;
 7. on request, what a device ships (``.ort`` graphs, a nominal checkpoint), from the final
    graphs; the folder is read back by `TrainingArtifacts.load`.
 
@@ -48,6 +49,7 @@ from ort_lightning.export.source import ModelSource, load_source
 from ort_lightning.export.verify.verifier import verify_export
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.graph_files import ort_inputs
+from ort_lightning.pretrained.record import RECORD_DIR, write_record
 from ort_lightning.storage.staging import staged_folder
 
 __all__ = ["export_artifacts"]
@@ -228,7 +230,8 @@ def export_artifacts(
     # NOTE: every file is written into a staging folder and moved into place only when all stages have
     # passed, so that a full disk or a failing stage leaves an earlier export in `output_dir` as it was.
     with staged_folder(
-        output_dir, needed=bytes_needed(model, external=external), last=(MANIFEST_NAME,), obsolete=(UNVERIFIED_NAME,)
+        output_dir, needed=bytes_needed(model, external=external), last=(MANIFEST_NAME,),
+        obsolete=(UNVERIFIED_NAME, RECORD_DIR),
     ) as folder:
         with weights_folder(folder, external=external) as weights_dir:
             # 1. source
@@ -280,6 +283,8 @@ def export_artifacts(
             training_graph=training_graph,
         )
         (folder / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+        # NOTE: what rebuilds a transformers or peft model for the write-back (ort_lightning.save_pretrained).
+        write_record(model, folder)
         # 7. what a device ships, from the final graphs
         _ort.write_device_files(
             folder, [folder / FILES[name] for name in ("training_model", "eval_model", "optimizer_model")],

@@ -50,6 +50,15 @@ class HeldState:
         """The parameter names and properties of a nominal state; None for a state that holds weights."""
         return nominal_summary_of(self.state)
 
+    def values(self) -> dict[str, np.ndarray]:
+        """Name -> a copy of every tensor of the state (trainable and frozen parameters, buffers), on the CPU.
+
+        Raises:
+            RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a nominal state, which holds no values.
+        """
+        bound = bound_state(self.state)
+        return {name: np.array(bound.get_parameter(name).data.numpy(), copy=True) for name in bound.parameter_names()}
+
 
 def read_state(path: os.PathLike[str] | str) -> HeldState:
     """Read an ORT checkpoint file once: its summary and the build it starts come from this one read.

@@ -5,8 +5,9 @@ several writers, some of them ONNX Runtime's, none of which can be told to write
 all write into a hidden staging folder inside the destination (the same file system, so a move is
 a rename), named with the package's temporary pattern (`ort_lightning.storage.temps`). Only when
 every writer and every check has succeeded are the files fsynced and renamed over the
-destination's, one by one, the files named in `last` last; files of the destination that the new
-set does not hold stay (a user's files, a source model kept beside its artifacts).
+destination's, one by one, the files named in `last` last; a staged subfolder replaces the
+destination's folder of that name whole. Files of the destination that the new set does not hold
+stay (a user's files, a source model kept beside its artifacts).
 
 A failure before that point (a full disk, a stage that raises) removes the staging folder, and the
 destination folder if this call created it: the destination's files are as they were. A full disk
@@ -29,6 +30,18 @@ Example::
     ...     pass
     >>> (out / "a.bin").read_bytes(), sorted(path.name for path in out.iterdir())
     (b'new', ['a.bin'])
+
+A staged subfolder replaces the destination's whole; one named in `obsolete` goes when the new set lacks it:
+
+    >>> (out / "sub").mkdir(); _ = (out / "sub" / "old.json").write_text("{}")
+    >>> with staged_folder(out, needed=10) as stage:
+    ...     (stage / "sub").mkdir(); _ = (stage / "sub" / "new.json").write_text("{}")
+    >>> sorted(path.name for path in (out / "sub").iterdir())
+    ['new.json']
+    >>> with staged_folder(out, needed=10, obsolete=("sub",)) as stage:
+    ...     _ = (stage / "a.bin").write_bytes(b"newest")
+    >>> sorted(path.name for path in out.iterdir())
+    ['a.bin']
 """
 
 from __future__ import annotations
@@ -96,18 +109,31 @@ def staged_folder(
 
 
 def _publish(stage: Path, folder: Path, *, last: Collection[str], obsolete: Collection[str]) -> None:
-    """Flush the staged files, then rename each over the destination's (`last` ones last)."""
-    files = sorted((path for path in stage.iterdir() if path.is_file()), key=lambda path: path.name in last)
-    for path in files:
-        fsync(path)
+    """Flush the staged files, then rename each over the destination's (`last` ones last).
+
+    A staged subfolder replaces the destination's entry of that name whole: the old one is moved into
+    the staging folder first (a folder cannot be renamed over a folder that has files), and goes with it.
+    """
+    entries = sorted(stage.iterdir(), key=lambda path: path.name in last)
+    for path in entries:
+        for file in [path] if path.is_file() else sorted(path.rglob("*")):
+            fsync(file)
     # NOTE: every byte is on disk before the first rename: a rename cannot run out of space, so from
     # here on the export cannot fail half-way for want of room.
-    for path in files:
-        os.replace(path, folder / path.name)
+    for path in entries:
+        target = folder / path.name
+        if target.is_dir():
+            os.replace(target, stage / f".replaced-{path.name}")
+        os.replace(path, target)
+    published = {path.name for path in entries}
     for name in obsolete:
-        if not (folder / name).exists() or name in {path.name for path in files}:
+        target = folder / name
+        if name in published or not target.exists():
             continue
-        (folder / name).unlink()
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
     fsync(folder)
 
 

@@ -8,6 +8,9 @@ sanity check, ``best_model_path``, ``state_key``. Only the file itself differs: 
 ``.sha256`` sidecar, and carries the properties ``epoch``, ``global_step``, ``lr``,
 ``ort_lightning_version`` and, with `monitor`, ``monitor`` and ``monitor_value``. Steps and
 epochs in names and properties count across resumes from ``ORTLightningModule(..., checkpoint=...)``.
+With ``pretrained=True``, each file ``<name>.ortckpt`` has a folder ``<name>-pretrained`` beside it,
+what ``ort_lightning.save_pretrained`` writes (a peft adapter folder, or a transformers model
+folder), replaced and removed with its file.
 
 ``ModelCheckpoint`` writes, removes and finds its files through private methods; ``ORTCheckpoint``
 defines only the public-named methods `lightning_private.ModelCheckpointAdapter` hands them to
@@ -28,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,13 +41,14 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ort_lightning.errors import CheckpointError, ConfigurationError
+from ort_lightning.errors import ArtifactError, CheckpointError, ConfigurationError
+from ort_lightning.pretrained.record import read_record
 from ort_lightning.storage.atomic import remove_with_digest
 from ort_lightning.storage.temps import check_writable, remove_stale_temps
 from ort_lightning.training.checkpointing.files import Checkpointable
 from ort_lightning.training.checkpointing.lightning_private import ModelCheckpointAdapter
 
-__all__ = ["ORTCheckpoint"]
+__all__ = ["ORTCheckpoint", "pretrained_folder"]
 
 EXTENSION = ".ortckpt"
 
@@ -68,6 +73,9 @@ class ORTCheckpoint(ModelCheckpointAdapter):
             (``monitor="step", mode="max"`` keeps the most recent k).
         include_optimizer_state: store the optimizer's step and moments (needed to resume exactly).
         inference_model: write a plain ONNX inference model there when ``fit`` ends.
+        pretrained: beside each file ``<name>.ortckpt``, write the folder ``<name>-pretrained`` that
+            transformers or peft loads (``ort_lightning.save_pretrained``: the adapter folder of a peft
+            model, the ``save_pretrained`` folder of a transformers model); for artifacts exported from one.
         verbose: log each save, as ``ModelCheckpoint`` does.
         auto_insert_metric_name: ``{val_loss}`` becomes ``val_loss=0.12`` (False: ``0.12``).
         train_time_interval: save at this wall-clock interval instead.
@@ -93,6 +101,7 @@ class ORTCheckpoint(ModelCheckpointAdapter):
         save_top_k: int = 1,
         include_optimizer_state: bool = True,
         inference_model: str | os.PathLike[str] | None = None,
+        pretrained: bool = False,
         verbose: bool = False,
         auto_insert_metric_name: bool = True,
         train_time_interval: timedelta | None = None,
@@ -113,6 +122,7 @@ class ORTCheckpoint(ModelCheckpointAdapter):
                                      "every_n_epochs and train_time_interval.") from error
         self.include_optimizer_state = include_optimizer_state
         self.inference_model = None if inference_model is None else Path(inference_model)
+        self.pretrained = pretrained
 
     @property
     @override
@@ -144,7 +154,8 @@ class ORTCheckpoint(ModelCheckpointAdapter):
         """Refuse a module or a folder that cannot take ORT checkpoints; clear temp files of an interrupted write.
 
         Raises:
-            ConfigurationError: for a module other than `ORTLightningModule`.
+            ConfigurationError: for a module other than `ORTLightningModule`, or ``pretrained=True`` on
+                artifacts that record no transformers model.
             CheckpointError: for a `dirpath` that cannot be created or written (found before any step).
         """
         if not isinstance(pl_module, Checkpointable):
@@ -152,6 +163,8 @@ class ORTCheckpoint(ModelCheckpointAdapter):
                 f"ORTCheckpoint saves ONNX Runtime state, but the module is a {type(pl_module).__name__}; use it "
                 "with ORTLightningModule, or use lightning's ModelCheckpoint for torch modules."
             )
+        if self.pretrained:
+            _check_record(pl_module)
         super().setup(trainer, pl_module, stage)
         if trainer.is_global_zero and stage == "fit" and not _fast_dev_run(trainer):
             folder = Path(os.fspath(self.dirpath or "."))
@@ -198,13 +211,16 @@ class ORTCheckpoint(ModelCheckpointAdapter):
             module.save_ort_checkpoint(
                 filepath, include_optimizer_state=self.include_optimizer_state, properties=_properties(self, trainer)
             )
+            if self.pretrained:
+                module.save_pretrained(pretrained_folder(filepath))
         trainer.strategy.barrier("ORTCheckpoint.save")
 
     @override
     def remove_file(self, trainer: pl.Trainer, filepath: str) -> None:
-        """Remove a replaced file with its ``.sha256`` digest."""
+        """Remove a replaced file with its ``.sha256`` digest (and its ``-pretrained`` folder)."""
         if trainer.is_global_zero:
             remove_with_digest(Path(filepath))
+            shutil.rmtree(pretrained_folder(filepath), ignore_errors=True)
 
     @override
     def resumable(self, trainer: pl.Trainer, last_files: set[str]) -> set[str]:
@@ -251,6 +267,35 @@ class ORTCheckpoint(ModelCheckpointAdapter):
                 f"{sorted(k for k in candidates if k not in ('epoch', 'step'))}); log it with self.log, "
                 "or save after validation (every_n_epochs) so that validation metrics exist when it saves."
             )
+
+
+def pretrained_folder(filepath: str | os.PathLike[str]) -> Path:
+    """The ``save_pretrained`` folder beside checkpoint file `filepath`.
+
+    Example::
+
+        >>> pretrained_folder("checkpoints/epoch=0-step=4.ortckpt").name
+        'epoch=0-step=4-pretrained'
+    """
+    path = Path(filepath)
+    return path.with_name(f"{path.stem}-pretrained")
+
+
+def _check_record(pl_module: pl.LightningModule) -> None:
+    """Refuse ``pretrained=True`` before the first step when the artifacts record no transformers model.
+
+    Raises:
+        ConfigurationError: naming the folder and what to do.
+    """
+    folder = _module(pl_module).artifacts.directory
+    try:
+        read_record(folder)
+    except ArtifactError as error:
+        raise ConfigurationError(
+            f"ORTCheckpoint(pretrained=True) writes the folder transformers or peft loads beside each checkpoint, but "
+            f"{folder} records no transformers model to rebuild ({error}); export a transformers PreTrainedModel or a "
+            "peft PeftModel over one, or leave pretrained= out."
+        ) from error
 
 
 def _continue_last(callback: ORTCheckpoint, pl_module: pl.LightningModule) -> None:

@@ -91,7 +91,7 @@ def _mismatch(found: ParameterSummary, expected: ParameterSummary) -> str:
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """What `ORTCheckpoint` needs of a module: ORT checkpoint files, inference export, the run's origin."""
+    """What `ORTCheckpoint` needs of a module: ORT checkpoint files, inference export, pretrained folders, its run."""
 
     def save_ort_checkpoint(
         self,
@@ -107,9 +107,18 @@ class Checkpointable(Protocol):
         """Write the inference model; return its path."""
         ...
 
+    def save_pretrained(self, folder: str | os.PathLike[str], *, model: Any = None, merge: bool = False) -> Path:
+        """Write the trained model as the folder transformers or peft loads; return the folder."""
+        ...
+
     @property
     def start_progress(self) -> dict[str, int]:
         """Where this run started: Lightning's step and epoch counters."""
+        ...
+
+    @property
+    def artifacts(self) -> TrainingArtifacts:
+        """The artifacts it trains."""
         ...
 
 

@@ -2,9 +2,10 @@
 
 `ORTLightningModule` takes this group of hooks and methods as Lightning's ``LightningModule`` takes
 its hook groups from ``core/hooks.py``: its ORT checkpoint files (``save_ort_checkpoint``), inference
-models (``export_inference_model``, ``to_onnx``), Lightning's ``.ckpt`` (``on_save_checkpoint``,
-``on_load_checkpoint``, ``load_from_checkpoint``), another start (``load_values``), new values in
-place (``set_values``) and where its run starts (``start_progress``). The hooks hold no state: the
+models (``export_inference_model``, ``to_onnx``), transformers and peft folders (``save_pretrained``),
+Lightning's ``.ckpt`` (``on_save_checkpoint``, ``on_load_checkpoint``, ``load_from_checkpoint``),
+another start (``load_values``), new values in place (``set_values``) and where its run starts
+(``start_progress``). The hooks hold no state: the
 module's `CheckpointConnector` (its ``checkpointing``, a collaborator with declared inputs) owns the
 run's origin and the fit's schedule.
 
@@ -29,6 +30,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from ort_lightning.training.checkpointing.connector import CheckpointConnector, find_artifacts
+from ort_lightning.training.checkpointing.pretrained import save_pretrained
 
 __all__ = ["CheckpointHooks"]
 
@@ -94,6 +96,28 @@ class CheckpointHooks(pl.LightningModule):
             ConfigurationError: for an output name the eval graph does not have.
         """
         return self.checkpointing.export_inference_model(path, outputs)
+
+    def save_pretrained(
+        self, folder: str | os.PathLike[str], *, model: Any = None, merge: bool = False
+    ) -> Path:
+        """Write the trained model as the folder transformers or peft loads (`ort_lightning.save_pretrained`).
+
+        A peft model writes its adapter folder (``PeftModel.from_pretrained(base, folder)``), a
+        transformers model ``model.safetensors`` + ``config.json`` (``AutoModelForCausalLM.from_pretrained``).
+
+        Args:
+            folder: where the model writes itself; created if missing, its files replaced.
+            model: the torch model the artifacts were exported from, for artifacts that record no
+                transformers model; its parameters take the trained values.
+            merge: merge the peft adapters into the base weights and write the merged model.
+
+        Returns:
+            The folder.
+
+        Raises:
+            ArtifactError: for artifacts that record no transformers model and no `model`.
+        """
+        return save_pretrained(self, folder, model=model, merge=merge)
 
     @override
     def to_onnx(self, file_path: Any = None, input_sample: Any = None, **kwargs: Any) -> None:
