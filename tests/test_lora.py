@@ -193,3 +193,40 @@ def test_dora_is_refused_at_export_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=message):
         export_artifacts(model, _batch(0), tmp_path, loss=None, verify=False)
     assert not (tmp_path / "training_model.onnx").exists()
+
+
+def _moments(path: Path) -> dict[str, list[tuple[int, ...]]]:
+    """The optimizer state of an ORT checkpoint file: parameter name -> the shapes of its moments."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs.Checkpoint import Checkpoint
+
+    checkpoint = Checkpoint.GetRootAs(path.read_bytes(), 0)
+    moments: dict[str, list[tuple[int, ...]]] = {}
+    for group in (checkpoint.OptimizerGroups(g) for g in range(checkpoint.OptimizerGroupsLength())):
+        for state in (group.OptimizerStates(s) for s in range(group.OptimizerStatesLength())):
+            moments[state.ParamName().decode()] = [tuple(int(d) for d in state.Momentums(m).DimsAsNumpy())
+                                                   for m in range(state.MomentumsLength())]
+    return moments
+
+
+@pytest.mark.parametrize("tuning", tiered(["lora", "full"], ids=["lora", "full"], fast={"lora"}))
+def test_the_optimizer_state_holds_moments_for_the_trainable_parameters_only(tuning: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _model("llama") if tuning == "lora" else FAMILIES["llama"]()
+    artifacts = export_artifacts(model, _batch(99), tmp_path / "artifacts", loss=None, verify=False)
+    module = ORTLightningModule(artifacts, lr=LR, lr_scheduler="constant")
+    _ort_run(module, [_batch(0)])
+    trainable = {name: tuple(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+    values = sum(p.numel() for p in module.parameters())
+    with_state = module.save_ort_checkpoint(tmp_path / "with.ckpt", include_optimizer_state=True)
+    without = module.save_ort_checkpoint(tmp_path / "without.ckpt", include_optimizer_state=False)
+    moments = _moments(with_state)
+    assert sorted(moments) == sorted(trainable)  # AdamW's two moments, for each trainable parameter and no other
+    for name, shapes in moments.items():
+        assert shapes == [trainable[name]] * 2, name
+    assert _moments(without) == {}
+    moment_bytes = 2 * 4 * sum(torch.Size(shape).numel() for shape in trainable.values())
+    extra = with_state.stat().st_size - without.stat().st_size
+    assert moment_bytes <= extra <= moment_bytes + 256 * 2 * len(trainable) + 4096  # names and dims beside the data
+    print(f"\n{tuning}: {values:,} values, {sum(torch.Size(s).numel() for s in trainable.values()):,} trainable in "
+          f"{len(trainable)} tensors; checkpoint {without.stat().st_size:,} B without the optimizer state, "
+          f"{with_state.stat().st_size:,} B with it (+{extra:,} B; the moments hold {moment_bytes:,} B)")
