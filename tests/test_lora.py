@@ -104,7 +104,7 @@ def _two_adapters() -> torch.nn.Module:
 
 
 VARIANTS: dict[str, Callable[[], torch.nn.Module]] = {
-    "modules-to-save": lambda: _model("llama", modules_to_save=["lm_head"]),
+    "modules-to-save": lambda: _model("llama", modules_to_save=["lm_head", "embed_tokens"]),
     "rslora": lambda: _model("llama", use_rslora=True),
     "two-adapters": _two_adapters,
 }
@@ -117,9 +117,10 @@ def test_peft_variants_train_as_torch_and_peft(variant: str, tmp_path: Path) -> 
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     in_ort = {name for name, _ in module.named_parameters()}
     if variant == "modules-to-save":
-        assert "base_model.model.lm_head.modules_to_save.default.weight" in trainable
-        # NOTE: peft keeps the replaced head beside its trained copy; the forward never reads it.
-        assert "base_model.model.lm_head.original_module.weight" not in in_ort
+        assert {"base_model.model.lm_head.modules_to_save.default.weight",
+                "base_model.model.model.embed_tokens.modules_to_save.default.weight"} <= trainable
+        # NOTE: peft keeps each replaced module beside its trained copy; the forward never reads it.
+        assert not {name for name in in_ort if ".original_module." in name}
     if variant == "rslora":
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
         assert layer.scaling["default"] == pytest.approx(8 / 4**0.5)  # alpha / sqrt(r), not alpha / r
