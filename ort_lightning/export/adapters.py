@@ -9,6 +9,11 @@ another gradient than torch + peft (58 % off at the first step on a tiny Llama; 
 the torch side drops the detach too). peft is never imported: its layers are recognised by their
 ``use_dora`` and ``active_adapters`` attributes.
 
+NOTE: ONNX has no stop-gradient op, and ORT 1.19.2's gradient builder stops only at fixed edges (indices,
+shapes, a Cast to an integer type). Exporting DoRA's detach as ``Cast(Cast(x * 2**40, INT64), FLOAT) *
+2**-40`` (exact for |x| in [2**-16, 2**23), as weight norms are) trained equal to torch + peft (step-1
+gradients within 2.4e-6) in a probe; a detach conversion limited to such values would lift this refusal.
+
 Example::
 
     >>> import torch
