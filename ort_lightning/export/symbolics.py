@@ -217,8 +217,10 @@ SYMBOLICS: dict[str, Conversion] = {
     ),
     "aten::scaled_dot_product_attention": Conversion(
         _scaled_dot_product_attention, "torch's symbolic refuses enable_gqa=True (grouped-query attention: "
-        "transformers' Llama-family decoders at SDPA without a mask); keys and values become Unsqueeze/Expand/Reshape "
-        "per group, then torch's own symbolic"
+        "transformers' Llama-family decoders at SDPA without a mask), and its bool mask gives a query row that may "
+        "attend nowhere (left padding) a NaN Softmax gradient in ORT; keys and values become Unsqueeze/Expand/Reshape "
+        "per group, a bool mask adds the lowest finite value and such rows are multiplied by 0, then torch's own "
+        "symbolic"
     ),
     "aten::diff": Conversion(
         _diff, "no symbolic (transformers' packed-sequence check on position_ids under use_cache=False); becomes "
