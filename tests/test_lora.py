@@ -5,10 +5,11 @@ LoraConfig(target_modules="all-linear"))``: every attention and MLP projection. 
 own loss from a packed causal-LM batch (``input_ids`` and ``labels``, no mask) without verification
 (the test compares with torch itself) and trains 10 AdamW steps at lr 1e-3 under a real Trainer. The
 reference is torch + peft with ``torch.optim.AdamW`` on the same batch (`tests.step_reference`): the
-step-1 gradients within 1e-3 relative, the adapters after 10 steps within 1e-4 absolute or 3x torch's
-own float32 noise. peft initialises ``lora_B`` to zero, which makes the step-1 gradient of ``lora_A``
-zero, so the adapters start random (``init_lora_weights=False``). The frozen base must come out of
-training byte-identical, and the only trainable parameters are the adapters.
+step-1 gradients within 1e-3 relative for every family, and, for a few families and every peft variant,
+the adapters after 10 steps within 1e-4 absolute or 3x torch's own float32 noise. peft initialises
+``lora_B`` to zero, which makes the step-1 gradient of ``lora_A`` zero, so the adapters start random
+(``init_lora_weights=False``). The frozen base must come out of training byte-identical, and the only
+trainable parameters are the adapters.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ peft = pytest.importorskip("peft")
 STEPS, LR = 10, 1e-3
 #: What the fast tier trains: the family every other copies (with two adapters, below); the full run trains all.
 FAST_FAMILIES = {"llama"}
+#: Whose adapters are compared with torch's after the 10 steps (torch's side is most of a test's time): Llama,
+#: Gemma (the tanh GELU after a LoRA output) and GPT-NeoX (fused QKV); every family is compared at step 1.
+STEPPED_FAMILIES = {"llama", "gemma", "gpt-neox"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,22 +67,25 @@ def _model(family: str, **options: Any) -> torch.nn.Module:
     return _lora(decoder(family), **options)
 
 
-def _assert_trains_like_torch(model: torch.nn.Module, folder: Path) -> ORTLightningModule:
-    """Export `model`, train it under a Trainer, and check it against torch + peft (see the module docstring)."""
+def _assert_trains_like_torch(model: torch.nn.Module, folder: Path, *, compare_steps: bool) -> ORTLightningModule:
+    """Export `model`, train it `STEPS` steps under a Trainer, and check it against torch + peft: only the
+    adapters train, the step-1 loss and gradients, the base byte-identical after the steps, and with
+    `compare_steps` the adapters after them against torch's AdamW (20 torch steps, float32 and float64)."""
     batch = _packed()
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
     adapters = sorted(name for name, p in model.named_parameters() if p.requires_grad)
     loss, reference_grads = torch_step(copy.deepcopy(model), lambda m: m(**batch).loss)
-    reference = torch_adamw_steps(model, lambda m: m(**batch).loss, steps=STEPS, lr=LR)
     artifacts = export_artifacts(copy.deepcopy(model), batch, folder, loss=None, verify=False)
     losses, grads, module = ort_steps(artifacts, batch, steps=STEPS, lr=LR)
     trained = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
     assert sorted(trained) == adapters  # the adapters, and nothing else, train
     assert losses[0] == pytest.approx(loss, rel=1e-5)
     assert assert_gradients_close(grads, reference_grads, rtol=1e-3, atol=1e-6) < 1e-3
-    assert_parameters_close(trained, AdamWReference({name: reference.parameters[name] for name in adapters},
-                                                    reference.noise_floor), atol=1e-4)
     assert all(not torch.equal(trained[name], original[name]) for name in adapters)
+    if compare_steps:
+        reference = torch_adamw_steps(model, lambda m: m(**batch).loss, steps=STEPS, lr=LR)
+        assert_parameters_close(trained, AdamWReference({name: reference.parameters[name] for name in adapters},
+                                                        reference.noise_floor), atol=1e-4)
     frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
     assert frozen, "the base is in the ORT state as frozen parameters"
     for name, value in frozen.items():
@@ -89,7 +96,7 @@ def _assert_trains_like_torch(model: torch.nn.Module, folder: Path) -> ORTLightn
 @pytest.mark.parametrize("family", tiered(FAMILIES, ids=FAMILIES, fast=FAST_FAMILIES))
 def test_lora_on_attention_and_mlp_trains_as_torch_and_peft(family: str, tmp_path: Path) -> None:
     model = _model(family)
-    module = _assert_trains_like_torch(model, tmp_path)
+    module = _assert_trains_like_torch(model, tmp_path, compare_steps=family in STEPPED_FAMILIES)
     frozen = sorted(name for name, p in module.named_parameters() if not p.requires_grad)
     assert frozen == sorted(name for name, p in model.named_parameters() if not p.requires_grad)
 
@@ -113,7 +120,7 @@ VARIANTS: dict[str, Callable[[], torch.nn.Module]] = {
 @pytest.mark.parametrize("variant", tiered(list(VARIANTS), ids=list(VARIANTS), fast={"two-adapters"}))
 def test_peft_variants_train_as_torch_and_peft(variant: str, tmp_path: Path) -> None:
     model = VARIANTS[variant]()
-    module = _assert_trains_like_torch(model, tmp_path)
+    module = _assert_trains_like_torch(model, tmp_path, compare_steps=True)
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     in_ort = {name for name, _ in module.named_parameters()}
     if variant == "modules-to-save":
