@@ -92,6 +92,18 @@ class _Einsum(nn.Module):
         return torch.einsum("bij,jkl->bkil", x, self.weight).flatten(1) + torch.einsum("bij->bj", x).sum(1, True)
 
 
+class _SameTypeCast(nn.Module):
+    """``.to(float32)`` of a float32 tensor (peft's LoRA output), whose output feeds one Mul twice (``h * h``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x).to(torch.float32)
+        return h * h
+
+
 def _lstm_last(bidirectional: bool, cell: Callable[..., nn.Module]) -> nn.Module:
     class Last(nn.Module):
         def __init__(self) -> None:
@@ -157,6 +169,7 @@ REWRITES = [
     ("rnn-bidirectional-2layer", ["RNN"],
      lambda: _lstm_last(True, lambda *a, **k: nn.RNN(*a, num_layers=2, nonlinearity="relu", **k)), _randn(3, 4)),
     ("einsum", ["Einsum"], lambda: _Einsum(), _randn(2, 3)),
+    ("same-type-cast", ["Cast"], _SameTypeCast, _randn(6)),
 ]
 
 

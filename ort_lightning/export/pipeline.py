@@ -42,6 +42,7 @@ from ort_lightning.artifacts import FILES, MANIFEST_NAME, UNVERIFIED_NAME, Manif
 from ort_lightning.artifacts.checks import checkpoint_digest, remember_graph
 from ort_lightning.errors import ExportError
 from ort_lightning.export import after_generation, before_generation
+from ort_lightning.export.adapters import refuse_dora
 from ort_lightning.export.external import bytes_needed, external_data_wanted, weights_folder
 from ort_lightning.export.legalize import engine as _legalize
 from ort_lightning.export.losses.spec import LossSpec, check_class_axis, resolve_loss
@@ -217,7 +218,8 @@ def export_artifacts(
     an exact equivalent it can (``export.legalize.RULES``; docs/ops.md lists what trains).
 
     Raises:
-        ExportError: for an unknown loss, loss option, optimizer, option or frozen name, logits whose
+        ExportError: for an unknown loss, loss option, optimizer, option or frozen name, a peft DoRA adapter
+            (its detached weight norm has no ONNX equivalent: see ``export.adapters``), logits whose
             class axis is ambiguous, a model that cannot be exported, a layer ORT cannot differentiate
             and no rewrite covers (the message names the ONNX op, the node and the torch module), or
             artifacts whose first training step crashes, fails, or disagrees with torch autograd.
@@ -226,6 +228,7 @@ def export_artifacts(
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
+    refuse_dora(model)
     external = external_data_wanted(model, external_data)
     # NOTE: every file is written into a staging folder and moved into place only when all stages have
     # passed, so that a full disk or a failing stage leaves an earlier export in `output_dir` as it was.

@@ -80,6 +80,11 @@ RULES: dict[str, Rule] = {
         _rewrites.softplus, f"{_NO_GRADIENT} (nn.Softplus, nn.Mish); becomes x > 20 ? x : log(1 + exp(x)), as torch"
     ),
     "PRelu": Rule(_rewrites.prelu, f"{_NO_GRADIENT} (nn.PReLU); becomes relu(x) + slope*min(x, 0)"),
+    "Cast": Rule(
+        _rewrites.same_type_cast,
+        "ORT drops a Cast to its input's own type (peft's LoRA output, Gemma's RMSNorm) and fails when its output "
+        "feeds one node twice (x * x); becomes Identity",
+    ),
     "Sign": Rule(_rewrites.sign, f"{_NO_GRADIENT} (nn.LPPool); becomes (x > 0) - (x < 0), gradient-free as Sign's"),
     "ReduceMax": Rule(_rewrites.reduce_max, f"{_NO_GRADIENT} (torch.max/amax over a dim); becomes TopK(k=1)"),
     "ReduceMin": Rule(_rewrites.reduce_min, f"{_NO_GRADIENT} (torch.min/amin over a dim); becomes TopK(k=1, smallest)"),

@@ -51,7 +51,7 @@ class Graph:
         self.opset = ai_onnx_opset(proto, default=17)
         self._builder = NodeBuilder(graph_names(proto.graph))
         self._shapes: dict[str, list[int | str | None]] | None = None
-        self._floats: set[str] = set()
+        self._types: dict[str, int] = {}
         self._constants = {t.name: t for t in proto.graph.initializer}
         self._initializers = set(self._constants)
         for node in proto.graph.node:
@@ -130,13 +130,17 @@ class Graph:
 
     def is_float(self, value: str) -> bool:
         """Whether shape inference says `value` is a floating-point tensor (one gradients flow through)."""
+        return self.elem_type(value) in FLOAT_TYPES
+
+    def elem_type(self, value: str) -> int | None:
+        """The ``onnx.TensorProto`` element type of `value` that shape inference finds, None if unknown."""
         self.shape(value)
-        return value in self._floats
+        return self._types.get(value)
 
     def shape(self, value: str) -> list[int | str | None] | None:
         """Dimensions of `value` (ints, symbolic names, None if unknown), from ONNX shape inference."""
         if self._shapes is None:
-            self._shapes, self._floats = _infer_shapes(self.proto)
+            self._shapes, self._types = _infer_shapes(self.proto)
         return self._shapes.get(value)
 
     def node(
@@ -181,7 +185,7 @@ def _inputs_of(nodes: list[onnx.NodeProto]) -> set[str]:
 
 
 
-def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | None]], set[str]]:
+def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | None]], dict[str, int]]:
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except SHAPE_INFERENCE_ERRORS as error:  # shapes stay unknown: a rewrite that needs one declines or refuses
@@ -190,7 +194,7 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | No
     shapes: dict[str, list[int | str | None]] = {}
     graph = inferred.graph
     infos = [*graph.input, *graph.value_info, *graph.output]
-    floats = {info.name for info in infos if info.type.tensor_type.elem_type in FLOAT_TYPES}
+    types = {info.name: info.type.tensor_type.elem_type for info in infos if info.type.tensor_type.elem_type}
     for info in infos:
         if not info.type.tensor_type.HasField("shape"):
             continue
@@ -198,9 +202,8 @@ def _infer_shapes(proto: onnx.ModelProto) -> tuple[dict[str, list[int | str | No
         shapes[info.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
     for tensor in graph.initializer:
         shapes.setdefault(tensor.name, list(tensor.dims))
-        if tensor.data_type in FLOAT_TYPES:
-            floats.add(tensor.name)
-    return shapes, floats
+        types[tensor.name] = tensor.data_type
+    return shapes, types
 
 
 def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:

@@ -16,7 +16,7 @@ from ort_lightning.export.legalize.graph import Graph, attr, where
 
 __all__ = [
     "celu", "control_flow", "elu", "hard_sigmoid", "hard_swish", "instance_norm", "layer_norm_outputs", "prelu",
-    "reduce_l2", "reduce_max", "reduce_min", "relu", "selu", "sign", "softplus",
+    "reduce_l2", "reduce_max", "reduce_min", "relu", "same_type_cast", "selu", "sign", "softplus",
 ]
 
 _F32 = np.float32
@@ -146,6 +146,23 @@ def sign(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     above = graph.emit("Cast", [graph.emit("Greater", [node.input[0], zero], node)], node, to=onnx.TensorProto.FLOAT)
     below = graph.emit("Cast", [graph.emit("Less", [node.input[0], zero], node)], node, to=onnx.TensorProto.FLOAT)
     graph.emit("Sub", [above, below], node, output=node.output[0])
+    return graph.take()
+
+
+def same_type_cast(graph: Graph, node: onnx.NodeProto) -> Replacement:
+    """A Cast to the type its input already has is the identity: it becomes ``Identity``.
+
+    peft's LoRA layer ends with ``result.to(previous_dtype)`` and Gemma's RMSNorm with
+    ``output.type_as(x)``: float32 to float32. ORT's cast propagation removes such a Cast before the
+    gradient graph is built, and fails ("Argument mismatch when removing edge", graph.cc:1591) when
+    the Cast's output feeds one node at two inputs (``x * x`` in Gemma's tanh GELU).
+    """
+    source = graph.elem_type(node.input[0])
+    if source is None:
+        return Declined("its input's type is unknown")
+    if source != attr(node, "to", None):
+        return Declined("it changes the type")
+    graph.emit("Identity", [node.input[0]], node, output=node.output[0])
     return graph.take()
 
 
