@@ -36,7 +36,8 @@ def test_the_torch_reference_is_computed_outside_the_exporting_process(
     monkeypatch.setattr(_verify, "prepare_batch", counted)
     artifacts = export_artifacts(MLP(), torch.randn(4, 4), tmp_path / "mlp")
     report = artifacts.manifest.verification
-    assert report is not None and report["status"] == "passed", report
+    assert report is not None
+    assert report["status"] == "passed", report
     assert [check["status"] for check in report["batches"]] == ["passed", "passed"]
     ran_in = [int(line) for line in pids.read_text().split()]
     assert len(ran_in) == 2, ran_in

@@ -204,8 +204,8 @@ def export_artifacts(
         external_data: keep the weights out of the ONNX graphs while exporting (ONNX external data in
             a work folder inside `output_dir`, removed at the end), so that a model over protobuf's
             2 GB exports and the weights are not copied into every graph on the way. None (the
-            default) does so when the parameters and buffers exceed 1 GiB
-            (``export.external.AUTO_BYTES``); True forces it at any size, False never. The folder
+            default) does so for every torch module, and for an ONNX source whose initializers
+            exceed 1 GiB (``export.external.AUTO_BYTES``); True forces it, False never. The folder
             is the same either way: the graphs take the weights as inputs and ``checkpoint`` holds them.
 
     Returns:
