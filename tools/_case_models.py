@@ -72,6 +72,25 @@ class SDPA(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
+class GroupedSDPA(nn.Module):
+    """Grouped-query attention as transformers' decoders call it (``enable_gqa=True``).
+
+    4 query heads, `kv_heads` key/value heads, with a mask input or ``is_causal``.
+    """
+
+    def __init__(self, *, kv_heads: int, causal: bool = False) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.kv = nn.Linear(8, 2 * 2 * kv_heads)
+        self.kv_heads, self.causal = kv_heads, causal
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.q(x).unflatten(-1, (4, 2)).transpose(1, 2)
+        k, v = self.kv(x).unflatten(-1, (2, self.kv_heads, 2)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, enable_gqa=True)
+        return out.transpose(1, 2).flatten(2)
+
+
 class EncoderLayer(nn.Module):
     # NOTE: called with its mask by keyword, as models do; a bare layer(x) trips torch's exporter
     # (its `is_causal` argument is traced as a tensor).

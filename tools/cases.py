@@ -13,7 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tools._case_models import SDPA, Attention, Bag, DecoderLayer, EncoderLayer, First, Fn, Interpolate, Pre
+from tools._case_models import (
+    SDPA,
+    Attention,
+    Bag,
+    DecoderLayer,
+    EncoderLayer,
+    First,
+    Fn,
+    GroupedSDPA,
+    Interpolate,
+    Pre,
+)
 
 __all__ = ["CASES", "REFUSED", "Case"]
 
@@ -226,6 +237,14 @@ def _with_bool_mask(batch: int) -> tuple[torch.Tensor, ...]:
     return x, torch.ones(batch, 1, 4, 4, dtype=torch.bool).tril()
 
 
+def _with_empty_rows(batch: int) -> tuple[torch.Tensor, ...]:
+    """A causal bool mask whose first query row attends to nothing in every other sample (left padding)."""
+    (x,) = _randn(4, 8)(batch)
+    mask = torch.ones(batch, 1, 4, 4, dtype=torch.bool).tril()
+    mask[::2, :, :, 0] = False
+    return x, mask
+
+
 _ATTENTION = [
     Case("mha", "attention", lambda: Attention(), _randn(4, 8)),
     Case("mha-key-padding-mask", "attention", lambda: Attention(), _with_padding),
@@ -233,6 +252,10 @@ _ATTENTION = [
     Case("sdpa-causal", "attention", lambda: SDPA(causal=True), _randn(4, 8)),
     Case("sdpa-float-mask", "attention", lambda: SDPA(), _with_float_mask),
     Case("sdpa-bool-mask", "attention", lambda: SDPA(), _with_bool_mask),
+    Case("sdpa-gqa", "attention", lambda: GroupedSDPA(kv_heads=2), _randn(4, 8)),
+    Case("sdpa-gqa-causal", "attention", lambda: GroupedSDPA(kv_heads=1, causal=True), _randn(4, 8)),
+    Case("sdpa-gqa-bool-mask", "attention", lambda: GroupedSDPA(kv_heads=2), _with_bool_mask),
+    Case("sdpa-bool-mask-empty-rows", "attention", lambda: SDPA(), _with_empty_rows),
     Case("transformer-encoder-layer", "attention", lambda: EncoderLayer(), _with_padding),
     Case("transformer-decoder-layer", "attention", lambda: First(DecoderLayer()), _randn(4, 8)),
 ]
@@ -310,6 +333,8 @@ _OPS = [
     _op("masked-fill", lambda h: h.masked_fill(h > 0.5, -1.0)),
     _op("where", lambda h: torch.where(h > 0, h * h, -h)),
     _op("cumsum", lambda h: h.cumsum(1)),
+    _op("cumsum-bool", lambda h: h * (h > 0).cumsum(1)),
+    _op("diff", lambda h: torch.diff(h, dim=1, prepend=h[:, :1])),
     _op("prod", lambda h: h.prod(1, keepdim=True)),
     _op("atan", torch.atan),
     _op("einsum", lambda h: torch.einsum("bi,bj->bij", h, h).flatten(1)),
@@ -348,9 +373,9 @@ REFUSED: dict[str, str] = {
     # nn.LocalResponseNorm on 4-d input exports a data-dependent If; ORT's gradient builder aborts on it.
     "norm-localresponse": r"'If' .* is control flow on the gradient path",
     # torch's exporter has no symbolic for these at opset 17 (col2im needs 18, which ORT 1.19.2 cannot train).
-    "pool-fractionalmax2d": r"torch.onnx.export failed .*fractional_max_pool2d",
-    "conv-fold": r"torch.onnx.export failed .*col2im",
-    "lstm-2layer-proj": r"torch.onnx.export failed .*LSTMs with projections",
+    "pool-fractionalmax2d": r"no conversion of aten::fractional_max_pool2d at opset 17, called in module 'layer'",
+    "conv-fold": r"no conversion of aten::col2im at opset 17, called in module '1' \(Fold\)",
+    "lstm-2layer-proj": r"no conversion of aten::lstm .*LSTMs with projections",
     # nn.EmbeddingBag exports a Loop over the bags.
     "embeddingbag-mean": r"'Loop' .*torch module 'bag'.* is control flow",
     "embeddingbag-sum": r"'Loop' .*torch module 'bag'.* is control flow",
@@ -358,9 +383,10 @@ REFUSED: dict[str, str] = {
     # ONNX Atan and ReduceProd have no gradient in ORT 1.19.2 and no exact rewrite here yet.
     # Random in training, and ORT's eval graph would stay random (it turns off Dropout only):
     # AlphaDropout's training formula cannot become an identity there, RReLU would keep sampling.
-    "dropout-alphadropout": r"torch.onnx.export failed .*aten::alpha_dropout, training mode",
-    "dropout-featurealphadropout": r"torch.onnx.export failed .*aten::feature_alpha_dropout, training mode",
-    "act-rrelu": r"nn.RReLU samples its negative slopes in training.*use nn.LeakyReLU",
+    "dropout-alphadropout": r"no conversion of aten::alpha_dropout .*'layer' \(AlphaDropout\).*training mode",
+    "dropout-featurealphadropout": r"no conversion of aten::feature_alpha_dropout .*training mode",
+    "act-rrelu": r"cannot convert Sequential: aten::rrelu, called in module '1' \(RReLU\): nn.RReLU samples its "
+                 r"negative slopes in training.*use nn.LeakyReLU",
     "op-atan": r"no gradient for the ONNX op 'Atan'",
     "op-prod": r"no gradient for the ONNX op 'ReduceProd'",
 }

@@ -108,6 +108,7 @@ def _matches(row: Row, tolerance: float) -> str:
 def render(rows: list[Row], *, tolerance: float = 1e-5) -> str:
     """docs/ops.md from the audit rows."""
     from ort_lightning.export.legalize.engine import RULES
+    from ort_lightning.export.symbolics import SYMBOLICS
 
     trained = sum(r.trains for r in rows)
     lines = [
@@ -132,6 +133,15 @@ def render(rows: list[Row], *, tolerance: float = 1e-5) -> str:
         "| ONNX op | why it is rewritten |",
         "|---|---|",
         *[f"| `{op}` | {rule.reason} |" for op, rule in RULES.items()],
+        "",
+        "## Conversions registered for torch's exporter",
+        "",
+        "Symbolics the export registers while `torch.onnx.export` runs (and removes after), where torch's own",
+        "refuses an op or writes one ONNX Runtime cannot use; each is audited by the cases below.",
+        "",
+        "| aten op | why |",
+        "|---|---|",
+        *[f"| `{op}` | {conversion.reason} |" for op, conversion in SYMBOLICS.items()],
         "",
         "## Cases",
         "",

@@ -32,8 +32,9 @@ import onnx
 import torch
 
 from ort_lightning.errors import ExportError
+from ort_lightning.export.diagnose import input_error
 
-__all__ = ["PREFIX", "IOPlan", "copy_sharing_parameters", "plan_io", "strip_prefix"]
+__all__ = ["PREFIX", "IOPlan", "copy_sharing_parameters", "plan_io", "strip_prefix", "users_model"]
 
 #: Where the adapter keeps the user's model; stripped from every initializer name after export.
 PREFIX = "model."
@@ -136,8 +137,12 @@ def plan_io(
     keywords = _keywords(example_inputs, input_names) if isinstance(example_inputs, Mapping) else None
     inputs = tuple(example_inputs.values()) if keywords is not None else _as_tuple(example_inputs)
     probe = _Adapter(copy_sharing_parameters(model).train(), keywords, None)
-    with torch.no_grad():
-        result = probe(*inputs)
+    try:
+        with torch.no_grad():
+            result = probe(*inputs)
+    except Exception as error:  # the user's forward may raise anything; on these inputs, they are the cause
+        shapes = [f"{key}: {tuple(t.shape)}" for key, t in zip(keywords or range(len(inputs)), inputs, strict=True)]
+        raise input_error(error, model, shapes) from error
     name = type(model).__name__
     if isinstance(result, Mapping):
         outputs = _pick([key for key in result if result[key] is not None], output, model_returns_loss, name)
@@ -150,6 +155,13 @@ def plan_io(
     if keywords is None:
         return IOPlan(model, inputs, list(input_names) if input_names else None, None, None)
     return IOPlan(_Adapter(model, keywords, None), inputs, keywords, None, PREFIX)
+
+
+def users_model(module: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """The user's model inside `module` (the adapter's, or `module` itself) and the prefix its names carry there."""
+    if isinstance(module, _Adapter):
+        return module.model, PREFIX
+    return module, None
 
 
 def _as_tuple(example_inputs: Any) -> tuple[torch.Tensor, ...]:

@@ -24,8 +24,9 @@ import torch
 
 from ort_lightning.errors import ExportError
 from ort_lightning.export import symbolics as _symbolics
+from ort_lightning.export.diagnose import conversion_error
 from ort_lightning.export.external import attach_weights, externalize
-from ort_lightning.export.model_io import copy_sharing_parameters, plan_io, strip_prefix
+from ort_lightning.export.model_io import copy_sharing_parameters, plan_io, strip_prefix, users_model
 from ort_lightning.export.onnx_nodes import is_ai_onnx
 from ort_lightning.export.weights import split_initializers
 from ort_lightning.ort import limits
@@ -156,10 +157,8 @@ def torch_to_onnx(
                 dynamic_axes=dynamic_axes,
             )
     except Exception as error:  # torch raises many types here; all mean "cannot export"
-        raise ExportError(
-            f"torch.onnx.export failed for {type(model).__name__}: {error}. Check that `example_inputs` "
-            "is what the model's forward takes, or export the model to ONNX yourself and pass the file."
-        ) from error
+        users, prefix = users_model(model)
+        raise conversion_error(error, users, prefix=prefix, opset=OPSET) from error
     proto = onnx.load_from_string(buffer.getvalue())
     if directory is None:
         _restore_initializers(proto, state)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.onnx import symbolic_helper
+from torch.onnx import symbolic_helper, symbolic_opset11, symbolic_opset14
 
-__all__ = ["SYMBOLICS", "registered"]
+__all__ = ["SYMBOLICS", "Conversion", "registered"]
 
 _OPSET = 17
 
@@ -99,22 +100,141 @@ def _rrelu(g: Any, x: Any, lower: Any, upper: Any, training: Any, generator: Any
     )
 
 
-#: aten op -> its symbolic, registered for the exporter's opset while `torch_to_onnx` runs.
-SYMBOLICS: dict[str, Callable[..., Any]] = {
-    "aten::rms_norm": _rms_norm,
-    "aten::threshold": _threshold,
-    "aten::bilinear": _bilinear,
-    "aten::channel_shuffle": _channel_shuffle,
-    "aten::feature_dropout": _feature_dropout,
-    "aten::rrelu": _rrelu,
+def _repeat_heads(g: Any, x: Any, query: Any) -> Any:
+    """(B, H_kv, S, D) -> (B, H_q, S, D), each key/value head repeated H_q / H_kv times in a row.
+
+    As transformers' ``repeat_kv``: Unsqueeze to (B, H_kv, 1, S, D), Expand the new axis to the group
+    size, Reshape to (B, H_q, S, D). Shapes are read at run time, so the batch and sequence stay dynamic.
+    """
+    shape, heads = g.op("Shape", x), g.op("Shape", query)
+    one, two, four = (_const(g, [n], torch.int64) for n in (1, 2, 4))
+    group = g.op("Div", g.op("Slice", heads, one, two), g.op("Slice", shape, one, two))
+    expand_to = g.op("Concat", _const(g, [1, 1], torch.int64), group, _const(g, [1, 1], torch.int64), axis_i=0)
+    grouped = g.op("Expand", g.op("Unsqueeze", x, two), expand_to)
+    target = g.op("Concat", g.op("Slice", heads, _const(g, [0], torch.int64), two),
+                  g.op("Slice", shape, two, four), axis_i=0)
+    repeated = g.op("Reshape", grouped, target)
+    sizes = symbolic_helper._get_tensor_sizes(x)
+    query_sizes = symbolic_helper._get_tensor_sizes(query)
+    if sizes is not None and query_sizes is not None and len(sizes) == 4:
+        repeated.setType(x.type().with_sizes([sizes[0], query_sizes[1], sizes[2], sizes[3]]))
+    return repeated
+
+
+def _safe_mask(g: Any, attn_mask: Any, query: Any) -> tuple[Any, Any]:
+    """A bool mask as an additive mask of the query's type (0, or its lowest finite value), and the rows' multiplier.
+
+    The multiplier is 1 for a query row that may attend somewhere and 0 for one that may attend nowhere.
+    """
+    dtype = torch.onnx.JitScalarType.from_value(query)
+    lowest = torch.finfo(dtype.dtype()).min
+    additive = g.op("Where", attn_mask, _const(g, 0.0, dtype.dtype()), _const(g, lowest, dtype.dtype()))
+    allowed = g.op("Cast", attn_mask, to_i=dtype.onnx_type())
+    anywhere = g.op("ReduceMax", allowed, axes_i=[-1], keepdims_i=1)
+    return additive, anywhere
+
+
+@symbolic_helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
+def _scaled_dot_product_attention(g: Any, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+                                  is_causal: bool, scale: Any, enable_gqa: bool) -> Any:
+    """Torch's symbolic, with keys and values repeated per group (``enable_gqa``) and a differentiable bool mask.
+
+    NOTE: torch 2.13's opset-14 symbolic refuses ``enable_gqa`` ("conversion of
+    scaled_dot_product_attention not implemented if enable_gqa is True"), and transformers asks for
+    it whenever it passes SDPA no mask (a causal batch without padding).
+
+    NOTE: with a bool mask, torch's symbolic adds -inf and then replaces the NaN a fully masked
+    row's Softmax gives by 0. That is torch's forward, but ORT's Softmax gradient of the NaN row
+    is NaN, and left padding makes such rows (a pad query attends to no key). Here the mask adds
+    the lowest finite value instead, and the rows that may attend nowhere are multiplied by 0:
+    torch's output (0 there) and a zero gradient. A float mask or none goes to torch's symbolic.
+    """
+    if enable_gqa:
+        key, value = _repeat_heads(g, key, query), _repeat_heads(g, value, query)
+    rows = None
+    if not symbolic_helper._is_none(attn_mask) and symbolic_helper._is_bool(attn_mask):
+        attn_mask, rows = _safe_mask(g, attn_mask, query)
+    out = symbolic_opset14.scaled_dot_product_attention(
+        g, query, key, value, attn_mask, dropout_p, is_causal, scale, False
+    )
+    return out if rows is None else g.op("Mul", out, rows)
+
+
+@symbolic_helper.parse_args("v", "i", "i", "v", "v")
+def _diff(g: Any, x: Any, n: int, dim: int, prepend: Any, append: Any) -> Any:
+    """``torch.diff`` (n times along `dim`, after `prepend` and before `append`): Slice, Slice, Sub.
+
+    NOTE: transformers calls it on ``position_ids`` to find packed sequences when a decoder runs
+    without a cache and without an attention mask (``use_cache=False``, as fine-tuning scripts set).
+    """
+    parts = [part for part in (prepend, x, append) if not symbolic_helper._is_none(part)]
+    values = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis_i=dim)
+    axis = _const(g, [dim], torch.int64)
+    for _ in range(n):
+        later = g.op("Slice", values, _const(g, [1], torch.int64), _const(g, [2**62], torch.int64), axis)
+        earlier = g.op("Slice", values, _const(g, [0], torch.int64), _const(g, [-1], torch.int64), axis)
+        values = g.op("Sub", later, earlier)
+    return values
+
+
+@symbolic_helper.parse_args("v", "i", "none")
+def _cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
+    """``cumsum`` of a bool tensor counts in int64, as torch does; other types go to torch's symbolic.
+
+    NOTE: torch's symbolic writes ``CumSum`` on the bool itself, which ONNX does not type
+    (transformers' packed-sequence check: ``(position_diff != 1).cumsum(-1)``).
+    """
+    if symbolic_helper._is_bool(x) and (dtype is None or symbolic_helper._is_none(dtype)):
+        x = g.op("Cast", x, to_i=torch.onnx.TensorProtoDataType.INT64)
+    return symbolic_opset11.cumsum(g, x, dim, dtype)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A symbolic the package registers for one aten op, and why torch's own does not do."""
+
+    symbolic: Callable[..., Any]
+    reason: str
+
+
+#: aten op -> its conversion, registered for the exporter's opset while `torch_to_onnx` runs
+#: (docs/ops.md lists them with their reasons).
+SYMBOLICS: dict[str, Conversion] = {
+    "aten::rms_norm": Conversion(_rms_norm, "no symbolic at opset 17 (nn.RMSNorm); becomes ReduceMean arithmetic"),
+    "aten::threshold": Conversion(
+        _threshold, "torch's symbolic takes threshold 0 only (nn.Threshold); becomes Where(x > threshold, x, value)"
+    ),
+    "aten::bilinear": Conversion(_bilinear, "no symbolic (nn.Bilinear); becomes one MatMul, a product and a sum"),
+    "aten::channel_shuffle": Conversion(
+        _channel_shuffle, "no symbolic (nn.ChannelShuffle); becomes Reshape/Transpose/Reshape"
+    ),
+    "aten::feature_dropout": Conversion(
+        _feature_dropout, "torch's symbolic refuses training mode (nn.Dropout1d/2d/3d); becomes a per-channel "
+        "Dropout mask"
+    ),
+    "aten::rrelu": Conversion(
+        _rrelu, "ORT's eval graph would keep sampling its slopes (nn.RReLU in training): refused with the fix"
+    ),
+    "aten::scaled_dot_product_attention": Conversion(
+        _scaled_dot_product_attention, "torch's symbolic refuses enable_gqa=True (grouped-query attention: "
+        "transformers' Llama-family decoders at SDPA without a mask); keys and values become Unsqueeze/Expand/Reshape "
+        "per group, then torch's own symbolic"
+    ),
+    "aten::diff": Conversion(
+        _diff, "no symbolic (transformers' packed-sequence check on position_ids under use_cache=False); becomes "
+        "Slice, Slice, Sub"
+    ),
+    "aten::cumsum": Conversion(
+        _cumsum, "torch's symbolic writes CumSum on a bool, which ONNX does not type; a bool is cast to int64 first"
+    ),
 }
 
 
 @contextlib.contextmanager
 def registered(opset: int = _OPSET) -> Iterator[None]:
     """Register `SYMBOLICS` for `opset` while the block runs; torch's own symbolics come back after."""
-    for name, symbolic in SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+    for name, conversion in SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, conversion.symbolic, opset)
     try:
         yield
     finally:

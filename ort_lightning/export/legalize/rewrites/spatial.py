@@ -157,6 +157,10 @@ def depth_to_space(graph: Graph, node: onnx.NodeProto) -> Replacement:
 def cumsum(graph: Graph, node: onnx.NodeProto) -> Replacement:
     """CumSum along an axis of static length as a MatMul with a triangular matrix of ones."""
     axis_value, shape = graph.value(node.input[1]), graph.shape(node.input[0])
+    if not graph.is_float(node.input[0]):
+        # NOTE: an integer CumSum (transformers' packed-sequence ids) has no gradient to build, and a
+        # float32 ones matrix would not multiply it.
+        return Declined("it sums integers, which need no gradient")
     if axis_value is None or shape is None:
         return Declined("its axis or input shape is not known at export")
     rank = len(shape)
