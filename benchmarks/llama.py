@@ -23,8 +23,9 @@ Usage::
 
     python -m benchmarks.llama                          # 135M shape, LoRA r=8 (about 10 minutes, ~3 GB)
     python -m benchmarks.llama --full                   # the same as a full fine-tune
-    python -m benchmarks.llama --size 1b --rounds 1 --steps 3 --warmup 0   # ~1B with LoRA (~10 GB)
+    python -m benchmarks.llama --size 1b --rounds 1 --warmup 0 --steps 3 --runners ort   # ~1B with LoRA
     python -m benchmarks.llama --quick                  # a tiny Llama: seconds, no usable numbers
+    python -m benchmarks.llama --quick --rounds 0       # the same, export only (what the tests run)
 """
 
 from __future__ import annotations
@@ -94,25 +95,45 @@ def _folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
+def _watch_children() -> dict[str, float]:
+    """Record the peak RSS of each of the exporter's two children, by name, as they end (``os.wait4``).
+
+    NOTE: measurement only: the verification's own waits (``os.waitpid`` of the forked reference
+    child, ``subprocess.run`` of the ORT child) are replaced by ones that read the child's rusage.
+    """
+    import types
+
+    from ort_lightning.export.verify import forked, job
+
+    peaks: dict[str, float] = {}
+
+    def waitpid(pid: int, options: int) -> tuple[int, int]:
+        done, status, usage = os.wait4(pid, options)
+        peaks["reference child"] = usage.ru_maxrss / 2**20
+        return done, status
+
+    def run(command: list[str], *, timeout: float | None = None, **_: Any) -> subprocess.CompletedProcess[str]:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+            _, status, usage = os.wait4(process.pid, 0)
+            peaks["ORT child"] = usage.ru_maxrss / 2**20
+            out.seek(0)
+            err.seek(0)
+            code = os.waitstatus_to_exitcode(status)
+            return subprocess.CompletedProcess(command, code, out.read(), err.read())
+
+    forked.os = types.SimpleNamespace(**{**vars(os), "waitpid": waitpid})  # type: ignore[assignment]
+    job.subprocess = types.SimpleNamespace(**{**vars(subprocess), "run": run})  # type: ignore[assignment]
+    return peaks
+
+
 def child_export(
     size: str, folder: Path, *, lora: bool, attention: str, external: str, sequence: int
 ) -> dict[str, Any]:
     """Build and export with verification; the time, the folder and the peaks of each process."""
     from ort_lightning import export_artifacts
-    from ort_lightning.export.verify import verifier
 
-    peaks: dict[str, float] = {}
-    # NOTE: the exporter's two children run one after the other; the largest waited-for child's peak
-    # read after each tells them apart (the ORT child's own is known when it is the larger one).
-    for name, label in (("run_forked", "reference child"), ("run_child", "ORT child")):
-        real = getattr(verifier, name)
-
-        def timed(*args: Any, _real: Any = real, _label: str = label, **kwargs: Any) -> Any:
-            result = _real(*args, **kwargs)
-            peaks[_label] = _peak_gib(resource.RUSAGE_CHILDREN)
-            return result
-
-        setattr(verifier, name, timed)
+    peaks = _watch_children()
     model = build(size, lora=lora, attention=attention)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -216,7 +237,8 @@ def orchestrate(args: argparse.Namespace) -> list[str]:
         times: dict[str, list[float]] = {"ort": [], "torch": []}
         peaks: dict[str, float] = {"ort": 0.0, "torch": 0.0}
         for round_index in range(args.rounds):
-            for runner in ("ort", "torch") if round_index % 2 == 0 else ("torch", "ort"):
+            order = [runner for runner in ("ort", "torch") if runner in args.runners]
+            for runner in order if round_index % 2 == 0 else order[::-1]:
                 trained = _run_child(["--child", runner, str(folder), *_common(args), "--warmup", str(args.warmup),
                                       "--steps", str(args.steps)])
                 print(runner, json.dumps(trained), flush=True)
@@ -249,8 +271,9 @@ def _report(args: argparse.Namespace, exported: dict[str, Any], times: dict[str,
     ]
     torch_label = "Lightning + torch" + ("" if args.full else " + peft")
     for runner, label in (("ort", "Lightning + ORT"), ("torch", torch_label)):
-        median = statistics.median(times[runner]) * 1e3 if times[runner] else float("nan")
-        lines.append(f"| {label} | {median:,.0f} | {len(times[runner])} | {peaks[runner]:.2f} GiB |")
+        if times[runner]:
+            median = statistics.median(times[runner]) * 1e3
+            lines.append(f"| {label} | {median:,.0f} | {len(times[runner])} | {peaks[runner]:.2f} GiB |")
     if times["ort"] and times["torch"]:
         lines.append("")
         speed = statistics.median(times["ort"]) / statistics.median(times["torch"])
@@ -260,7 +283,7 @@ def _report(args: argparse.Namespace, exported: dict[str, Any], times: dict[str,
 
 
 def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} GiB (largest child so far)"
+    return "-" if value is None else f"{value:.2f} GiB"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -272,9 +295,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--external-data", choices=("auto", "on", "off"), default="auto",
                         help="export_artifacts(external_data=None/True/False)")
     parser.add_argument("--sequence", type=int, default=SEQUENCE, help="tokens per row of the export's example")
-    parser.add_argument("--rounds", type=int, default=2, help="training runs of each runner, in turns")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="training runs of each runner, in turns (default 2, --quick 1; 0: export only)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per training run")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per training run")
+    parser.add_argument("--runners", nargs="+", choices=("ort", "torch"), default=["ort", "torch"],
+                        help="which training runs (Lightning + ORT, Lightning + torch)")
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round of 2 steps: a smoke run")
     parser.add_argument("--child", nargs=2, metavar=("WHAT", "FOLDER"), help=argparse.SUPPRESS)
     return parser
@@ -299,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     if args.quick:
-        args.size, args.rounds, args.warmup, args.steps, args.sequence = "tiny", 1, 1, 2, 16
+        args.size, args.warmup, args.steps, args.sequence = "tiny", 1, 2, 16
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
     started = time.perf_counter()
     lines = orchestrate(args)
     print(f"total: {time.perf_counter() - started:.0f} s")

@@ -190,10 +190,12 @@ def export_artifacts(
             parameters with ``requires_grad=False`` are frozen too, as they are in torch.
         input_names: names of the model inputs (default ``input`` or ``input_0``, ``input_1`` ...).
         verify: run one training step of the new artifacts in a child process, at the example's
-            batch size and one more, and compare the loss and every gradient with torch autograd
-            (ONNX sources, custom loss blocks and checkpoints over 1 GiB, whose float64 reference
-            would hold about 7 more copies of the weights: crash, error and finiteness only). The
-            report is kept in ``manifest.verification``. False skips it (about 2 s per export).
+            batch size and one more, and compare the loss and every gradient with torch autograd,
+            computed in float64 in a child forked from this process (on Linux, for a CPU model), so
+            that its copies of the weights never add to this process's memory (ONNX sources, custom
+            loss blocks and checkpoints over 1 GiB get no reference: crash, error and finiteness
+            only). The report is kept in ``manifest.verification``. False skips it (about 2 s per
+            export).
         output: for a model that returns a mapping (Hugging Face's ``ModelOutput``), the key of the
             output the loss reads (default ``"logits"``); with ``loss=None`` it is kept next to ``loss``.
         ort_format: also write ``training_model.ort``, ``eval_model.ort``, ``optimizer_model.ort`` (and

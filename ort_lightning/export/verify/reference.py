@@ -269,6 +269,9 @@ def torch_reference(
     labels = [] if returns_loss else labels_for(label_specs, tuple(output32.shape), inputs[0].shape[0], seed=seed)
     loss32 = single.loss(output32, labels, loss_fn)
     grads32 = single.gradients(loss32)
+    # NOTE: the float32 pass's activations go before the float64 pass builds its own.
+    value32 = float(loss32.detach())
+    del output32, loss32
     with ReferenceMode(kinks, replay=True):
         output64 = double.output(inputs, call, returns_loss=returns_loss)
     loss64 = double.loss(output64, labels, loss_fn)
@@ -285,7 +288,7 @@ def torch_reference(
         grads64,
         noise={name: _max_abs(grads32[name], grads64[name]) for name in trainable},
         kinks=spread,
-        loss_noise=abs(float(loss32.detach()) - float(loss64.detach())),
+        loss_noise=abs(value32 - float(loss64.detach())),
         ambiguous=kinks.ambiguous,
     )
     return reference, labels
