@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from ort_lightning.errors import ExportError
 from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.forked import run_forked
 from ort_lightning.export.verify.reference import _training_copy
+from ort_lightning.ort import runtime as _ort
 from tests.conftest import MLP
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reference forks on Linux only")
@@ -72,3 +74,17 @@ def test_an_unexpected_error_of_the_reference_child_is_named(tmp_path: Path) -> 
 
     with pytest.raises(ExportError, match=r"torch reference failed with RuntimeError: out of shape \(.*fails"):
         run_forked(fails, tmp_path)
+
+
+@linux_only
+def test_an_onnx_runtime_session_left_in_a_cycle_is_finalized_before_the_fork(tmp_path: Path) -> None:
+    artifacts = export_artifacts(MLP(), torch.randn(4, 4), tmp_path / "mlp", verify=False)
+    session = _ort.assemble(
+        training_model=str(artifacts.training_model), eval_model=str(artifacts.eval_model),
+        optimizer_model=str(artifacts.optimizer_model), checkpoint=str(artifacts.checkpoint),
+    )
+    cycle: dict[str, Any] = {"session": session}
+    cycle["self"] = cycle
+    del session, cycle
+    # NOTE: finalizing an ONNX Runtime session in a forked child kills it with SIGSEGV; the parent collects first.
+    run_forked(gc.collect, tmp_path)

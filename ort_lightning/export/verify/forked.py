@@ -6,7 +6,9 @@ add to what the export itself holds, and a process's peak memory never comes bac
 reference runs in a child forked from the exporting process (`run_forked`): the child sees the
 model's weights in the pages it shares with its parent (nothing is copied until written), builds
 its float64 copy in its own memory, writes each batch's inputs, labels and reference to the job
-folder (`save_reference`) and exits, handing its memory back. The parent reads one reference
+folder (`save_reference`) and exits, handing its memory back. The child runs torch alone: it
+never touches ONNX Runtime, whose threads do not survive a fork (it collects no garbage cycles,
+which could hold a session of the parent's). The parent reads one reference
 gradient at a time (`load_reference`) when it compares.
 
 A fork is used where it is safe: on Linux, for a model whose tensors are all on the CPU (CUDA
@@ -30,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -78,6 +81,9 @@ def run_forked(work: Callable[[], None], job: Path) -> None:
     error_file.unlink(missing_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    # NOTE: garbage left in cycles (an ONNX Runtime session of an earlier fit) is finalized here, where
+    # ONNX Runtime lives; the child collects no cycles (`_child`).
+    gc.collect()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child: coverage is not collected after a fork
         os._exit(_child(work, error_file))
@@ -88,7 +94,10 @@ def run_forked(work: Callable[[], None], job: Path) -> None:
 def _child(work: Callable[[], None], error_file: Path) -> int:  # pragma: no cover - runs in the forked child
     """Run `work` in the forked child; return its exit status (an error is written to `error_file`)."""
     try:
-        # NOTE: the parent's OpenMP pool does not survive the fork: more than one thread hangs here.
+        # NOTE: the parent's OpenMP pool does not survive the fork: more than one thread hangs here. Nor do
+        # ONNX Runtime's threads: a session finalized here (the cycle collector freeing one the parent
+        # left) kills the child with SIGSEGV, so the child frees by reference counts alone.
+        gc.disable()
         torch.set_num_threads(1)
         work()
     except BaseException as error:  # everything the child meets is reported to the parent, then it exits
@@ -106,7 +115,7 @@ def _raise_for(status: int, error_file: Path) -> None:
         name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
         raise ExportError(
             f"The process computing verification's torch reference (a float64 copy of the model) was killed by "
-            f"{name}{' (the system ran out of memory?)' if number == signal.SIGKILL else ''}; free memory, or pass "
+            f"{name}{' (the system ran out of memory?); free memory, or' if number == signal.SIGKILL else ';'} pass "
             "export_artifacts(..., verify=False) to skip the check and check one training step yourself."
         )
     if os.WEXITSTATUS(status) == 0:
