@@ -11,7 +11,7 @@ Constants (shapes, axes, exponents ...) stay in the graph: ORT's generator reads
 
 `external_data_wanted` decides: ``export_artifacts(..., external_data=None)`` takes this path for
 every torch module (its weights are then written once, from the module's own tensors, and never
-copied into a graph: a 540 MB Llama's export peaked at 3.4x its weights instead of 8x) and for an ONNX
+copied into a graph: a 540 MB Llama's export peaked at 3.1-3.4x its weights instead of 8x) and for an ONNX
 source whose initializers exceed `AUTO_BYTES` (a smaller one already holds its weights in memory);
 True forces it, False never.
 
