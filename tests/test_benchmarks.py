@@ -201,3 +201,16 @@ def test_the_timed_fit_lets_go_of_orts_calls(tmp_path: Path) -> None:
     del session, runner
     gc.collect()
     assert deaths == ["Module", "CheckpointState"]
+
+
+@pytest.mark.slow  # the benchmark's own script and its export child
+def test_llama_benchmark_exports_a_tiny_llama_and_reports_each_process_peak() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.llama", "--quick", "--rounds", "0"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    gib = r"[\d.]+ GiB"
+    row = (rf"^\| `export_artifacts` \(passed, verification [\d.]+ s\) \| [\d.]+ \| \d+ MB \| {gib} \| [\d.]+x \| "
+           rf"{gib} \| {gib} \|$")
+    assert re.search(row, result.stdout, re.MULTILINE), result.stdout[-3000:]

@@ -229,10 +229,12 @@ def test_the_automatic_switch_and_the_verification_limit_for_large_models(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = Regressor()
-    assert not external.external_data_wanted(model, None)
-    monkeypatch.setattr(external, "AUTO_BYTES", _state_bytes(model) - 1)
-    assert external.external_data_wanted(model, None)
+    assert external.external_data_wanted(model, None), "a torch module takes the no-copy path at any size"
     assert not external.external_data_wanted(model, False)
+    proto, _, _ = load_source(model.eval(), torch.randn(4, 4), None, False)
+    assert not external.external_data_wanted(proto, None), "a small ONNX source keeps its weights in the graph"
+    monkeypatch.setattr(external, "AUTO_BYTES", _state_bytes(model) - 1)
+    assert external.external_data_wanted(proto, None)
     # NOTE: the limit lowered to 0 bytes stands in for a model over 1 GiB of weights.
     monkeypatch.setattr(verifier, "REFERENCE_LIMIT_BYTES", 0)
     artifacts = export_artifacts(model, torch.randn(4, 4), tmp_path / "large", loss="mse", external_data=True)

@@ -193,10 +193,12 @@ def export_artifacts(
             parameters with ``requires_grad=False`` are frozen too, as they are in torch.
         input_names: names of the model inputs (default ``input`` or ``input_0``, ``input_1`` ...).
         verify: run one training step of the new artifacts in a child process, at the example's
-            batch size and one more, and compare the loss and every gradient with torch autograd
-            (ONNX sources, custom loss blocks and checkpoints over 1 GiB, whose float64 reference
-            would hold about 7 more copies of the weights: crash, error and finiteness only). The
-            report is kept in ``manifest.verification``. False skips it (about 2 s per export).
+            batch size and one more, and compare the loss and every gradient with torch autograd,
+            computed in float64 in a child forked from this process (on Linux, for a CPU model), so
+            that its copies of the weights never add to this process's memory (ONNX sources, custom
+            loss blocks and checkpoints over 1 GiB get no reference: crash, error and finiteness
+            only). The report is kept in ``manifest.verification``. False skips it (about 2 s per
+            export).
         output: for a model that returns a mapping (Hugging Face's ``ModelOutput``), the key of the
             output the loss reads (default ``"logits"``); with ``loss=None`` it is kept next to ``loss``.
         ort_format: also write ``training_model.ort``, ``eval_model.ort``, ``optimizer_model.ort`` (and
@@ -207,8 +209,8 @@ def export_artifacts(
         external_data: keep the weights out of the ONNX graphs while exporting (ONNX external data in
             a work folder inside `output_dir`, removed at the end), so that a model over protobuf's
             2 GB exports and the weights are not copied into every graph on the way. None (the
-            default) does so when the parameters and buffers exceed 1 GiB
-            (``export.external.AUTO_BYTES``); True forces it at any size, False never. The folder
+            default) does so for every torch module, and for an ONNX source whose initializers
+            exceed 1 GiB (``export.external.AUTO_BYTES``); True forces it, False never. The folder
             is the same either way: the graphs take the weights as inputs and ``checkpoint`` holds them.
 
     Returns:

@@ -157,7 +157,7 @@ def compare(
     loss_allowed = _allowed(reference.loss_noise, 0.0, abs(reference.loss))
     worst, worst_share, worst_abs, worst_scale, worst_allowed = None, -1.0, 0.0, 0.0, 0.0
     for name in trainable:
-        expected = reference.gradients[name].numpy().astype(np.float64)
+        expected = np.asarray(reference.gradients[name], dtype=np.float64)
         diff = float(np.max(np.abs(gradients[name].astype(np.float64) - expected), initial=0.0))
         scale = float(np.max(np.abs(expected), initial=0.0))
         allowed = _allowed(reference.noise.get(name, 0.0), reference.kinks.get(name, 0.0), scale)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +65,8 @@ class Reference:
     """
 
     loss: float
-    gradients: dict[str, torch.Tensor]
+    #: float64 torch tensors, or numpy arrays read back from the forked child's files (`forked`).
+    gradients: Mapping[str, torch.Tensor | np.ndarray]
     noise: dict[str, float] = field(default_factory=dict)
     kinks: dict[str, float] = field(default_factory=dict)
     loss_noise: float = 0.0
@@ -177,7 +179,19 @@ def _select(outputs: Any, call: Call, *, returns_loss: bool) -> torch.Tensor:
 
 
 def _training_copy(model: torch.nn.Module, trainable: Sequence[str], dtype: torch.dtype) -> torch.nn.Module:
-    copied = without_dropout(copy.deepcopy(model).to(dtype).train())
+    """A copy of `model` in `dtype`, training mode, dropout off, that trains `trainable` only.
+
+    NOTE: its parameters are new leaves built straight in `dtype` (``deepcopy``'s memo): in the
+    model's own dtype they share the model's storage, in float64 they are the one cast. A plain
+    deepcopy would first copy every float32 weight, then cast the copy.
+    """
+    memo: dict[int, Any] = {
+        id(parameter): torch.nn.Parameter(
+            parameter.detach().to(dtype) if parameter.is_floating_point() else parameter.detach(), requires_grad=False
+        )
+        for parameter in model.parameters()
+    }
+    copied = without_dropout(copy.deepcopy(model, memo).to(dtype).train())
     wanted = set(trainable)
     for name, parameter in copied.named_parameters():
         parameter.requires_grad_(name in wanted)
@@ -255,6 +269,9 @@ def torch_reference(
     labels = [] if returns_loss else labels_for(label_specs, tuple(output32.shape), inputs[0].shape[0], seed=seed)
     loss32 = single.loss(output32, labels, loss_fn)
     grads32 = single.gradients(loss32)
+    # NOTE: the float32 pass's activations go before the float64 pass builds its own.
+    value32 = float(loss32.detach())
+    del output32, loss32
     with ReferenceMode(kinks, replay=True):
         output64 = double.output(inputs, call, returns_loss=returns_loss)
     loss64 = double.loss(output64, labels, loss_fn)
@@ -271,7 +288,7 @@ def torch_reference(
         grads64,
         noise={name: _max_abs(grads32[name], grads64[name]) for name in trainable},
         kinks=spread,
-        loss_noise=abs(float(loss32.detach()) - float(loss64.detach())),
+        loss_noise=abs(value32 - float(loss64.detach())),
         ambiguous=kinks.ambiguous,
     )
     return reference, labels

@@ -1,10 +1,11 @@
 """Export-time verification: one training step of new artifacts in a child process vs torch autograd.
 
 `export_artifacts` calls `verify_export` last. For the example's batch size and one other (the
-example's rows repeated), the parent computes torch autograd's loss and gradients in float64
-and their float32 noise (`reference`), writes the same inputs and labels to a job folder, and
-runs `child` in a fresh interpreter, where ONNX Runtime runs one ``train_step`` of a copy of the
-training graph with its Dropout ratios at 0 (the only difference from the graph a Trainer runs).
+example's rows repeated), a child forked from the exporting process (`forked`) computes torch
+autograd's loss and gradients in float64 and their float32 noise (`reference`) and writes them,
+with the same inputs and labels, to a job folder; then `child` runs in a fresh interpreter, where
+ONNX Runtime runs one ``train_step`` of a copy of the training graph with its Dropout ratios at 0
+(the only difference from the graph a Trainer runs).
 A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non-finite value or
 a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
 report goes into the manifest (``verification``) and ``ort-lightning inspect`` shows it.
@@ -38,6 +39,7 @@ import torch
 from ort_lightning.artifacts.manifest import MANIFEST_NAME, UNVERIFIED_NAME, Manifest
 from ort_lightning.errors import ExportError
 from ort_lightning.export.verify.compare import ATOL, FLOOR, NOISE_FACTOR, BatchCheck, compare, mismatch_message, rule
+from ort_lightning.export.verify.forked import forkable, load_reference, run_forked, save_reference
 from ort_lightning.export.verify.job import TRAINING_MODEL, read_result, run_child, write_job
 from ort_lightning.export.verify.reference import (
     NO_EXAMPLE_BATCH,
@@ -104,18 +106,23 @@ def _check(
     with tempfile.TemporaryDirectory(prefix="ort-lightning-verify-") as tmp:
         job = Path(tmp)
         reference_model = torch_model if referenced else None
-        references = {
-            batch: prepare_batch(
-                job, folder, manifest, batch, model=reference_model, examples=examples, call=call, loss_fn=loss_fn
-            )
-            for batch in batches
-        }
+
+        def prepare() -> None:
+            for batch in batches:
+                reference = prepare_batch(
+                    job, folder, manifest, batch, model=reference_model, examples=examples, call=call, loss_fn=loss_fn
+                )
+                save_reference(job, batch, reference)
+
+        # NOTE: the float64 reference holds about 3 copies of the weights: computed in a forked child,
+        # they never count against the exporting process (`forked`).
+        run_forked(prepare, job) if forkable(reference_model) else prepare()
         write_job(job, folder, manifest, batches, optimizer=not large, training_graph=training_graph)
         run_child(job, folder, batches)
         checks = []
         for batch in batches:
-            with read_result(job, batch) as (loss_value, gradients):
-                checks.append(compare(batch, references.pop(batch), loss_value, gradients, manifest.trainable))
+            with load_reference(job, batch) as reference, read_result(job, batch) as (loss_value, gradients):
+                checks.append(compare(batch, reference, loss_value, gradients, manifest.trainable))
     failed = [check for check in checks if check.status not in ("passed", "no torch reference")]
     if failed:
         raise ExportError(mismatch_message(failed[0], batches, folder))
