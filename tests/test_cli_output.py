@@ -2,7 +2,7 @@
 
 The commands are read from the page's ``bash`` blocks and run in order in one empty folder, through
 the console script's `main` in this process (a child would pay Lightning's import for each of
-eleven commands); stdout is then a capture, not a terminal, as when a user redirects it to a file.
+thirteen commands); stdout is then a capture, not a terminal, as when a user redirects it to a file.
 What a child would print on stderr is counted too: the warnings and Lightning's log records. Each
 command gets a short run (1 epoch; 2 for the resume), and may add one line per epoch of its
 documented run (at most 10): the count is checked for the documented epochs. tests/test_cli.py runs
@@ -29,7 +29,7 @@ from ort_lightning.cli import main
 from .test_cli import ROOT
 from .test_cli_configs import digits_labels, metric, torch_accuracy_of
 
-pytestmark = pytest.mark.slow  # eleven console-script runs, two exports with verification
+pytestmark = pytest.mark.slow  # thirteen console-script runs, two exports with verification
 
 SCREEN = 24
 #: The most epochs a documented command trains (``demo --epochs 10``): each adds an epoch line.
@@ -49,6 +49,24 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 5, stride=4), torch.nn.ReLU(), torch.nn.Flatten(),
                                torch.nn.Linear(4 * 7 * 7, 10))
 '''
+
+
+def _llama_sources() -> None:
+    """What docs/cli.md's save-pretrained commands read: a tiny Llama + LoRA exported to ``llama-lora`` and
+    trained one step, with its ``checkpoints/last.ortckpt`` and Lightning's ``runs/llama/last.ckpt``."""
+    peft = pytest.importorskip("peft")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from ort_lightning import ORTCheckpoint, ORTLightningModule, export_artifacts
+    from tests.decoders import decoder, token_batch
+    from tests.helpers import quiet_trainer
+
+    model = peft.get_peft_model(decoder("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    batch = token_batch()
+    module = ORTLightningModule(export_artifacts(model, batch, "llama-lora", loss=None, verify=False))
+    callbacks = [ORTCheckpoint("checkpoints"), ModelCheckpoint("runs/llama", save_last=True)]
+    quiet_trainer(max_steps=1, callbacks=callbacks).fit(module, DataLoader([batch], batch_size=None))
 
 
 def commands(page: Path) -> list[str]:
@@ -150,6 +168,7 @@ def test_each_documented_command_prints_at_most_a_screenful(
     for name in ("mypkg", "mypkg.models"):  # this test's package: gone with it
         monkeypatch.setitem(sys.modules, name, None)
         monkeypatch.delitem(sys.modules, name)
+    _llama_sources()
     documented = commands(CLI_PAGE)
     assert len(documented) >= 10, documented
     printed: dict[str, Printed] = {}
@@ -173,6 +192,8 @@ def test_each_documented_command_prints_at_most_a_screenful(
         assert re.search(r"last \S+\.(ckpt|ortckpt)", line), line
     resumed_line = next(line for line in fits[-1].stdout if line.startswith("fit: "))
     assert resumed_line.startswith("fit: 2 epochs, "), resumed_line  # the resume went on from the first fit's epoch
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()  # save-pretrained wrote peft's folders
+    assert (tmp_path / "merged" / "config.json").is_file()
     [export] = printed[next(text for text in printed if "--out artifacts" in text)].stdout
     assert export.startswith("wrote "), export
     assert "parameters" in export, export

@@ -42,10 +42,10 @@ __all__ = ["ERROR_PREFIX", "main", "output_folder"]
 ERROR_PREFIX = "ort-lightning: error: "
 
 _LIGHTNING_HELP = {
-    "fit": "train with LightningCLI: fit --config cfg.yaml (fit --help lists every key)",
-    "validate": "validate the trained model: validate --config cfg.yaml --ckpt_path last",
-    "test": "test the trained model: test --config cfg.yaml --ckpt_path last",
-    "predict": "write predictions.pt: predict --config cfg.yaml --ckpt_path last",
+    "fit": "train with LightningCLI: --config cfg.yaml",
+    "validate": "validate a model: --config cfg.yaml --ckpt_path last",
+    "test": "test a model: --config cfg.yaml --ckpt_path last",
+    "predict": "write predictions.pt: --config cfg.yaml --ckpt_path last",
 }
 _LIGHTNING_SUBCOMMANDS = tuple(_LIGHTNING_HELP)
 
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(handler=_inspect)
 
     pretrained = commands.add_parser(
-        "save-pretrained", help="write a trained checkpoint as a peft adapter or transformers folder"
+        "save-pretrained", help="write a checkpoint as a peft or transformers folder"
     )
     pretrained.add_argument("source", type=Path,
                             help="an ORT checkpoint file (.ortckpt), a Lightning .ckpt, or an artifacts folder")
@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
                             help="merge the peft adapters into the base weights and write the merged model")
     pretrained.set_defaults(handler=_save_pretrained)
 
-    fleet = commands.add_parser("fleet", help="federated training of the digits artifacts on simulated devices")
+    fleet = commands.add_parser("fleet", help="federated training on simulated devices or browsers")
     fleet.add_argument("--config", type=Path, required=True,
                        help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
     fleet.add_argument("--browsers", action="store_true",
