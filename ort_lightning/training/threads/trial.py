@@ -9,8 +9,8 @@ Example::
     [None, 0, 0, 1, 1]
     >>> fastest([10.0, 9.0, 12.0], margin=0.05)
     1
-    >>> watch = StepWatch(limit=0.001, window=2, windows=1)
-    >>> watch.stalled(), watch.stalled()  # two steps far under 1 ms each
+    >>> watch = StepWatch(limit=60.0, window=2, windows=1)
+    >>> watch.stalled(), watch.stalled()  # two steps far under a minute each
     (False, False)
 """
 
