@@ -52,16 +52,22 @@ class Admission:
 
 @dataclass(frozen=True)
 class PopulationEvent:
-    """A device that joined, came back, left or was refused, in (or after) `server_round`."""
+    """A device that joined, came back, left, was dropped or was refused, in (or after) `server_round`."""
 
     server_round: int
     device: str
     kind: str
     detail: str = ""
+    address: str = ""
 
     def describe(self) -> str:
-        """One line for the server's output, e.g. ``round 2: tab-3 came back (partition 1)``."""
-        return f"round {self.server_round}: {self.device} {self.kind}" + (f" ({self.detail})" if self.detail else "")
+        """The event's one line, e.g. ``round 2: tab-3 came back from 10.0.0.7:5123 (partition 1 of 3)``."""
+        where = f" from {self.address}" if self.address else ""
+        if not self.detail:
+            return f"round {self.server_round}: {self.device} {self.kind}{where}"
+        said = self.detail.removeprefix(f"{self.device} ")
+        tail = f" ({said})" if self.kind in ("joined", "came back") else f": {said}"
+        return f"round {self.server_round}: {self.device} {self.kind}{where}{tail}"
 
 
 class Population:

@@ -43,6 +43,8 @@ SCRIPTS = ("page.js", "device.js", "frames.js")
 _HERE = Path(__file__).resolve().parent
 #: WebSocket close code of a page that leaves on purpose (RFC 6455): its leave button.
 NORMAL_CLOSURE = 1000
+#: Why a page that closed with NORMAL_CLOSURE is gone: it left on purpose, which fails nothing.
+_LEAVING = "pressed its leave button"
 _WRONG_TOKEN = ("This fleet's join token is missing or wrong (a page of another fleet, or of a run started with "
                 "another token, has another): open the URL the fleet printed (http://HOST:PORT/?token=...), with its "
                 "token.")
@@ -64,7 +66,7 @@ def _close_reason(code: int | None, frame_limit: int) -> str:
     if code == TOO_BIG:
         return f"sent a frame over the size limit of {frame_limit} bytes, so its connection was closed"
     if code == NORMAL_CLOSURE:
-        return "left the fleet (its leave button)"
+        return _LEAVING
     return f"closed its page or lost its connection (WebSocket close code {code})"
 
 
@@ -131,7 +133,7 @@ class _Site:
                                            "files": files, "parameters": self.hub.parameters, "data": data,
                                            "order": [name for name, _ in self.hub.specs]}))
         reason = await self._listen(socket, device)
-        self.hub.lost(device, f"{device.name} {reason}")
+        self.hub.lost(device, f"{device.name} {reason}", left=reason == _LEAVING)
 
     async def _listen(self, socket: WebSocket, device: BrowserDevice) -> str:
         """Hand the device's frames to the hub until its socket closes; why it closed."""
