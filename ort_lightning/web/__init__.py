@@ -11,12 +11,15 @@ Nothing here imports ONNX Runtime or torch: the subpackage sits just above ``err
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
+from typing import Any, cast
 
 from ort_lightning.errors import ConfigurationError
 
-__all__ = ["ENVIRONMENT_VARIABLE", "ORT_WEB_VERSION", "TRAINING_BUILD", "asset", "find_ort_web"]
+__all__ = ["ENVIRONMENT_VARIABLE", "ORT_WEB_VERSION", "TRAINING_BUILD", "asset", "find_ort_web", "wire"]
 
 #: The onnxruntime-web release the runner is written and tested against (its last one with training).
 ORT_WEB_VERSION = "1.19.2"
@@ -26,7 +29,7 @@ TRAINING_BUILD = "ort.training.wasm.min.mjs"
 ENVIRONMENT_VARIABLE = "ORT_LIGHTNING_ORT_WEB"
 
 _HERE = Path(__file__).resolve().parent
-_ASSET_SUFFIXES = (".js",)
+_ASSET_SUFFIXES = (".js", ".json")
 _INSTALL = f"npm install onnxruntime-web@{ORT_WEB_VERSION}"
 
 
@@ -56,6 +59,23 @@ def asset(name: str) -> Path:
             "pass one of those names"
         )
     return _HERE / name
+
+
+@functools.cache
+def wire() -> dict[str, Any]:
+    """What a web device and the fleet's server agree on (``wire.json``, which ``wire.js`` reads too).
+
+    Returns:
+        ``messages``: each side's message types (``server``, ``device``), text or binary; ``closes``: the
+        WebSocket close codes by name. ``tests/test_browser_wire.py`` checks both sides against it.
+
+    Example::
+
+        >>> from ort_lightning.web import wire
+        >>> wire()["closes"]["run_finished"]
+        4000
+    """
+    return cast(dict[str, Any], json.loads((_HERE / "wire.json").read_text(encoding="utf-8")))
 
 
 def find_ort_web(dist: str | None = None) -> str:

@@ -3,7 +3,9 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-const { FINAL_CLOSES, FleetDevice, RUN_FINISHED } = await import(new URL('../../ort_lightning/fleet/devices/web/device.js', import.meta.url).href);
+const { FleetDevice } = await import(new URL('../../ort_lightning/fleet/devices/web/device.js', import.meta.url).href);
+const { CLOSE, FINAL_CLOSES } = await import(new URL('../../ort_lightning/web/wire.js', import.meta.url).href);
+const RUN_FINISHED = CLOSE.run_finished;
 const { pack } = await import(new URL('../../ort_lightning/fleet/devices/web/frames.js', import.meta.url).href);
 
 const WELCOME = JSON.stringify({ type: 'welcome', fleet: 'digits', device: 'browser-1', ort: 'ort.mjs',

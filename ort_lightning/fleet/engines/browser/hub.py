@@ -39,18 +39,17 @@ from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.engines.browser.reply import reply_records
 from ort_lightning.fleet.engines.local import CLIENT_ERROR_CODE
+from ort_lightning.web import wire
 
 __all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
 _LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
-#: WebSocket close code for a policy violation (RFC 6455): a refused device.
-POLICY_VIOLATION = 1008
-#: WebSocket close code of a frame over the size limit (RFC 6455).
-TOO_BIG = 1009
-
-#: WebSocket close code once the fleet's run is over (an application code, RFC 6455's 4000-4999): the page stops
-#: and does not join again (device.js's RUN_FINISHED).
-RUN_FINISHED = 4000
+_CLOSES: dict[str, int] = wire()["closes"]
+#: WebSocket close codes (wire.json, which the page's scripts read too): a refused device, a frame over the size
+#: limit, and the fleet's run being over (an application code: the page stops and does not join again).
+POLICY_VIOLATION = _CLOSES["refused"]
+TOO_BIG = _CLOSES["too_big"]
+RUN_FINISHED = _CLOSES["run_finished"]
 
 #: Sends a coroutine to the web server's event loop (a socket's send or close); its future, to wait for it.
 Schedule = Callable[[Coroutine[Any, Any, None]], concurrent.futures.Future[None]]
