@@ -1,11 +1,7 @@
 """A fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
 
-The server's folder is the exported artifacts; the browsers load the experiment's device folder
-(`device_folder`, ``out/device``: the optimizer graph computes the config's ``lr``, constant,
-since a browser cannot set one), the files a simulated device opens too. Each browser that opens
-the printed URL trains the partition of ``data`` a simulated device of the same config would,
-through the same loop, so the accuracy per round is the simulated fleet's; with ``page_data``,
-each page makes its own batches with that module instead, and ``data`` is None.
+The browsers load the experiment's device folder (``out/device``, the files a simulated device opens) and
+train the partitions a simulated fleet of the same config would (docs/browsers.md).
 """
 
 from __future__ import annotations
