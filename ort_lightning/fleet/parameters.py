@@ -13,7 +13,7 @@ Example::
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
     ...                                               verify=False))
-    >>> state_order(module.artifacts)
+    >>> list(get_values(module))
     ['weight', 'bias']
     >>> values = get_values(module)
     >>> set_values(module, {name: torch.zeros_like(value) for name, value in values.items()})
@@ -29,35 +29,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.artifacts.state import state_specs
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.arrays import WeightOrder
 
 if TYPE_CHECKING:
     from ort_lightning.training.module import ORTLightningModule
 
-__all__ = ["get_values", "set_values", "state_order", "state_tensors"]
-
-
-def state_order(artifacts: TrainingArtifacts) -> list[str]:
-    """Names of ORT's state tensors in the order the training graph takes them.
-
-    Args:
-        artifacts: the artifacts whose training graph sets the order.
-
-    Returns:
-        Parameter and buffer names, as ``named_parameters()`` / ``named_buffers()`` spell them.
-    """
-    return [spec.name for spec in state_specs(artifacts)]
+__all__ = ["get_values", "set_values", "state_tensors"]
 
 
 def state_tensors(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
-    """The module's views of ORT's state tensors, keyed by name, in `state_order`.
+    """The module's views of ORT's state tensors, keyed by name, in the `WeightOrder`.
 
     Raises:
         ConfigurationError: when the module lacks a tensor the training graph takes.
     """
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    order = state_order(artifacts)
+    order = WeightOrder.of(artifacts).names
     missing = [name for name in order if name not in tensors]
     if missing:
         raise ConfigurationError(

@@ -67,7 +67,7 @@ class SlotKind:
 
     Attributes:
         artifacts: the artifacts folder, resolved.
-        start: where a module starts (`ort_lightning.fleet.client.FleetClient`'s ``start``).
+        start: where a module starts (`ort_lightning.fleet.runner.DeviceClient`'s ``start``).
         module_options: `ORTLightningModule` options, as ``(name, repr)`` pairs (a value without a
             ``repr`` of its own, a callable or a metric, is told apart by identity).
         trainer_options: ``lightning.Trainer`` options, as ``(name, repr)`` pairs.
