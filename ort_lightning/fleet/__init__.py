@@ -2,7 +2,7 @@
 
 Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which installs
 ``flwr[simulation]``). A `DeviceClient` is what each device runs on every engine: ONNX Runtime's
-device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.device`),
+device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`),
 or a Lightning ``Trainer`` over an `ORTLightningModule` for those who ask for it
 (``runner="lightning"``): no device has a Trainer. The server runs Flower's own
 strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
@@ -26,39 +26,48 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from ort_lightning._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from ort_lightning.fleet.app import FleetServer, RoundRecord
-    from ort_lightning.fleet.arrays import WeightOrder
-    from ort_lightning.fleet.client import evaluate_module
-    from ort_lightning.fleet.local import LocalGrid, run_local
-    from ort_lightning.fleet.parameters import get_values, set_values
-    from ort_lightning.fleet.protocol import ClientData
-    from ort_lightning.fleet.runner import DeviceClient
-    from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.devices.client import DeviceClient
+    from ort_lightning.fleet.devices.protocol import ClientData
+    from ort_lightning.fleet.devices.state_values import get_values, set_values
+    from ort_lightning.fleet.devices.trainer_loop import evaluate_module
+    from ort_lightning.fleet.devices.weights import WeightOrder
+    from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
+    from ort_lightning.fleet.engines.local import LocalGrid, run_local
+    from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
 
 #: Each public name and the module it comes from.
 _HOMES = {
-    "CheckpointEachRound": "ort_lightning.fleet.server",
-    "ClientData": "ort_lightning.fleet.protocol",
-    "DeviceClient": "ort_lightning.fleet.runner",
-    "FleetServer": "ort_lightning.fleet.app",
-    "GlobalModel": "ort_lightning.fleet.server",
-    "LocalGrid": "ort_lightning.fleet.local",
-    "RoundRecord": "ort_lightning.fleet.app",
-    "WeightOrder": "ort_lightning.fleet.arrays",
-    "evaluate_module": "ort_lightning.fleet.client",
-    "get_values": "ort_lightning.fleet.parameters",
-    "round_path": "ort_lightning.fleet.server",
-    "run_local": "ort_lightning.fleet.local",
-    "set_values": "ort_lightning.fleet.parameters",
+    "BrowserDevice": "ort_lightning.fleet.engines.browser",
+    "BrowserFleet": "ort_lightning.fleet.engines.browser",
+    "BrowserGrid": "ort_lightning.fleet.engines.browser",
+    "Refusal": "ort_lightning.fleet.engines.browser",
+    "CheckpointEachRound": "ort_lightning.fleet.server.global_model",
+    "ClientData": "ort_lightning.fleet.devices.protocol",
+    "DeviceClient": "ort_lightning.fleet.devices.client",
+    "FleetServer": "ort_lightning.fleet.server.server_app",
+    "GlobalModel": "ort_lightning.fleet.server.global_model",
+    "LocalGrid": "ort_lightning.fleet.engines.local",
+    "RoundRecord": "ort_lightning.fleet.server.server_app",
+    "WeightOrder": "ort_lightning.fleet.devices.weights",
+    "evaluate_module": "ort_lightning.fleet.devices.trainer_loop",
+    "get_values": "ort_lightning.fleet.devices.state_values",
+    "round_path": "ort_lightning.fleet.server.global_model",
+    "run_local": "ort_lightning.fleet.engines.local",
+    "set_values": "ort_lightning.fleet.devices.state_values",
 }
 
 __all__ = [
+    "BrowserDevice",
+    "BrowserFleet",
+    "BrowserGrid",
     "CheckpointEachRound",
     "ClientData",
     "DeviceClient",
     "FleetServer",
     "GlobalModel",
     "LocalGrid",
+    "Refusal",
     "RoundRecord",
     "WeightOrder",
     "evaluate_module",

@@ -1,0 +1,210 @@
+"""`DeviceClient`: the one Flower client every fleet device runs, on every engine.
+
+`LocalGrid`, Flower's Ray simulation and its deployment SuperNodes run its ``ClientApp``; the
+browser engine's server gives pages the same data (``data(partition, partitions) -> ClientData``).
+A ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor name);
+the device trains `epochs` local epochs on its partition with its ``runner``'s loop (``"ort"``:
+ONNX Runtime's device loop, `ort_lightning.fleet.devices.ort_loop.OrtLoop`, the default, what a phone or a
+page runs; ``"lightning"``: a Trainer, `ort_lightning.fleet.devices.trainer_loop.TrainerLoop`, imported only
+then, so that a device imports no Lightning) and replies with its values and ``num-examples``,
+``train_loss``, ``steps``, ``setup_seconds``, ``fit_seconds``, ``steps_per_second``. An
+``evaluate`` message runs the eval graph on the device's test data.
+
+The learning rate has one route: the device folder's optimizer graph, which `prepare_for_web`
+writes once from the config's ``lr``. onnxruntime-web cannot set a rate, so a browser can only
+read it there; every other runtime reads it there too (ONNX Runtime's loop runs the graph, the
+Trainer's module takes the folder's schedule), so that no runtime is told a rate the others miss.
+
+``optimizer_state="keep"``: a device saves its ORT checkpoint with its optimizer state in its
+Flower ``Context.state`` (it never leaves the device) and opens it next round, so that its step,
+AdamW moments and schedule continue; ``"fresh"`` (default) starts every round at step 0.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from ort_lightning import export_artifacts
+    >>> from ort_lightning.export import prepare_for_web
+    >>> plain = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
+    ...                          nominal_checkpoint=True, verify=False)
+    >>> folder = prepare_for_web(plain, tempfile.mkdtemp(), lr=0.1)
+    >>> def data(partition: int, partitions: int) -> ClientData:
+    ...     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    ...     return ClientData(train=DataLoader(TensorDataset(x, y), batch_size=4))
+    >>> app = DeviceClient(folder.directory, data, epochs=2).client_app()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.devices.ort_loop import OrtLoop
+from ort_lightning.fleet.devices.protocol import (
+    ARRAYS_KEY,
+    METRICS_KEY,
+    RUNNERS,
+    WEIGHT_KEY,
+    ClientData,
+    DataFn,
+    Loop,
+    check_client_options,
+)
+
+__all__ = ["DeviceClient", "evaluation"]
+
+#: Where a device keeps its checkpoint between rounds (``optimizer_state="keep"``).
+_STATE_KEY = "ort_lightning_device_checkpoint"
+
+
+@dataclass(frozen=True)
+class DeviceClient:
+    """What every fleet device runs (see the module docstring).
+
+    Args:
+        artifacts: the device folder (``prepare_for_web``'s, the very files a browser loads; a plain
+            folder trains at ORT's default rate 1e-3 on every runtime).
+        data: ``(partition_id, num_partitions) -> ClientData``; it must pickle (a top-level function or a
+            `functools.partial` of one) for Flower's Ray simulation.
+        epochs: local epochs per round.
+        runner: ``"ort"`` or ``"lightning"`` (see the module docstring).
+        optimizer_state: ``"fresh"`` or ``"keep"`` (see the module docstring).
+        start: ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the server's values, as ORT runs a
+            device that receives its weights) or ``"complete"`` (the complete checkpoint, whose weights the
+            server's values replace); ``"auto"`` is ``"nominal"`` where the folder has a nominal checkpoint.
+        labels: the training graph's label inputs, where the folder cannot tell (see `TrainingArtifacts.load`).
+        intra_op_threads: ONNX Runtime's intra-op threads per ``"ort"`` device: one, as a page runs it; 0
+            for ORT's default pool.
+        module_options: other `ORTLightningModule` options (``"lightning"`` only).
+        trainer_options: `lightning.Trainer` options (``"lightning"`` only).
+        mods: Flower client mods the ``ClientApp`` runs around each message (``ClientApp(mods=...)``).
+
+    Raises:
+        ConfigurationError: for an unknown option value, a non-positive `epochs`, or Lightning options
+            given to the ``"ort"`` runner.
+    """
+
+    artifacts: str | os.PathLike[str]
+    data: DataFn
+    epochs: int = 1
+    runner: str = "ort"
+    optimizer_state: str = "fresh"
+    start: str = "auto"
+    labels: tuple[str, ...] | None = None
+    intra_op_threads: int = 1
+    module_options: dict[str, Any] = field(default_factory=dict)
+    trainer_options: dict[str, Any] = field(default_factory=dict)
+    mods: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_client_options(self.optimizer_state, self.start, self.epochs)
+        if self.runner not in RUNNERS:
+            raise ConfigurationError(f"Expected `runner` to be one of {RUNNERS}, but got {self.runner!r}; pass \"ort\" "
+                                     "(ONNX Runtime's device loop, what a device runs) or \"lightning\" (a Trainer).")
+        if self.runner == "ort" and (self.module_options or self.trainer_options):
+            raise ConfigurationError(
+                "module_options and trainer_options configure the Trainer of runner=\"lightning\", but this client "
+                "runs ONNX Runtime's device loop (runner=\"ort\"); pass runner=\"lightning\", or leave them out."
+            )
+
+    def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
+        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers, under `mods` (the client's, then these)."""
+        app = ClientApp(mods=[*self.mods, *(mods or [])])
+        app.train()(self.train)
+        app.evaluate()(self.evaluate)
+        return app
+
+    def loop(self) -> Loop:
+        """The runner's loop over the folder (ONNX Runtime's is read once per process and options)."""
+        if self.runner == "lightning":
+            from ort_lightning.fleet.devices.trainer_loop import (
+                TrainerLoop,  # Lightning, for the runner that asks for it
+            )
+
+            return TrainerLoop(self.artifacts, start=self.start, epochs=self.epochs, labels=self.labels,
+                               module_options=self.module_options, trainer_options=self.trainer_options)
+        return OrtLoop.read(os.path.realpath(self.artifacts), labels=self.labels, start=self.start,
+                            intra_op_threads=self.intra_op_threads)
+
+    # ----------------------------------------------------------------------------- handlers
+    def train(self, message: Message, context: Context) -> Message:
+        """Train the global values for `epochs` local epochs; reply with the new values and the metrics."""
+        entered = time.perf_counter()
+        data = self._data(context)
+        keep = self.optimizer_state == "keep"
+        with self._kept(context) as kept:
+            fit = self.loop().train(message.content.array_records[ARRAYS_KEY], data.train, epochs=self.epochs,
+                                    kept=kept, keep=keep)
+        if fit.checkpoint is not None:
+            context.state[_STATE_KEY] = ArrayRecord(
+                {"checkpoint": torch.frombuffer(bytearray(fit.checkpoint), dtype=torch.uint8)})
+        metrics: dict[str, Any] = {
+            WEIGHT_KEY: fit.examples, "train_loss": fit.loss, "steps": fit.steps,
+            "setup_seconds": fit.started - entered, "fit_seconds": fit.seconds,
+            "steps_per_second": fit.steps / fit.seconds if fit.seconds > 0 else math.nan,
+        }
+        return Message(RecordDict({ARRAYS_KEY: fit.values, METRICS_KEY: MetricRecord(metrics)}), reply_to=message)
+
+    def evaluate(self, message: Message, context: Context) -> Message:
+        """Run the eval graph on the device's test data with the global values; reply with loss and accuracy."""
+        data = self._data(context)
+        if data.test is None:
+            raise ConfigurationError(
+                "This device has no test data (ClientData.test is None) but was asked to evaluate; return test "
+                "batches from `data`, or set the strategy's fraction_evaluate=0."
+            )
+        result = evaluation(self.loop().evaluate(message.content.array_records[ARRAYS_KEY], data.test))
+        metrics: dict[str, Any] = {
+            WEIGHT_KEY: result["examples"], "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]
+        }
+        return Message(RecordDict({METRICS_KEY: MetricRecord(metrics)}), reply_to=message)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _data(self, context: Context) -> ClientData:
+        config = context.node_config
+        return self.data(int(config["partition-id"]), int(config["num-partitions"]))
+
+    @contextlib.contextmanager
+    def _kept(self, context: Context) -> Iterator[Path | None]:
+        """The device's own checkpoint under ``"keep"`` once it has one, as a file; else None (a fresh device)."""
+        stored = context.state.array_records.get(_STATE_KEY) if self.optimizer_state == "keep" else None
+        if stored is None:
+            yield None
+            return
+        with tempfile.TemporaryDirectory(prefix="ort-lightning-device-") as folder:
+            path = Path(folder) / "device.ortckpt"
+            path.write_bytes(stored["checkpoint"].numpy().tobytes())
+            yield path
+
+
+def evaluation(batches: Iterable[tuple[float, np.ndarray | None, np.ndarray]]) -> dict[str, float]:
+    """Loss and accuracy over per-batch eval results ``(loss, logits or None, labels)``, averaged over samples.
+
+    The accuracy compares the argmax of the logits along axis 1 with the labels.
+
+    Raises:
+        ConfigurationError: for empty data.
+    """
+    total_loss = correct = seen = 0.0
+    for loss, logits, labels in batches:
+        size = labels.shape[0]
+        total_loss += loss * size
+        if logits is not None:
+            correct += float((logits.argmax(axis=1) == labels).sum())
+        seen += size
+    if not seen:
+        raise ConfigurationError("The evaluation data is empty; give every evaluating device at least one sample.")
+    return {"loss": total_loss / seen, "accuracy": correct / seen, "examples": int(seen)}

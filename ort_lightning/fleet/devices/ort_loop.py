@@ -1,0 +1,136 @@
+"""`OrtLoop`: a device's local training as a phone or a page runs it, ONNX Runtime's loop on the device folder.
+
+The device opens the folder's files (`ort_lightning.ort.on_device.OrtDevice`: the ``.ort`` graphs
+where present, the nominal checkpoint plus the server's values as one float32 buffer), and per
+batch takes one train step, one optimizer step and a gradient reset (``runner.js``'s loop), at
+the rate the folder's optimizer graph computes (see `ort_lightning.fleet.devices.client`). Each epoch
+iterates the ``DataLoader`` to its end, as the browser fleet's server does when it ships a page
+its batches, so that a shuffling loader draws the same order on every runtime. A loss that turns
+NaN or infinite is an error instead of weights. Nothing of a device stays after its round: ONNX
+Runtime's objects are freed when it replies.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.errors import ConfigurationError, NonFiniteLossError
+from ort_lightning.fleet.devices.device_files import device_files, ordered
+from ort_lightning.fleet.devices.protocol import Fit
+from ort_lightning.fleet.devices.weights import WeightOrder
+from ort_lightning.ort.on_device import DeviceFiles, OrtDevice
+
+__all__ = ["OrtLoop"]
+
+
+@dataclass(frozen=True)
+class OrtLoop:
+    """ONNX Runtime's device loop over one device folder, read once per process (`read`).
+
+    Attributes:
+        files: what a device opens.
+        weight_order: the flat weights' order.
+        inputs: the training graph's input names (a dict batch is ordered by them).
+        intra_op_threads: ONNX Runtime's intra-op threads per device (one, as a page runs it; 0: ORT's pool).
+    """
+
+    files: DeviceFiles
+    weight_order: WeightOrder
+    inputs: list[str]
+    intra_op_threads: int = 1
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4)
+    def read(artifacts: str, *, labels: tuple[str, ...] | None, start: str, intra_op_threads: int) -> OrtLoop:
+        """The loop over the folder `artifacts` for devices that start as `start` (see `DeviceClient`).
+
+        Raises:
+            ConfigurationError: for a start the folder cannot give.
+        """
+        loaded = TrainingArtifacts.load(artifacts, labels=None if labels is None else list(labels))
+        files = device_files(loaded, complete=complete_start(loaded, start))
+        return OrtLoop(files, WeightOrder.checked(loaded, files.training, files.checkpoint),
+                       [spec.name for spec in loaded.manifest.graph_inputs], intra_op_threads)
+
+    def train(self, arrays: ArrayRecord, loader: Any, *, epochs: int, kept: Path | None, keep: bool) -> Fit:
+        """Train the server's `arrays` for `epochs` epochs of `loader`, from the device's `kept` checkpoint if any."""
+        device = OrtDevice.open(self.files, weights=self.weight_order.flat(arrays), checkpoint=kept,
+                                intra_op_threads=self.intra_op_threads)
+        try:
+            started = time.perf_counter()
+            losses, examples = [], 0
+            for _ in range(epochs):
+                trained = device.train([ordered(batch, self.inputs) for batch in loader])
+                losses.append(trained.losses)
+                examples = trained.examples
+            seconds = time.perf_counter() - started
+            _check_finite(losses)
+            values = self.weight_order.record(device.get_weights())
+            checkpoint = _saved(device) if keep else None
+        finally:
+            device.release()
+        return Fit(values, examples, float(np.mean(losses[-1])), sum(map(len, losses)), started, seconds, checkpoint)
+
+    def evaluate(self, arrays: ArrayRecord, loader: Any) -> Iterator[tuple[float, np.ndarray | None, np.ndarray]]:
+        """Per batch of `loader`: the eval graph's loss and logits (None where it has none), and the labels."""
+        device = OrtDevice.open(self.files, weights=self.weight_order.flat(arrays), evaluation=True,
+                                intra_op_threads=self.intra_op_threads)
+        try:
+            for batch in loader:
+                tensors = ordered(batch, self.inputs)
+                [(loss, logits)] = device.evaluate([tensors])
+                yield loss, logits, np.asarray(tensors[-1])
+        finally:
+            device.release()
+
+
+def complete_start(artifacts: TrainingArtifacts, start: str) -> bool:
+    """Whether a device opens the complete checkpoint (`start` ``"complete"``, or ``"auto"`` without a nominal one).
+
+    Raises:
+        ConfigurationError: for ``"nominal"`` without a nominal checkpoint, or ``"complete"`` on a weightless folder.
+    """
+    if start == "nominal" and artifacts.nominal_checkpoint is None:
+        raise ConfigurationError(
+            f"start=\"nominal\" needs a nominal checkpoint in {artifacts.directory}, but it has none; export the "
+            "artifacts with export_artifacts(..., nominal_checkpoint=True), or pass start=\"complete\"."
+        )
+    if start == "complete" and artifacts.weightless:
+        raise ConfigurationError(
+            f"start=\"complete\" needs the complete checkpoint in {artifacts.directory}, but the folder holds no "
+            "weights (its only checkpoint is nominal_checkpoint, as a device receives it); pass start=\"nominal\" or "
+            "\"auto\", or copy the complete checkpoint beside the graphs."
+        )
+    return start == "complete" or (start == "auto" and artifacts.nominal_checkpoint is None)
+
+
+def _check_finite(losses: list[list[float]]) -> None:
+    """Refuse a round whose loss went NaN or infinite: its weights must not reach the strategy.
+
+    Raises:
+        NonFiniteLossError: naming the epoch and step (the device's error reply; the round aggregates the others).
+    """
+    for epoch, epoch_losses in enumerate(losses, start=1):
+        bad = next((step for step, loss in enumerate(epoch_losses, start=1) if not math.isfinite(loss)), None)
+        if bad is not None:
+            raise NonFiniteLossError(
+                f"The device's training loss is {epoch_losses[bad - 1]} at step {bad} of local epoch {epoch}, so its "
+                "weights are not sent; the round goes on without it (lower the lr, or check this device's data)."
+            )
+
+
+def _saved(device: OrtDevice) -> bytes:
+    """The device's checkpoint with its optimizer state (step and moments), as the bytes its Context keeps."""
+    with tempfile.TemporaryDirectory(prefix="ort-lightning-device-") as folder:
+        return device.save(Path(folder) / "device.ortckpt").read_bytes()

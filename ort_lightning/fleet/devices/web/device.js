@@ -1,0 +1,233 @@
+// One device of an ort-lightning browser fleet, whatever runs it: the fleet's page (page.js) or Node.
+//
+// `FleetDevice` speaks the fleet's protocol (ort_lightning/fleet/devices/frames.py) over one WebSocket:
+// on the server's `welcome` it imports onnxruntime-web's training build, reads the device files (graphs and
+// checkpoint) as bytes and opens them once with runner.js to report its parameter count (`ready`). Each
+// `train` frame (the round's weights and each epoch's batches) is then trained on a fresh device
+// (`openDevice`, `setWeights`, one `train` per epoch, `getWeights`), so that every round starts its optimizer
+// anew, as the simulated fleet's devices do; the result frame carries the weights, one epoch's example
+// count, the losses and timings. A failure is sent as an `error` frame.
+//
+// A fleet with a data module (`BrowserFleet(page_data=...)`) names it in the welcome: the device imports
+// it, and its train frames carry no batches but `local: {partition, partitions, epochs}`; the device then
+// calls the module's `batches({partition, partitions, round, epoch, inputNames})` once per local epoch
+// and trains what it returns, so the data never leaves the device.
+//
+// What differs between a page and Node comes in as `host`: how to import a module and read bytes by URL,
+// where to show the device's status, and runner.js's `openDevice` (a page imports it from the fleet's
+// server, Node from the package's files).
+
+import {readTrain, resultFrame, unpack} from './frames.js';
+
+/** Close code of the server when the fleet's run is over (an application code, RFC 6455's 4000-4999). */
+export const RUN_FINISHED = 4000;
+/** Close codes after which a device does not join again: leaving (1000), a refusal (1008), the run's end. */
+export const FINAL_CLOSES = Object.freeze([1000, 1008, RUN_FINISHED]);
+
+/** Seconds since `start` (a performance.now() value). */
+const since = (start) => (performance.now() - start) / 1000;
+
+export class FleetDevice {
+  /**
+   * @param {object} host What the device runs on.
+   * @param {function(object): void} host.send Sends a frame (a string or a Uint8Array) to the server.
+   * @param {function(string): Promise<object>} host.importModule Imports an ES module by URL.
+   * @param {function(string): Promise<Uint8Array>} host.fetchBytes Reads a file of the server by URL.
+   * @param {function(object, object): Promise<object>} host.openDevice runner.js's openDevice.
+   * @param {function(object): void} [host.show] Receives each change of `status` (for a page's view).
+   * @param {{getItem: function(string): ?string, setItem: function(string, string): void}} [host.storage] Where
+   *     the device keeps its identity (a page's localStorage); without it, every connection is a new device.
+   */
+  constructor(host) {
+    this.host = host;
+    /** What a view shows: the device, its phase and progress, what it has done. */
+    this.status = {fleet: '', device: '', phase: 'connecting', round: 0, epoch: 0, epochs: 0, step: 0, steps: 0,
+      loss: NaN, rounds: 0, parameters: 0, message: '', notice: ''};
+    this.ort = null;
+    this.files = null;
+    this.data = null;
+    // NOTE: one frame at a time, in order: a train frame must wait for the files the welcome fetches.
+    this.queue = Promise.resolve();
+  }
+
+  /**
+   * Handles one WebSocket message in arrival order; a failure becomes an error frame.
+   *
+   * @param {string|ArrayBuffer} data The message.
+   * @returns {Promise<void>} Settles once this message is handled.
+   */
+  receive(data) {
+    this.queue = this.queue.then(async () => {
+      let id = null;
+      try {
+        if (typeof data === 'string') {
+          const message = JSON.parse(data);
+          if (message.type === 'admitted') this.admitted(message);
+          else if (message.type === 'notice') this.update({notice: message.message});
+          else await this.welcome(message);
+        } else {
+          id = unpack(data).header.id;
+          await this.train(data);
+        }
+      } catch (error) {
+        this.update({phase: 'failed', message: String(error?.message ?? error)});
+        this.host.send(JSON.stringify({type: 'error', id, message: String(error?.message ?? error)}));
+      }
+    });
+    return this.queue;
+  }
+
+  /** The connection closed, with the server's code and reason. */
+  closed(code, reason) {
+    this.update({phase: code === RUN_FINISHED ? 'finished' : 'disconnected',
+      message: `${code}${reason ? ': ' + reason : ''}`});
+  }
+
+  /** Merges `changes` into `status` and shows it. */
+  update(changes) {
+    Object.assign(this.status, changes);
+    this.host.show?.({...this.status});
+  }
+
+  /** The server's welcome: load onnxruntime-web, the files and the data module; report `ready`. */
+  async welcome(message) {
+    if (message.type !== 'welcome') throw new Error(`expected the server's welcome, but got ${message.type}`);
+    this.update({device: message.device, phase: 'loading'});
+    this.ort = await this.host.importModule(message.ort);
+    const entries = await Promise.all(Object.entries(message.files).map(
+      async ([role, url]) => [role, await this.host.fetchBytes(url)]));
+    this.files = Object.fromEntries(entries);
+    if (message.data) this.data = await importData(this.host, message.data);
+    const device = await this.host.openDevice(this.ort, this.files);
+    const parameters = device.parameterCount;
+    await device.release();
+    // NOTE: the identity outlives the page: a reloaded page sends it again and the server knows the device.
+    const key = `ort-lightning-device:${message.fleet}`;
+    let identity = this.host.storage?.getItem(key);
+    if (!identity) {
+      identity = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, '0')).join('');
+      this.host.storage?.setItem(key, identity);
+    }
+    this.update({fleet: message.fleet, parameters});
+    this.host.send(JSON.stringify({type: 'ready', parameters, identity}));
+  }
+
+  /** The server admitted the device: its name (a device that comes back has its own again) and partition. */
+  admitted(message) {
+    this.update({phase: 'waiting', device: message.device, partition: message.partition});
+  }
+
+  /** One round: train the frame's batches (or the data module's) from its weights; send the result frame. */
+  async train(buffer) {
+    const {header, weights, epochs: decoded} = readTrain(buffer);
+    const epochs = header.local ? header.local.epochs : decoded.length;
+    this.update({phase: 'training', round: header.round, epoch: 0, epochs, step: 0, steps: 0});
+    const opened = performance.now();
+    const device = await this.host.openDevice(this.ort, this.files);
+    try {
+      await device.setWeights(weights);
+      const started = performance.now();
+      const run = await this.epochs(header, decoded, epochs, device);
+      const seconds = since(started);
+      const trained = await device.getWeights();
+      const reply = {type: 'result', id: header.id, round: header.round, examples: run.examples, steps: run.losses.length,
+        losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
+        open_seconds: (started - opened) / 1000};
+      if (typeof header.clip === 'number') reply.update_norm = clip(trained, weights, header.clip);
+      this.host.send(resultFrame(reply, trained));
+      this.update({phase: 'sent', rounds: this.status.rounds + 1, loss: run.losses.at(-1)});
+    } finally {
+      await device.release();
+    }
+  }
+
+  /** The round's local epochs, a batch at a time (so that a view follows the steps). */
+  async epochs(header, decoded, count, device) {
+    const losses = [];
+    let examples = 0;
+    let firstStep = NaN;
+    let lastEpochSteps = 0;
+    let painted = performance.now();
+    for (let epoch = 0; epoch < count; epoch += 1) {
+      const batches = await epochBatches(this.data, header, decoded, epoch, device);
+      examples = 0;
+      lastEpochSteps = 0;
+      for (const [index, batch] of batches.entries()) {
+        const stepStarted = performance.now();
+        const result = await device.train([batch]);
+        // NOTE: the first step alone, timed: it carries onnxruntime-web's one-off costs in a new session.
+        if (Number.isNaN(firstStep)) firstStep = since(stepStarted);
+        losses.push(...result.losses);
+        examples += result.examples;
+        lastEpochSteps += result.steps;
+        this.update({epoch: epoch + 1, step: index + 1, steps: batches.length, loss: result.losses.at(-1)});
+        // NOTE: onnxruntime-web's steps resolve as microtasks, which never let the page paint; a task break every
+        // 50 ms lets a person see the steps (and the tab stay responsive) at a negligible cost.
+        if (performance.now() - painted > 50) {
+          await new Promise((resolve) => setTimeout(resolve, 0));
+          painted = performance.now();
+        }
+      }
+    }
+    return {losses, examples, firstStep, lastEpochSteps};
+  }
+}
+
+/**
+ * Flower's client-side fixed clipping, on the device: scales the update (trained - sent) in place so that its L2
+ * norm over all values is at most `norm`, as Flower's fixedclipping_mod does for a Python client.
+ *
+ * @param {Float32Array} trained The trained weights (changed in place).
+ * @param {Float32Array} sent The round's weights.
+ * @param {number} norm The clipping norm the server's message carries.
+ * @returns {number} The update's norm before clipping.
+ */
+export function clip(trained, sent, norm) {
+  let squares = 0;
+  for (let i = 0; i < trained.length; i += 1) squares += (trained[i] - sent[i]) ** 2;
+  const before = Math.sqrt(squares);
+  const scale = Math.min(1, norm / before);
+  if (scale < 1) for (let i = 0; i < trained.length; i += 1) trained[i] = sent[i] + (trained[i] - sent[i]) * scale;
+  return before;
+}
+
+/**
+ * The fleet's data module, once it is known to export `batches`.
+ *
+ * @param {object} host The device's host (its importModule).
+ * @param {string} url The module's URL.
+ * @returns {Promise<object>} The module.
+ */
+async function importData(host, url) {
+  const module = await host.importModule(url);
+  if (typeof module.batches !== 'function') {
+    throw new Error(`the fleet's data module exports [${Object.keys(module).join(', ')}], but a function ` +
+      '`batches` was expected; export async function batches({partition, partitions, round, epoch, inputNames}) ' +
+      'returning the batches of one epoch (see examples/browser_data.js)');
+  }
+  return module;
+}
+
+/**
+ * One epoch's batches: decoded from the frame, or made by the data module for a `local` frame.
+ *
+ * @param {object|null} data The data module, if the fleet has one.
+ * @param {object} header The train frame's header.
+ * @param {Array<Array<object>>} decoded The frame's epochs.
+ * @param {number} epoch The epoch, from 0.
+ * @param {object} device The open runner device (its input names).
+ * @returns {Promise<Array<Array<object>>>} The batches.
+ */
+async function epochBatches(data, header, decoded, epoch, device) {
+  if (!header.local) return decoded[epoch];
+  if (data === null) throw new Error('the server sent a round without batches, but this device has no data module');
+  const {partition, partitions} = header.local;
+  const batches = await data.batches({partition, partitions, round: header.round, epoch,
+    inputNames: device.inputNames});
+  if (!Array.isArray(batches) || batches.length === 0) {
+    throw new Error(`the data module's batches() returned ${Array.isArray(batches) ? 'no batches' : typeof batches} ` +
+      `for partition ${partition} of ${partitions}, but a non-empty Array of batches was expected, each an Array ` +
+      `of tensors {type, data, dims} for the inputs [${device.inputNames.join(', ')}]`);
+  }
+  return batches;
+}

@@ -1,0 +1,86 @@
+"""A fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
+
+The server's folder is the exported artifacts; the browsers load the experiment's device folder
+(`device_folder`, ``out/device``: the optimizer graph computes the config's ``lr``, constant,
+since a browser cannot set one), the files a simulated device opens too. Each browser that opens
+the printed URL trains the partition of ``data`` a simulated device of the same config would,
+through the same loop, so the accuracy per round is the simulated fleet's; with ``page_data``,
+each page makes its own batches with that module instead, and ``data`` is None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from torch.utils.data import DataLoader
+
+from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.engines.browser.browser_fleet import BrowserFleet
+from ort_lightning.fleet.server.assembly import device_folder, fleet_server
+from ort_lightning.fleet.server.report import report
+from ort_lightning.fleet.server.server_app import FleetServer
+
+__all__ = ["run_browser_experiment"]
+
+
+def _announce(fleet: BrowserFleet, devices: int) -> None:
+    """Print the URL, then each browser as it joins, until `devices` have."""
+    print(f"open this URL in {devices} browsers (tabs or machines that reach this address), one per device:")
+    print(f"  {fleet.url}", flush=True)
+    seen: set[int] = set()
+    while len(seen) < devices:
+        fleet.wait_for_devices(1.0)
+        for device in fleet.connected:
+            if device.node_id not in seen:
+                seen.add(device.node_id)
+                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {fleet.devices}",
+                      flush=True)
+
+
+#: ``device_timeout: null`` in the config: a week, no limit in practice (a finite number, as waits need one).
+_NO_LIMIT = 7 * 24 * 3600.0
+
+
+def run_browser_experiment(
+    config: FleetConfig,
+    artifacts: str | os.PathLike[str],
+    data: DataFn | None,
+    *,
+    test: DataLoader | None = None,
+    echo: bool = True,
+) -> FleetServer:
+    """Serve the fleet's page, wait for ``config.devices`` browsers, run the rounds; print and write as the others do.
+
+    Args:
+        config: the experiment (``engine: browser``; ``host``, ``port``, ``device_timeout``, ``ort_web``).
+        artifacts: the exported artifacts (the server's folder).
+        data: ``(partition, partitions) -> ClientData``, whose batches the server ships to the pages; None
+            with ``page_data``.
+        test: the batches the global model is evaluated on after every round.
+        echo: print the URL, the joins and the accuracy per round.
+
+    Returns:
+        The `FleetServer`, whose ``history`` holds each round's record.
+    """
+    web = device_folder(config, artifacts)
+    server = fleet_server(config, artifacts, test)
+    shipped = None if config.page_data else data
+    on_event = (lambda event: print(f"  {event.describe()}", flush=True)) if echo else None
+    with BrowserFleet(web, shipped, page_data=config.page_data, max_examples=config.max_examples, host=config.host,
+                      port=config.port, devices=config.devices, epochs=config.epochs,
+                      device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
+                      ort_web=config.ort_web, on_event=on_event, min_devices=config.min_devices,
+                      wait_timeout=config.wait_timeout, certfile=config.certfile, keyfile=config.keyfile,
+                      token=config.token) as fleet:
+        if echo:
+            _announce(fleet, fleet.min_devices)
+        started = time.perf_counter()
+        fleet.run(server)
+        total = time.perf_counter() - started
+    report(server, config, total, echo=echo, engine=f"{config.devices} browsers")
+    if echo and fleet.refusals:
+        for refusal in fleet.refusals:
+            print(f"dropped in round {refusal.server_round}: {refusal.reason}")
+    return server

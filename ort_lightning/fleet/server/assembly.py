@@ -1,0 +1,60 @@
+"""What a fleet experiment is built from: the device folder and the server (the devices' client: `devices.client`).
+
+Each takes the `FleetConfig` and the artifacts; the data comes as an argument (``data`` for the
+devices, ``test`` for the server's evaluation), so that nothing here knows a data set.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flwr.serverapp.strategy import Strategy
+from torch.utils.data import DataLoader
+
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.export import prepare_for_web
+from ort_lightning.fleet.config.fleet_config import STRATEGIES, FleetConfig
+from ort_lightning.fleet.server.global_model import GlobalModel
+from ort_lightning.fleet.server.server_app import FleetServer
+
+__all__ = ["device_folder", "fleet_server", "quiet_ray"]
+
+
+def _strategy(config: FleetConfig) -> Strategy:
+    options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, config.devices),
+               "min_train_nodes": min(2, config.devices), **config.strategy_options}
+    if config.strategy == "fedprox":
+        options.setdefault("proximal_mu", 0.0)
+    return STRATEGIES[config.strategy](**options)
+
+
+def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> TrainingArtifacts:
+    """The folder every device of the experiment trains: ``out/device``, whose optimizer graph computes ``lr``.
+
+    Written by `prepare_for_web` from `artifacts` (constant rate, ``.ort`` graphs, the nominal
+    checkpoint): the files a browser loads, and the ones a simulated device opens.
+    """
+    return prepare_for_web(artifacts, Path(config.out) / "device", lr=config.lr)
+
+
+def fleet_server(
+    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None
+) -> FleetServer:
+    """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``.
+
+    `test` holds the batches the global model is evaluated on after every round (None: no evaluation).
+    """
+    model = GlobalModel(Path(artifacts), checkpoint=config.resume)
+    return FleetServer(model, _strategy(config), rounds=config.rounds, directory=Path(config.out) / "rounds",
+                       test=test, device_timeout=config.device_timeout)
+
+
+def quiet_ray() -> None:
+    """Tell Ray what its start-up ``FutureWarning`` asks for, so that the Ray engine prints the round lines alone.
+
+    Ray 2.55 warns at start-up that it will stop overriding ``CUDA_VISIBLE_DEVICES`` for actors with
+    ``num_gpus=0``; the devices ask for no GPU, so the future behaviour is the one wanted. A value the
+    user set stays.
+    """
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")

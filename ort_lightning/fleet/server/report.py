@@ -1,0 +1,84 @@
+"""What a fleet experiment leaves: the accuracy per round printed, ``history.json`` and ``accuracy.png``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.server.server_app import FleetServer
+
+__all__ = ["report"]
+
+
+def report(server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "") -> None:
+    """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png`` under ``out``.
+
+    `engine` names where the rounds ran in the printed header (the config's engine when empty).
+    """
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if echo:
+        _print(server, config, total, engine or f"{config.engine} engine")
+    _write_history(server, config, out, total)
+    plot = _plot(server, config, out)
+    if echo:
+        print(f"round checkpoints: {out / 'rounds'}")
+        print(f"history:           {out / 'history.json'}")
+        print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
+
+
+def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) -> None:
+    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {engine}")
+    if server.initial:
+        print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
+    for record in server.history:
+        print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
+              f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
+              f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
+              f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
+        for node, reason in sorted(record.failures.items()):
+            print(f"          node {node} failed: {reason}")
+    print(f"total: {total:.1f} s")
+
+
+def _device_times(metrics: dict[str, Any]) -> str:
+    """A round's mean device timings: the local fit, the set-up before it, the loop's steps per second."""
+    nan = float("nan")
+    fit, setup = metrics.get("fit_seconds", nan), metrics.get("setup_seconds", nan)
+    return (f"{fit * 1e3:.1f} ms mean local fit, {setup * 1e3:.2f} ms set-up, "
+            f"{metrics.get('steps_per_second', nan):.0f} steps/s")
+
+
+def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: float) -> None:
+    rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
+               "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
+               "failures": {str(node): reason for node, reason in r.failures.items()},
+               **r.evaluation, "train": r.train_metrics,
+               "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
+    payload = {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
+    (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+
+
+def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    points = [(0, server.initial.get("accuracy"))] + [(r.server_round, r.evaluation.get("accuracy"))
+                                                     for r in server.history]
+    xs = [x for x, y in points if y is not None]
+    ys = [y for _, y in points if y is not None]
+    # NOTE: a Figure without pyplot: the caller's matplotlib backend (a notebook's inline one) stays as it was.
+    figure = Figure(figsize=(5, 3.5))
+    axes = figure.subplots()
+    axes.plot(xs, ys, marker="o")
+    axes.set(xlabel="round", ylabel="global accuracy (held-out digits)", ylim=(0, 1),
+             title=f"{config.devices} devices, {config.split}, {config.strategy}")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path = out / "accuracy.png"
+    figure.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,237 @@
+"""`OrtDevice`: what a device runs, through ONNX Runtime's Python training API, step for step as ``runner.js``.
+
+A phone or a browser tab trains a device folder with ONNX Runtime's own loop, and nothing else:
+open the files (``CheckpointState.load_checkpoint``, ``Module``, the server's weights through
+``copy_buffer_to_parameters``, ``Optimizer``), then per batch one train step, one optimizer
+step and a gradient reset, at the rate the optimizer graph computes (a folder from
+``prepare_for_web``) or at the rate the device sets (``Optimizer.set_learning_rate``, a plain
+folder), and the weights back as one float32 buffer. `OrtDevice` is that loop in Python, the
+same sequence ``ort_lightning/web/runner.js`` runs in onnxruntime-web, so that a simulated
+device and a browser train the same files to the same numbers.
+
+ONNX Runtime's session options are its defaults, but for errors-only logging and the intra-op
+threads: one by default, as onnxruntime-web runs a page, so that a device's numbers do not
+depend on the cores of the machine that simulates it, and a device builds no thread pool
+(measured on 2 busy cores: opening a device took 1.4-1.7 ms on one thread, 1.6-3.4 ms with ORT's
+default pool, whose threads then also wake for every step). ``intra_op_threads=0`` takes ORT's
+default pool, whose threads sleep when idle instead of spinning.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from pathlib import Path
+    >>> from ort_lightning import export_artifacts
+    >>> folder = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
+    ...                           nominal_checkpoint=True, verify=False).directory
+    >>> files = DeviceFiles(training=folder / "training_model.onnx", optimizer=folder / "optimizer_model.onnx",
+    ...                     checkpoint=folder / "nominal_checkpoint")
+    >>> device = OrtDevice.open(files, weights=np.zeros(15, np.float32), lr=0.1)
+    >>> batch = [np.ones((2, 4), np.float32), np.array([0, 2])]
+    >>> trained = device.train([batch], epochs=3)
+    >>> trained.steps, trained.examples, len(device.get_weights())
+    (3, 2, 15)
+    >>> device.release()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort._api import CheckpointState, Module, Optimizer, onnxruntime
+from ort_lightning.ort.checkpoint_state import copy_parameters, state_outlives
+from ort_lightning.ort.options import session_options
+from ort_lightning.ort.session import refused
+
+__all__ = ["DeviceFiles", "OrtDevice", "Trained"]
+
+
+@dataclass(frozen=True)
+class DeviceFiles:
+    """The files a device opens, by the names ``runner.js``'s ``openDevice`` takes.
+
+    Attributes:
+        training: the training graph (``.ort`` or ``.onnx``).
+        optimizer: the optimizer graph.
+        checkpoint: the nominal checkpoint (the server sends the weights) or a complete one.
+        eval: the eval graph, needed only to evaluate.
+    """
+
+    training: Path
+    optimizer: Path
+    checkpoint: Path
+    eval: Path | None = None
+
+    def by_role(self) -> dict[str, Path]:
+        """The files under ``runner.js``'s names (``training``, ``eval``, ``optimizer``, ``checkpoint``)."""
+        roles = {"training": self.training, "eval": self.eval, "optimizer": self.optimizer,
+                 "checkpoint": self.checkpoint}
+        return {role: path for role, path in roles.items() if path is not None}
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What one `OrtDevice.train` did.
+
+    Attributes:
+        losses: the loss of every step, in order.
+        examples: examples of one epoch (the sum of each batch's first dimension): FedAvg's weight.
+        seconds: wall time of the loop (the batches' conversion included).
+    """
+
+    losses: list[float]
+    examples: int
+    seconds: float
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken."""
+        return len(self.losses)
+
+    @property
+    def steps_per_second(self) -> float:
+        """The loop's rate."""
+        return self.steps / self.seconds if self.seconds > 0 else float("nan")
+
+
+class OrtDevice:
+    """One device's ONNX Runtime objects over a device folder's files (build with `open`).
+
+    The state, the module and the optimizer are ONNX Runtime's own (``onnxruntime.training.api``);
+    `release` frees them, the module before the state.
+    """
+
+    def __init__(self, state: Any, module: Any, optimizer: Any) -> None:
+        self._state, self._module, self._optimizer = state, module, optimizer
+        self.parameter_count: int = module.get_parameters_size(False)
+
+    @classmethod
+    def open(
+        cls, files: DeviceFiles, *, weights: np.ndarray | None = None, checkpoint: Path | None = None,
+        evaluation: bool = False, lr: float | None = None, intra_op_threads: int = 1,
+    ) -> OrtDevice:
+        """Open a device on `files`, as ONNX Runtime documents a device that receives its weights.
+
+        ``CheckpointState.load_checkpoint(checkpoint)``, ``Module(training[, eval])``,
+        ``copy_buffer_to_parameters(weights, trainable_only=False)``, then ``Optimizer``: built
+        over a checkpoint that holds an optimizer state (a device's own, saved with `save`), the
+        optimizer continues its step and moments; otherwise it starts at step 0 with no moments.
+
+        Args:
+            files: the device folder's files.
+            weights: every state tensor, one float32 buffer in the training graph's input order;
+                None keeps the checkpoint's weights (a nominal checkpoint has none).
+            checkpoint: a checkpoint to open instead of ``files.checkpoint`` (a device's own).
+            evaluation: also load the eval graph (only `evaluate` needs it).
+            lr: the learning rate to set (ONNX Runtime's ``set_learning_rate``); None leaves the rate
+                the optimizer graph computes (a folder from ``prepare_for_web``) or holds (1e-3).
+            intra_op_threads: ONNX Runtime's intra-op threads (see the module docstring); 0 for ORT's default.
+
+        Raises:
+            ArtifactError: for a file ONNX Runtime cannot load.
+            ConfigurationError: for `weights` of another size than the state's.
+        """
+        source = checkpoint or files.checkpoint
+        with refused(f"the checkpoint {source}", "it is damaged, truncated or not an ORT checkpoint"):
+            state = CheckpointState.load_checkpoint(os.fspath(source))
+        graphs = " and ".join(os.fspath(graph) for graph in (files.training, files.eval if evaluation else None)
+                              if graph is not None)
+        with refused(f"the graphs {graphs} over {source}", "a graph is damaged or truncated, or another model's"):
+            module = Module(os.fspath(files.training), state,
+                            os.fspath(files.eval) if evaluation and files.eval is not None else None,
+                            device="cpu",
+                            session_options=session_options(spinning=False, intra_op_threads=intra_op_threads))
+        state_outlives(module, state)
+        if weights is not None:
+            copy_parameters(module, weights)
+        with refused(f"the optimizer graph {files.optimizer}", "it is damaged, truncated or another model's"):
+            optimizer = Optimizer(os.fspath(files.optimizer), module)
+        if lr is not None:
+            optimizer.set_learning_rate(lr)
+        return cls(state, module, optimizer)
+
+    def set_weights(self, weights: np.ndarray) -> None:
+        """Replace every parameter's value (one float32 buffer in the training graph's input order).
+
+        Raises:
+            ConfigurationError: for a buffer of another dtype or size.
+        """
+        copy_parameters(self._module, weights)
+
+    def train(self, batches: Sequence[Sequence[Any]], *, epochs: int = 1) -> Trained:
+        """Per epoch, per batch: one train step, one optimizer step and a gradient reset (``runner.js``'s ``train``).
+
+        Args:
+            batches: one epoch's batches, each one array or CPU tensor per training graph input, in order
+                (model inputs, then labels).
+            epochs: passes over `batches`.
+
+        Raises:
+            ConfigurationError: for `epochs` below 1 or no batches.
+        """
+        started = time.perf_counter()
+        feeds = _feeds(batches, epochs)
+        module, step, reset = self._module, self._optimizer.step, self._module.lazy_reset_grad
+        module.train()
+        losses = []
+        for _ in range(epochs):
+            for feed in feeds:
+                outputs = module(*feed)
+                step()
+                reset()
+                losses.append(float((outputs[0] if isinstance(outputs, tuple) else outputs).numpy().reshape(-1)[0]))
+        examples = sum(int(batch[0].shape[0]) for batch in batches)
+        return Trained(losses, examples, time.perf_counter() - started)
+
+    def evaluate(self, batches: Sequence[Sequence[Any]]) -> list[tuple[float, np.ndarray | None]]:
+        """Run the eval graph on each batch (the device must be opened with ``evaluation=True``).
+
+        Returns:
+            Per batch, the loss and the eval graph's next output (the model's first output, e.g. the
+            logits), or None where the eval graph has no output but the loss.
+        """
+        module = self._module
+        module.eval()
+        results = []
+        for feed in _feeds(batches, 1):
+            outputs = module(*feed)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            results.append((float(outputs[0].numpy().reshape(-1)[0]),
+                            outputs[1].numpy() if len(outputs) > 1 else None))
+        return results
+
+    def get_weights(self) -> np.ndarray:
+        """Every parameter's value, one float32 buffer in the order `set_weights` takes (a copy)."""
+        return self._module.get_contiguous_parameters(False).numpy().copy()
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the device's checkpoint with its optimizer state (step and moments), as a device keeps it."""
+        CheckpointState.save_checkpoint(self._state, os.fspath(path), include_optimizer_state=True)
+        return Path(path)
+
+    def release(self) -> None:
+        """Free ONNX Runtime's objects, the optimizer and the module before their state."""
+        self._optimizer = self._module = None
+        self._state = None
+
+
+def _feeds(batches: Sequence[Sequence[Any]], epochs: int) -> list[list[Any]]:
+    """Each batch's tensors as ONNX Runtime values, once per round (``runner.js``'s ``toFeeds``); no copy."""
+    if epochs < 1:
+        raise ConfigurationError(f"Expected `epochs` >= 1, but got {epochs}; pass the local epochs per round.")
+    if not batches:
+        raise ConfigurationError("Expected at least one batch to train on, but got none; give every device data.")
+    return [[onnxruntime.OrtValue.ortvalue_from_numpy(_array(tensor)) for tensor in batch] for batch in batches]
+
+
+def _array(tensor: Any) -> np.ndarray:
+    """A contiguous numpy view of a CPU tensor or array (a copy only where it is not contiguous)."""
+    array = tensor.numpy() if hasattr(tensor, "numpy") and not isinstance(tensor, np.ndarray) else tensor
+    return np.ascontiguousarray(array)
