@@ -293,6 +293,27 @@ def test_values_of_another_model_are_refused_by_name(
         DeviceClient(device.directory, DATA).train(message, _context(0))
 
 
+def test_a_supernode_trains_at_the_run_configs_rate(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> None:
+    """A SuperNode prepares a plain folder at the run config's lr, and refuses a folder prepared at another rate."""
+    from ort_lightning.fleet.engines.deployment import client
+
+    exported, device = folders
+    start = _values(exported.checkpoint)
+
+    def reply(artifacts: Path, lr: float) -> Message:
+        run_config = {"artifacts": str(artifacts), "devices": DEVICES, "lr": lr, "batch_size": 32, "seed": 0}
+        return client(_message(start), Context(1, 1, {"partition-id": 1, "num-partitions": DEVICES}, RecordDict(),
+                                                run_config))
+
+    trained = reply(exported.directory, LR)
+    assert not trained.has_error(), trained.error
+    expected = ort_device_loop(device.directory, _epochs(1, 1), lr=None, graphs="ort", values=start)
+    _assert_close({n: a.numpy() for n, a in trained.content.array_records["arrays"].items()}, expected, atol=1e-6)
+    with pytest.raises(ConfigurationError, match=r"The run config's lr=0.05, but the device folder .* computes its own "
+                                                 r"rate \(constant 0.01, .*pass lr=0.01 in the run config"):
+        reply(device.directory, 0.05)
+
+
 # ----------------------------------------------------------------------------- faults, as for every device
 HUNG, FAILING, NAN = 0, 1, 2
 RELEASE = threading.Event()

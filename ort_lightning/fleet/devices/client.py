@@ -1,37 +1,13 @@
-"""`DeviceClient`: the one Flower client every fleet device runs, on every engine.
+"""`DeviceClient`: the one Flower client every fleet device runs, on every engine (docs/fleets.md).
 
-`LocalGrid`, Flower's Ray simulation and its deployment SuperNodes run its ``ClientApp``; the
-browser engine's server gives pages the same data (``data(partition, partitions) -> ClientData``).
-A ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor name);
-the device trains `epochs` local epochs on its partition with its ``runner``'s loop (``"ort"``:
-ONNX Runtime's device loop, `ort_lightning.fleet.devices.ort_loop.OrtLoop`, the default, what a phone or a
-page runs; ``"lightning"``: a Trainer, `ort_lightning.fleet.devices.trainer_loop.TrainerLoop`, imported only
-then, so that a device imports no Lightning) and replies with its values and ``num-examples``,
-``train_loss``, ``steps``, ``setup_seconds``, ``fit_seconds``, ``steps_per_second``. An
-``evaluate`` message runs the eval graph on the device's test data.
+A ``train`` message's global values are trained `epochs` local epochs on the device's partition
+by its runner's loop: ONNX Runtime's device loop (`OrtLoop`, the default, what a phone or a page
+runs) or a Trainer (`TrainerLoop`, imported only for ``runner="lightning"``: a device imports no
+Lightning). ``evaluate`` runs the eval graph on the device's test data.
 
 The learning rate has one route: the device folder's optimizer graph, which `prepare_for_web`
-writes once from the config's ``lr``. onnxruntime-web cannot set a rate, so a browser can only
-read it there; every other runtime reads it there too (ONNX Runtime's loop runs the graph, the
-Trainer's module takes the folder's schedule), so that no runtime is told a rate the others miss.
-
-``optimizer_state="keep"``: a device saves its ORT checkpoint with its optimizer state in its
-Flower ``Context.state`` (it never leaves the device) and opens it next round, so that its step,
-AdamW moments and schedule continue; ``"fresh"`` (default) starts every round at step 0.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from torch.utils.data import DataLoader, TensorDataset
-    >>> from ort_lightning import export_artifacts
-    >>> from ort_lightning.export import prepare_for_web
-    >>> plain = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
-    ...                          nominal_checkpoint=True, verify=False)
-    >>> folder = prepare_for_web(plain, tempfile.mkdtemp(), lr=0.1)
-    >>> def data(partition: int, partitions: int) -> ClientData:
-    ...     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    ...     return ClientData(train=DataLoader(TensorDataset(x, y), batch_size=4))
-    >>> app = DeviceClient(folder.directory, data, epochs=2).client_app()
+writes once from the config's ``lr``. onnxruntime-web cannot set a rate, so a page can only read
+it there, and every other runtime reads it there too: no runtime is told a rate the others miss.
 """
 
 from __future__ import annotations
@@ -75,26 +51,21 @@ class DeviceClient:
     """What every fleet device runs (see the module docstring).
 
     Args:
-        artifacts: the device folder (``prepare_for_web``'s, the very files a browser loads; a plain
-            folder trains at ORT's default rate 1e-3 on every runtime).
-        data: ``(partition_id, num_partitions) -> ClientData``; it must pickle (a top-level function or a
-            `functools.partial` of one) for Flower's Ray simulation.
+        artifacts: the device folder (``prepare_for_web``'s; a plain one trains at ORT's default 1e-3).
+        data: ``(partition_id, num_partitions) -> ClientData``, picklable for Flower's Ray simulation.
         epochs: local epochs per round.
-        runner: ``"ort"`` or ``"lightning"`` (see the module docstring).
-        optimizer_state: ``"fresh"`` or ``"keep"`` (see the module docstring).
-        start: ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the server's values, as ORT runs a
-            device that receives its weights) or ``"complete"`` (the complete checkpoint, whose weights the
-            server's values replace); ``"auto"`` is ``"nominal"`` where the folder has a nominal checkpoint.
-        labels: the training graph's label inputs, where the folder cannot tell (see `TrainingArtifacts.load`).
-        intra_op_threads: ONNX Runtime's intra-op threads per ``"ort"`` device: one, as a page runs it; 0
-            for ORT's default pool.
+        runner: ``"ort"`` (ONNX Runtime's device loop) or ``"lightning"`` (a Trainer).
+        optimizer_state: ``"fresh"`` (step 0 every round) or ``"keep"`` (the device's checkpoint stays in
+            its ``Context.state`` between rounds).
+        start: ``"nominal"`` (the nominal checkpoint plus the server's values), ``"complete"`` or ``"auto"``.
+        labels: the training graph's label inputs, where the folder cannot tell.
+        intra_op_threads: ORT's intra-op threads per ``"ort"`` device (one, as a page; 0: ORT's pool).
         module_options: other `ORTLightningModule` options (``"lightning"`` only).
         trainer_options: `lightning.Trainer` options (``"lightning"`` only).
-        mods: Flower client mods the ``ClientApp`` runs around each message (``ClientApp(mods=...)``).
+        mods: Flower client mods around each message (``ClientApp(mods=...)``).
 
     Raises:
-        ConfigurationError: for an unknown option value, a non-positive `epochs`, or Lightning options
-            given to the ``"ort"`` runner.
+        ConfigurationError: for an unknown option, `epochs` < 1, or Trainer options for ``"ort"``.
     """
 
     artifacts: str | os.PathLike[str]
@@ -191,9 +162,7 @@ class DeviceClient:
 
 
 def evaluation(batches: Iterable[tuple[float, np.ndarray | None, np.ndarray]]) -> dict[str, float]:
-    """Loss and accuracy over per-batch eval results ``(loss, logits or None, labels)``, averaged over samples.
-
-    The accuracy compares the argmax of the logits along axis 1 with the labels.
+    """Loss and accuracy (argmax of the logits on axis 1) over per-batch ``(loss, logits, labels)``, per sample.
 
     Raises:
         ConfigurationError: for empty data.

@@ -1,17 +1,4 @@
-"""A device folder as every runtime opens it: its files, its batches' input order, and the rate it trains at.
-
-`device_files` names what a device opens (the ``.ort`` graphs where present, the nominal
-checkpoint if there is one), the same files for a page and for `ort_lightning.ort.on_device.OrtDevice`.
-The order of its flat weights is `ort_lightning.fleet.devices.weights.WeightOrder`'s.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from ort_lightning import export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-    >>> device_files(artifacts).training.name
-    'training_model.onnx'
-"""
+"""A device folder as every runtime opens it: its files (the same for a page and `OrtDevice`), its batches' order."""
 
 from __future__ import annotations
 
@@ -27,14 +14,10 @@ __all__ = ["device_files", "ordered"]
 
 
 def device_files(artifacts: TrainingArtifacts, *, complete: bool = False) -> DeviceFiles:
-    """The files a device opens: ``.ort`` graphs where present, else ``.onnx``; the nominal checkpoint if any.
-
-    Args:
-        artifacts: the device folder.
-        complete: open the complete checkpoint instead of the nominal one.
+    """The files a device opens: ``.ort`` graphs where present; the nominal checkpoint if any, unless `complete`.
 
     Raises:
-        ConfigurationError: for a folder without an optimizer graph (a device must update its weights).
+        ConfigurationError: for a folder without an optimizer graph.
     """
     if artifacts.optimizer_model is None:
         raise ConfigurationError(f"{artifacts.directory} has no optimizer graph, but a device trains with one; "

@@ -1,13 +1,9 @@
 """`OrtLoop`: a device's local training as a phone or a page runs it, ONNX Runtime's loop on the device folder.
 
-The device opens the folder's files (`ort_lightning.ort.on_device.OrtDevice`: the ``.ort`` graphs
-where present, the nominal checkpoint plus the server's values as one float32 buffer), and per
-batch takes one train step, one optimizer step and a gradient reset (``runner.js``'s loop), at
-the rate the folder's optimizer graph computes (see `ort_lightning.fleet.devices.client`). Each epoch
-iterates the ``DataLoader`` to its end, as the browser fleet's server does when it ships a page
-its batches, so that a shuffling loader draws the same order on every runtime. A loss that turns
-NaN or infinite is an error instead of weights. Nothing of a device stays after its round: ONNX
-Runtime's objects are freed when it replies.
+Per batch one train step, one optimizer step and a gradient reset (``runner.js``'s loop, through
+`ort_lightning.ort.on_device.OrtDevice`); each epoch iterates the ``DataLoader`` to its end, as
+the browser engine does, so that a shuffling loader draws the same order on every runtime. ONNX
+Runtime's objects are freed when the device replies.
 """
 
 from __future__ import annotations
@@ -36,14 +32,7 @@ __all__ = ["OrtLoop"]
 
 @dataclass(frozen=True)
 class OrtLoop:
-    """ONNX Runtime's device loop over one device folder, read once per process (`read`).
-
-    Attributes:
-        files: what a device opens.
-        weight_order: the flat weights' order.
-        inputs: the training graph's input names (a dict batch is ordered by them).
-        intra_op_threads: ONNX Runtime's intra-op threads per device (one, as a page runs it; 0: ORT's pool).
-    """
+    """ONNX Runtime's device loop over one device folder's `files`, read once per process (`read`)."""
 
     files: DeviceFiles
     weight_order: WeightOrder
@@ -53,11 +42,7 @@ class OrtLoop:
     @staticmethod
     @functools.lru_cache(maxsize=4)
     def read(artifacts: str, *, labels: tuple[str, ...] | None, start: str, intra_op_threads: int) -> OrtLoop:
-        """The loop over the folder `artifacts` for devices that start as `start` (see `DeviceClient`).
-
-        Raises:
-            ConfigurationError: for a start the folder cannot give.
-        """
+        """The loop over the folder `artifacts` for devices that start as `start` (see `DeviceClient`)."""
         loaded = TrainingArtifacts.load(artifacts, labels=None if labels is None else list(labels))
         files = device_files(loaded, complete=complete_start(loaded, start))
         return OrtLoop(files, WeightOrder.checked(loaded, files.training, files.checkpoint),
@@ -96,10 +81,10 @@ class OrtLoop:
 
 
 def complete_start(artifacts: TrainingArtifacts, start: str) -> bool:
-    """Whether a device opens the complete checkpoint (`start` ``"complete"``, or ``"auto"`` without a nominal one).
+    """Whether a device opens the complete checkpoint (``"complete"``, or ``"auto"`` without a nominal one).
 
     Raises:
-        ConfigurationError: for ``"nominal"`` without a nominal checkpoint, or ``"complete"`` on a weightless folder.
+        ConfigurationError: for a start the folder cannot give.
     """
     if start == "nominal" and artifacts.nominal_checkpoint is None:
         raise ConfigurationError(
@@ -119,7 +104,7 @@ def _check_finite(losses: list[list[float]]) -> None:
     """Refuse a round whose loss went NaN or infinite: its weights must not reach the strategy.
 
     Raises:
-        NonFiniteLossError: naming the epoch and step (the device's error reply; the round aggregates the others).
+        NonFiniteLossError: naming the epoch and step (the device's error reply).
     """
     for epoch, epoch_losses in enumerate(losses, start=1):
         bad = next((step for step, loss in enumerate(epoch_losses, start=1) if not math.isfinite(loss)), None)

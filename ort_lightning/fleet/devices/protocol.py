@@ -1,15 +1,6 @@
 """What a fleet's server and devices agree on, without Lightning: record keys, a device's options and data.
 
-A device imports this module, `ort_lightning.fleet.devices.client` and `ort_lightning.fleet.devices.ort_loop` only:
-nothing here may import Lightning (``tests/test_fleet_device.py`` runs a device with Lightning absent).
-
-Example::
-
-    >>> check_client_options("keep", "nominal", 2)
-    >>> check_client_options("forever", "nominal", 2)
-    Traceback (most recent call last):
-    ...
-    ort_lightning.errors.ConfigurationError: Expected `optimizer_state` to be one of ('fresh', 'keep'), ...
+Nothing here may import Lightning: a device imports this module.
 """
 
 from __future__ import annotations
@@ -64,17 +55,7 @@ DataFn = Callable[[int, int], ClientData]
 
 @dataclass(frozen=True)
 class Fit:
-    """What one device's local training gave.
-
-    Attributes:
-        values: the trained values, by state tensor name.
-        examples: examples of one epoch (FedAvg's weight).
-        loss: the mean loss of the last epoch (NaN where unknown).
-        steps: optimizer steps taken.
-        started: ``time.perf_counter()`` when training began (what came before is set-up).
-        seconds: wall time of the training.
-        checkpoint: the device's ORT checkpoint with its optimizer state, when it keeps it; else None.
-    """
+    """One device's local training: values, an epoch's examples, last epoch's mean loss, steps, times, kept state."""
 
     values: ArrayRecord
     examples: int
@@ -90,11 +71,9 @@ class Loop(Protocol):
 
     def train(self, arrays: ArrayRecord, loader: Any, *, epochs: int, kept: Path | None, keep: bool) -> Fit:
         """Train the server's `arrays` on `loader`, from the device's `kept` checkpoint if any."""
-        ...
 
     def evaluate(self, arrays: ArrayRecord, loader: Any) -> Iterator[tuple[float, np.ndarray | None, np.ndarray]]:
-        """Per batch: the eval graph's loss, its logits (or None) and the labels."""
-        ...
+        """Per batch of `loader`: the eval graph's loss, its logits (or None) and the labels."""
 
 
 def check_client_options(optimizer_state: str, start: str, epochs: int) -> None:

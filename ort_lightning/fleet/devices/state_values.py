@@ -1,24 +1,7 @@
 """The values a fleet exchanges: every tensor of ORT's state, in the training graph's order.
 
-A client sends the values of its CheckpointState (trainable and frozen parameters, and
-buffers such as BatchNorm running statistics) in the order the training graph takes them as
-inputs, which is the order of ORT's contiguous parameter buffer, not the alphabetical order in
-which the CheckpointState lists them. Setting values copies them into the torch views of ORT's
-memory through the one operation that changes a running session (``values=`` alone): ORT's state
-is updated in place and no ORT object is rebuilt.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> module = ORTLightningModule(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
-    ...                                               verify=False))
-    >>> list(get_values(module))
-    ['weight', 'bias']
-    >>> values = get_values(module)
-    >>> set_values(module, {name: torch.zeros_like(value) for name, value in values.items()})
-    >>> float(module.weight.detach().abs().sum())
-    0.0
+Trainable and frozen parameters and buffers (BatchNorm's statistics), in the `WeightOrder`. Setting
+values copies them into the torch views of ORT's memory in place: no ORT object is rebuilt.
 """
 
 from __future__ import annotations

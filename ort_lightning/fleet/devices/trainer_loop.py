@@ -1,12 +1,8 @@
 """`TrainerLoop`: a device's local training as a ``lightning.Trainer`` fit (``runner: lightning``).
 
 The server's values are loaded into the worker's module (one module and one ``Trainer`` per
-worker process, shared by the devices it runs one after another: `ort_lightning.fleet.devices.trainer_slots`),
-which fits `epochs` epochs and hands its values back. Where a device starts (``start``): the
-nominal checkpoint plus the server's values, as ONNX Runtime runs a device that receives its
-weights, or the complete checkpoint, whose weights the server's values replace; both give the
-same numbers. The module trains at the device folder's rate (`rate_options`), as every runtime
-does (see `ort_lightning.fleet.devices.client`).
+worker process: `ort_lightning.fleet.devices.trainer_slots`), which fits `epochs` epochs at the
+device folder's rate (`rate_options`) and hands its values back.
 """
 
 from __future__ import annotations
@@ -43,16 +39,10 @@ ORT_DEFAULT_LR = 1e-3
 
 @dataclass(frozen=True)
 class TrainerLoop:
-    """A Trainer's fit over the worker's module of `artifacts`.
+    """A Trainer's fit over the worker's module of `artifacts` (the options are `DeviceClient`'s).
 
-    Args:
-        artifacts: the device folder.
-        start: ``"auto"``, ``"nominal"`` or ``"complete"`` (see `DeviceClient`).
-        epochs: the Trainer's ``max_epochs``.
-        labels: the training graph's label inputs, where the folder cannot tell.
-        module_options: other `ORTLightningModule` options; ``threads`` is ``"single"`` unless given (a
-            device's fit is a few batches, and a spinning pool costs more to build than it saves).
-        trainer_options: `lightning.Trainer` options replacing the quiet CPU defaults.
+    ``threads`` is ``"single"`` unless `module_options` say otherwise: a device's fit is a few
+    batches, and a spinning pool costs more to build than it saves.
     """
 
     artifacts: str | os.PathLike[str]

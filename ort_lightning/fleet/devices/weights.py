@@ -1,20 +1,9 @@
 """`WeightOrder`: the one order of a model's flat weights, and Flower's ``ArrayRecord`` to that buffer and back.
 
-Every runtime exchanges a device's weights as one float32 buffer (onnxruntime-web's
-``loadParametersBuffer`` / ``getContiguousParameters``, ORT's ``copy_buffer_to_parameters``):
-the state tensors in the training graph's order of its inputs, which is neither a checkpoint's
-alphabetical listing nor the manifest's ``parameter_order``. `WeightOrder.of` reads that order,
-`WeightOrder.checked` also checks it against ONNX Runtime's own buffer over the device's files.
-`flat` and `record` write each ``.npy`` header once and read the data where it lies (Flower's
-``np.load`` per tensor cost more than a small device's training); anything but a little-endian,
-C-ordered float32 falls back to Flower's conversion, to the same numbers.
-
-Example::
-
-    >>> order = WeightOrder([("w", (2, 3)), ("b", (2,))])
-    >>> record = order.record(np.arange(8, dtype=np.float32))
-    >>> record["w"].numpy().tolist(), order.flat(record).tolist()
-    ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+Every runtime exchanges a device's weights as one float32 buffer: the state tensors in the
+training graph's order of its inputs (neither a checkpoint's alphabetical listing nor the
+manifest's ``parameter_order``). `flat` and `record` write each ``.npy`` header once and read the
+data where it lies (Flower's ``np.load`` per tensor cost more than a small device's training).
 """
 
 from __future__ import annotations
@@ -40,11 +29,7 @@ _MAGIC = b"\x93NUMPY"
 
 
 class WeightOrder:
-    """The named tensors of one flat float32 buffer, in its order.
-
-    Args:
-        tensors: ``(name, shape)`` of every tensor, in the buffer's order.
-    """
+    """The named tensors of one flat float32 buffer: ``(name, shape)`` of each, in the buffer's order."""
 
     def __init__(self, tensors: Sequence[tuple[str, Sequence[int]]]) -> None:
         self.tensors = [(name, tuple(int(dim) for dim in shape)) for name, shape in tensors]
@@ -64,10 +49,10 @@ class WeightOrder:
 
     @classmethod
     def checked(cls, artifacts: TrainingArtifacts, training_model: Path, checkpoint: Path) -> WeightOrder:
-        """`of`, checked for a flat float32 buffer: every tensor float32, the order ONNX Runtime's over these files.
+        """`of`, checked for a flat float32 buffer: all float32, in ONNX Runtime's order over these files.
 
         Raises:
-            ConfigurationError: for a tensor that is not float32, or another order than ORT's (`check_buffer_order`).
+            ConfigurationError: for a tensor that is not float32, or another order than ORT's.
         """
         wrong = [spec.name for spec in state_specs(artifacts) if spec.dtype != "float32"]
         if wrong:
@@ -87,7 +72,7 @@ class WeightOrder:
         """The record's tensors as one new float32 buffer in this order.
 
         Raises:
-            ConfigurationError: for a record of other names or shapes than the order's.
+            ConfigurationError: for other names or shapes than the order's.
         """
         given = {name: tuple(arrays[name].shape) for name in arrays}
         if given != dict(self.tensors):
@@ -101,7 +86,7 @@ class WeightOrder:
         return flat
 
     def record(self, weights: np.ndarray) -> ArrayRecord:
-        """`weights` (a flat float32 buffer of the order's size) as Flower's ``ArrayRecord``, one ``Array`` a tensor.
+        """`weights` (a flat float32 buffer of the order's size) as Flower's ``ArrayRecord``.
 
         Raises:
             ConfigurationError: for a buffer of another dtype or size.
@@ -123,7 +108,7 @@ def check_buffer_order(names: Sequence[str], training_model: Path, checkpoint: P
     """Check that `names` is the order of ONNX Runtime's contiguous buffer over these files.
 
     Raises:
-        ConfigurationError: when ONNX Runtime lays the buffer out in another order (or holds other tensors).
+        ConfigurationError: for another order (or other tensors).
     """
     measured = _ort.buffer_order(training_model, checkpoint)
     if list(names) != measured:
