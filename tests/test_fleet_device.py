@@ -407,27 +407,30 @@ def test_a_supernode_trains_a_round_with_lightning_absent(
 # ----------------------------------------------------------------------------- Node: the same round
 @pytest.mark.slow
 @RunIf(node=True)
-@pytest.mark.parametrize("epochs", [1, 2, 3], ids=["1-epoch", "2-epochs", "3-epochs"])
+@pytest.mark.parametrize(("epochs", "lr"), [(1, 0.05), (2, LR), (3, LR)],
+                         ids=["1-epoch-at-0.05", "2-epochs", "3-epochs"])
 def test_node_runs_a_devices_round_as_the_python_device_does(
-    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, epochs: int
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], rated: Any, tmp_path: Path, epochs: int, lr: float
 ) -> None:
+    """Node trains the device folder as the Python device does, at the rate of the config that wrote it."""
     from tests.test_web_runner import _node_run, _write_job
 
-    exported, device = folders
+    exported, _ = folders
+    device = rated(lr)
     start = _values(exported.checkpoint)
-    reply = DeviceClient(device.directory, DATA, epochs=epochs).train(_message(start), _context(1))
+    reply = DeviceClient(device, DATA, epochs=epochs).train(_message(start), _context(1))
     python = reply.content.array_records["arrays"].to_numpy_ndarrays()
     # the page's loop: each epoch's batches in turn (one `train` each), here as one list of every epoch's batches
-    order = DeviceClient(device.directory, DATA).loop().weight_order.names  # type: ignore[attr-defined]
+    order = DeviceClient(device, DATA).loop().weight_order.names  # type: ignore[attr-defined]
     weights = np.concatenate([start[name].ravel() for name in order])
     batches = [tuple(tensor.numpy() for tensor in batch) for batch in _epochs(1, epochs)]
-    job = _write_job(tmp_path, device.directory, "ort", weights, batches)
+    job = _write_job(tmp_path, device, "ort", weights, batches)
     job.write_text(json.dumps({**json.loads(job.read_text()), "epochs": 1}))
     result, trained, _ = _node_run(job)
     assert result["steps"] == len(batches)
     # NOTE: the README's tolerance for browsers: 1e-5 per 1e-3 of rate
     np.testing.assert_allclose(trained, np.concatenate([array.ravel() for array in python]), rtol=0,
-                               atol=1e-5 * LR / 1e-3)
+                               atol=1e-5 * lr / 1e-3)
 
 
 # ----------------------------------------------------------------------------- Ray: the round lines alone
