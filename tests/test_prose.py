@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.prose import measure
+from tools.prose import PACKAGE, measure, measure_tree
+
+#: Issue 49, item 6: docstring lines per code line across ``ort_lightning/``, doctests included.
+LIMIT = 0.35
 
 SAMPLE = '''"""A module docstring
 on two lines."""
@@ -35,3 +38,11 @@ def test_measure_counts_a_sample_by_hand(tmp_path: Path) -> None:
     # code: import, def, text (2 lines), return, class.
     assert (prose.docstring, prose.code) == (5, 6)
 
+
+def test_package_docstrings_are_at_most_the_limit_of_its_code() -> None:
+    files, total = measure_tree(PACKAGE)
+    worst = ", ".join(f"{f.path} {f.ratio:.2f}" for f in files[:5])
+    assert total.ratio <= LIMIT, (
+        f"docstrings are {total.ratio:.2f} of the package's code lines ({total.docstring} / {total.code}), "
+        f"above {LIMIT}; shorten them (worst: {worst}; python -m tools.prose lists every file)"
+    )
