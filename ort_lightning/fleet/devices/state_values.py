@@ -39,11 +39,7 @@ def state_tensors(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict
 
 
 def get_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the values of ORT's state, keyed by name, in the training graph's order.
-
-    Args:
-        module: an `ORTLightningModule` (its ``artifacts`` set the order).
-    """
+    """Copies of the values of ORT's state of an `ORTLightningModule`, keyed by name, in the `WeightOrder`."""
     artifacts: TrainingArtifacts = module.artifacts  # type: ignore[assignment]
     return {name: tensor.detach().cpu().clone() for name, tensor in state_tensors(module, artifacts).items()}
 
@@ -51,12 +47,7 @@ def get_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def set_values(module: ORTLightningModule, values: Mapping[str, object]) -> None:
     """Copy `values` into ORT's state in place (no ORT object is rebuilt): `ORTLightningModule.set_values`.
 
-    The module's optimizer state and training progress stay as they are (a server's module, a
-    device that evaluates); a device that trains starts again with `ORTLightningModule.load_values`.
-
-    Args:
-        module: an `ORTLightningModule`.
-        values: name -> tensor or numpy array, for every state tensor of the training graph.
+    The module's optimizer state and progress stay as they are; `values` hold every state tensor.
 
     Raises:
         ConfigurationError: for missing, unexpected or misshapen values.
