@@ -53,8 +53,8 @@ def wire() -> dict[str, Any]:
 def find_ort_web(dist: str | None = None) -> str:
     """Return onnxruntime-web's ``dist/`` folder (absolute), or the URL that serves it (as given, unfetched).
 
-    Looked for in `dist`, then ``ORT_LIGHTNING_ORT_WEB``, then ``node_modules/onnxruntime-web/dist`` here or
-    in a parent folder; a folder must hold the training build.
+    Looked for in `dist`, then ``ORT_LIGHTNING_ORT_WEB``, then ``node_modules/onnxruntime-web/dist``
+    here or above. A folder must hold the training build; a URL is returned as given, not fetched.
 
     Raises:
         ConfigurationError: The folder given lacks the training build, or none is found.

@@ -1,19 +1,13 @@
 """The browsers of a fleet and the replies they owe, shared by the web server's event loop and Flower's thread.
 
-The event loop side calls `Hub.join` when a page's WebSocket opens, `Hub.ready` when its device
-has loaded the files, `Hub.receive` for each frame and `Hub.lost` when the socket closes. Flower's
-side (`BrowserGrid`) calls `Hub.send` for each train message and `Hub.collect` for the replies.
-Every failure of a device (closed, refused, silent past its deadline) becomes an error reply to
-the message it owed, and a `Refusal` naming the device; the device leaves the fleet. A device that leaves
-on purpose (its leave button) fails nothing: its owed reply is an error of code `LEFT_ERROR_CODE`, which the
-server records as a departure. Who the devices
-are (identities kept by the pages, partitions, who joined, left and came back) is the
-`Population`'s business; each change is a `PopulationEvent` in `Hub.events`, logged and handed to
-``on_event``.
+The event loop calls `join`, `ready`, `receive` and `lost`; Flower's side (`BrowserGrid`) calls `send`
+and `collect`. A device that fails (closed, refused, silent past its deadline) owes an error reply and
+leaves a `Refusal`; one that leaves on purpose owes an error of code `LEFT_ERROR_CODE`, a departure, not a
+failure. Who the devices are is the `Population`'s business; each change is a `PopulationEvent`.
 
 Example::
 
-    >>> hub = Hub(partitions=2, specs=[("weight", (3, 4)), ("bias", (3,))], device_timeout=60.0)
+    >>> hub = Hub(partitions=2, weight_order=WeightOrder([("weight", (3, 4)), ("bias", (3,))]), device_timeout=60.0)
     >>> hub.parameters, hub.node_ids()
     (15, [])
 """
@@ -23,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -35,6 +28,7 @@ from flwr.app import Error, Message, RecordDict
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result, read_result, unpack
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, LEFT_ERROR_CODE, METRICS_KEY
+from ort_lightning.fleet.devices.weights import WeightOrder
 from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.engines.browser.reply import reply_records
@@ -104,7 +98,7 @@ class Hub:
 
     Args:
         partitions: how many devices the fleet has (each takes one partition).
-        specs: ``(name, shape)`` of every state tensor, in the order of the flat weights.
+        weight_order: the order of the flat weights.
         device_timeout: seconds a device may take to answer a train message.
     """
 
@@ -112,7 +106,7 @@ class Hub:
         self,
         *,
         partitions: int,
-        specs: Sequence[tuple[str, tuple[int, ...]]],
+        weight_order: WeightOrder,
         device_timeout: float,
         on_event: OnEvent | None = None,
     ) -> None:
@@ -123,8 +117,8 @@ class Hub:
         self._on_event = on_event
         #: The latest round the server has sent (0 before the first).
         self.server_round = 0
-        self.specs = list(specs)
-        self.parameters = sum(math.prod(shape) for _, shape in self.specs)
+        self.weight_order = weight_order
+        self.parameters = weight_order.size
         self.device_timeout = device_timeout
         self.refusals: list[Refusal] = []
         #: What became of every reply that reached the server (used, refused, dropped).
@@ -253,7 +247,7 @@ class Hub:
 
     def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
         """The checked result as Flower's reply to the message it answers."""
-        arrays, metrics = reply_records(result, header, self.specs, last_epoch=owed.last_epoch)
+        arrays, metrics = reply_records(result, header, self.weight_order, last_epoch=owed.last_epoch)
         return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
 
     def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:
