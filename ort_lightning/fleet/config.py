@@ -16,20 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
-
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.digits import SPLITS
 from ort_lightning.fleet.keys import check_keys, check_types, parse_override
 from ort_lightning.fleet.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
+from ort_lightning.fleet.strategies import STRATEGIES
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig"]
 
-#: Flower strategies by name (any other works through the Python API).
-STRATEGIES: dict[str, type[Strategy]] = {
-    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedprox": FedProx, "fedadam": FedAdam, "fedyogi": FedYogi,
-    "fedadagrad": FedAdagrad,
-}
 ENGINES = ("local", "simulation", "browser")
 #: What a simulated device runs: ONNX Runtime's device loop (what a real device runs), or a Lightning Trainer.
 RUNNERS = ("ort", "lightning")

@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -103,10 +102,7 @@ def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    nodes = config.nodes_to_wait_for
-    waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
-    config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
-    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed))
+    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed), min_nodes=config.nodes_to_wait_for)
     _wait_for_nodes(grid, config.devices, config.device_timeout)
     started = time.perf_counter()
     fleet.main(grid, context)

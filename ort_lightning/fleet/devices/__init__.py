@@ -1,0 +1,1 @@
+"""The fleet's devices: what each device runs."""
