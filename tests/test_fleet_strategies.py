@@ -37,7 +37,7 @@ from scipy.stats import trim_mean  # noqa: E402
 
 from ort_lightning.fleet import ClientData, DeviceClient, FleetServer, GlobalModel, run_local  # noqa: E402
 from ort_lightning.fleet.devices.clipping import clipping_mods  # noqa: E402
-from ort_lightning.fleet.strategies import STRATEGIES, strategy_from  # noqa: E402
+from ort_lightning.fleet.server.strategies import STRATEGIES, strategy_from  # noqa: E402
 
 LR = 0.05
 #: Examples per device: unequal, so that weighting by example count matters.
@@ -283,7 +283,7 @@ def test_what_cannot_work_is_refused_in_one_line(
 
 
 # ----------------------------------------------------------------------------- browsers included
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 
 
 @RunIf(node=True)
@@ -293,7 +293,7 @@ def test_node_devices_run_multikrum_under_client_side_adaptive_clipping(
     artifacts: TrainingArtifacts, tmp_path: Path
 ) -> None:
     from ort_lightning.export import prepare_for_web
-    from ort_lightning.fleet.browser import BrowserFleet
+    from ort_lightning.fleet.engines.browser import BrowserFleet
 
     node = shutil.which("node")
     assert node is not None
