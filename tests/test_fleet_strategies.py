@@ -6,16 +6,18 @@ replies, never through the fleet's code: a poisoned device (its reply's weights 
 outvoted by FedMedian, FedTrimmedAvg, Krum, MultiKrum and Bulyan (every global weight stays
 within the honest replies' range, and equals numpy's median, scipy's trimmed mean, one honest
 reply or the honest replies' weighted mean where the rule says so) and not by FedAvg; with the
-noise off, each DP wrapper's round equals the weighted mean of the updates clipped to its norm.
+noise off, each DP wrapper's round equals the weighted mean of the updates clipped to its norm
+(the devices clip where a client-side wrapper asks: `clip_when_asked`, a browser's ``device.js``).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import TrainingArtifacts, export_artifacts
-from ort_lightning.errors import ConfigurationError
+from ort_lightning.errors import ConfigurationError, DeviceReplyError
+from ort_lightning.export import prepare_for_web
 
 from ._web import ROOT, ort_web_dist
 from .helpers import RunIf
@@ -36,7 +39,8 @@ from flwr.app import Array, ArrayRecord, Context, Message, MessageType  # noqa: 
 from scipy.stats import trim_mean  # noqa: E402
 
 from ort_lightning.fleet import ClientData, DeviceClient, FleetServer, GlobalModel, run_local  # noqa: E402
-from ort_lightning.fleet.devices.clipping import clipping_mods  # noqa: E402
+from ort_lightning.fleet.devices.frames import Result  # noqa: E402
+from ort_lightning.fleet.engines.browser.reply import reply_records  # noqa: E402
 from ort_lightning.fleet.server.strategies import STRATEGIES, strategy_from  # noqa: E402
 
 LR = 0.05
@@ -52,12 +56,27 @@ def _data(partition: int, partitions: int) -> ClientData:
     return ClientData(train=DataLoader(TensorDataset(x, labels), batch_size=8))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    """Keep the test process's heap out of the full collections Flower's ArrayRecord runs per reply (Bulyan, QFedAvg).
+
+    ``ArrayRecord.to_numpy_ndarrays(keep_input=False)`` calls ``gc.collect()``; in a process that holds
+    pytest, torch and Lightning, each took about a second on a 2-core machine.
+    """
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> TrainingArtifacts:
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArtifacts, TrainingArtifacts]:
+    """The server's artifacts and the devices' folder (``prepare_for_web``: its graph trains at `LR`)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    return export_artifacts(model, torch.zeros(2, 4), tmp_path_factory.mktemp("strategies") / "mlp",
-                            nominal_checkpoint=True, verify=False)
+    root = tmp_path_factory.mktemp("strategies")
+    exported = export_artifacts(model, torch.zeros(2, 4), root / "mlp", nominal_checkpoint=True, ort_format=True,
+                                verify=False)
+    return exported, prepare_for_web(exported, root / "web", lr=LR)
 
 
 def _numpy(record: ArrayRecord) -> Values:
@@ -88,14 +107,20 @@ def _poison(message: Message, context: Context, call_next: Callable[[Message, Co
 
 
 def _round(
-    artifacts: TrainingArtifacts, strategy: Any, folder: Path, *, devices: int, mods: list[Any] | None = None
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], strategy: Any, folder: Path, *, devices: int,
+    mods: list[Any] | None = None,
 ) -> tuple[Values, Values, dict[int, tuple[Values, int]], FleetServer]:
-    """One round of `strategy` over `devices` devices: (start, global after it, raw replies by partition, server)."""
+    """One round of `strategy` over `devices` devices: (start, global after it, raw replies by partition, server).
+
+    The devices' ClientApp clips where a client-side DP wrapper asks (its first mod), then runs `mods`; the
+    recording mod, innermost, sees each device's raw reply.
+    """
     replies: dict[int, tuple[Values, int]] = {}
-    model = GlobalModel(artifacts)
+    exported, web = folders
+    model = GlobalModel(exported)
     start = _numpy(model.arrays())
     server = FleetServer(model, strategy, rounds=1, directory=folder)
-    client = DeviceClient(artifacts.directory, _data, lr=LR)
+    client = DeviceClient(web.directory, _data)
     run_local(server.server_app(), client.client_app(mods=[*(mods or []), _record(replies)]), nodes=devices)
     assert [(record.devices, record.checkpoint is not None) for record in server.history] == [(devices, True)]
     return start, _numpy(model.arrays()), replies, server
@@ -112,10 +137,11 @@ def _distance(a: Values, b: Values) -> float:
 # ----------------------------------------------------------------------------- every strategy runs
 @pytest.mark.parametrize("name", sorted(set(STRATEGIES) - {"fedmedian", "fedtrimmedavg", "krum", "multikrum",
                                                            "bulyan"}))
-def test_each_fedavg_variant_runs_a_round_from_its_name(artifacts: TrainingArtifacts, tmp_path: Path,
-                                                        name: str) -> None:
+def test_each_fedavg_variant_runs_a_round_from_its_name(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, name: str
+) -> None:
     strategy = strategy_from({"name": name, "options": {}}, None, 3, lr=LR)
-    start, end, replies, _ = _round(artifacts, strategy, tmp_path, devices=3)
+    start, end, replies, _ = _round(folders, strategy, tmp_path, devices=3)
     assert sorted(replies) == [0, 1, 2]
     assert all(np.isfinite(value).all() for value in end.values())
     assert _distance(start, end) > 1e-3
@@ -146,11 +172,11 @@ ROBUST = {
 
 @pytest.mark.parametrize("name", [*ROBUST, "fedavg"])
 def test_a_poisoned_device_is_outvoted_by_the_robust_strategies_and_not_by_fedavg(
-    artifacts: TrainingArtifacts, tmp_path: Path, name: str
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, name: str
 ) -> None:
     devices = len(SIZES)  # Bulyan with one Byzantine device needs 4f+3 = 7
     strategy = strategy_from({"name": name, "options": ROBUST.get(name, {})}, None, devices)
-    _, end, replies, _ = _round(artifacts, strategy, tmp_path, devices=devices, mods=[_poison])
+    _, end, replies, _ = _round(folders, strategy, tmp_path, devices=devices, mods=[_poison])
     honest = [replies[p][0] for p in range(1, devices)]
     sent = [{n: v * np.float32(1e3) for n, v in replies[0][0].items()}, *honest]
     largest = max(float(np.abs(v).max()) for reply in honest for v in reply.values())
@@ -189,12 +215,12 @@ def _clipped_mean(start: Values, replies: list[tuple[Values, int]], norm: float)
 @pytest.mark.parametrize("clipping", ["fixed", "adaptive"])
 @pytest.mark.parametrize("side", ["client", "server"])
 def test_each_dp_wrapper_clips_the_updates_to_its_norm(
-    artifacts: TrainingArtifacts, tmp_path: Path, side: str, clipping: str
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, side: str, clipping: str
 ) -> None:
     norm = {"clipping_norm": NORM} if clipping == "fixed" else {"initial_clipping_norm": NORM}
     privacy = {"side": side, "clipping": clipping, "noise_multiplier": 0.0, **norm}
     strategy = strategy_from({"name": "fedavg", "options": {}}, privacy, 3)
-    start, end, replies, _ = _round(artifacts, strategy, tmp_path, devices=3, mods=clipping_mods(privacy))
+    start, end, replies, _ = _round(folders, strategy, tmp_path, devices=3)
     raw = [replies[p] for p in range(3)]
     above = sum(_distance(values, start) > NORM for values, _ in raw)
     assert above >= 1  # some update is clipped, so the check below can fail
@@ -202,15 +228,6 @@ def test_each_dp_wrapper_clips_the_updates_to_its_norm(
     assert _distance(end, start) <= NORM * (1 + 1e-5)
     if clipping == "adaptive":  # the next norm follows the fraction clipped (noise off): Andrew et al.'s update
         assert strategy.clipping_norm == pytest.approx(NORM * math.exp(-0.2 * (above / 3 - 0.5)), rel=1e-9)
-
-
-def test_client_side_dp_without_the_devices_mod_fails_the_round_and_says_why(
-    artifacts: TrainingArtifacts, tmp_path: Path
-) -> None:
-    privacy = {"side": "client", "clipping": "adaptive", "noise_multiplier": 0.0}
-    strategy = strategy_from({"name": "fedavg", "options": {}}, privacy, 2)
-    with pytest.raises(Exception, match="norm_bit"):
-        _round(artifacts, strategy, tmp_path, devices=2)
 
 
 # ----------------------------------------------------------------------------- the defaults are quiet
@@ -283,6 +300,25 @@ def test_what_cannot_work_is_refused_in_one_line(
 
 
 # ----------------------------------------------------------------------------- browsers included
+@pytest.mark.parametrize(("update_norm", "norm_bit"), [(0.5, 1), (0.05, 0)])
+def test_a_browser_reply_carries_flowers_norm_bit_from_the_norm_the_device_clipped(
+    update_norm: float, norm_bit: int
+) -> None:
+    result = Result(np.zeros(3, np.float32), examples=4, steps=1, losses=[0.5])
+    header = {"seconds": 0.1, "update_norm": update_norm}
+    _, metrics = reply_records(result, header, [("w", (3,))], last_epoch=1, clip=0.1)
+    assert metrics["norm_bit"] == norm_bit
+    _, plain = reply_records(result, header, [("w", (3,))], last_epoch=1)
+    assert "norm_bit" not in plain
+
+
+def test_a_browser_asked_to_clip_that_sends_no_norm_is_refused() -> None:
+    result = Result(np.zeros(3, np.float32), examples=4, steps=1, losses=[0.5])
+    with pytest.raises(DeviceReplyError, match=r"laptop was asked to clip its update to norm 0.1 but sent "
+                                               r"update_norm=None, not the norm it clipped; the device is refused"):
+        reply_records(result, {"seconds": 0.1}, [("w", (3,))], last_epoch=1, clip=0.1, device="laptop")
+
+
 NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 
 
@@ -290,17 +326,16 @@ NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_devic
 @pytest.mark.slow
 @pytest.mark.spread
 def test_node_devices_run_multikrum_under_client_side_adaptive_clipping(
-    artifacts: TrainingArtifacts, tmp_path: Path
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
-    from ort_lightning.export import prepare_for_web
     from ort_lightning.fleet.engines.browser import BrowserFleet
 
     node = shutil.which("node")
     assert node is not None
-    web = prepare_for_web(artifacts, tmp_path / "web", lr=LR)
+    exported, web = folders
     privacy = {"side": "client", "clipping": "adaptive", "noise_multiplier": 0.0, "initial_clipping_norm": NORM}
     strategy = strategy_from({"name": "multikrum", "options": {"num_malicious_nodes": 0}}, privacy, 3)
-    model = GlobalModel(artifacts)
+    model = GlobalModel(exported)
     start = _numpy(model.arrays())
     server = FleetServer(model, strategy, rounds=1, directory=tmp_path / "rounds")
     with BrowserFleet(web, _data, port=0, devices=3, device_timeout=60, ort_web=ort_web_dist()) as fleet:

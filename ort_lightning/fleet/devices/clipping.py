@@ -1,35 +1,28 @@
-"""The Flower mods a device's ``ClientApp`` runs for the fleet's privacy section: client-side DP clips on the device.
+"""Client-side differential privacy on a device: its update clipped to the norm the server's train message asks for.
 
-Flower's ``DifferentialPrivacyClientSide*Clipping`` wrappers send the clipping norm in each train
-message and expect the device to clip its update (trained minus received weights) to it before
-it replies; ``fixedclipping_mod`` and ``adaptiveclipping_mod`` (which also reports ``norm_bit``,
-whether it clipped) do that around the device's own ``train``. A browser or Node device clips in
-``device.js`` instead.
-
-Example::
-
-    >>> [mod.__name__ for mod in clipping_mods({"side": "client", "clipping": "adaptive"})]
-    ['adaptiveclipping_mod']
-    >>> clipping_mods({"side": "server", "clipping": "fixed"}), clipping_mods(None)
-    ([], [])
+Flower's ``DifferentialPrivacyClientSide*Clipping`` wrappers put the clipping norm in each train
+message's config and trust the device to clip its update (trained minus received weights) to it
+before it replies. `clip_when_asked` is the mod every device's ``ClientApp`` runs first: where a
+message carries the norm, Flower's ``adaptiveclipping_mod`` clips and adds ``norm_bit`` (whether it
+clipped, which the adaptive wrapper needs and the fixed one ignores); elsewhere it does nothing, so
+the device need not know the server's privacy section. A browser or Node device clips in
+``device.js`` the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from flwr.app import Context, Message, MessageType
+from flwr.clientapp.mod import adaptiveclipping_mod
+from flwr.clientapp.typing import ClientAppCallable
 
-from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
-from flwr.clientapp.typing import Mod
+__all__ = ["clip_when_asked"]
 
-__all__ = ["clipping_mods"]
+#: Flower's config key for the norm (``flwr.supercore.differential_privacy.KEY_CLIPPING_NORM``).
+CLIPPING_NORM_KEY = "clipping_norm"
 
 
-def clipping_mods(privacy: Mapping[str, Any] | None) -> list[Mod]:
-    """The mods for `privacy` (the config's section, or None): Flower's clipping mod where the device clips, else none.
-
-    Pass them to the device's ``client_app(mods=...)``; a server-side or absent privacy section needs none.
-    """
-    if not privacy or privacy.get("side") != "client":
-        return []
-    return [adaptiveclipping_mod if privacy.get("clipping") == "adaptive" else fixedclipping_mod]
+def clip_when_asked(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """A Flower mod: Flower's clipping around the device's ``train`` where the message asks for it (install it once)."""
+    asked = message.metadata.message_type == MessageType.TRAIN and any(
+        CLIPPING_NORM_KEY in record for record in message.content.config_records.values())
+    return adaptiveclipping_mod(message, context, call_next) if asked else call_next(message, context)

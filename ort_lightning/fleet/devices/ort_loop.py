@@ -65,6 +65,7 @@ from flwr.clientapp import ClientApp
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 from ort_lightning.fleet.devices.device_files import device_files, ordered, weight_order
 from ort_lightning.fleet.devices.protocol import (
     ARRAYS_KEY,
@@ -182,8 +183,8 @@ class DeviceClient:
         check_client_options(self.optimizer_state, self.start, self.epochs)
 
     def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
-        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers (and Flower `mods`, if any)."""
-        app = ClientApp(mods=mods)
+        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers, under `clip_when_asked` and `mods`."""
+        app = ClientApp(mods=[clip_when_asked, *(mods or [])])
         app.train()(self.train)
         app.evaluate()(self.evaluate)
         return app

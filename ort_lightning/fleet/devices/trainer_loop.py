@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 from ort_lightning.fleet.devices.protocol import (  # the protocol's names, still importable from here
     ARRAYS_KEY,
     METRICS_KEY,
@@ -124,8 +125,8 @@ class FleetClient:
         check_client_options(self.optimizer_state, self.start, self.epochs)
 
     def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
-        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers (and Flower `mods`, if any)."""
-        app = ClientApp(mods=mods)
+        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers, under `clip_when_asked` and `mods`."""
+        app = ClientApp(mods=[clip_when_asked, *(mods or [])])
         app.train()(self.train)
         app.evaluate()(self.evaluate)
         return app

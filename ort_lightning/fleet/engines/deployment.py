@@ -38,6 +38,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.devices.client import fleet_client
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 
 if TYPE_CHECKING:
     from ort_lightning.fleet.devices.ort_loop import DeviceClient
@@ -67,7 +68,7 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
 
 
 # ----------------------------------------------------------------------------- the device
-client = ClientApp()
+client = ClientApp(mods=[clip_when_asked])
 
 
 @client.train()
