@@ -13,8 +13,10 @@ noise off, each DP wrapper's round equals the weighted mean of the updates clipp
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import math
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -41,7 +43,7 @@ from scipy.stats import trim_mean  # noqa: E402
 from ort_lightning.fleet import ClientData, DeviceClient, FleetServer, GlobalModel, run_local  # noqa: E402
 from ort_lightning.fleet.devices.frames import Result  # noqa: E402
 from ort_lightning.fleet.engines.browser.reply import reply_records  # noqa: E402
-from ort_lightning.fleet.server.strategies import STRATEGIES, strategy_from  # noqa: E402
+from ort_lightning.fleet.server.strategies import PRIVACY, STRATEGIES, strategy_from  # noqa: E402
 
 LR = 0.05
 #: Examples per device: unequal, so that weighting by example count matters.
@@ -246,6 +248,29 @@ def test_the_defaults_build_every_strategy_without_a_flower_warning() -> None:
     assert [record.getMessage() for record in warnings] == []
     assert all(getattr(s, "fraction_evaluate", 0.0) == 0.0 for s in built[: len(STRATEGIES)])
     assert built[STRATEGIES.__len__() - 1].min_train_nodes == 7  # bulyan waits for its 4f+3
+
+
+# ----------------------------------------------------------------------------- the docs' tables
+#: What every strategy starts from (the docs say it once, above the table).
+COMMON = {"fraction_evaluate", "min_evaluate_nodes", "min_available_nodes", "min_train_nodes"}
+
+
+def test_the_docs_tables_name_every_strategy_and_what_the_fleet_sets_beyond_flower() -> None:
+    text = (ROOT / "docs" / "fleets.md").read_text(encoding="utf-8")
+    table = {name: (kind, column) for name, kind, column in re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([^|]*) \|", text,
+                                                                       re.MULTILINE)}
+    assert sorted(table) == sorted(STRATEGIES)
+    for name, kind in STRATEGIES.items():
+        documented, column = table[name]
+        assert documented == kind.__name__
+        built = strategy_from({"name": name}, None, 10, lr=LR)
+        parameters = inspect.signature(kind.__init__).parameters.values()
+        changed = {p.name for p in parameters if hasattr(built, p.name) and not callable(getattr(built, p.name))
+                   and (p.default is inspect.Parameter.empty or getattr(built, p.name) != p.default)} - COMMON
+        assert all(f"`{key}" in column for key in changed), (name, changed, column)
+        assert bool(changed) != column.startswith("none"), (name, changed, column)
+    wrappers = re.findall(r"^\| `(\w+)` / `(\w+)` \| `(\w+)` \|", text, re.MULTILINE)
+    assert {(side, clipping): kind for side, clipping, kind in wrappers} == {k: v.__name__ for k, v in PRIVACY.items()}
 
 
 # ----------------------------------------------------------------------------- what cannot work is refused
