@@ -42,6 +42,7 @@ from scipy.stats import trim_mean  # noqa: E402
 
 from ort_lightning.fleet import ClientData, DeviceClient, FleetServer, GlobalModel, run_local  # noqa: E402
 from ort_lightning.fleet.devices.frames import Result  # noqa: E402
+from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.reply import reply_records  # noqa: E402
 from ort_lightning.fleet.server.strategies import PRIVACY, STRATEGIES, strategy_from  # noqa: E402
 
@@ -331,9 +332,9 @@ def test_a_browser_reply_carries_flowers_norm_bit_from_the_norm_the_device_clipp
 ) -> None:
     result = Result(np.zeros(3, np.float32), examples=4, steps=1, losses=[0.5])
     header = {"seconds": 0.1, "update_norm": update_norm}
-    _, metrics = reply_records(result, header, [("w", (3,))], last_epoch=1, clip=0.1)
+    _, metrics = reply_records(result, header, WeightOrder([("w", (3,))]), last_epoch=1, clip=0.1)
     assert metrics["norm_bit"] == norm_bit
-    _, plain = reply_records(result, header, [("w", (3,))], last_epoch=1)
+    _, plain = reply_records(result, header, WeightOrder([("w", (3,))]), last_epoch=1)
     assert "norm_bit" not in plain
 
 
@@ -341,7 +342,7 @@ def test_a_browser_asked_to_clip_that_sends_no_norm_is_refused() -> None:
     result = Result(np.zeros(3, np.float32), examples=4, steps=1, losses=[0.5])
     with pytest.raises(DeviceReplyError, match=r"laptop was asked to clip its update to norm 0.1 but sent "
                                                r"update_norm=None, not the norm it clipped; the device is refused"):
-        reply_records(result, {"seconds": 0.1}, [("w", (3,))], last_epoch=1, clip=0.1, device="laptop")
+        reply_records(result, {"seconds": 0.1}, WeightOrder([("w", (3,))]), last_epoch=1, clip=0.1, device="laptop")
 
 
 NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"

@@ -4,8 +4,9 @@ Example::
 
     >>> import numpy as np
     >>> from ort_lightning.fleet.devices.frames import Result
+    >>> from ort_lightning.fleet.devices.weights import WeightOrder
     >>> result = Result(np.arange(3, dtype=np.float32), examples=8, steps=2, losses=[0.9, 0.5])
-    >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, [("w", (3,))], last_epoch=1)
+    >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, WeightOrder([("w", (3,))]), last_epoch=1)
     >>> arrays["w"].numpy().tolist(), metrics["num-examples"], metrics["train_loss"], metrics["steps_per_second"]
     ([0.0, 1.0, 2.0], 8, 0.5, 4.0)
 """
@@ -13,16 +14,15 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result
 from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.weights import WeightOrder
 
 __all__ = ["clipping_norm", "reply_records"]
 
@@ -35,15 +35,6 @@ def _timings(header: dict[str, Any]) -> dict[str, float]:
     # NOTE: a page's set-up is opening its session; the steps' rate is a simulated device's column too.
     timings["setup_seconds"] = timings["open_seconds"]
     return timings
-
-
-def _named(weights: np.ndarray, specs: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    named, at = {}, 0
-    for name, shape in specs:
-        size = math.prod(shape)
-        named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
-        at += size
-    return named
 
 
 def clipping_norm(message: Message) -> float | None:
@@ -64,10 +55,10 @@ def _norm_bit(header: dict[str, Any], clip: float, device: str) -> int:
 
 
 def reply_records(
-    result: Result, header: dict[str, Any], specs: Sequence[tuple[str, tuple[int, ...]]], *, last_epoch: int | None,
+    result: Result, header: dict[str, Any], weight_order: WeightOrder, *, last_epoch: int | None,
     clip: float | None = None, device: str = "the device",
 ) -> tuple[ArrayRecord, MetricRecord]:
-    """The reply's arrays (by the names of `specs`) and metrics; `last_epoch`: its steps, else the device's count.
+    """The reply's arrays (named by `weight_order`) and metrics; `last_epoch`: its steps, else the device's count.
 
     With `clip` (client-side DP), the metrics hold Flower's ``norm_bit`` from the device's ``update_norm``.
 
@@ -84,4 +75,4 @@ def reply_records(
     }
     if clip is not None:
         metrics["norm_bit"] = _norm_bit(header, clip, device)
-    return ArrayRecord(_named(result.weights, specs)), MetricRecord(metrics)
+    return weight_order.record(result.weights), MetricRecord(metrics)
