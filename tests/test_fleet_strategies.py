@@ -282,6 +282,8 @@ FIXED = {"side": "server", "clipping": "fixed", "noise_multiplier": 1.0, "clippi
     ("strategy", "privacy", "devices", "message"),
     [
         ({"name": "fedsgd"}, None, 3, r"Unknown strategy name 'fedsgd'; choose one of \['bulyan', "),
+        ({"name": "fedavg", "eta": 0.1}, None, 3,
+         r"Unknown key\(s\) \['eta'\] in the strategy section; it takes `name`"),
         ({"name": "fedavg", "options": {"eta": 0.1}}, None, 3,
          r"Unknown option `eta` for strategy fedavg \(Flower's FedAvg\); its options are \['fraction_evaluate'"),
         ({"name": "fedadam", "options": {"eta": "fast"}}, None, 3,
@@ -312,10 +314,10 @@ FIXED = {"side": "server", "clipping": "fixed", "noise_multiplier": 1.0, "clippi
          r"Flower's DifferentialPrivacyServerSideAdaptiveClipping refused the privacy server/adaptive options: "
          r"If not specified, `clipped_count_stddev`"),
     ],
-    ids=["unknown-name", "unknown-option", "option-type", "bulyan-devices", "krum-devices", "multikrum-selection",
-         "krum-min-nodes", "min-nodes-above-devices", "fedprox-mu", "qfedavg-lr", "trimmed-nothing",
-         "flower-refusal", "privacy-side", "privacy-required", "privacy-option", "sampled-above-devices",
-         "adaptive-noise"],
+    ids=["unknown-name", "section-key", "unknown-option", "option-type", "bulyan-devices", "krum-devices",
+         "multikrum-selection", "krum-min-nodes", "min-nodes-above-devices", "fedprox-mu", "qfedavg-lr",
+         "trimmed-nothing", "flower-refusal", "privacy-side", "privacy-required", "privacy-option",
+         "sampled-above-devices", "adaptive-noise"],
 )
 def test_what_cannot_work_is_refused_in_one_line(
     strategy: dict[str, Any], privacy: dict[str, Any] | None, devices: int, message: str

@@ -114,6 +114,9 @@ def strategy_from(
     """
     if devices < 1:
         raise ConfigurationError(f"Expected at least 1 device, but got {devices}; set the fleet's devices.")
+    if set(strategy) - {"name", "options"}:
+        raise ConfigurationError(f"Unknown key(s) {sorted(set(strategy) - {'name', 'options'})} in the strategy "
+                                 "section; it takes `name` and `options` (Flower's keyword arguments).")
     name = str(strategy.get("name", "fedavg")).lower()
     kind = _choose(STRATEGIES, name, "strategy name")
     given = dict(strategy.get("options") or {})
