@@ -251,6 +251,16 @@ def test_the_defaults_build_every_strategy_without_a_flower_warning() -> None:
     assert built[STRATEGIES.__len__() - 1].min_train_nodes == 7  # bulyan waits for its 4f+3
 
 
+@pytest.mark.parametrize(("name", "devices", "min_nodes", "waits"),
+                         [("fedavg", 1, None, 1), ("fedavg", 10, None, 2), ("fedavg", 10, 9, 9), ("krum", 5, 4, 5),
+                          ("bulyan", 10, None, 7)])
+def test_each_round_waits_for_the_devices_the_strategy_and_the_engine_need(
+    name: str, devices: int, min_nodes: int | None, waits: int
+) -> None:
+    strategy = strategy_from({"name": name}, None, devices, min_nodes=min_nodes)  # a deployment: devices - 1
+    assert (strategy.min_available_nodes, strategy.min_train_nodes) == (waits, waits)
+
+
 # ----------------------------------------------------------------------------- the docs' tables
 #: What every strategy starts from (the docs say it once, above the table).
 COMMON = {"fraction_evaluate", "min_evaluate_nodes", "min_available_nodes", "min_train_nodes"}
