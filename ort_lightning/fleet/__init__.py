@@ -4,9 +4,10 @@ Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which install
 ``flwr[simulation]``). A `DeviceClient` is what each device runs on every engine: ONNX Runtime's
 device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`),
 or a Lightning ``Trainer`` over an `ORTLightningModule` for those who ask for it
-(``runner="lightning"``): no device has a Trainer. The server runs Flower's own
-strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
-complete ORT checkpoint. `LocalGrid` runs the same apps in this process, without Ray.
+(``runner="lightning"``): no device has a Trainer. The server runs Flower's own strategies
+(`strategy_from`: any of them by name, with the fleet's defaults and checks), wrapped by
+`CheckpointEachRound` so that each round's global values become a complete ORT checkpoint.
+`LocalGrid` runs the same apps in this process, without Ray.
 
 The subpackage sits above ``training``: nothing below it imports it. Its names are imported on
 first use, so that a device (`DeviceClient`, the deployment's ``client``) imports no Lightning.
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
+    from ort_lightning.fleet.server.strategies import strategy_from
 
 #: Each public name and the module it comes from.
 _HOMES = {
@@ -55,6 +57,7 @@ _HOMES = {
     "round_path": "ort_lightning.fleet.server.global_model",
     "run_local": "ort_lightning.fleet.engines.local",
     "set_values": "ort_lightning.fleet.devices.state_values",
+    "strategy_from": "ort_lightning.fleet.server.strategies",
 }
 
 __all__ = [
@@ -75,6 +78,7 @@ __all__ = [
     "round_path",
     "run_local",
     "set_values",
+    "strategy_from",
 ]
 
 

@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import shutil
 import tempfile
@@ -44,6 +43,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.devices.client import DeviceClient
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -69,7 +69,7 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
 
 
 # ----------------------------------------------------------------------------- the device
-client = ClientApp()
+client = ClientApp(mods=[clip_when_asked])
 
 
 @client.train()
@@ -129,10 +129,7 @@ def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    nodes = config.nodes_to_wait_for
-    waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
-    config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
-    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed))
+    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed), min_nodes=config.nodes_to_wait_for)
     _wait_for_nodes(grid, config.devices, config.device_timeout)
     started = time.perf_counter()
     fleet.main(grid, context)
