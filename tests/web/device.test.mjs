@@ -109,3 +109,13 @@ test('the run\'s end is a phase of its own and a final close; a server gone away
   assert.deepEqual([...FINAL_CLOSES].sort(), [1000, 1008, 4000]);
   assert.ok(!FINAL_CLOSES.includes(1012) && !FINAL_CLOSES.includes(1006) && !FINAL_CLOSES.includes(1001));
 });
+
+test('a message of a type no handler knows is answered with an error naming the types a device handles', async () => {
+  const { host: fake, sent, shown } = host(memoryStorage());
+  await new FleetDevice(fake).receive(JSON.stringify({ type: 'kick' }));
+  const error = JSON.parse(sent[0]);
+  assert.equal(error.type, 'error');
+  assert.equal(error.message, 'the server sent a message of type "kick", but a device handles [welcome, admitted, ' +
+    'notice, train]; the server and the page are of different releases');
+  assert.equal(shown.at(-1).phase, 'failed');
+});
