@@ -13,15 +13,19 @@ from ort_lightning.fleet.server.server_app import FleetServer
 __all__ = ["report"]
 
 
-def report(server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "") -> None:
+def report(
+    server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "",
+    departures: bool = True,
+) -> None:
     """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png`` under ``out``.
 
-    `engine` names where the rounds ran in the printed header (the config's engine when empty).
+    `engine` names where the rounds ran in the printed header (the config's engine when empty); `departures`
+    False leaves out the devices that failed or left each round, for a run that printed them as they happened.
     """
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if echo:
-        _print(server, config, total, engine or f"{config.engine} engine")
+        _print(server, config, total, engine or f"{config.engine} engine", departures)
     _write_history(server, config, out, total)
     plot = _plot(server, config, out)
     if echo:
@@ -30,7 +34,7 @@ def report(server: FleetServer, config: FleetConfig, total: float, *, echo: bool
         print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
 
 
-def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) -> None:
+def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, departures: bool) -> None:
     print(f"{config.devices} devices, {config.split} split, {config.strategy}, {engine}")
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
@@ -39,8 +43,11 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) 
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
               f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
               f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
-        for node, reason in sorted(record.failures.items()):
-            print(f"          node {node} failed: {reason}")
+        if departures:
+            for node, reason in sorted(record.failures.items()):
+                print(f"          node {node} failed: {reason}")
+            for node, reason in sorted(record.left.items()):
+                print(f"          node {node} left: {reason}")
     print(f"total: {total:.1f} s")
 
 
@@ -56,6 +63,7 @@ def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: f
     rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
                "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
                "failures": {str(node): reason for node, reason in r.failures.items()},
+               "left": {str(node): reason for node, reason in r.left.items()},
                **r.evaluation, "train": r.train_metrics,
                "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
     payload = {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
