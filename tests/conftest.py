@@ -101,7 +101,7 @@ def mlp_adamw(artifacts_root: Path) -> Exported:
 @pytest.fixture(scope="session")
 def mlp_sgd(artifacts_root: Path) -> Exported:
     torch.manual_seed(1)
-    # NOTE: only mlp_adamw and bn_dropout_cnn are verified (tests/test_verify.py reads their reports); the tests
+    # NOTE: only mlp_adamw and bn_dropout_cnn are verified (tests/export/test_verify.py reads their reports); the tests
     # of mlp_sgd compare its steps with torch themselves.
     return _export(artifacts_root, "mlp_sgd", MLP(), torch.zeros(2, 4), optimizer="sgd", verify=False)
 

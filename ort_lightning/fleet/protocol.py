@@ -1,7 +1,7 @@
 """What a fleet's server and devices agree on, without Lightning: record keys, a device's options and data.
 
 A device imports this module and `ort_lightning.fleet.device` only: no device has a ``Trainer``,
-so nothing here may import Lightning (``tests/test_fleet_device.py`` runs a device with Lightning
+so nothing here may import Lightning (``tests/fleet/devices/test_fleet_device.py`` runs a device with Lightning
 absent).
 
 Example::

@@ -33,7 +33,7 @@ def session_options(
     several processes share the cores (DDP ranks on one CPU), or when torch runs right after ORT.
     ``intra_op_threads`` sizes ORT's intra-op pool; 0 leaves ORT's own default. Neither changes a
     result: every setting the product builds trains as ORT's default ``SessionOptions()`` does, to
-    the bit on the zoo and ORT's tutorial graphs (``tests/test_session_numerics.py``). Everything
+    the bit on the zoo and ORT's tutorial graphs (``tests/ort/test_session_numerics.py``). Everything
     else, memory patterns and the CPU arena included, is ORT's default, which is what a device runs.
 
     Raises:

@@ -12,7 +12,7 @@ from 0 as a new Trainer does. Nothing else in the package names a loop class or 
 Read against lightning 2.6.6 (``lightning/pytorch/trainer/trainer.py``, where ``Trainer.__init__``
 builds the loops, ``loops/fit_loop.py`` and ``loops/training_epoch_loop.py``). `LOOPS` lists what
 this module relies on: where each loop is held, and the limits its constructor takes and the loop
-keeps under the same names; ``tests/test_lightning_private.py`` checks them against the installed
+keeps under the same names; ``tests/training/test_lightning_private.py`` checks them against the installed
 lightning (constructor parameters, attributes, a second fit) and fails naming the one that moved.
 
 Example::

@@ -1,6 +1,6 @@
 """Load damaged artifacts folders and ``.ckpt`` files, each in a child process of its own.
 
-Run by tests/test_damaged_files.py as ``python tests/damage_worker.py CASES.json``, where the
+Run by tests/artifacts/test_damaged_files.py as ``python tests/artifacts/damage_worker.py CASES.json``, where the
 file lists ``{"id", "action", "folder", "ckpt"}`` objects. Importing torch, Lightning and ONNX
 Runtime takes seconds, so this process imports them once and forks a child per case (no ORT
 session exists in the parent when it forks): a crash inside ONNX Runtime ends that child only.

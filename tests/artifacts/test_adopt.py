@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
 from ort_lightning.errors import ArtifactError, ConfigurationError
-from tests.helpers import cli_error_line, ort_device_loop, quiet_trainer
+from tests.helpers import ROOT, cli_error_line, ort_device_loop, quiet_trainer
 
 LR = 0.05
 STEPS = 3
@@ -436,13 +436,13 @@ def test_ort_ddp_on_adopted_folder_equals_ort_loop_on_double_batch(folders: dict
     import subprocess
     import sys
 
-    from tests import ddp_run
+    from tests.strategies import ddp_run
 
     steps = 4
     out = tmp_path / "ddp"
-    command = [sys.executable, "-m", "tests.ddp_run", str(folders["ce-adamw"]), str(out), "--devices=2", "--batch=4",
-               f"--steps={steps}"]
-    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+    command = [sys.executable, "-m", "tests.strategies.ddp_run", str(folders["ce-adamw"]), str(out), "--devices=2",
+               "--batch=4", f"--steps={steps}"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     x, y = ddp_run.dataset("mlp", steps * 8)

@@ -1,6 +1,6 @@
 """Damaged or mismatched artifacts folders and ``.ckpt`` files: each gives one package error, never a raw one.
 
-Every case is loaded in a child process of its own (tests/damage_worker.py forks one per case), so
+Every case is loaded in a child process of its own (tests/artifacts/damage_worker.py forks one per case), so
 that a crash inside ONNX Runtime cannot end the test run: 0 raw errors (the exception must be one
 of ``ort_lightning.errors``), 0 folders or files accepted silently, 0 signals. The folders are
 exported once per session and copied per case.
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.conftest import MLP, Exported
-from tests.helpers import quiet_trainer
+from tests.helpers import ROOT, quiet_trainer
 
 WORKER = Path(__file__).with_name("damage_worker.py")
 Damage = Callable[[Path, "Sources"], None]
@@ -464,7 +464,7 @@ def outcomes(sources: Sources, tmp_path_factory: pytest.TempPathFactory) -> dict
     cases = root / "cases.json"
     cases.write_text(json.dumps(listed))
     # NOTE: the worker imports the package from this checkout, as the tests do, not from wherever it is installed.
-    path = os.pathsep.join(filter(None, [str(WORKER.parent.parent), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, str(WORKER), str(cases)], capture_output=True, text=True, timeout=240,
                             check=False, env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -25,8 +25,8 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.cli.describe import describe
 from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.fleet import get_values
+from tests.artifacts.test_adopt import BATCH, LR, Case, Net, _generate, lightning_fit
 from tests.helpers import ort_device_loop
-from tests.test_adopt import BATCH, LR, Case, Net, _generate, lightning_fit
 
 STEPS = 4
 

@@ -18,13 +18,11 @@ import torch
 from onnxruntime.training.api import CheckpointState
 
 from ort_lightning.cli.console import ERROR_PREFIX, main
-
-from .helpers import cli_error_line
-from .test_cli_errors import MISTAKES
+from tests.cli.test_cli_errors import MISTAKES
+from tests.helpers import ROOT, cli_error_line
 
 pytestmark = pytest.mark.slow  # console-script runs
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("ort-lightning")
 CONFIG = ROOT / "examples" / "digits.yaml"
 
@@ -117,7 +115,7 @@ def test_help_lists_every_subcommand(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- errors, as a user's shell sees them
-#: A few of tests/test_cli_errors.py's mistakes through the installed script, one per way an error is made:
+#: A few of tests/cli/test_cli_errors.py's mistakes through the installed script, one per way an error is made:
 #: argparse, the package's own error, LightningCLI's parser, a file read.
 CHILD_MISTAKES = ("misspelled-command", "bad-loss", "misspelled-key", "inspect-lightning-ckpt")
 

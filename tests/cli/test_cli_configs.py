@@ -1,8 +1,8 @@
 """The example configs through the ``ort-lightning`` console script's LightningCLI subcommands.
 
 They run the console script's `main` in this process: a child would pay Lightning's import (about 5 s of CPU)
-for each run. tests/test_cli.py runs the installed script itself (``demo``, ``export``, ``fit``);
-tests/test_cli_output.py runs docs/cli.md's commands, the digits config's ``fit``, resume, ``validate``,
+for each run. tests/cli/test_cli.py runs the installed script itself (``demo``, ``export``, ``fit``);
+tests/cli/test_cli_output.py runs docs/cli.md's commands, the digits config's ``fit``, resume, ``validate``,
 ``test`` and ``predict`` among them, and checks what they print and compute.
 """
 
@@ -21,8 +21,7 @@ import torch
 import yaml
 
 from ort_lightning.cli import main
-
-from .test_cli import CONFIG, ROOT
+from tests.cli.test_cli import CONFIG, ROOT
 
 pytestmark = pytest.mark.slow  # LightningCLI runs that train
 

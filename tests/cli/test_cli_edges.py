@@ -11,8 +11,8 @@ import pytest
 
 from ort_lightning import TrainingArtifacts
 from ort_lightning.cli.console import main
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("ort-lightning")
 CONFIG = ROOT / "examples" / "digits.yaml"
 

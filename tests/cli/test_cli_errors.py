@@ -1,7 +1,7 @@
 """Every mistake on the console script's command line: one error line, status 2, nothing exported or trained.
 
 The cases run ``main`` in this process (the console script's entry point, what it returns is the
-exit status); tests/test_cli.py runs a few of them as the installed console script in a child process.
+exit status); tests/cli/test_cli.py runs a few of them as the installed console script in a child process.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ort_lightning.cli.console import ERROR_PREFIX, main
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "digits.yaml"
 
 

@@ -5,7 +5,7 @@ the console script's `main` in this process (a child would pay Lightning's impor
 thirteen commands); stdout is then a capture, not a terminal, as when a user redirects it to a file.
 What a child would print on stderr is counted too: the warnings and Lightning's log records. Each
 command gets a short run (1 epoch; 2 for the resume), and may add one line per epoch of its
-documented run (at most 10): the count is checked for the documented epochs. tests/test_cli.py runs
+documented run (at most 10): the count is checked for the documented epochs. tests/cli/test_cli.py runs
 the README's ``demo`` as the installed script, 10 epochs, into pipes.
 """
 
@@ -25,9 +25,8 @@ import pytest
 import torch
 
 from ort_lightning.cli import main
-
-from .test_cli import ROOT
-from .test_cli_configs import digits_labels, metric, torch_accuracy_of
+from tests.cli.test_cli import ROOT
+from tests.cli.test_cli_configs import digits_labels, metric, torch_accuracy_of
 
 pytestmark = pytest.mark.slow  # thirteen console-script runs, two exports with verification
 

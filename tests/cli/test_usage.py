@@ -1,4 +1,4 @@
-"""The console script's one-line usage errors, in-process (tests/test_cli.py runs the script itself)."""
+"""The console script's one-line usage errors, in-process (tests/cli/test_cli.py runs the script itself)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from ort_lightning.cli.describe import describe, format_rows
 from ort_lightning.cli.factory import export_factory, parse_shape
 from ort_lightning.cli.lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
 from ort_lightning.cli.usage import OneLineParser, UsageError, one_line_argument_error
-from tests.helpers import RunIf
-from tests.test_cli_errors import MISTAKES
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cli.test_cli_errors import MISTAKES
+from tests.helpers import ROOT, RunIf
 
 
 @pytest.mark.parametrize("text", ["3x32x32", "", "3,-1", "a,b"], ids=["x-separated", "empty", "negative", "letters"])

@@ -46,7 +46,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Any, tupl
     torch.manual_seed(0)
     model = Attention()
     batch = (torch.randn(4, 6, 8), torch.tensor([0, 1, 2, 1]))
-    # NOTE: unverified here; tests/test_verify_zoo.py verifies nn.MultiheadAttention(dropout=0.1) at ratio 0.
+    # NOTE: unverified here; tests/export/test_verify_zoo.py verifies nn.MultiheadAttention(dropout=0.1) at ratio 0.
     artifacts = export_artifacts(model, batch[0], tmp_path_factory.mktemp("attention"), optimizer="sgd", verify=False)
     return model, artifacts, batch
 

@@ -21,8 +21,8 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.artifacts.state import flat_values
 from ort_lightning.errors import CheckpointError, ConfigurationError
-from tests.helpers import ort_device_loop
-from tests.test_adopt import BATCH, LR, Net, lightning_fit
+from tests.artifacts.test_adopt import BATCH, LR, Net, lightning_fit
+from tests.helpers import ROOT, ort_device_loop
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_device_files_from_nominal_checkpoint_and_received_weights_equal_orts_lo
 
 @pytest.mark.slow  # a child process
 def test_readme_round_trip_runs_as_written() -> None:
-    section = (Path(__file__).parents[1] / "docs" / "device.md").read_text(encoding="utf-8")
+    section = (ROOT / "docs" / "device.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]

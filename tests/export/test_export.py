@@ -1,6 +1,6 @@
 """export_artifacts on tiny torch and ONNX models, checked with onnxruntime.training.api against torch.
 
-The exports skip verification (``verify=False``; tests/test_verify.py tests it), except where the
+The exports skip verification (``verify=False``; tests/export/test_verify.py tests it), except where the
 verification's own torch reference is what a test watches (the model left untouched).
 """
 

@@ -25,9 +25,8 @@ from ort_lightning.export.source import load_source
 from ort_lightning.export.verify import verifier
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort._api import CheckpointState
-from tests.helpers import quiet_trainer
+from tests.helpers import ROOT, quiet_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 LR = 0.01
 BATCH = 8

@@ -2,7 +2,7 @@
 
 Exported at batch 4 and trained at batch 6, so every rewrite is also checked under a dynamic batch.
 Forward outputs must match torch within 1e-6 and every gradient within 1e-5 relative: stricter than
-export verification, which these exports skip (``verify=False``; tests/test_verify.py tests it).
+export verification, which these exports skip (``verify=False``; tests/export/test_verify.py tests it).
 """
 
 from __future__ import annotations

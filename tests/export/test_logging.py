@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = pytest.mark.slow  # child processes, the console script
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("ort-lightning")
 
 #: A child that sets up (or not) the root logger as a user would, imports the package, exports a tiny

@@ -69,7 +69,7 @@ def test_lstm_language_model_with_ignore_index_padding(tmp_path: Path) -> None:
     ids, mask = _tokens()
     labels = torch.roll(ids, -1, dims=1).masked_fill(torch.roll(mask, -1, dims=1) == 0, -100)
     labels[:, -1] = -100
-    # NOTE: tests/test_verify_zoo.py verifies an LSTM language model; this test compares with torch itself.
+    # NOTE: tests/export/test_verify_zoo.py verifies an LSTM language model; this test compares with torch itself.
     artifacts = export_artifacts(model, torch.zeros(2, SEQ, dtype=torch.long), tmp_path, loss=loss_fn, verify=False)
     assert artifacts.manifest.loss_options["ignore_index"] == -100
     losses, grads, _ = ort_steps(artifacts, (ids, labels), steps=STEPS, lr=2e-2)
@@ -152,7 +152,7 @@ def test_exported_parameters_are_the_models_values(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = _gpt2()
     ids, mask = _tokens()
-    # NOTE: values only; tests/test_verify_zoo.py verifies GPT-2's step.
+    # NOTE: values only; tests/export/test_verify_zoo.py verifies GPT-2's step.
     artifacts = export_artifacts(
         model, {"input_ids": ids, "attention_mask": mask, "labels": ids}, tmp_path, loss=None, verify=False
     )

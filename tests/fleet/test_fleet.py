@@ -24,9 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.storage.atomic import verify_digest
-
-from .conftest import MLP, Exported, blobs
-from .helpers import quiet_trainer
+from tests.conftest import MLP, Exported, blobs
+from tests.helpers import quiet_trainer
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -317,7 +316,7 @@ def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, tmp_path
 
 
 def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path: Path) -> None:
-    from .test_cli import run
+    from tests.cli.test_cli import run
 
     config = tmp_path / "fleet.yaml"
     config.write_text(f"out: {tmp_path / 'run'}\ndevices: 3\nrounds: 2\nhidden: 16\nepochs: 1\n", encoding="utf-8")

@@ -1,4 +1,4 @@
-"""The runs that tests/test_session_numerics.py compares: ort-lightning's fit, ORT's loop at each session setting.
+"""The runs that tests/ort/test_session_numerics.py compares: ort-lightning's fit, ORT's loop at each session setting.
 
 - `product_run`: ``ORTLightningModule`` on the folder with the product's defaults, under a real,
   quiet ``Trainer``, at a constant learning rate: each step's loss and the parameters after it.
@@ -7,7 +7,7 @@
   builds it at each setting in `SETTINGS`.
 
 A folder whose training graph may write past ORT's buffers is trained in a child process
-(``python -m tests.session_numerics_run FOLDER BATCHES OUT``), so that a crash in ORT fails one
+(``python -m tests.ort.session_numerics_run FOLDER BATCHES OUT``), so that a crash in ORT fails one
 test instead of ending the test session; the child saves each run in ``OUT/<run>.npz``.
 """
 

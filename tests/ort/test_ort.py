@@ -18,7 +18,7 @@ from ort_lightning.errors import ArtifactError, DeviceError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.session.parameters import parameter_views
 from tests.conftest import Exported, blobs
-from tests.helpers import RunIf
+from tests.helpers import ROOT, RunIf
 
 
 def _assemble(artifacts: TrainingArtifacts, device: str = "cpu", **paths: Path) -> _ort.TrainingSession:
@@ -233,7 +233,7 @@ def test_documented_device_call_of_orts_python_scheduler_gives_the_product_sched
     """ORT's own Python API, as a device script uses it, with the counts passed as docs/guide/training.md says."""
     from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
-    page = Path(__file__).parents[1] / "docs" / "guide" / "training.md"
+    page = ROOT / "docs" / "guide" / "training.md"
     assert DOCUMENTED_DEVICE_CALL in " ".join(page.read_text().split())
     artifacts, lr = mlp_sgd.artifacts, 0.2
     module = Module(str(artifacts.training_model), CheckpointState.load_checkpoint(str(artifacts.checkpoint)),

@@ -41,10 +41,10 @@ from onnxruntime.training import artifacts as ort_artifacts
 
 from ort_lightning import export_artifacts
 from ort_lightning.ort.options import session_options
-from tests.helpers import DeviceRun
-from tests.session_numerics_run import ORT_DEFAULTS, PRODUCT, SETTINGS, load, product_run, setting_runs
-from tests.test_adopt import CASES, _generate
-from tests.test_zoo import CLASSES, ZOO
+from tests.artifacts.test_adopt import CASES, _generate
+from tests.export.test_zoo import CLASSES, ZOO
+from tests.helpers import ROOT, DeviceRun
+from tests.ort.session_numerics_run import ORT_DEFAULTS, PRODUCT, SETTINGS, load, product_run, setting_runs
 
 STEPS, LR = 4, 1e-3
 #: MobileBERT's masked-language-model vocabulary, batch and sequence length.
@@ -118,7 +118,7 @@ def _tokens(generator: torch.Generator) -> Batch:
 
 
 def _ort_tutorial(root: Path) -> Folder:
-    """ORT's tutorial classifier through ``generate_artifacts`` (cross-entropy, AdamW), as in tests/test_adopt.py."""
+    """ORT's tutorial classifier through ``generate_artifacts`` (cross-entropy, AdamW), as test_adopt.py's."""
     folder = _generate(next(case for case in CASES if case.name == "ce-adamw"), root / "ort-tutorial")
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, 4, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator))
@@ -127,7 +127,7 @@ def _ort_tutorial(root: Path) -> Folder:
 
 
 def _zoo(name: str) -> Callable[[Path], Folder]:
-    """A model of tests/test_zoo.py through ``export_artifacts`` (verification is not the point here)."""
+    """A model of tests/export/test_zoo.py through ``export_artifacts`` (verification is not the point here)."""
     zoo = next(entry for entry in ZOO if entry.name == name)
 
     def build(root: Path) -> Folder:
@@ -191,9 +191,9 @@ def _here(folder: Folder) -> Runs:
 def _in_child(folder: Folder, out: Path) -> Runs:
     batches = folder.path.parent / f"{folder.path.name}-batches.pt"
     torch.save(folder.batches, batches)
-    command = [sys.executable, "-m", "tests.session_numerics_run", str(folder.path), str(batches), str(out),
+    command = [sys.executable, "-m", "tests.ort.session_numerics_run", str(folder.path), str(batches), str(out),
                f"--lr={LR}"]
-    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode >= 0, f"ONNX Runtime killed the run (signal {-done.returncode}): {done.stderr[-3000:]}"
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,7 +8,7 @@
   again once per rank): the quick start's block followed by it, written to that file and run by Python.
 
 Shell, JavaScript and TOML blocks are not run here; the tests that run them read them from their pages
-(tests/test_fleet_deployment.py, tests/test_web_runner.py).
+(tests/fleet/engines/test_fleet_deployment.py, tests/web/test_web_runner.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 #: The page whose first Python block is the quick start that other pages continue.

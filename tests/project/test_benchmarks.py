@@ -19,9 +19,8 @@ from benchmarks._models import CASES
 from benchmarks._runners import LightningORT, ORTLoop, _fit, export
 from benchmarks.overhead import ComputeClock, _TimedSession
 from ort_lightning import export_artifacts
-from tests.helpers import RunIf, ort_deaths
+from tests.helpers import ROOT, RunIf, ort_deaths
 
-ROOT = Path(__file__).resolve().parents[1]
 #: A goal row of the quick report: goal, measured, unit, target, ceiling (or "-"), verdict.
 GOAL_ROW = (r"^\| mlp-small \| (.+?) \| (-?[\d.]+) ?(ms|x) \| [<>]= (-?[\d.]+) ?(?:ms|x) \| (?:-|(-?[\d.]+)x) \| "
             r"(met|\*\*not met\*\*(?: \(out of reach: ORT's own step\))?) \|$")

@@ -1,6 +1,6 @@
 """Every Python block of every page under docs/ runs as written, page by page, block by block.
 
-How a page's blocks run is `tests.code_blocks`' docstring: in order, as one script, in an empty
+How a page's blocks run is `tests.project.code_blocks`' docstring: in order, as one script, in an empty
 folder of the page's own, after the quick start's block where the page says it continues it. Each
 block is a test of its own (``docs/guide/checkpoints.md-block0``); a block runs the blocks before it
 that have not run yet, so that ``-k`` can pick any one of them. Scripts (```` ```python title="train.py" ````)
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.code_blocks import (
+from tests.project.code_blocks import (
     DOCS,
     QUICK_START_PAGE,
     README,

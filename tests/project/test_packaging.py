@@ -13,7 +13,8 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 

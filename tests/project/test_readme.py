@@ -1,7 +1,7 @@
 """Every Python block of the README runs as written: in order, as one script, in an empty folder.
 
-The README's blocks are read and run as the documentation pages' are (`tests.code_blocks`); its
-first block is the quick start, the same as docs/index.md's (tests/test_docs_pages.py checks it).
+The README's blocks are read and run as the documentation pages' are (`tests.project.code_blocks`); its
+first block is the quick start, the same as docs/index.md's (tests/project/test_docs_pages.py checks it).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.code_blocks import README, PageRun, python_blocks, python_fences
+from tests.project.code_blocks import README, PageRun, python_blocks, python_fences
 
 
 def test_the_readme_has_the_blocks_this_test_runs() -> None:

@@ -1,8 +1,8 @@
 """Two ``ort_ddp`` ranks where one rank's batch holds a NaN, for the DDP non-finite tests.
 
-``python -m tests.ddp_nonfinite_run ARTIFACTS OUT --policy=skip|raise``: rank 1's micro-batch
+``python -m tests.strategies.ddp_nonfinite_run ARTIFACTS OUT --policy=skip|raise``: rank 1's micro-batch
 ``POISONED_STEP`` has a NaN input, so only rank 1 sees a NaN loss. Each rank writes ``rank{R}.pt``
-(see `tests.ddp_run.DumpState`) when the fit ends.
+(see `tests.strategies.ddp_run.DumpState`) when the fit ends.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from ort_lightning import ORTLightningModule
-from tests.ddp_run import DumpState, RankSlices, dataset
+from tests.strategies.ddp_run import DumpState, RankSlices, dataset
 
 STEPS, BATCH, WORLD, POISONED_RANK, POISONED_STEP, LR = 5, 8, 2, 1, 2, 0.01
 

@@ -1,6 +1,6 @@
 """Two ``ort_ddp`` ranks where one rank dies mid-fit, for the test of what its peer says.
 
-``python -m tests.ddp_peer_lost_run ARTIFACTS OUT --dead-rank=R``: rank ``R`` writes the time to
+``python -m tests.strategies.ddp_peer_lost_run ARTIFACTS OUT --dead-rank=R``: rank ``R`` writes the time to
 ``OUT/died`` and ends itself with SIGKILL (as the kernel's OOM killer or a lost machine would) at
 the start of optimizer step ``DEATH_STEP``; the other rank then meets the dead one in its next
 collective.
@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 
 from ort_lightning import ORTLightningModule
-from tests.ddp_run import RankSlices, dataset
+from tests.strategies.ddp_run import RankSlices, dataset
 
 STEPS, BATCH, WORLD, DEATH_STEP = 50, 8, 2, 3
 

@@ -1,4 +1,4 @@
-"""One training run of real artifacts for the DDP tests, in-process or as ``python -m tests.ddp_run``.
+"""One training run of real artifacts for the DDP tests, in-process or as ``python -m tests.strategies.ddp_run``.
 
 Under ``strategy="ort_ddp"`` Lightning's subprocess launcher starts this module again for the
 other ranks, and torchrun starts it once per rank. Every rank writes ``rank{R}.pt``: its

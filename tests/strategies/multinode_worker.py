@@ -1,4 +1,4 @@
-"""One "node" of the two-node torchrun test: ``python -m tests.multinode_worker ARTIFACTS NODE_DIR``.
+"""One "node" of the two-node torchrun test: ``python -m tests.strategies.multinode_worker ARTIFACTS NODE_DIR``.
 
 Every rank writes ``NODE_DIR/rank.json`` (the ranks Lightning sees) and ``NODE_DIR/state.pt`` (ORT's
 parameters after the fit); `ORTCheckpoint` writes ``NODE_DIR/checkpoints`` on global rank 0 only, so

@@ -17,11 +17,10 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.strategies import thread_spinning
 from ort_lightning.strategies.buckets import plan_buckets
 from ort_lightning.training.session.parameters import parameter_views
-from tests import ddp_run
 from tests.conftest import Exported
-from tests.helpers import quiet_trainer
+from tests.helpers import ROOT, quiet_trainer
+from tests.strategies import ddp_run
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH = 20, 8
 
 
@@ -32,7 +31,7 @@ def _launch(*command: str) -> None:
 
 def _run_ddp(artifacts: Exported, out: Path, **options: int) -> None:
     arguments = [f"--{name}={value}" for name, value in options.items()]
-    _launch(sys.executable, "-m", "tests.ddp_run", str(artifacts.artifacts.directory), str(out), *arguments)
+    _launch(sys.executable, "-m", "tests.strategies.ddp_run", str(artifacts.artifacts.directory), str(out), *arguments)
 
 
 def _assert_equal_states(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor], atol: float) -> None:
@@ -108,7 +107,7 @@ def test_checkpoint_written_under_ddp_resumes_in_one_process(mlp_adamw: Exported
 def test_accumulation_under_torchrun_syncs_once_per_optimizer_step(mlp_adamw: Exported, tmp_path) -> None:
     steps, batch = 6, 4
     torchrun = Path(sys.executable).with_name("torchrun")
-    _launch(str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "tests.ddp_run",
+    _launch(str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "tests.strategies.ddp_run",
             str(mlp_adamw.artifacts.directory), str(tmp_path / "ddp"), "--devices=2", f"--batch={batch}",
             f"--steps={steps}", "--accumulate=2")
     reference = ddp_run.train(mlp_adamw.artifacts.directory, tmp_path / "one", batch=2 * batch, steps=steps,

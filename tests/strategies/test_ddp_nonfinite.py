@@ -15,17 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests import ddp_nonfinite_run as run
-from tests import ddp_run
 from tests.conftest import LAUNCH_VARIABLES, Exported
+from tests.helpers import ROOT
+from tests.strategies import ddp_nonfinite_run as run
+from tests.strategies import ddp_run
 
 pytestmark = pytest.mark.slow  # DDP ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _launch(exported: Exported, out: Path, policy: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "tests.ddp_nonfinite_run", str(exported.artifacts.directory), str(out),
+    command = [sys.executable, "-m", "tests.strategies.ddp_nonfinite_run", str(exported.artifacts.directory), str(out),
                f"--policy={policy}"]
     env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
     # NOTE: a rank left waiting in a collective would hang; the timeout turns that into a failure.

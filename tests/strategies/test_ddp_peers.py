@@ -13,18 +13,17 @@ import pytest
 from ort_lightning.errors import DistributedError
 from ort_lightning.strategies.peers import lost_rank
 from tests.conftest import Exported
-from tests.helpers import RunIf
+from tests.helpers import ROOT, RunIf
 
 pytestmark = pytest.mark.slow  # DDP ranks, one of them lost
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @RunIf(linux=True)  # kills a rank with SIGKILL
 @pytest.mark.parametrize("dead", [1, 0], ids=["child-rank-dies", "launching-rank-dies"])
 def test_the_peer_of_a_dead_rank_ends_with_one_line_naming_it(mlp_adamw: Exported, tmp_path: Path, dead: int) -> None:
-    command = [sys.executable, "-m", "tests.ddp_peer_lost_run", str(mlp_adamw.artifacts.directory), str(tmp_path),
-               f"--dead-rank={dead}"]
+    command = [sys.executable, "-m", "tests.strategies.ddp_peer_lost_run", str(mlp_adamw.artifacts.directory),
+               str(tmp_path), f"--dead-rank={dead}"]
     # NOTE: the output pipes close when the last rank exits, so this waits for the survivor too
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     ended = time.time()

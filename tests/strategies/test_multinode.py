@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from tests.conftest import Exported
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.spread]  # DDP ranks on two nodes
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
@@ -39,7 +39,8 @@ def test_static_rendezvous_gives_node_rank_zero_global_rank_zero(mlp_adamw: Expo
     for node in (1, 0):
         command = [str(torchrun), "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
                    "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                   "-m", "tests.multinode_worker", str(mlp_adamw.artifacts.directory), str(tmp_path / f"node{node}")]
+                   "-m", "tests.strategies.multinode_worker", str(mlp_adamw.artifacts.directory),
+                   str(tmp_path / f"node{node}")]
         nodes[node] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)
     for node, process in nodes.items():

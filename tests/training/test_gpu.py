@@ -13,7 +13,7 @@ import torch
 from ort_lightning import ORTLightningModule
 from tests.conftest import Exported
 from tests.helpers import RunIf
-from tests.test_parity import ADAMW_LR, _loader, _torch_train, _trainer
+from tests.training.test_parity import ADAMW_LR, _loader, _torch_train, _trainer
 
 pytestmark = RunIf(cuda=True)
 
@@ -52,7 +52,7 @@ def test_gpu_dropout_is_reproducible_under_a_seed(bn_dropout_cnn: Exported) -> N
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tests import ddp_run
+    from tests.strategies import ddp_run
 
     x, y = ddp_run.dataset("cnn", 32)
     states = []

@@ -20,9 +20,10 @@ from lightning.pytorch.loggers import CSVLogger
 from ort_lightning import ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort.runtime import checkpoint_summary
-from tests import ddp_run
 from tests.conftest import Exported
-from tests.test_parity import _assert_same_parameters, _linear, _loader, _torch_train, _trainer
+from tests.helpers import ROOT
+from tests.strategies import ddp_run
+from tests.training.test_parity import _assert_same_parameters, _linear, _loader, _torch_train, _trainer
 
 STEPS = 30
 EPOCH = 16  # batches of 32 in the 512 blob samples
@@ -175,9 +176,9 @@ def test_two_ddp_ranks_match_torch_with_the_double_batch(mlp_adamw: Exported, tm
     import subprocess
 
     steps, batch = 10, 8
-    command = [sys.executable, "-m", "tests.ddp_run", str(mlp_adamw.artifacts.directory), str(tmp_path),
+    command = [sys.executable, "-m", "tests.strategies.ddp_run", str(mlp_adamw.artifacts.directory), str(tmp_path),
                "--devices=2", f"--batch={batch}", f"--steps={steps}", "--optimizer=sgd-nesterov"]
-    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     reference = mlp_adamw.reference()

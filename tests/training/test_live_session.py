@@ -23,7 +23,7 @@ from ort_lightning.fleet.parameters import get_values
 from ort_lightning.ort import runtime
 from tests.conftest import Exported
 from tests.helpers import ort_deaths
-from tests.test_parity import _loader, _trainer
+from tests.training.test_parity import _loader, _trainer
 
 STEPS = 6
 

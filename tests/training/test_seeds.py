@@ -11,9 +11,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTCheckpoint, ORTLightningModule
-from tests import ddp_run
 from tests.conftest import Exported
 from tests.helpers import quiet_trainer
+from tests.strategies import ddp_run
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),

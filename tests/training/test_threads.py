@@ -20,7 +20,7 @@ from ort_lightning import ORTDDPStrategy, ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.training.threads.policy import ThreadPolicy, available_cores, user_torch_threads
 from tests.conftest import THREAD_ENVIRONMENT, Exported
-from tests.test_parity import _loader, _trainer
+from tests.training.test_parity import _loader, _trainer
 
 STEPS = 24
 _one_core = pytest.mark.skipif(available_cores() < 2, reason="the policy changes nothing torch does on one core")

@@ -34,8 +34,8 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
 from ort_lightning.web import ENVIRONMENT_VARIABLE, TRAINING_BUILD, asset, find_ort_web
 from tests._web import ROOT, NodeError, ort_web_dist, run_node
+from tests.artifacts.test_adopt import Case, _generate
 from tests.helpers import RunIf, ort_device_start
-from tests.test_adopt import Case, _generate
 
 DRIVER = ROOT / "tests" / "web" / "train_device.mjs"
 #: ORT's default learning rate, the only one onnxruntime-web's optimizer runs at on an unprepared folder.
@@ -149,7 +149,8 @@ def _node_run(job: Path) -> tuple[dict[str, object], np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- the folder's contract
 def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_device: Device) -> None:
     # For this model (no buffers) the manifest's parameter_order is the training graph's order of its state
-    # inputs, the order of ORT's buffer; tests/test_browser_data.py covers a model where they differ.
+    # inputs, the order of ORT's buffer; tests/fleet/engines/browser/test_browser_data.py covers a model where they
+    # differ.
     session = onnxruntime.InferenceSession(str(digits_device.folder / "training_model.onnx"))
     graph_order = [arg.name for arg in session.get_inputs() if arg.name in digits_device.order]
     assert tuple(graph_order) == digits_device.order == ("0.weight", "0.bias", "2.weight", "2.bias")

@@ -9,7 +9,7 @@ private member of ``ModelCheckpoint``.
 
 Read against lightning 2.6.6 (``lightning/pytorch/callbacks/model_checkpoint.py``).
 `OVERRIDDEN` and `FIELDS` list what this module relies on;
-``tests/test_lightning_private.py`` checks them against the installed lightning (names,
+``tests/training/test_lightning_private.py`` checks them against the installed lightning (names,
 signatures, and that a fit calls each override) and fails naming the one that moved.
 
 Example::

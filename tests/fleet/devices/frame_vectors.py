@@ -3,24 +3,24 @@
 ``frames.py`` (the server) and ``frames.js`` (the page's and the Node device's codec) implement one
 format twice. The vectors are frames that ``frames.py`` writes, with what they hold: the JS tests
 (``tests/web/frames.test.mjs``) decode each train frame to those tensors and write each result frame
-byte for byte, and ``tests/test_frame_vectors.py`` checks that ``frames.py`` still writes the train
+byte for byte, and ``tests/fleet/devices/test_frame_vectors.py`` checks that ``frames.py`` still writes the train
 frames and reads the result frames. A change of the format changes the vectors, and both sides'
-tests follow them. ``python -m tests.frame_vectors`` rewrites the file.
+tests follow them. ``python -m tests.fleet.devices.frame_vectors`` rewrites the file.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ort_lightning.fleet.browser.frames import pack, train_frame
+from tests.helpers import ROOT
 
-PATH = Path(__file__).resolve().parent / "web" / "frame_vectors.json"
+PATH = ROOT / "tests" / "web" / "frame_vectors.json"
 
 
 def _tensor(value: torch.Tensor) -> dict[str, Any]:

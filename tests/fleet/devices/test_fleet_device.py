@@ -361,7 +361,7 @@ def test_a_supernode_trains_a_round_with_lightning_absent(
 def test_node_runs_a_devices_round_as_the_python_device_does(
     folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, epochs: int
 ) -> None:
-    from tests.test_web_runner import _node_run, _write_job
+    from tests.web.test_web_runner import _node_run, _write_job
 
     exported, device = folders
     start = _values(exported.checkpoint)
@@ -389,7 +389,7 @@ PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|
 @pytest.mark.slow
 @pytest.mark.alone  # Ray
 def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
-    from .test_cli import run
+    from tests.cli.test_cli import run
 
     config = {"devices": 2, "rounds": 1, "epochs": 2, "hidden": HIDDEN, "batch_size": 32}
     shown = {}

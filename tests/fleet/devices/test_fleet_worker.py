@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
 from ort_lightning.ort import runtime
-
-from .conftest import Exported, blobs
+from tests.conftest import Exported, blobs
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 

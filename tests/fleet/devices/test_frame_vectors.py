@@ -20,16 +20,16 @@ import pytest
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
 from ort_lightning.fleet.browser.frames import read_result, unpack  # noqa: E402
-
-from ._web import ROOT  # noqa: E402
-from .frame_vectors import PATH, vectors  # noqa: E402
+from tests._web import ROOT  # noqa: E402
+from tests.fleet.devices.frame_vectors import PATH, vectors  # noqa: E402
 
 STORED = json.loads(PATH.read_text(encoding="utf-8"))
 NUMPY = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "bool": np.uint8}
 
 
 def test_frames_py_writes_the_stored_vectors() -> None:
-    assert vectors() == STORED, "frames.py's format changed: run python -m tests.frame_vectors, then node --test"
+    assert vectors() == STORED, (
+        "frames.py's format changed: run python -m tests.fleet.devices.frame_vectors, then node --test")
 
 
 @pytest.mark.parametrize("vector", STORED["train"], ids=lambda v: v["id"])

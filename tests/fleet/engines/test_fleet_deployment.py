@@ -28,13 +28,12 @@ from pathlib import Path
 import pytest
 
 from ort_lightning.storage.atomic import verify_digest
-from tests.helpers import RunIf
+from tests.helpers import ROOT, RunIf
 
 pytestmark = [pytest.mark.slow, pytest.mark.spread]
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "fleets.md"
 SECTION = "## From the simulation to Flower's deployment runtime"
 BLOCK = re.compile(r"^( *)```(bash|toml)\n(.*?)^\1```$", re.S | re.M)

@@ -24,10 +24,11 @@ from ort_lightning import export_artifacts  # noqa: E402
 from ort_lightning.demo import FEATURES, digits_mlp  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions, _splits, digits_test_loader, writer_groups  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fleet_digits_1000.yaml"
+EXAMPLE = ROOT / "examples" / "fleet_digits_1000.yaml"
 DEVICES = 1000
 
 

@@ -1,6 +1,6 @@
 """A fleet with a device that hangs: the round ends at the device timeout and aggregates the others.
 
-The reference is tests/test_fleet.py's: independent Lightning + ORT fits of the answering devices
+The reference is tests/fleet/test_fleet.py's: independent Lightning + ORT fits of the answering devices
 from the same start, averaged here by example count in float64.
 """
 
@@ -16,8 +16,7 @@ import pytest
 from torch.utils.data import DataLoader, Dataset
 
 from ort_lightning.errors import ConfigurationError
-
-from .conftest import Exported
+from tests.conftest import Exported
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -25,8 +24,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import ClientData, FleetClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig  # noqa: E402
-
-from .test_fleet import EPOCHS, LR, SIZES, _assert_close, _reference, _values_in, iid_data  # noqa: E402
+from tests.fleet.test_fleet import EPOCHS, LR, SIZES, _assert_close, _reference, _values_in, iid_data  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -139,13 +137,12 @@ def test_config_keys_and_overrides_are_checked(tmp_path: Path, text: str, overri
 
 def test_fleet_command_takes_set_and_names_a_misspelt_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ort_lightning.cli import main
-
-    from .test_cli import run
+    from tests.cli.test_cli import run
 
     path = _yaml(tmp_path, f"out: {tmp_path / 'run'}\ndevices: 2\nrounds: 5\nhidden: 8\nepochs: 1\n")
     shown = run("fleet", "--config", path, "--set", "rounds=1", "--set", "batch_size=64", cwd=tmp_path).stdout
     assert re.findall(r"^round +(\d+): accuracy", shown, re.MULTILINE) == ["0", "1"], shown
-    # the refusal from the entry point in this process (tests/test_cli.py runs the script's errors as children)
+    # the refusal from the entry point in this process (tests/cli/test_cli.py runs the script's errors as children)
     assert main(["fleet", "--config", str(path), "--set", "round=1"]) == 2
     error = capsys.readouterr().err
     assert re.fullmatch(r"ort-lightning: error: ConfigurationError: Unknown key `round` in --set; did you mean "

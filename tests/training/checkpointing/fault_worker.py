@@ -1,6 +1,7 @@
 """Kill training with SIGKILL at random moments; check that the last checkpoint always resumes.
 
-Run by tests/test_fault.py as ``python tests/fault_worker.py ARTIFACTS OUT --trials N --seed S``.
+Run by tests/training/checkpointing/test_fault.py as
+``python tests/training/checkpointing/fault_worker.py ARTIFACTS OUT --trials N --seed S``.
 Importing torch, Lightning and ONNX Runtime takes seconds, so this process imports them once
 and forks a child per trial (no ORT session exists in the parent when it forks). Each trial:
 

@@ -1,7 +1,8 @@
 """Kill a run that writes both Lightning ``.ckpt`` and ORT files; resume each kill both ways.
 
-Run by tests/test_faults_checkpoints.py as ``python tests/resume_worker.py ARTIFACTS OUT --kills N --seed S``.
-As tests/fault_worker.py does, this process imports torch, Lightning and ONNX Runtime once and
+Run by tests/training/checkpointing/test_faults_checkpoints.py as
+``python tests/training/checkpointing/resume_worker.py ARTIFACTS OUT --kills N --seed S``.
+As tests/training/checkpointing/fault_worker.py does, this process imports torch, Lightning and ONNX Runtime once and
 forks a child per run (no ORT session exists in the parent when it forks). Each trial:
 
 1. a trainer child continues the run with ``Trainer.fit(ckpt_path="last")`` under
@@ -48,7 +49,7 @@ from ort_lightning.storage.temps import TEMP_MARK
 
 # NOTE: a script beside fault_worker.py when a test runs it, a module of `tests` when pytest collects it.
 if __package__:
-    from tests.fault_worker import _child, _wait
+    from tests.training.checkpointing.fault_worker import _child, _wait
 else:
     from fault_worker import _child, _wait
 

@@ -1,6 +1,6 @@
 """Fault injection: SIGKILL at random moments, including during checkpoint writes.
 
-The worker (tests/fault_worker.py) forks a training child per trial and kills it after a
+The worker (tests/training/checkpointing/fault_worker.py) forks a training child per trial and kills it after a
 random delay; after each kill every visible checkpoint must load, and resuming from the last
 one must finish the run with parameters bit-identical to an uninterrupted run.
 """

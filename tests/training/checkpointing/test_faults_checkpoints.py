@@ -1,7 +1,7 @@
 """Checkpoint safety under faults: kills, a full disk, a crafted ``.ckpt``, a user's files in the folder.
 
 - SIGKILL at random moments of a run that writes ``last.ckpt`` and ``last.ortckpt`` after every step
-  (tests/resume_worker.py): every kill resumes both ways, bit-equal to a run never killed.
+  (tests/training/checkpointing/resume_worker.py): every kill resumes both ways, bit-equal to a run never killed.
 - A small tmpfs filled up: ORT checkpoints, ``.ckpt`` files and inference models each raise
   `StorageError` with "No space left", keep the previous file byte for byte, and leave no temp file.
 - A ``.ckpt`` of plain types naming a shared library: ``load_from_checkpoint`` never loads it.
@@ -31,10 +31,9 @@ from ort_lightning.errors import CheckpointError, ConfigurationError, ExportErro
 from ort_lightning.storage.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
 from ort_lightning.storage.temps import TEMP_MARK
 from tests.conftest import MLP, Exported, blobs
-from tests.helpers import RunIf, quiet_trainer
-from tests.test_verify import TripledMLP
+from tests.export.test_verify import TripledMLP
+from tests.helpers import ROOT, RunIf, quiet_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("resume_worker.py")
 KILLS = 20
 

@@ -19,9 +19,8 @@ from onnxruntime.training.api import CheckpointState, Module
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.errors import ConfigurationError, DeviceReplyError
-
-from ._web import ROOT, ort_web_dist
-from .helpers import RunIf, ort_device_loop
+from tests._web import ROOT, ort_web_dist
+from tests.helpers import RunIf, ort_device_loop
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -29,8 +28,7 @@ from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.browser.frames import pack, read_result, unpack  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.folder import check_buffer_order  # noqa: E402
-
-from .test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
+from tests.fleet.engines.browser.test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-
-from ._web import ROOT, ort_web_dist
-from .helpers import RunIf
+from tests._web import ROOT, ort_web_dist
+from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -33,8 +32,7 @@ from flwr.serverapp.strategy import (  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-
-from .test_browser_fleet import DATA, _checkpoint_values, _initial, digits_folders  # noqa: E402, F401
+from tests.fleet.engines.browser.test_browser_fleet import DATA, _checkpoint_values, _initial, digits_folders  # noqa: E402, F401
 
 NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
 NORM = 0.05

@@ -2,8 +2,8 @@
 
 A device here is a WebSocket client in Python that speaks the page's protocol (the page shows the
 reason of the close it gets, ``disconnected: 1008: <reason>``, and a ``notice`` as "the fleet says:
-..."; ``tests/test_browser_page.py`` checks that in Chromium). Each fault is checked on both sides:
-what the device is told, and the one warning the server logs, which never holds the token.
+..."; ``tests/fleet/engines/browser/test_browser_page.py`` checks that in Chromium). Each fault is checked
+on both sides: what the device is told, and the one warning the server logs, which never holds the token.
 """
 
 from __future__ import annotations

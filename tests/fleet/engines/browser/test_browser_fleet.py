@@ -35,10 +35,9 @@ from onnxruntime.training.api import CheckpointState
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
 from ort_lightning.errors import BatchError, ConfigurationError, DeviceReplyError
-
-from ._web import ROOT, chromium_program, ort_web_dist
-from .conftest import Exported
-from .helpers import RunIf, ort_device_loop
+from tests._web import ROOT, chromium_program, ort_web_dist
+from tests.conftest import Exported
+from tests.helpers import RunIf, ort_device_loop
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -176,7 +175,7 @@ def _accuracies(folder: Path) -> list[float]:
 #: The README's browser command, `ort-lightning fleet --config examples/fleet_digits.yaml --browsers --set devices=3
 #: --set rounds=2`, on the example config as written (epochs: 2) and at 1 local epoch: two counts, each equal to ORT's
 #: loop at that count, show that the browsers run the epochs they are told; runner.js at 1, 2 and 3 epochs is
-#: tests/test_fleet_device.py's Node test.
+#: tests/fleet/devices/test_fleet_device.py's Node test.
 EXAMPLE = ROOT / "examples" / "fleet_digits.yaml"
 
 

@@ -4,7 +4,7 @@ Two Node devices join a fleet of at most 2; ``b`` leaves while it owes round 2 a
 0.5 s later, under another name, with the identity it kept. Round 2 is then ``a``'s alone, round 3
 waits for the strategy's two devices and has ``b`` back as itself (same name, node id and
 partition). Each round equals the example-weighted float64 FedAvg of ONNX Runtime's documented
-Python loop over the devices whose replies it used (``tests/test_browser_fleet.py``'s reference).
+Python loop over the devices whose replies it used (``tests/fleet/engines/browser/test_browser_fleet.py``'s reference).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from ort_lightning import TrainingArtifacts
-
-from ._web import ROOT, ort_web_dist
-from .helpers import RunIf
+from tests._web import ROOT, ort_web_dist
+from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -26,8 +25,14 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-
-from .test_browser_fleet import BROWSER_ATOL, DATA, _assert_round, _initial, _reference, digits_folders  # noqa: E402, F401
+from tests.fleet.engines.browser.test_browser_fleet import (  # noqa: E402, F401
+    BROWSER_ATOL,
+    DATA,
+    _assert_round,
+    _initial,
+    _reference,
+    digits_folders,
+)
 
 DRIVER = ROOT / "tests" / "web" / "node_fleet.mjs"
 

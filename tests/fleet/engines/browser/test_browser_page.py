@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 
 from ort_lightning import TrainingArtifacts
-
-from ._web import chromium_program, ort_web_dist
-from .helpers import RunIf
+from tests._web import chromium_program, ort_web_dist
+from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -35,8 +34,7 @@ from websockets.sync.client import connect  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-
-from .test_browser_fleet import CHROMIUM_FLAGS, DATA, digits_folders  # noqa: E402, F401
+from tests.fleet.engines.browser.test_browser_fleet import CHROMIUM_FLAGS, DATA, digits_folders  # noqa: E402, F401
 
 
 def _dumped_dom(url: str, profile: Path) -> str:

@@ -2,7 +2,7 @@
 
 These run the fleet's own objects without browsers: a `BrowserDevice` stands for a page's socket.
 The whole loop with pages (rounds that equal ONNX Runtime's Python loop) is in
-``tests/test_browser_fleet.py``.
+``tests/fleet/engines/browser/test_browser_fleet.py``.
 """
 
 from __future__ import annotations

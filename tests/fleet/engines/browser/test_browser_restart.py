@@ -23,9 +23,8 @@ import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-
-from ._web import ROOT, ort_web_dist
-from .helpers import RunIf, ort_device_loop
+from tests._web import ROOT, ort_web_dist
+from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -34,8 +33,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from ort_lightning.errors import FleetError  # noqa: E402
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-
-from .test_browser_fleet import (  # noqa: E402
+from tests.fleet.engines.browser.test_browser_fleet import (  # noqa: E402
     BROWSER_ATOL,
     DATA,
     LR,
