@@ -25,7 +25,7 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.cli.describe import describe
 from ort_lightning.errors import ArtifactError, ConfigurationError
 from ort_lightning.fleet import get_values
-from tests.artifacts.test_adopt import BATCH, LR, Case, Net, _generate, lightning_fit
+from tests.artifacts.generated import BATCH, LR, Case, Net, generate_folder, lightning_fit
 from tests.helpers import ort_device_loop
 
 STEPS = 4
@@ -72,7 +72,7 @@ GENERATED = [
 def generated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Shipped:
     case: Case = request.param
     root = tmp_path_factory.mktemp(f"generated-{case.name}")
-    server = _generate(Case(case.name, case.options), root / "server")
+    server = generate_folder(Case(case.name, case.options), root / "server")
     device = _device_copy(server, root / "device", drop_onnx=case.onnx_removed)
     return Shipped(server, device, case.options.get("prefix", ""))
 

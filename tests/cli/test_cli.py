@@ -6,7 +6,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,33 +17,22 @@ import torch
 from onnxruntime.training.api import CheckpointState
 
 from ort_lightning.cli.console import ERROR_PREFIX, main
-from tests.cli.test_cli_errors import MISTAKES
-from tests.helpers import ROOT, cli_error_line
+from tests.cli.mistakes import MISTAKES
+from tests.cli.script import SCRIPT, run_script
+from tests.helpers import cli_error_line
 
 pytestmark = pytest.mark.slow  # console-script runs
-
-SCRIPT = Path(sys.executable).with_name("ort-lightning")
-CONFIG = ROOT / "examples" / "digits.yaml"
-
-
-def run(*args: object, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300, check=False
-    )
-    if ok:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 @pytest.fixture(scope="module")
 def digits_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("cli")
-    run("export", "ort_lightning.demo:digits_mlp", "--input-shape", "64", "--out", folder / "art", cwd=folder)
+    run_script("export", "ort_lightning.demo:digits_mlp", "--input-shape", "64", "--out", folder / "art", cwd=folder)
     return folder / "art"
 
 
 def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
-    result = run("demo", "--out", tmp_path / "demo", "--epochs", "10", cwd=tmp_path)
+    result = run_script("demo", "--out", tmp_path / "demo", "--epochs", "10", cwd=tmp_path)
     # the README's command into pipes: one line per epoch and a few more, no progress bar, no Lightning notices
     printed = (result.stdout + result.stderr).splitlines()
     assert len(printed) <= 24, "\n".join(printed)
@@ -54,7 +42,7 @@ def test_demo_reaches_95_percent_and_writes_its_outputs(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "artifacts" / "training_model.onnx").is_file()
     checkpoint = Path(re.search(r"ORT checkpoint: +(\S+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert CheckpointState.load_checkpoint(str(checkpoint)).properties["epoch"] == 9
-    shown = run("inspect", checkpoint, cwd=tmp_path).stdout
+    shown = run_script("inspect", checkpoint, cwd=tmp_path).stdout
     assert re.search(r"^epoch: +9 \(0-based, as Lightning counts; epoch 10 counting from 1\)$", shown, re.MULTILINE)
     assert re.search(r"^global_step: +\d+$", shown, re.MULTILINE)
     assert re.search(r"^lr: +0 \(for the next optimizer step, the schedule has ended\)$", shown, re.MULTILINE), shown
@@ -101,7 +89,7 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
     first = onnx.load(path).graph.initializer[0]
     frozen, frozen_count = first.name, math.prod(first.dims)
     total = sum(parameter.numel() for parameter in model.parameters())  # 3*5 + 5 + 5*2 + 2
-    result = run("export", path, "--out", tmp_path / "art", "--loss", "mse", "--optimizer-option",
+    result = run_script("export", path, "--out", tmp_path / "art", "--loss", "mse", "--optimizer-option",
                  "weight_decay=0.0", "--frozen", frozen, "--report", cwd=tmp_path)
     assert "weight_decay=0.0" in result.stdout
     assert "target float32 [batch, 2]" in result.stdout
@@ -109,7 +97,7 @@ def test_export_from_onnx_file_with_options(tmp_path: Path) -> None:
 
 
 def test_help_lists_every_subcommand(tmp_path: Path) -> None:
-    shown = run("--help", cwd=tmp_path).stdout
+    shown = run_script("--help", cwd=tmp_path).stdout
     for command in ("demo", "export", "inspect", "save-pretrained", "fleet", "fit", "validate", "test", "predict"):
         assert re.search(rf"^ +{command}\s+\S", shown, re.MULTILINE), shown  # a long name's help wraps to the next line
 

@@ -21,7 +21,8 @@ import torch
 import yaml
 
 from ort_lightning.cli import main
-from tests.cli.test_cli import CONFIG, ROOT
+from tests.cli.script import CONFIG
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow  # LightningCLI runs that train
 
@@ -63,32 +64,6 @@ def digits_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("cli") / "art"
     export_artifacts(digits_mlp(), torch.zeros(2, 64), folder, verify=False)
     return folder
-
-
-def digits_labels() -> torch.Tensor:
-    from ort_lightning.demo import DigitsDataModule
-
-    data = DigitsDataModule()
-    data.setup("predict")
-    return data.val_set.tensors[1]
-
-
-def torch_accuracy_of(ckpt: Path) -> float:
-    """The held-out digits' accuracy of the .ckpt's weights in the plain torch model, computed here."""
-    from ort_lightning.demo import DigitsDataModule, digits_mlp
-
-    model = digits_mlp()
-    model.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"], strict=False)
-    data = DigitsDataModule()
-    data.setup("validate")
-    images, labels = data.val_set.tensors
-    with torch.no_grad():
-        return float((model(images).argmax(dim=1) == labels).float().mean())
-
-
-def metric(name: str, shown: str) -> float:
-    """A metric's value from Lightning's results table."""
-    return float(re.search(rf"{name}\W+([\d.]+)", shown).group(1))  # type: ignore[union-attr]
 
 
 def test_cnn_config_trains_as_written(run: Any, tmp_path: Path) -> None:

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from ort_lightning.cli import main
-from tests.cli.test_cli import ROOT
-from tests.cli.test_cli_configs import digits_labels, metric, torch_accuracy_of
+from tests.cli.script import digits_labels, metric, torch_accuracy_of
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow  # thirteen console-script runs, two exports with verification
 

@@ -13,7 +13,7 @@ from ort_lightning.cli.describe import describe, format_rows
 from ort_lightning.cli.factory import export_factory, parse_shape
 from ort_lightning.cli.lightning_cli import _check_accelerator, _check_precision, _check_strategy_name
 from ort_lightning.cli.usage import OneLineParser, UsageError, one_line_argument_error
-from tests.cli.test_cli_errors import MISTAKES
+from tests.cli.mistakes import MISTAKES
 from tests.helpers import ROOT, RunIf
 
 
@@ -125,12 +125,13 @@ def test_inspect_rows_share_one_value_column() -> None:
 
 def test_errors_catalog_names_only_cli_tests_that_exist() -> None:
     catalog = (ROOT / "docs" / "errors.md").read_text().split("## Command line")[1]
-    cited = re.findall(r"tests/(test_cli\w*\.py)::(\w+)(?:\[([\w-]+)\])?", catalog)
+    cited = re.findall(r"tests/(cli/test_cli\w*\.py)::(\w+)(?:\[([\w-]+)\])?", catalog)
+    assert cited, "docs/errors.md cites no test of tests/cli/"
     for file, name, case in cited:
         source = (ROOT / "tests" / file).read_text()
         assert f"def {name}(" in source, (file, name)
-        if case:
-            assert f'"{case}"' in source, (file, case)
+        if case:  # a parametrized case's id, in the test's file or in the mistakes it runs
+            assert f'"{case}"' in source + (ROOT / "tests" / "cli" / "mistakes.py").read_text(), (file, case)
     # and every mistake the console script is tested with is in the catalog
     assert set(MISTAKES) <= {case for file, name, case in cited
-                             if (file, name) == ("test_cli_errors.py", "test_error_is_one_line_with_status_2")}
+                             if (file, name) == ("cli/test_cli_errors.py", "test_error_is_one_line_with_status_2")}

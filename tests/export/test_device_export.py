@@ -21,7 +21,7 @@ from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifact
 from ort_lightning.artifacts import TensorSpec
 from ort_lightning.artifacts.state import flat_values
 from ort_lightning.errors import CheckpointError, ConfigurationError
-from tests.artifacts.test_adopt import BATCH, LR, Net, lightning_fit
+from tests.artifacts.generated import BATCH, LR, Net, lightning_fit
 from tests.helpers import ROOT, ort_device_loop
 
 

@@ -25,7 +25,7 @@ from ort_lightning.export.verify import verifier as _verify
 from ort_lightning.export.verify.compare import BatchCheck, compare, mismatch_message
 from ort_lightning.export.verify.reference import Reference
 from ort_lightning.ort import runtime as _ort
-from tests.conftest import MLP, Exported, SummedMSE
+from tests.conftest import MLP, Exported, SummedMSE, TripledMLP
 from tests.helpers import scale_gradient
 
 
@@ -40,29 +40,6 @@ class AvgPoolNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.pool(self.conv(x)).flatten(1))
-
-
-class _TripleGradient(torch.autograd.Function):
-    """Identity whose torch backward triples the gradient; its ONNX export is a plain Identity."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return 3 * grad
-
-    @staticmethod
-    def symbolic(graph: torch.Graph, x: torch.Value) -> torch.Value:
-        return graph.op("Identity", x)
-
-
-class TripledMLP(MLP):
-    """An MLP whose torch gradients of fc1 are three times what its ONNX graph computes."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(_TripleGradient.apply(self.fc1(x))))
 
 
 class FixedBatchView(torch.nn.Module):

@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import ORTLightningModule, TrainingArtifacts, export_artifacts
 from ort_lightning.storage.atomic import verify_digest
 from tests.conftest import MLP, Exported, blobs
-from tests.helpers import quiet_trainer
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
@@ -44,19 +42,18 @@ from ort_lightning.fleet import (  # noqa: E402
     state_order,
 )
 from ort_lightning.fleet.app import FleetServer  # noqa: E402
+from tests.fleet.fedavg_by_hand import (  # noqa: E402
+    EPOCHS,
+    LR,
+    SIZES,
+    assert_values_close,
+    fedavg_by_hand,
+    iid_data,
+    module_values,
+    values_in,
+)
 
 pytestmark = pytest.mark.slow
-
-LR = 0.05
-EPOCHS = 2
-SIZES = (12, 20, 8)  # unequal, so that weighting by example count matters
-
-
-def iid_data(partition: int, partitions: int) -> ClientData:
-    x, y = blobs(sum(SIZES), seed=7)
-    start = sum(SIZES[:partition])
-    part = slice(start, start + SIZES[partition])
-    return ClientData(train=DataLoader(TensorDataset(x[part], y[part]), batch_size=4))
 
 
 def label_data(partition: int, partitions: int) -> ClientData:
@@ -67,55 +64,6 @@ def label_data(partition: int, partitions: int) -> ClientData:
 
 
 # ----------------------------------------------------------------------------- the reference
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in (*module.named_parameters(), *module.named_buffers())}
-
-
-#: The quiet Trainer with this file's settings; a call's options override them.
-_trainer = partial(quiet_trainer, max_epochs=EPOCHS, accelerator="cpu", devices=1)
-
-
-def _fit(exported: Exported, start: Path | None, data: ClientData) -> tuple[dict[str, torch.Tensor], int]:
-    module = ORTLightningModule(exported.artifacts, lr=LR, lr_scheduler="constant", checkpoint=start)
-    _trainer().fit(module, train_dataloaders=data.train)
-    return _state(module), len(data.train.dataset)  # type: ignore[arg-type]
-
-
-def _average(fits: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
-    total = sum(count for _, count in fits)
-    return {name: sum(values[name].double() * count for values, count in fits) / total for name in fits[0][0]}
-
-
-@torch.no_grad()
-def _checkpoint_of(exported: Exported, values: dict[str, torch.Tensor], path: Path) -> Path:
-    module = ORTLightningModule(exported.artifacts)
-    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
-        tensor.copy_(values[name].float())
-    return module.save_ort_checkpoint(path, include_optimizer_state=False)
-
-
-def _reference(
-    exported: Exported, data: Callable[[int, int], ClientData], rounds: list[list[int]], folder: Path
-) -> list[tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]]:
-    """Per round: the example-weighted average of the listed devices' fits, and the fits themselves."""
-    start: Path | None = None
-    results = []
-    for number, devices in enumerate(rounds, start=1):
-        fits = [_fit(exported, start, data(device, len(SIZES))) for device in devices]
-        average = _average(fits)
-        start = _checkpoint_of(exported, average, folder / f"reference-{number}.ortckpt")
-        results.append((average, [values for values, _ in fits]))
-    return results
-
-
-def _values_in(exported: Exported, path: Path) -> dict[str, torch.Tensor]:
-    return _state(ORTLightningModule(exported.artifacts, checkpoint=path))
-
-
-def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name in expected:
-        torch.testing.assert_close(actual[name].double(), expected[name], rtol=0, atol=2e-6, msg=name)
 
 
 def _run(
@@ -176,12 +124,12 @@ def test_set_values_refuses_values_of_other_artifacts(mlp_adamw: Exported) -> No
 
 def test_fedavg_rounds_match_independent_fits_averaged_by_example_count(mlp_adamw: Exported, tmp_path: Path) -> None:
     server = _run(mlp_adamw, iid_data, tmp_path / "rounds", rounds=2)
-    expected = _reference(mlp_adamw, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
+    expected = fedavg_by_hand(mlp_adamw, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
 
     for number, (average, fits) in enumerate(expected, start=1):
         path = round_path(tmp_path / "rounds", number)
         assert verify_digest(path)
-        _assert_close(_values_in(mlp_adamw, path), average)
+        assert_values_close(values_in(mlp_adamw, path), average)
         # the test can fail: the devices moved apart, and the plain mean is not the weighted one
         assert max(float((fit["fc1.weight"] - average["fc1.weight"].float()).abs().max()) for fit in fits) > 1e-3
         plain = sum(fit["fc1.weight"].double() for fit in fits) / len(fits)
@@ -205,17 +153,17 @@ def test_devices_from_the_nominal_checkpoint_equal_the_complete_start_and_the_re
 
     from_nominal = _run(shipped, iid_data, tmp_path / "nominal", rounds=2, devices=devices)  # start="auto"
     from_complete = _run(shipped, iid_data, tmp_path / "complete", rounds=2, start="complete")
-    expected = _reference(shipped, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
+    expected = fedavg_by_hand(shipped, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
 
     for server in (from_nominal, from_complete):  # a device that failed would only be left out of the average
         assert [(r.devices, r.examples) for r in server.history] == [(3, sum(SIZES))] * 2
     for number, (average, _) in enumerate(expected, start=1):
-        started_nominal = _values_in(shipped, round_path(tmp_path / "nominal", number))
-        started_complete = _values_in(shipped, round_path(tmp_path / "complete", number))
+        started_nominal = values_in(shipped, round_path(tmp_path / "nominal", number))
+        started_complete = values_in(shipped, round_path(tmp_path / "complete", number))
         # NOTE: two runs of one start differ by up to ~4e-7 (ORT's float32 sums), so equal means to 1e-6
         for name, value in started_complete.items():
             torch.testing.assert_close(started_nominal[name], value, rtol=0, atol=1e-6, msg=name)
-        _assert_close(started_nominal, average)
+        assert_values_close(started_nominal, average)
 
 
 def test_nominal_start_without_a_nominal_checkpoint_is_named(mlp_adamw: Exported) -> None:
@@ -262,11 +210,11 @@ def test_non_iid_round_survives_a_failing_device_and_keeps_earlier_checkpoints(
     folder = tmp_path / "rounds"
     # round 2: device 1 fails; round 3: every device fails
     server = _run(mlp_adamw, label_data, folder, rounds=3, mods=[_fail({2: {1}, 3: {0, 1, 2}})])
-    expected = _reference(mlp_adamw, label_data, [[0, 1, 2], [0, 2]], tmp_path)
+    expected = fedavg_by_hand(mlp_adamw, label_data, [[0, 1, 2], [0, 2]], tmp_path)
 
     for number, (average, _) in enumerate(expected, start=1):
         assert verify_digest(round_path(folder, number))
-        _assert_close(_values_in(mlp_adamw, round_path(folder, number)), average)
+        assert_values_close(values_in(mlp_adamw, round_path(folder, number)), average)
     assert [(r.devices, r.examples) for r in server.history] == [(3, sum(SIZES)), (2, SIZES[0] + SIZES[2]), (0, 0)]
     assert server.history[2].checkpoint is None
     assert not round_path(folder, 3).exists()
@@ -279,8 +227,8 @@ def test_resumed_server_continues_round_numbers_from_the_checkpoint(mlp_adamw: E
     first = _run(mlp_adamw, iid_data, tmp_path / "a", rounds=1)
     resumed = GlobalModel(mlp_adamw.artifacts, checkpoint=first.history[0].checkpoint)
     assert resumed.server_round == 1
-    written = _values_in(mlp_adamw, round_path(tmp_path / "a", 1))
-    _assert_close(_state(resumed.module), {name: value.double() for name, value in written.items()})
+    written = values_in(mlp_adamw, round_path(tmp_path / "a", 1))
+    assert_values_close(module_values(resumed.module), {name: value.double() for name, value in written.items()})
 
 
 def test_kept_optimizer_state_continues_the_devices_adamw_step(mlp_adamw: Exported, tmp_path: Path) -> None:
@@ -310,17 +258,17 @@ def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, tmp_path
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}}
     run_simulation(server.server_app(), client.client_app(), num_supernodes=2, backend_config=backend)
 
-    ((average, _),) = _reference(mlp_adamw, iid_data, [[0, 1]], tmp_path)
+    ((average, _),) = fedavg_by_hand(mlp_adamw, iid_data, [[0, 1]], tmp_path)
     assert [(r.devices, r.examples) for r in server.history] == [(2, SIZES[0] + SIZES[1])]
-    _assert_close(_values_in(mlp_adamw, round_path(tmp_path / "rounds", 1)), average)
+    assert_values_close(values_in(mlp_adamw, round_path(tmp_path / "rounds", 1)), average)
 
 
 def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path: Path) -> None:
-    from tests.cli.test_cli import run
+    from tests.cli.script import run_script
 
     config = tmp_path / "fleet.yaml"
     config.write_text(f"out: {tmp_path / 'run'}\ndevices: 3\nrounds: 2\nhidden: 16\nepochs: 1\n", encoding="utf-8")
-    shown = run("fleet", "--config", config, cwd=tmp_path).stdout
+    shown = run_script("fleet", "--config", config, cwd=tmp_path).stdout
     accuracies = [float(a) for a in re.findall(r"^round +\d: accuracy ([\d.]+)%", shown, re.MULTILINE)]
     assert len(accuracies) == 3, shown
     assert accuracies[2] > accuracies[0], shown

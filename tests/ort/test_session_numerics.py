@@ -41,8 +41,8 @@ from onnxruntime.training import artifacts as ort_artifacts
 
 from ort_lightning import export_artifacts
 from ort_lightning.ort.options import session_options
-from tests.artifacts.test_adopt import CASES, _generate
-from tests.export.test_zoo import CLASSES, ZOO
+from tests.artifacts.generated import CASES, generate_folder
+from tests.export.zoo_models import CLASSES, ZOO
 from tests.helpers import ROOT, DeviceRun
 from tests.ort.session_numerics_run import ORT_DEFAULTS, PRODUCT, SETTINGS, load, product_run, setting_runs
 
@@ -119,7 +119,7 @@ def _tokens(generator: torch.Generator) -> Batch:
 
 def _ort_tutorial(root: Path) -> Folder:
     """ORT's tutorial classifier through ``generate_artifacts`` (cross-entropy, AdamW), as test_adopt.py's."""
-    folder = _generate(next(case for case in CASES if case.name == "ce-adamw"), root / "ort-tutorial")
+    folder = generate_folder(next(case for case in CASES if case.name == "ce-adamw"), root / "ort-tutorial")
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, 4, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator))
                for _ in range(STEPS)]

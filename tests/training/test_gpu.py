@@ -13,7 +13,7 @@ import torch
 from ort_lightning import ORTLightningModule
 from tests.conftest import Exported
 from tests.helpers import RunIf
-from tests.training.test_parity import ADAMW_LR, _loader, _torch_train, _trainer
+from tests.training.torch_loop import ADAMW_LR, blob_loader, parity_trainer, torch_train
 
 pytestmark = RunIf(cuda=True)
 
@@ -21,8 +21,8 @@ pytestmark = RunIf(cuda=True)
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["no-accumulation", "accumulate-2"])
 def test_gpu_fit_with_accumulation_and_clipping_matches_torch(mlp_adamw: Exported, accumulate: int) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts, lr=ADAMW_LR, lr_scheduler="constant")
-    trainer = _trainer(accelerator="gpu", devices=1, accumulate_grad_batches=accumulate, gradient_clip_val=0.1)
-    trainer.fit(module, _loader())
+    trainer = parity_trainer(accelerator="gpu", devices=1, accumulate_grad_batches=accumulate, gradient_clip_val=0.1)
+    trainer.fit(module, blob_loader())
     assert module.ort_session.device.startswith("cuda")
     assert all(p.is_cuda for p in module.parameters())
     reference = mlp_adamw.reference().cuda()
@@ -45,7 +45,7 @@ def _torch_train_on(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ac
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.inner(x.cuda()).cpu()
 
-    _torch_train(OnGpu(), optimizer, accumulate=accumulate, clip=clip)  # type: ignore[arg-type]
+    torch_train(OnGpu(), optimizer, accumulate=accumulate, clip=clip)  # type: ignore[arg-type]
 
 
 def test_gpu_dropout_is_reproducible_under_a_seed(bn_dropout_cnn: Exported) -> None:
@@ -59,6 +59,7 @@ def test_gpu_dropout_is_reproducible_under_a_seed(bn_dropout_cnn: Exported) -> N
     for _ in range(2):
         L.seed_everything(5, verbose=False)
         module = ORTLightningModule(bn_dropout_cnn.artifacts, lr=0.01)
-        _trainer(accelerator="gpu", devices=1, max_steps=4).fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+        loader = DataLoader(TensorDataset(x, y), batch_size=8)
+        parity_trainer(accelerator="gpu", devices=1, max_steps=4).fit(module, loader)
         states.append({n: t.detach().cpu() for n, t in module.state_dict().items()})
     assert all(torch.equal(states[0][n], states[1][n]) for n in states[0])

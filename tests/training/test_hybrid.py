@@ -23,7 +23,7 @@ from ort_lightning.ort.runtime import checkpoint_summary
 from tests.conftest import Exported
 from tests.helpers import ROOT
 from tests.strategies import ddp_run
-from tests.training.test_parity import _assert_same_parameters, _linear, _loader, _torch_train, _trainer
+from tests.training.torch_loop import assert_same_parameters, blob_loader, linear_factor, parity_trainer, torch_train
 
 STEPS = 30
 EPOCH = 16  # batches of 32 in the 512 blob samples
@@ -58,15 +58,16 @@ def test_parameters_match_the_same_torch_optimizer(
     mlp_adamw: Exported, factory: Factory, accumulate: int, clip: float | None
 ) -> None:
     module = _hybrid(mlp_adamw, factory)
-    _trainer(max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=clip).fit(module, _loader())
+    trainer = parity_trainer(max_steps=STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    trainer.fit(module, blob_loader())
     reference = mlp_adamw.reference()
-    _torch_train(
+    torch_train(
         reference, factory(reference.parameters()), accumulate=accumulate, clip=_clip if clip else None, steps=STEPS
     )
-    _assert_same_parameters(module, reference)
+    assert_same_parameters(module, reference)
     if clip:  # the clipping is active: without it torch ends elsewhere
         unclipped = mlp_adamw.reference()
-        _torch_train(unclipped, factory(unclipped.parameters()), accumulate=accumulate, steps=STEPS)
+        torch_train(unclipped, factory(unclipped.parameters()), accumulate=accumulate, steps=STEPS)
         pairs = zip(unclipped.parameters(), reference.parameters(), strict=True)
         assert max((a - b).abs().max().item() for a, b in pairs) > 1e-3
 
@@ -80,7 +81,7 @@ def _logged(logger: CSVLogger, key: str) -> list[float]:
 
 
 SCHEDULES = [
-    pytest.param("linear", lambda step: 0.01 * _linear(step, 5, STEPS), id="linear"),
+    pytest.param("linear", lambda step: 0.01 * linear_factor(step, 5, STEPS), id="linear"),
     pytest.param(
         lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
         lambda step: 0.01 * (1 + math.cos(math.pi * step / STEPS)) / 2,
@@ -95,41 +96,41 @@ def test_schedules_drive_the_torch_optimizer(
 ) -> None:
     module = _hybrid(mlp_adamw, adamw_fused, lr_scheduler=schedule, warmup_steps=5)
     logger = CSVLogger(tmp_path, name="lr")
-    trainer = _trainer(
+    trainer = parity_trainer(
         max_steps=STEPS, logger=logger, callbacks=[LearningRateMonitor(logging_interval="step")], log_every_n_steps=1
     )
-    trainer.fit(module, _loader())
+    trainer.fit(module, blob_loader())
     expected = [closed_form(step) for step in range(STEPS)]
     assert _logged(logger, "lr-AdamW") == pytest.approx(expected, rel=1e-6, abs=1e-12)
     reference = mlp_adamw.reference()
     optimizer = adamw_fused(reference.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: closed_form(step) / 0.01)
-    _torch_train(reference, optimizer, scheduler=scheduler, steps=STEPS)
-    _assert_same_parameters(module, reference)
+    torch_train(reference, optimizer, scheduler=scheduler, steps=STEPS)
+    assert_same_parameters(module, reference)
 
 
 def test_resume_from_ckpt_path_continues_exactly(mlp_adamw: Exported, tmp_path: Path) -> None:
     options = dict(lr_scheduler="linear", warmup_steps=4, total_steps=2 * EPOCH)
     first = _hybrid(mlp_adamw, adamw_fused, **options)
     saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    _trainer(max_epochs=1, max_steps=-1, enable_checkpointing=True, callbacks=[saver]).fit(first, _loader())
+    parity_trainer(max_epochs=1, max_steps=-1, enable_checkpointing=True, callbacks=[saver]).fit(first, blob_loader())
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     moments = saved["optimizer_states"][0]["state"][0]
     assert float(moments["step"]) == EPOCH  # torch's AdamW state
     assert moments["exp_avg"].abs().sum() > 0
 
     resumed = _hybrid(mlp_adamw, adamw_fused, **options)
-    _trainer(max_epochs=2, max_steps=-1).fit(resumed, _loader(), ckpt_path=tmp_path / "last.ckpt")
+    parity_trainer(max_epochs=2, max_steps=-1).fit(resumed, blob_loader(), ckpt_path=tmp_path / "last.ckpt")
     reference = mlp_adamw.reference()
     optimizer = adamw_fused(reference.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, 4, 2 * EPOCH))
-    _torch_train(reference, optimizer, scheduler=scheduler, steps=2 * EPOCH)
-    _assert_same_parameters(resumed, reference)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: linear_factor(step, 4, 2 * EPOCH))
+    torch_train(reference, optimizer, scheduler=scheduler, steps=2 * EPOCH)
+    assert_same_parameters(resumed, reference)
 
 
 def test_ort_checkpoint_holds_weights_and_starts_a_fresh_torch_optimizer(mlp_adamw: Exported, tmp_path: Path) -> None:
     first = _hybrid(mlp_adamw, sgd_nesterov)
-    _trainer(max_steps=EPOCH).fit(first, _loader())
+    parity_trainer(max_steps=EPOCH).fit(first, blob_loader())
     path = first.save_ort_checkpoint(tmp_path / "hybrid.ortckpt")
     ort_optimizer = ORTLightningModule(mlp_adamw.artifacts).save_ort_checkpoint(tmp_path / "ort.ortckpt")
     # weights only: a third of the size of a file with AdamW's two moments
@@ -137,13 +138,13 @@ def test_ort_checkpoint_holds_weights_and_starts_a_fresh_torch_optimizer(mlp_ada
     assert {name for name, _, _ in checkpoint_summary(path)[0]} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
 
     second = _hybrid(mlp_adamw, sgd_nesterov, checkpoint=path)
-    _trainer(max_steps=EPOCH).fit(second, _loader())
+    parity_trainer(max_steps=EPOCH).fit(second, blob_loader())
     reference = mlp_adamw.reference()
-    _torch_train(reference, sgd_nesterov(reference.parameters()), steps=EPOCH)
-    _torch_train(reference, sgd_nesterov(reference.parameters()), steps=EPOCH)  # fresh momentum
-    _assert_same_parameters(second, reference)
+    torch_train(reference, sgd_nesterov(reference.parameters()), steps=EPOCH)
+    torch_train(reference, sgd_nesterov(reference.parameters()), steps=EPOCH)  # fresh momentum
+    assert_same_parameters(second, reference)
     continued = mlp_adamw.reference()
-    _torch_train(continued, sgd_nesterov(continued.parameters()), steps=2 * EPOCH)
+    torch_train(continued, sgd_nesterov(continued.parameters()), steps=2 * EPOCH)
     pairs = zip(continued.parameters(), reference.parameters(), strict=True)
     assert max((a - b).abs().max().item() for a, b in pairs) > 1e-4  # the fresh momentum mattered
 
@@ -159,16 +160,16 @@ class _PoisonsBatch(ORTLightningModule):
 def test_nonfinite_skip_leaves_the_torch_optimizer_untouched(mlp_adamw: Exported) -> None:
     module = _PoisonsBatch(mlp_adamw.artifacts, optimizer=sgd_nesterov, lr_scheduler="constant", on_nonfinite="skip")
     with pytest.warns(RuntimeWarning, match="Skipped an optimizer step"):
-        _trainer(max_steps=8).fit(module, _loader())
+        parity_trainer(max_steps=8).fit(module, blob_loader())
     reference = mlp_adamw.reference()
     optimizer = sgd_nesterov(reference.parameters())
-    for index, (x, y) in enumerate(list(_loader())[:8]):  # a skipped step counts as a step
+    for index, (x, y) in enumerate(list(blob_loader())[:8]):  # a skipped step counts as a step
         if index == 3:
             continue  # skipped: no update, no momentum
         torch.nn.functional.cross_entropy(reference(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    _assert_same_parameters(module, reference)
+    assert_same_parameters(module, reference)
 
 
 @pytest.mark.slow  # two DDP ranks
@@ -222,29 +223,29 @@ def test_checkpoint_resume_restarts_the_linear_schedule_with_the_fresh_torch_opt
 ) -> None:
     options = dict(lr_scheduler="linear", warmup_steps=4, total_steps=2 * EPOCH)
     first = _hybrid(mlp_adamw, adamw_fused, **options)
-    _trainer(max_steps=EPOCH).fit(first, _loader())
+    parity_trainer(max_steps=EPOCH).fit(first, blob_loader())
     path = first.save_ort_checkpoint(tmp_path / "half.ortckpt")
     second = _hybrid(mlp_adamw, adamw_fused, checkpoint=path, **options)
-    _trainer(max_steps=EPOCH).fit(second, _loader())
+    parity_trainer(max_steps=EPOCH).fit(second, blob_loader())
     reference = mlp_adamw.reference()
     # weights only in the file: the second half starts a fresh AdamW, and its warmup, from step 0
     for _ in range(2):
         optimizer = adamw_fused(reference.parameters())
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, 4, 2 * EPOCH))
-        _torch_train(reference, optimizer, scheduler=scheduler, steps=EPOCH)
-    _assert_same_parameters(second, reference)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: linear_factor(step, 4, 2 * EPOCH))
+        torch_train(reference, optimizer, scheduler=scheduler, steps=EPOCH)
+    assert_same_parameters(second, reference)
 
 
 def test_lightning_scheduler_dict_steps_the_torch_optimizer_per_epoch(mlp_adamw: Exported) -> None:
     schedule = {"scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
                 "interval": "epoch"}
     module = _hybrid(mlp_adamw, sgd_nesterov, lr_scheduler=schedule)
-    _trainer(max_epochs=2, max_steps=-1).fit(module, _loader())
+    parity_trainer(max_epochs=2, max_steps=-1).fit(module, blob_loader())
     reference = mlp_adamw.reference()
     optimizer = sgd_nesterov(reference.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     for _ in range(2):  # one epoch of 16 steps, then the epoch's scheduler step
-        _torch_train(reference, optimizer, steps=EPOCH)
+        torch_train(reference, optimizer, steps=EPOCH)
         scheduler.step()
-    _assert_same_parameters(module, reference)
+    assert_same_parameters(module, reference)
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)

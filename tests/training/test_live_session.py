@@ -23,7 +23,7 @@ from ort_lightning.fleet.parameters import get_values
 from ort_lightning.ort import runtime
 from tests.conftest import Exported
 from tests.helpers import ort_deaths
-from tests.training.test_parity import _loader, _trainer
+from tests.training.torch_loop import blob_loader, parity_trainer
 
 STEPS = 6
 
@@ -61,8 +61,8 @@ class _Rebuilding(L.Callback):
 def _fit(exported: Exported, callbacks: list[L.Callback], **options: Any) -> tuple[ORTLightningModule, L.Trainer]:
     torch.manual_seed(0)
     module = ORTLightningModule(exported.artifacts, lr=0.05, threads="off", lr_scheduler="constant", **options)
-    trainer = _trainer(max_steps=STEPS, callbacks=callbacks)
-    trainer.fit(module, _loader())
+    trainer = parity_trainer(max_steps=STEPS, callbacks=callbacks)
+    trainer.fit(module, blob_loader())
     return module, trainer
 
 
@@ -102,7 +102,7 @@ def test_a_rebuild_frees_the_running_session_before_it_builds_the_next(
     mlp_adamw: Exported, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
-    _trainer(max_steps=2).fit(module, _loader())
+    parity_trainer(max_steps=2).fit(module, blob_loader())
     old = module.ort_session  # kept, as a user may keep it: it must not keep ORT's objects alive
     alive = [weakref.ref(part) for part in _ort_parts(old)]
     seen: list[list[bool]] = []
@@ -167,13 +167,13 @@ def test_a_refused_rebuild_over_the_running_state_gives_the_state_back(mlp_adamw
     eval_graph = folder / TrainingArtifacts.load(folder).eval_model.name
     eval_graph.write_bytes(eval_graph.read_bytes()[:200])
     with pytest.raises(ArtifactError, match="ONNX Runtime cannot load the graphs"):
-        module.evaluate_batch(next(iter(_loader())))
+        module.evaluate_batch(next(iter(blob_loader())))
     assert module.ort_session.evaluation is False
     for name, tensor in get_values(module).items():
         assert torch.equal(tensor, values[name]), name
-    _trainer(max_steps=STEPS).fit(module, _loader())
+    parity_trainer(max_steps=STEPS).fit(module, blob_loader())
     never = ORTLightningModule(mlp_adamw.artifacts, lr=0.05, threads="off", lr_scheduler="constant", values=values)
-    _trainer(max_steps=STEPS).fit(never, _loader())
+    parity_trainer(max_steps=STEPS).fit(never, blob_loader())
     for (name, expected), (_, actual) in zip(never.named_parameters(), module.named_parameters(), strict=True):
         assert torch.equal(actual, expected), name
 
@@ -218,7 +218,7 @@ def test_a_bound_call_kept_past_the_session_keeps_the_state_too(mlp_adamw: Expor
 
 def test_a_rebuild_frees_the_old_module_and_keeps_the_state_it_hands_over(mlp_adamw: Exported) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts, threads="off")
-    _trainer(max_steps=2).fit(module, _loader())
+    parity_trainer(max_steps=2).fit(module, blob_loader())
     old = module.ort_session
     deaths = ort_deaths(*_module_and_state(old))
     assert module.live_session.replace(settings=_flipped(module))

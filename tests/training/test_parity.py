@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable, Iterator
-from functools import partial
-from itertools import cycle
 from pathlib import Path
 
 import pytest
@@ -18,68 +15,27 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning import ORTLightningModule
-from tests.conftest import Exported, blobs
-from tests.helpers import quiet_trainer
+from tests.conftest import Exported
+from tests.training.torch_loop import (
+    ADAMW_LR,
+    STEPS,
+    assert_same_parameters,
+    blob_loader,
+    cycled,
+    linear_factor,
+    parity_trainer,
+    torch_train,
+)
 
-STEPS = 50
-ADAMW_LR = 0.01
 SGD_LR = 0.1
-
-
-def _loader() -> DataLoader:
-    x, y = blobs(512, seed=0)
-    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
-
-
-#: The quiet Trainer with this file's settings; a call's options override them.
-_trainer = partial(quiet_trainer, max_steps=STEPS, num_sanity_val_steps=0)
-
-
-def _batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    return cycle(list(loader))
-
-
-def _torch_train(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    accumulate: int = 1,
-    clip: Callable[[list[torch.nn.Parameter]], object] | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    steps: int = STEPS,
-) -> list[float]:
-    """Train `model` the plain torch way; return the lr each update used."""
-    lrs: list[float] = []
-    batches = _batches(_loader())
-    for _ in range(steps):
-        for _ in range(accumulate):
-            x, y = next(batches)
-            (F.cross_entropy(model(x), y) / accumulate).backward()
-        if clip is not None:
-            clip(list(model.parameters()))
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-    return lrs
-
-
-def _assert_same_parameters(module: ORTLightningModule, reference: torch.nn.Module, atol: float = 1e-5) -> None:
-    ours = {name: p.detach() for name, p in module.named_parameters()}
-    theirs = {name: p.detach() for name, p in reference.named_parameters()}
-    assert ours.keys() == theirs.keys()
-    for name, value in theirs.items():
-        torch.testing.assert_close(ours[name], value, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _fit(exported: Exported, lr: float, **options: object) -> ORTLightningModule:
     schedule = options.pop("lr_scheduler", "constant")
     module = ORTLightningModule(exported.artifacts, lr=lr, lr_scheduler=schedule)  # type: ignore[arg-type]
-    _trainer(**options).fit(module, _loader())
+    parity_trainer(**options).fit(module, blob_loader())
     return module
 
 
@@ -100,8 +56,8 @@ def test_parameters_match_torch(
     exported: Exported = request.getfixturevalue(fixture)
     module = _fit(exported, lr, accumulate_grad_batches=accumulate)
     reference = exported.reference()
-    _torch_train(reference, _reference_optimizer(kind, reference), accumulate=accumulate)
-    _assert_same_parameters(module, reference)
+    torch_train(reference, _reference_optimizer(kind, reference), accumulate=accumulate)
+    assert_same_parameters(module, reference)
 
 
 CLIPPING = [
@@ -120,11 +76,11 @@ def test_gradient_clipping_matches_torch(
         exported, lr, gradient_clip_val=value, gradient_clip_algorithm=algorithm, accumulate_grad_batches=2
     )
     reference = exported.reference()
-    _torch_train(reference, _reference_optimizer(kind, reference), accumulate=2, clip=clip)
-    _assert_same_parameters(module, reference)
+    torch_train(reference, _reference_optimizer(kind, reference), accumulate=2, clip=clip)
+    assert_same_parameters(module, reference)
     # The clipping is active: without it torch ends elsewhere.
     unclipped = exported.reference()
-    _torch_train(unclipped, _reference_optimizer(kind, unclipped), accumulate=2)
+    torch_train(unclipped, _reference_optimizer(kind, unclipped), accumulate=2)
     pairs = zip(unclipped.parameters(), reference.parameters(), strict=True)
     assert max((a - b).abs().max().item() for a, b in pairs) > 1e-3
 
@@ -142,10 +98,10 @@ def test_skipped_micro_batches_count_as_torch_counts_them(
     exported: Exported = request.getfixturevalue(fixture)
     module = _SkipsEveryThirdBatch(exported.artifacts, lr=lr, lr_scheduler="constant")
     steps = 12
-    _trainer(max_steps=steps, accumulate_grad_batches=2).fit(module, _loader())
+    parity_trainer(max_steps=steps, accumulate_grad_batches=2).fit(module, blob_loader())
     reference = exported.reference()
     optimizer = _reference_optimizer(kind, reference)
-    batches, per_epoch = _batches(_loader()), len(_loader())
+    batches, per_epoch = cycled(blob_loader()), len(blob_loader())
     for window in range(steps):
         for micro in range(2):
             x, y = next(batches)
@@ -153,14 +109,7 @@ def test_skipped_micro_batches_count_as_torch_counts_them(
                 (F.cross_entropy(reference(x), y) / 2).backward()
         optimizer.step()  # a parameter whose .grad is None is left alone, as Lightning's torch path does
         optimizer.zero_grad(set_to_none=True)
-    _assert_same_parameters(module, reference)
-
-
-def _linear(step: int, warmup: int, total: int) -> float:
-    """Closed form of the linear warmup/decay multiplier, written here independently of the package."""
-    if step < warmup:
-        return step / warmup
-    return max(0.0, (total - step) / (total - warmup))
+    assert_same_parameters(module, reference)
 
 
 def _cosine(step: int, total: int) -> float:
@@ -176,22 +125,23 @@ def _logged_lrs(logger: CSVLogger) -> list[float]:
 def _fit_logged(exported: Exported, tmp_path: Path, **options: object) -> tuple[ORTLightningModule, list[float]]:
     module = ORTLightningModule(exported.artifacts, lr=ADAMW_LR, **options)  # type: ignore[arg-type]
     logger = CSVLogger(tmp_path, name="lr")
-    trainer = _trainer(logger=logger, callbacks=[LearningRateMonitor(logging_interval="step")], log_every_n_steps=1)
-    trainer.fit(module, _loader())
+    monitor = LearningRateMonitor(logging_interval="step")
+    trainer = parity_trainer(logger=logger, callbacks=[monitor], log_every_n_steps=1)
+    trainer.fit(module, blob_loader())
     return module, _logged_lrs(logger)
 
 
 def test_linear_schedule_logs_closed_form_lrs_and_matches_torch(mlp_adamw: Exported, tmp_path: Path) -> None:
     warmup = 5
     module, logged = _fit_logged(mlp_adamw, tmp_path, warmup_steps=warmup)
-    expected = [ADAMW_LR * _linear(step, warmup, STEPS) for step in range(STEPS)]
+    expected = [ADAMW_LR * linear_factor(step, warmup, STEPS) for step in range(STEPS)]
     assert logged == pytest.approx(expected, rel=1e-6, abs=1e-12)
     reference = mlp_adamw.reference()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, warmup, STEPS))
-    used = _torch_train(reference, optimizer, scheduler=scheduler)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: linear_factor(step, warmup, STEPS))
+    used = torch_train(reference, optimizer, scheduler=scheduler)
     assert used == pytest.approx(expected, rel=1e-6, abs=1e-12)
-    _assert_same_parameters(module, reference)
+    assert_same_parameters(module, reference)
 
 
 def test_a_second_fit_starts_a_fresh_optimizer_and_schedule_as_torch_does(mlp_adamw: Exported) -> None:
@@ -201,16 +151,16 @@ def test_a_second_fit_starts_a_fresh_optimizer_and_schedule_as_torch_does(mlp_ad
     module = ORTLightningModule(mlp_adamw.artifacts, lr=ADAMW_LR, warmup_steps=warmup)
     reference = mlp_adamw.reference()
     for _ in range(2):
-        _trainer(max_steps=steps).fit(module, _loader())
+        parity_trainer(max_steps=steps).fit(module, blob_loader())
         optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _linear(step, warmup, steps))
-        _torch_train(reference, optimizer, scheduler=scheduler, steps=steps)
-    _assert_same_parameters(module, reference)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: linear_factor(step, warmup, steps))
+        torch_train(reference, optimizer, scheduler=scheduler, steps=steps)
+    assert_same_parameters(module, reference)
 
 
 def test_warmup_fraction_counts_in_total_steps(mlp_adamw: Exported, tmp_path: Path) -> None:
     _, logged = _fit_logged(mlp_adamw, tmp_path, warmup_steps=0.2, total_steps=40)
-    expected = [ADAMW_LR * _linear(step, 8, 40) for step in range(STEPS)]
+    expected = [ADAMW_LR * linear_factor(step, 8, 40) for step in range(STEPS)]
     assert logged == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 
@@ -223,8 +173,8 @@ def test_cosine_factory_matches_torch(mlp_adamw: Exported, tmp_path: Path) -> No
     assert logged == pytest.approx(expected, rel=1e-6, abs=1e-12)
     reference = mlp_adamw.reference()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
-    _torch_train(reference, optimizer, scheduler=factory(optimizer))
-    _assert_same_parameters(module, reference)
+    torch_train(reference, optimizer, scheduler=factory(optimizer))
+    assert_same_parameters(module, reference)
 
 
 def test_constant_schedule_logs_the_lr(mlp_adamw: Exported, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from ort_lightning import ORTDDPStrategy, ORTLightningModule
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.training.threads.policy import ThreadPolicy, available_cores, user_torch_threads
 from tests.conftest import THREAD_ENVIRONMENT, Exported
-from tests.training.test_parity import _loader, _trainer
+from tests.training.torch_loop import blob_loader, parity_trainer
 
 STEPS = 24
 _one_core = pytest.mark.skipif(available_cores() < 2, reason="the policy changes nothing torch does on one core")
@@ -88,7 +88,7 @@ def test_torch_threads_are_lowered_during_the_fit_and_restored_after(
 ) -> None:
     probe = _ThreadProbe()
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
-    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     assert probe.seen == [1] * STEPS  # a short fit keeps the first candidate, unmeasured
     assert "unmeasured" in module.thread_policy.reason
     assert torch.get_num_threads() == default_threads
@@ -100,7 +100,7 @@ def test_threads_are_restored_after_an_exception_inside_fit(mlp_adamw: Exported,
     probe = _ThreadProbe(fail_at=5)
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     with pytest.raises(RuntimeError, match="a failure inside fit"):
-        _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+        parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     assert probe.seen[0] == 1
     assert torch.get_num_threads() == default_threads
 
@@ -112,7 +112,7 @@ def test_the_candidates_are_measured_and_the_choice_is_kept(
     probe = _ThreadProbe()
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     with caplog.at_level("INFO", logger="ort_lightning.training.threads.policy"):
-        _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+        parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     plan = 1 + 3 * len(module.thread_policy.candidates(available_cores(), session=True))
     choice = module.thread_policy.choice
     assert choice is not None
@@ -143,7 +143,7 @@ def test_a_fit_whose_own_torch_work_outweighs_orts_keeps_torchs_threads(
 ) -> None:
     probe = _ThreadProbe()
     module = _tuned(_TorchHeavy(mlp_adamw.artifacts, lr=0.01))
-    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     choice = module.thread_policy.choice
     assert choice is not None
     assert module.thread_policy.reason.startswith("measured per step"), module.thread_policy.reason
@@ -162,7 +162,7 @@ def test_a_torch_optimizer_updates_on_one_thread_beside_spinning_ort(
     probe = _ThreadProbe()
     module = ORTLightningModule(mlp_adamw.artifacts, optimizer=lambda p: optimizer(p, lr=0.01), lr_scheduler="constant")
     assert module.ort_session.spinning is True
-    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     assert set(optimizer.seen) == {1}
     assert set(probe.seen) == {1}
     assert torch.get_num_threads() == default_threads
@@ -185,7 +185,7 @@ def test_ort_on_one_thread_is_measured_between_steps(
 ) -> None:
     probe = _SessionProbe()
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
-    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     cores = available_cores()
     assert {(True, cores), (True, 1)} <= set(probe.seen)
     choice = module.thread_policy.choice
@@ -197,11 +197,11 @@ def test_ort_on_one_thread_is_measured_between_steps(
 @multicore
 def test_a_later_fit_keeps_the_measured_choice(mlp_adamw: Exported, default_threads: int) -> None:
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
-    _trainer(max_steps=STEPS).fit(module, _loader())
+    parity_trainer(max_steps=STEPS).fit(module, blob_loader())
     measured = module.thread_policy.choice
     module.thread_policy.min_fit_steps = 10_000  # the next fit is too short to measure anything
     probe = _SessionProbe()
-    _trainer(max_steps=4, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=4, callbacks=[probe]).fit(module, blob_loader())
     assert module.thread_policy.choice == measured
     assert module.thread_policy.reason.startswith("measured in an earlier fit")
     assert measured is not None
@@ -211,14 +211,14 @@ def test_a_later_fit_keeps_the_measured_choice(mlp_adamw: Exported, default_thre
 def test_ort_session_is_not_rebuilt_under_accumulation(mlp_adamw: Exported, default_threads: int) -> None:
     probe = _SessionProbe()
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
-    _trainer(max_steps=STEPS // 2, callbacks=[probe], accumulate_grad_batches=2).fit(module, _loader())
+    parity_trainer(max_steps=STEPS // 2, callbacks=[probe], accumulate_grad_batches=2).fit(module, blob_loader())
     assert set(probe.seen) == {(True, available_cores())}
 
 
 def _parameters_after(exported: Exported, threads: str, **options: Any) -> dict[str, torch.Tensor]:
     module = ORTLightningModule(exported.artifacts, lr=0.01, threads=threads, **options)
     _tuned(module)
-    _trainer(max_steps=STEPS).fit(module, _loader())
+    parity_trainer(max_steps=STEPS).fit(module, blob_loader())
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
@@ -243,7 +243,7 @@ def test_a_thread_count_the_user_set_is_left_alone(mlp_adamw: Exported, default_
     torch.set_num_threads(mine)
     probe = _ThreadProbe()
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
-    _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=8, callbacks=[probe]).fit(module, blob_loader())
     assert set(probe.seen) == {mine}
     assert torch.get_num_threads() == mine
     assert "torch.set_num_threads" in module.thread_policy.reason
@@ -255,7 +255,7 @@ def test_omp_num_threads_in_the_environment_is_left_alone(
     monkeypatch.setenv("OMP_NUM_THREADS", str(default_threads))
     probe = _ThreadProbe()
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01)
-    _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=8, callbacks=[probe]).fit(module, blob_loader())
     assert set(probe.seen) == {default_threads}
     assert "OMP_NUM_THREADS" in module.thread_policy.reason
 
@@ -263,7 +263,7 @@ def test_omp_num_threads_in_the_environment_is_left_alone(
 def test_threads_off_changes_nothing(mlp_adamw: Exported, default_threads: int) -> None:
     probe = _ThreadProbe()
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01, threads="off")
-    _trainer(max_steps=8, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=8, callbacks=[probe]).fit(module, blob_loader())
     assert set(probe.seen) == {default_threads}
     assert (module.ort_session.spinning, module.ort_session.intra_op_threads) == (True, 0)
 
@@ -286,7 +286,7 @@ def test_an_unknown_threads_option_is_refused(mlp_adamw: Exported) -> None:
 def test_single_runs_ort_on_one_thread_that_does_not_spin_and_leaves_torch_alone(mlp_adamw: Exported) -> None:
     before = torch.get_num_threads()
     module = ORTLightningModule(mlp_adamw.artifacts, lr=0.01, threads="single")
-    _trainer(max_steps=3).fit(module, _loader())
+    parity_trainer(max_steps=3).fit(module, blob_loader())
     assert (module.ort_session.spinning, module.ort_session.intra_op_threads) == (False, 1)
     assert module.thread_policy.choice is None  # nothing measured
     assert torch.get_num_threads() == before
@@ -314,7 +314,7 @@ def test_a_policy_that_has_decided_leaves_lightnings_per_step_dispatch(
     module = _tuned(ORTLightningModule(mlp_adamw.artifacts, lr=0.01))
     module.thread_policy.revisit_factor = 0  # no watch: nothing is left to do once the choice is made
     probe = _DispatchProbe(module.thread_policy)
-    _trainer(max_steps=STEPS, callbacks=[probe]).fit(module, _loader())
+    parity_trainer(max_steps=STEPS, callbacks=[probe]).fit(module, blob_loader())
     plan = 1 + 3 * len(module.thread_policy.candidates(available_cores(), session=True))
     assert probe.live[0] == {"on_train_batch_end"}  # the trial times batch ends, nothing else
     assert probe.live[plan:] == [set()] * (STEPS - plan)
@@ -340,7 +340,7 @@ def test_a_choice_whose_steps_stall_is_measured_again_once(
     module.thread_policy.watch = (2, 1)
     probe = _DispatchProbe(module.thread_policy)
     with caplog.at_level("INFO", logger="ort_lightning.training.threads.policy"):
-        _trainer(max_steps=_StallsLater.at + 16, callbacks=[probe]).fit(module, _loader())
+        parity_trainer(max_steps=_StallsLater.at + 16, callbacks=[probe]).fit(module, blob_loader())
     logged = [r.message for r in caplog.records if r.name == "ort_lightning.training.threads.policy"]
     assert len(logged) == 3, logged  # the choice, the stall noticed, the choice measured again
     assert "measuring the candidates again" in logged[1]
@@ -357,7 +357,7 @@ def test_a_session_rebuilt_by_the_trial_is_freed(mlp_adamw: Exported, default_th
             if not sessions or sessions[-1]() is not module.ort_session:
                 sessions.append(weakref.ref(module.ort_session))
 
-    _trainer(max_steps=STEPS, callbacks=[_Sessions()]).fit(module, _loader())
+    parity_trainer(max_steps=STEPS, callbacks=[_Sessions()]).fit(module, blob_loader())
     gc.collect()
     assert len(sessions) >= 2  # the trial ran ORT on one thread: a rebuilt session
     assert [ref() is not None for ref in sessions].count(True) == 1

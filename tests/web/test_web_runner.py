@@ -14,7 +14,6 @@ every step at the rate the schedule's formula gives (DESIGN, "The pipeline").
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from collections.abc import Callable
@@ -33,15 +32,14 @@ from ort_lightning.demo import digits_mlp
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
 from ort_lightning.web import ENVIRONMENT_VARIABLE, TRAINING_BUILD, asset, find_ort_web
-from tests._web import ROOT, NodeError, ort_web_dist, run_node
-from tests.artifacts.test_adopt import Case, _generate
+from tests._web import ROOT, NodeError, run_node
+from tests.artifacts.generated import Case, generate_folder
 from tests.helpers import RunIf, ort_device_start
+from tests.web.runner_job import DRIVER, EPOCHS, node_run, write_job
 
-DRIVER = ROOT / "tests" / "web" / "train_device.mjs"
 #: ORT's default learning rate, the only one onnxruntime-web's optimizer runs at on an unprepared folder.
 DEFAULT_LR = 1e-3
 BATCH = 32
-EPOCHS = 2
 
 Batch = tuple[np.ndarray, np.ndarray]
 
@@ -79,32 +77,6 @@ def _digits_batches(count: int = 3) -> list[Batch]:
     return [((features[r] / 16.0).astype(np.float32), labels[r].astype(np.int64)) for r in rows]
 
 
-#: The runner's tensor type of each numpy dtype the tests send.
-TYPES = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}
-
-
-def _write_job(
-    work: Path, folder: Path, graphs: str, weights: np.ndarray, batches: list[tuple[np.ndarray, ...]]
-) -> Path:
-    """The driver's job: paths, the format, raw little-endian files for the weights and each tensor."""
-    work.mkdir(parents=True, exist_ok=True)
-    weights.astype("<f4").tofile(work / "weights.bin")
-    listed = []
-    for index, batch in enumerate(batches):
-        tensors = []
-        for position, tensor in enumerate(batch):
-            kind = TYPES[tensor.dtype]
-            tensor.astype(tensor.dtype.newbyteorder("<")).tofile(work / f"batch{index}-{position}.bin")
-            tensors.append({"file": f"batch{index}-{position}.bin", "type": kind, "dims": list(tensor.shape)})
-        listed.append(tensors)
-    job = {
-        "dist": ort_web_dist(), "runner": str(asset("runner.js")), "folder": str(folder), "format": graphs,
-        "epochs": EPOCHS, "weights": "weights.bin", "batches": listed,
-    }
-    (work / "job.json").write_text(json.dumps(job), encoding="utf-8")
-    return work / "job.json"
-
-
 @dataclass(frozen=True)
 class Trained:
     losses: list[float]
@@ -140,12 +112,6 @@ def orts_python_loop(
     )
 
 
-def _node_run(job: Path) -> tuple[dict[str, object], np.ndarray, np.ndarray]:
-    run_node(DRIVER, str(job))
-    result = json.loads((job.parent / "result.json").read_text())
-    return result, np.fromfile(job.parent / "trained.bin", "<f4"), np.fromfile(job.parent / "outputs.bin", "<f4")
-
-
 # ----------------------------------------------------------------------------- the folder's contract
 def test_parameter_order_is_the_order_onnx_runtime_copies_the_buffer_in(digits_device: Device) -> None:
     # For this model (no buffers) the manifest's parameter_order is the training graph's order of its state
@@ -164,8 +130,8 @@ def test_node_runner_trains_and_evaluates_as_orts_python_loop(
     digits_device: Device, graphs: str, tmp_path: Path
 ) -> None:
     batches = _digits_batches()
-    job = _write_job(tmp_path / "node", digits_device.folder, graphs, digits_device.weights, batches)
-    result, trained, outputs = _node_run(job)
+    job = write_job(tmp_path / "node", digits_device.folder, graphs, digits_device.weights, batches)
+    result, trained, outputs = node_run(job)
 
     reference_folder = shutil.copytree(digits_device.folder, tmp_path / "reference")  # the same files, read apart
     expected = orts_python_loop(reference_folder, graphs, digits_device.weights, batches, rate=lambda _: DEFAULT_LR)
@@ -204,7 +170,7 @@ def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_
     prepared = prepare_for_web(digits_device.server, tmp_path / "web", **options)  # type: ignore[arg-type]
     shipped = shutil.copytree(prepared.directory, tmp_path / "device", ignore=shutil.ignore_patterns("checkpoint"))
     batches = _digits_batches()
-    result, trained, _ = _node_run(_write_job(tmp_path / "node", Path(shipped), "ort", digits_device.weights, batches))
+    result, trained, _ = node_run(write_job(tmp_path / "node", Path(shipped), "ort", digits_device.weights, batches))
 
     plain = shutil.copytree(digits_device.folder, tmp_path / "reference")  # ORT sets the rate itself, step by step
     expected = orts_python_loop(plain, "ort", digits_device.weights, batches, rate=rate)
@@ -224,7 +190,7 @@ def test_node_runner_trains_a_prepared_folder_at_its_schedule_as_orts_loop_sets_
 @pytest.mark.slow  # Node
 @RunIf(node=True)
 def test_weights_of_the_wrong_length_are_refused_with_the_expected_count(digits_device: Device, tmp_path: Path) -> None:
-    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights[:-1], _digits_batches(1))
+    job = write_job(tmp_path, digits_device.folder, "ort", digits_device.weights[:-1], _digits_batches(1))
     message = (r"setWeights expects a Float32Array of 4810 values \(all parameters, flat, in the training graph's "
                r"order of its state inputs\), but got a Float32Array of 4809 values; send the weights of the artifacts")
     with pytest.raises(NodeError, match=message):
@@ -237,7 +203,7 @@ def test_a_batch_with_the_wrong_number_of_tensors_is_refused_with_the_inputs(
     digits_device: Device, tmp_path: Path
 ) -> None:
     features, labels = _digits_batches(2)[1]
-    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, [_digits_batches(1)[0], (features,)])
+    job = write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, [_digits_batches(1)[0], (features,)])
     message = (r"batch 1 has 1 tensor\(s\), but the training graph takes 2 inputs \[input, labels\] \(model inputs, "
                r"then labels\); pass one tensor per input, in that order")
     with pytest.raises(NodeError, match=message):
@@ -253,7 +219,7 @@ def test_int32_labels_are_explained_where_onnxruntime_web_throws_a_bare_number(
     # NOTE: onnxruntime-web throws a WebAssembly exception's address, no message, for a tensor of another type.
     features, labels = _digits_batches(1)[0]
     batches = [(features, labels.astype(np.int32))]
-    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, batches)
+    job = write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, batches)
     message = (r"batch 0 of the training graph: onnxruntime-web failed without a message \(it threw the number \d+, "
                r"a WebAssembly exception\), which it does for a tensor whose type or shape the graph does not take; "
                r"check each tensor's type and dims against the inputs \[input, labels\] .* int64 labels go in as "
@@ -284,7 +250,7 @@ MISTAKES = {
 @RunIf(node=True)
 @pytest.mark.parametrize("mistake", list(MISTAKES), ids=list(MISTAKES))
 def test_a_callers_mistake_is_refused_by_name(digits_device: Device, tmp_path: Path, mistake: str) -> None:
-    job = _write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, _digits_batches(1))
+    job = write_job(tmp_path, digits_device.folder, "ort", digits_device.weights, _digits_batches(1))
     with pytest.raises(NodeError, match=MISTAKES[mistake]):
         run_node(ROOT / "tests" / "web" / "mistakes.mjs", str(job), mistake)
 
@@ -294,11 +260,11 @@ def test_a_callers_mistake_is_refused_by_name(digits_device: Device, tmp_path: P
 @pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning")
 def test_eval_outputs_of_a_generated_folder_without_model_outputs_are_refused(tmp_path: Path) -> None:
     # generate_artifacts without additional_output_names: the eval graph outputs the loss alone.
-    folder = _generate(Case("loss-only-eval", {"nominal_checkpoint": True}), tmp_path / "generated")
+    folder = generate_folder(Case("loss-only-eval", {"nominal_checkpoint": True}), tmp_path / "generated")
     weights = np.concatenate([np.array(parameter.data).ravel() for _, parameter in
                               CheckpointState.load_checkpoint(str(folder / "checkpoint")).parameters])
     batch = (np.ones((4, 4), np.float32), np.arange(4, dtype=np.int64) % 3)
-    job = _write_job(tmp_path / "job", folder, "onnx", weights.astype(np.float32), [batch])
+    job = write_job(tmp_path / "job", folder, "onnx", weights.astype(np.float32), [batch])
     message = (r"evaluate\(\{outputs: true\}\) needs an eval graph output besides the loss, but it has only \[[^]]+\]; "
                r"export the artifacts with the model's outputs kept, or pass \{outputs: false\}")
     with pytest.raises(NodeError, match=message):

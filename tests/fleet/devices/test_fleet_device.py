@@ -43,6 +43,7 @@ from ort_lightning.fleet import (  # noqa: E402
 )
 from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+from tests.web.runner_job import node_run, write_job  # noqa: E402
 
 LR = 0.01
 HIDDEN = 16
@@ -361,8 +362,6 @@ def test_a_supernode_trains_a_round_with_lightning_absent(
 def test_node_runs_a_devices_round_as_the_python_device_does(
     folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, epochs: int
 ) -> None:
-    from tests.web.test_web_runner import _node_run, _write_job
-
     exported, device = folders
     start = _values(exported.checkpoint)
     reply = DeviceClient(device.directory, DATA, epochs=epochs).train(_message(start), _context(1))
@@ -371,9 +370,9 @@ def test_node_runs_a_devices_round_as_the_python_device_does(
     order = [name for name, _ in DeviceClient(device.directory, DATA).folder().order]
     weights = np.concatenate([start[name].ravel() for name in order])
     batches = [tuple(tensor.numpy() for tensor in batch) for batch in _epochs(1, epochs)]
-    job = _write_job(tmp_path, device.directory, "ort", weights, batches)
+    job = write_job(tmp_path, device.directory, "ort", weights, batches)
     job.write_text(json.dumps({**json.loads(job.read_text()), "epochs": 1}))
-    result, trained, _ = _node_run(job)
+    result, trained, _ = node_run(job)
     assert result["steps"] == len(batches)
     # NOTE: the README's tolerance for browsers: 1e-5 per 1e-3 of rate
     np.testing.assert_allclose(trained, np.concatenate([array.ravel() for array in python]), rtol=0,
@@ -389,14 +388,14 @@ PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|
 @pytest.mark.slow
 @pytest.mark.alone  # Ray
 def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
-    from tests.cli.test_cli import run
+    from tests.cli.script import run_script
 
     config = {"devices": 2, "rounds": 1, "epochs": 2, "hidden": HIDDEN, "batch_size": 32}
     shown = {}
     for engine in ("simulation", "local"):
         path = tmp_path / f"{engine}.yaml"
         path.write_text(json.dumps({**config, "engine": engine, "out": str(tmp_path / engine)}), encoding="utf-8")
-        result = run("fleet", "--config", path, cwd=tmp_path)
+        result = run_script("fleet", "--config", path, cwd=tmp_path)
         shown[engine] = result.stdout + result.stderr
         noise = [line for line in shown[engine].splitlines() if line.strip() and not PRINTED.fullmatch(line)]
         assert not noise, shown[engine]

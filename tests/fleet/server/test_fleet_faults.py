@@ -24,7 +24,15 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import ClientData, FleetClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig  # noqa: E402
-from tests.fleet.test_fleet import EPOCHS, LR, SIZES, _assert_close, _reference, _values_in, iid_data  # noqa: E402
+from tests.fleet.fedavg_by_hand import (  # noqa: E402
+    EPOCHS,
+    LR,
+    SIZES,
+    assert_values_close,
+    fedavg_by_hand,
+    iid_data,
+    values_in,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -81,11 +89,11 @@ def test_a_hung_device_fails_its_round_and_the_round_averages_the_other_two(
     assert re.search(rf"node {node} did not answer within the device timeout of 3 s", server.history[0].failures[node])
     assert re.search(rf"node {node} is still running a message", server.history[1].failures[node])
 
-    expected = _reference(mlp_adamw, iid_data, [[0, 2], [0, 2]], tmp_path)
+    expected = fedavg_by_hand(mlp_adamw, iid_data, [[0, 2], [0, 2]], tmp_path)
     for number, (average, _) in enumerate(expected, start=1):
-        _assert_close(_values_in(mlp_adamw, round_path(tmp_path / "rounds", number)), average)
+        assert_values_close(values_in(mlp_adamw, round_path(tmp_path / "rounds", number)), average)
     # the test can fail: with the hung device's data the average would differ
-    (with_all, _), = _reference(mlp_adamw, iid_data, [[0, 1, 2]], tmp_path / "all")
+    (with_all, _), = fedavg_by_hand(mlp_adamw, iid_data, [[0, 1, 2]], tmp_path / "all")
     assert float((with_all["fc1.weight"] - expected[0][0]["fc1.weight"]).abs().max()) > 1e-4
 
 
@@ -137,10 +145,10 @@ def test_config_keys_and_overrides_are_checked(tmp_path: Path, text: str, overri
 
 def test_fleet_command_takes_set_and_names_a_misspelt_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ort_lightning.cli import main
-    from tests.cli.test_cli import run
+    from tests.cli.script import run_script
 
     path = _yaml(tmp_path, f"out: {tmp_path / 'run'}\ndevices: 2\nrounds: 5\nhidden: 8\nepochs: 1\n")
-    shown = run("fleet", "--config", path, "--set", "rounds=1", "--set", "batch_size=64", cwd=tmp_path).stdout
+    shown = run_script("fleet", "--config", path, "--set", "rounds=1", "--set", "batch_size=64", cwd=tmp_path).stdout
     assert re.findall(r"^round +(\d+): accuracy", shown, re.MULTILINE) == ["0", "1"], shown
     # the refusal from the entry point in this process (tests/cli/test_cli.py runs the script's errors as children)
     assert main(["fleet", "--config", str(path), "--set", "round=1"]) == 2

@@ -30,8 +30,7 @@ from ort_lightning import ORTCheckpoint, ORTLightningModule, TrainingArtifacts, 
 from ort_lightning.errors import CheckpointError, ConfigurationError, ExportError, StorageError
 from ort_lightning.storage.atomic import atomic_write, digest_path, remove_with_digest, verify_digest
 from ort_lightning.storage.temps import TEMP_MARK
-from tests.conftest import MLP, Exported, blobs
-from tests.export.test_verify import TripledMLP
+from tests.conftest import MLP, Exported, TripledMLP, blobs
 from tests.helpers import ROOT, RunIf, quiet_trainer
 
 WORKER = Path(__file__).with_name("resume_worker.py")

@@ -28,10 +28,12 @@ from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.browser.frames import pack, read_result, unpack  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.folder import check_buffer_order  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
+from tests.fleet.engines.browser.chromium import chromium  # noqa: E402
+from tests.fleet.engines.browser.digits_rounds import assert_round, fedavg_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"  # returned as given, never fetched
 LR = 0.05
 DATA_MODULE = ROOT / "examples" / "browser_data.js"
 FEATURES, BATCH_SIZE, DIRECTION = 4, 8, (1.0, -2.0, 0.5, 1.5)
@@ -111,8 +113,8 @@ def test_pages_train_their_own_data_as_onnx_runtimes_loop_does(
     exported, web = unsorted_folders
     fleet = BrowserFleet(web, page_data=DATA_MODULE, max_examples=40, port=0, devices=2, device_timeout=60,
                          ort_web=ort_web_dist())
-    with fleet, _chromium({n: f"{fleet.url}&name={n}" for n in ("a", "b")}):
-        server = fleet.run(_server(exported, tmp_path, devices=2, rounds=1), join_timeout=90)
+    with fleet, chromium({n: f"{fleet.url}&name={n}" for n in ("a", "b")}):
+        server = fleet.run(fedavg_server(exported, tmp_path, devices=2, rounds=1), join_timeout=90)
     assert fleet.refusals == []
     [record] = server.history
     assert record.devices == 2
@@ -120,7 +122,7 @@ def test_pages_train_their_own_data_as_onnx_runtimes_loop_does(
     fits = [(ort_device_loop(web.directory, _batches(p), lr=LR, graphs="ort", values=start), 24 + 8 * p)
             for p in (0, 1)]
     expected = {name: sum(values[name].astype(np.float64) * count for values, count in fits) / 56 for name in start}
-    _assert_round(record.checkpoint, expected)
+    assert_round(record.checkpoint, expected)
 
 
 def test_the_flat_weights_follow_onnx_runtimes_buffer_not_the_manifest_nor_the_alphabet(

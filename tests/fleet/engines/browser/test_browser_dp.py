@@ -32,7 +32,7 @@ from flwr.serverapp.strategy import (  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import DATA, _checkpoint_values, _initial, digits_folders  # noqa: E402, F401
+from tests.fleet.engines.browser.digits_rounds import DATA, checkpoint_values, initial_values  # noqa: E402
 
 NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
 NORM = 0.05
@@ -57,7 +57,7 @@ def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Pa
             fleet.close()
             devices.wait(timeout=60)
     assert [record.devices for record in server.history] == [2]
-    start, end = _initial(exported), _checkpoint_values(server.history[0].checkpoint)
+    start, end = initial_values(exported), checkpoint_values(server.history[0].checkpoint)
     return float(np.sqrt(sum(((end[n].astype(np.float64) - start[n]) ** 2).sum() for n in start)))
 
 
@@ -66,7 +66,7 @@ def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Pa
 @pytest.mark.spread
 @pytest.mark.parametrize("side", ["client", "server"], ids=["clipped-on-the-device", "clipped-on-the-server"])
 def test_web_device_updates_are_clipped_to_the_norm(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, side: str  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, side: str
 ) -> None:
     exported, web = digits_folders
     clipped = _update_norm(exported, web, tmp_path / "dp", dp=side)

@@ -12,151 +12,54 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from onnxruntime.training.api import CheckpointState
 
-from ort_lightning import TrainingArtifacts, export_artifacts
-from ort_lightning.demo import FEATURES, digits_mlp
+from ort_lightning import TrainingArtifacts
 from ort_lightning.errors import BatchError, ConfigurationError, DeviceReplyError
-from tests._web import ROOT, chromium_program, ort_web_dist
+from tests._web import ROOT, ort_web_dist
 from tests.conftest import Exported
-from tests.helpers import RunIf, ort_device_loop
+from tests.helpers import RunIf
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.browser.frames import pack, read_result, train_frame, unpack  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
 from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+from tests.fleet.engines.browser.chromium import chromium, kill_browser  # noqa: E402
+from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
+    BROWSER_ATOL,
+    DATA,
+    DEVICES,
+    ROUNDS,
+    assert_round,
+    checkpoint_values,
+    fedavg_server,
+    initial_values,
+    reference_rounds,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.spread]
 
-LR = 0.01
-HIDDEN = 16
-DEVICES = 3
-ROUNDS = 2
-DATA = DigitsPartitions(batch_size=32, seed=0)
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
-
-
-# ----------------------------------------------------------------------------- artifacts
-@pytest.fixture(scope="session")
-def digits_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArtifacts, TrainingArtifacts]:
-    """The digits MLP exported once (the server's folder) and its web-prepared device folder (lr 0.01, constant)."""
-    from ort_lightning.export import prepare_for_web
-
-    root = tmp_path_factory.mktemp("browser-fleet")
-    exported = export_artifacts(digits_mlp(HIDDEN, seed=0), torch.zeros(2, FEATURES), root / "exported",
-                                nominal_checkpoint=True, ort_format=True, verify=False)
-    return exported, prepare_for_web(exported, root / "web", lr=LR)
-
-
-# ----------------------------------------------------------------------------- the reference
-def _reference(
-    folder: Path, start: dict[str, np.ndarray], rounds: list[list[int]], partitions: int = DEVICES, *,
-    epochs: int = 1, data: DigitsPartitions | None = None,
-) -> list[dict[str, np.ndarray]]:
-    """Per round, the example-weighted float64 average of the listed partitions' rounds; float32 goes on.
-
-    Each device trains `epochs` passes over its loader, as torch's DataLoader iterates it epoch after epoch.
-    """
-    data = data or DATA
-    averages = []
-    for chosen in rounds:
-        # NOTE: the rate the server's Lightning devices use; a folder whose graph ignores it must train at it anyway.
-        loaders = {p: data(p, partitions).train for p in chosen}
-        fits = [(ort_device_loop(folder, [batch for _ in range(epochs) for batch in loaders[p]], lr=LR, graphs="ort",
-                                 values=start),
-                 len(loaders[p].dataset))  # type: ignore[arg-type]
-                for p in chosen]
-        total = sum(count for _, count in fits)
-        average = {name: sum(values[name].astype(np.float64) * count for values, count in fits) / total
-                   for name in start}
-        averages.append(average)
-        start = {name: value.astype(np.float32) for name, value in average.items()}
-    return averages
-
-
-def _initial(exported: TrainingArtifacts) -> dict[str, np.ndarray]:
-    return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(exported.checkpoint)).parameters}
-
-
-def _checkpoint_values(path: Path) -> dict[str, np.ndarray]:
-    return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(path)).parameters}
-
-
-#: The README's tolerance for browsers on the weights: 1e-5 per 1e-3 of rate (AdamW turns a near-zero gradient that
-#: two runtimes round differently into a step of the rate's size).
-BROWSER_ATOL = 1e-5 * LR / 1e-3
-
-
-def _assert_round(path: Path | None, expected: dict[str, np.ndarray], *, atol: float = 1e-5) -> None:
-    """The round checkpoint's values, read by ONNX Runtime, within `atol` of `expected`."""
-    assert path is not None
-    actual = _checkpoint_values(path)
-    assert sorted(actual) == sorted(expected)
-    for name, value in expected.items():
-        np.testing.assert_allclose(actual[name].astype(np.float64), value, rtol=0, atol=atol, err_msg=name)
-
 
 # ----------------------------------------------------------------------------- browsers
-@contextmanager
-def _chromium(urls: dict[str, str]) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """One headless Chromium per URL (each with a fresh profile), killed on exit."""
-    program = chromium_program()
-    assert program is not None
-    processes: dict[str, subprocess.Popen[bytes]] = {}
-    profiles = [tempfile.mkdtemp(prefix="ort-lightning-chromium-") for _ in urls]
-    try:
-        for (name, url), profile in zip(urls.items(), profiles, strict=True):
-            processes[name] = subprocess.Popen([program, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", url],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                               start_new_session=True)
-        yield processes
-    finally:
-        for process in processes.values():
-            _kill(process)
-        for profile in profiles:
-            shutil.rmtree(profile, ignore_errors=True)
-
-
-def _kill(process: subprocess.Popen[bytes]) -> None:
-    """Close a browser as a crash or a closed laptop does: its process group (renderers included) at once."""
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
 def _fleet(web: TrainingArtifacts, *, devices: int = DEVICES, device_timeout: float = 60.0) -> BrowserFleet:
     return BrowserFleet(web, DATA, port=0, devices=devices, device_timeout=device_timeout, ort_web=ort_web_dist())
-
-
-def _server(exported: TrainingArtifacts, folder: Path, *, devices: int = DEVICES, rounds: int = ROUNDS) -> FleetServer:
-    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=devices, min_train_nodes=devices)
-    return FleetServer(GlobalModel(exported), strategy, rounds=rounds, directory=folder)
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -194,14 +97,14 @@ def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_
         if line.strip().startswith("http://"):
             break
     url = lines[-1].strip()
-    with _chromium({n: f"{url}&name={n}" for n in ("a", "b", "c")}):
+    with chromium({n: f"{url}&name={n}" for n in ("a", "b", "c")}):
         output = "".join(lines) + command.stdout.read()
         assert command.wait(timeout=240) == 0, output
     assert re.search(r"a joined \(127\.0\.0\.1:\d+\): partition \d of 3", output)
     assert re.search(r"round  2: accuracy [\d.]+%", output)
     # ONNX Runtime's own loop on the device folder the browsers loaded, from the server's initial weights
     data = DigitsPartitions(split=config["split"], batch_size=config["batch_size"], seed=config["seed"])
-    expected = _reference(browsers / "device", _checkpoint_values(browsers / "artifacts" / "checkpoint"),
+    expected = reference_rounds(browsers / "device", checkpoint_values(browsers / "artifacts" / "checkpoint"),
                           [[0, 1, 2]] * ROUNDS, epochs=epochs, data=data)
     # the simulated fleet of the same config (ONNX Runtime's device loop on the same device folder)
     local = FleetConfig.from_dict({**config, "engine": "local", "out": str(tmp_path / "simulated")})
@@ -211,9 +114,9 @@ def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_
         simulated_round = tmp_path / "simulated" / "rounds" / f"round-{number:04d}.ortckpt"
         # NOTE: the stated tolerance for the simulated fleet too: after two rounds a weight whose gradient is near zero
         # (a pixel that is almost always blank) takes AdamW steps whose sign follows the last bits of its average.
-        _assert_round(browser_round, average, atol=BROWSER_ATOL)
-        _assert_round(simulated_round, average, atol=BROWSER_ATOL)
-        _assert_round(browser_round, _checkpoint_values(simulated_round), atol=BROWSER_ATOL)
+        assert_round(browser_round, average, atol=BROWSER_ATOL)
+        assert_round(simulated_round, average, atol=BROWSER_ATOL)
+        assert_round(browser_round, checkpoint_values(simulated_round), atol=BROWSER_ATOL)
     accuracies = _accuracies(browsers)
     assert accuracies == [record.evaluation["accuracy"] for record in simulated.history]
     assert accuracies[-1] > simulated.initial["accuracy"]
@@ -231,7 +134,7 @@ class _KillWhenSent(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message.startswith(self.pattern) and message.endswith(f" to {self.device}"):
-            _kill(self.process)
+            kill_browser(self.process)
             self.killed.set()
 
 
@@ -244,7 +147,7 @@ def test_a_browser_closed_during_round_two_leaves_the_round_to_the_other_two(
     # NOTE: the hub logs "sent" before the frame goes out, and the handler kills the process before it returns:
     # the page dies owing round 2, before it could answer it.
     urls = {"a": "&name=a", "b": "&name=b", "c": "&name=c"}
-    with _fleet(web) as fleet, _chromium({n: fleet.url + q for n, q in urls.items()}) as browsers:
+    with _fleet(web) as fleet, chromium({n: fleet.url + q for n, q in urls.items()}) as browsers:
         killer = _KillWhenSent("c", 2, browsers["c"])
         level = logger.level
         logger.addHandler(killer)
@@ -252,7 +155,7 @@ def test_a_browser_closed_during_round_two_leaves_the_round_to_the_other_two(
         try:
             fleet.start().wait_for_devices(90)
             held = next(device.partition for device in fleet.connected if device.name == "c")
-            server = fleet.run(_server(exported, tmp_path), join_timeout=1)
+            server = fleet.run(fedavg_server(exported, tmp_path), join_timeout=1)
         finally:
             logger.removeHandler(killer)
             logger.setLevel(level)
@@ -262,9 +165,9 @@ def test_a_browser_closed_during_round_two_leaves_the_round_to_the_other_two(
     assert (refusal.device, refusal.server_round) == ("c", 2)
     assert "c closed its page or lost its connection" in refusal.reason
     others = [p for p in range(DEVICES) if p != held]
-    expected = _reference(web.directory, _initial(exported), [[0, 1, 2], others])
+    expected = reference_rounds(web.directory, initial_values(exported), [[0, 1, 2], others])
     for record, average in zip(server.history, expected, strict=True):
-        _assert_round(record.checkpoint, average)
+        assert_round(record.checkpoint, average)
 
 
 # ----------------------------------------------------------------------------- devices that misbehave
@@ -303,7 +206,7 @@ def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browse
            "silent": r"silent did not answer round 1 within the device timeout of 15 s"}
     closed: dict[str, tuple[int, str]] = {}
     devices = 2 + len(bad)
-    with _fleet(web, devices=devices, device_timeout=15) as fleet, _chromium({n: f"{fleet.url}&name={n}"
+    with _fleet(web, devices=devices, device_timeout=15) as fleet, chromium({n: f"{fleet.url}&name={n}"
                                                                                 for n in ("a", "b")}):
         with pytest.raises(urllib.error.HTTPError, match="403") as page:
             urllib.request.urlopen(fleet.url.replace("token=", "token=x"))
@@ -318,7 +221,7 @@ def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browse
         with connect(wrong) as socket, pytest.raises(ConnectionClosed) as refused:
             socket.recv(timeout=30)
         partitions = {device.name: device.partition for device in fleet.connected}
-        server = fleet.run(_server(exported, tmp_path, devices=devices, rounds=1), join_timeout=1)
+        server = fleet.run(fedavg_server(exported, tmp_path, devices=devices, rounds=1), join_timeout=1)
         for thread in threads:
             thread.join(timeout=60)
     assert refused.value.rcvd is not None
@@ -332,8 +235,9 @@ def test_bad_devices_are_refused_by_name_and_the_round_completes_with_the_browse
     for name, pattern in bad.items():
         assert re.search(pattern, reasons[name]), (name, reasons[name])
         assert closed[name][0] in (1008, 1009), (name, closed[name])
-    [expected] = _reference(web.directory, _initial(exported), [[partitions["a"], partitions["b"]]], devices)
-    _assert_round(server.history[0].checkpoint, expected)
+    chosen = [[partitions["a"], partitions["b"]]]
+    [expected] = reference_rounds(web.directory, initial_values(exported), chosen, devices)
+    assert_round(server.history[0].checkpoint, expected)
 
 
 # ----------------------------------------------------------------------------- refusals without a browser
@@ -384,11 +288,11 @@ def test_fleet_options_and_mismatched_servers_are_refused(
         with pytest.raises(ConfigurationError, match=r"The FleetServer's model has the state \{'fc1.weight'.*but the "
                                                      r"browsers' folder .* trains \{'0.weight'.*build both from the "
                                                      r"same export"):
-            fleet.run(_server(mlp_adamw.artifacts, tmp_path / "other", devices=1))
+            fleet.run(fedavg_server(mlp_adamw.artifacts, tmp_path / "other", devices=1))
         # NOTE: the message names no URL: the token it holds belongs in no error that may reach a log.
         with pytest.raises(ConfigurationError, match=r"0 of 1 browsers joined within 0.2 s; open the fleet's URL in 1 "
                                                      r"browsers \(tabs\), or pass fewer min_devices"):
-            fleet.run(_server(digits_folders[0], tmp_path / "none", devices=1), join_timeout=0.2)
+            fleet.run(fedavg_server(digits_folders[0], tmp_path / "none", devices=1), join_timeout=0.2)
 
 
 def test_a_folder_without_an_optimizer_graph_and_keep_with_browsers_are_refused(

@@ -39,14 +39,13 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import (  # noqa: E402
+from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
     BROWSER_ATOL,
     DATA,
     LR,
-    _assert_round,
-    _checkpoint_values,
-    _initial,
-    digits_folders,  # noqa: F401
+    assert_round,
+    checkpoint_values,
+    initial_values,
 )
 
 DRIVER = ROOT / "tests" / "web" / "node_load.mjs"
@@ -96,7 +95,7 @@ class _Resident:
 @pytest.mark.slow
 @pytest.mark.spread
 def test_fifty_node_devices_ten_rounds_ten_leave_five_come_back_nothing_lost(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
     node = shutil.which("node")
@@ -134,7 +133,7 @@ def test_fifty_node_devices_ten_rounds_ten_leave_five_come_back_nothing_lost(
     assert [record.server_round for record in server.history] == list(range(1, ROUNDS + 1))
 
     # each round: FedAvg of ONNX Runtime's own loop over the partitions it used, from the round before
-    start = _initial(exported)
+    start = initial_values(exported)
     for record in server.history:
         used = sorted(r.partition for r in receipts if r.server_round == record.server_round and r.outcome == "used")
         assert record.devices == len(used) >= floor, (record.server_round, record.devices, used)
@@ -143,8 +142,8 @@ def test_fifty_node_devices_ten_rounds_ten_leave_five_come_back_nothing_lost(
                  len(loaders[p].dataset)) for p in used]  # type: ignore[arg-type]
         total = sum(count for _, count in fits)
         average = {n: sum(values[n].astype(np.float64) * count for values, count in fits) / total for n in start}
-        _assert_round(record.checkpoint, average, atol=BROWSER_ATOL)
-        start = _checkpoint_values(record.checkpoint)  # type: ignore[arg-type]
+        assert_round(record.checkpoint, average, atol=BROWSER_ATOL)
+        start = checkpoint_values(record.checkpoint)  # type: ignore[arg-type]
 
     # the server's memory is flat, and the run is bounded in time
     growth = max(resident.by_round[r] for r in range(3, ROUNDS + 1)) - resident.by_round[2]

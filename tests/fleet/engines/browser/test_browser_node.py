@@ -25,14 +25,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import (  # noqa: E402, F401
-    BROWSER_ATOL,
-    DATA,
-    _assert_round,
-    _initial,
-    _reference,
-    digits_folders,
-)
+from tests.fleet.engines.browser.digits_rounds import BROWSER_ATOL, DATA, assert_round, initial_values, reference_rounds  # noqa: E402
 
 DRIVER = ROOT / "tests" / "web" / "node_fleet.mjs"
 
@@ -41,7 +34,7 @@ DRIVER = ROOT / "tests" / "web" / "node_fleet.mjs"
 @pytest.mark.slow
 @pytest.mark.spread
 def test_node_devices_leave_and_come_back_as_themselves(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
     node = shutil.which("node")
@@ -66,6 +59,6 @@ def test_node_devices_leave_and_come_back_as_themselves(
     [refusal] = fleet.refusals
     assert (refusal.device, refusal.server_round) == ("b", 2)
     a_partition = int(partitions["a"].split()[1])
-    expected = _reference(web.directory, _initial(exported), [[0, 1], [a_partition], [0, 1]], partitions=2)
+    expected = reference_rounds(web.directory, initial_values(exported), [[0, 1], [a_partition], [0, 1]], partitions=2)
     for record, average in zip(server.history, expected, strict=True):
-        _assert_round(record.checkpoint, average, atol=BROWSER_ATOL)
+        assert_round(record.checkpoint, average, atol=BROWSER_ATOL)

@@ -34,7 +34,8 @@ from websockets.sync.client import connect  # noqa: E402
 
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import CHROMIUM_FLAGS, DATA, digits_folders  # noqa: E402, F401
+from tests.fleet.engines.browser.chromium import CHROMIUM_FLAGS  # noqa: E402
+from tests.fleet.engines.browser.digits_rounds import DATA  # noqa: E402
 
 
 def _dumped_dom(url: str, profile: Path) -> str:
@@ -74,7 +75,7 @@ def _page_text(url: str, pattern: str, profile: Path, fleet: BrowserFleet) -> st
 @pytest.mark.slow
 @pytest.mark.spread
 def test_the_page_shows_its_fleet_device_status_rounds_and_a_leave_button(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     _, web = digits_folders
     with BrowserFleet(web, DATA, port=0, devices=1, ort_web=ort_web_dist(), name="digits on the 3rd floor") as fleet:
@@ -99,7 +100,7 @@ def test_the_page_shows_its_fleet_device_status_rounds_and_a_leave_button(
 @pytest.mark.slow
 @pytest.mark.spread
 def test_a_reloaded_page_comes_back_as_the_same_device(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     _, web = digits_folders
     profile = tmp_path / "profile"  # one browser profile: its localStorage holds the page's identity
@@ -191,7 +192,7 @@ class _AggregatesWhenSet(FedAvg):
 @pytest.mark.slow
 @pytest.mark.spread
 def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
     shots = tmp_path / "screenshots"
@@ -254,7 +255,7 @@ def test_a_screenshot_at_each_state_of_the_page_shows_what_a_person_needs(
 @pytest.mark.slow
 @pytest.mark.spread
 def test_a_page_reconnects_to_a_server_restarted_with_the_same_token(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     _, web = digits_folders
     tab = _DevTools(tmp_path / "profile")

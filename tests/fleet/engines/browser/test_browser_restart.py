@@ -33,14 +33,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from ort_lightning.errors import FleetError  # noqa: E402
 from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import (  # noqa: E402
-    BROWSER_ATOL,
-    DATA,
-    LR,
-    _assert_round,
-    _checkpoint_values,
-    digits_folders,  # noqa: F401
-)
+from tests.fleet.engines.browser.digits_rounds import BROWSER_ATOL, DATA, LR, assert_round, checkpoint_values  # noqa: E402
 
 DRIVER = ROOT / "tests" / "web" / "node_stay.mjs"
 TOKEN = "the-same-token-after-a-restart"
@@ -62,7 +55,7 @@ def _fleet(web: TrainingArtifacts, port: int) -> BrowserFleet:
 @pytest.mark.slow
 @pytest.mark.spread
 def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_come_back(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
     node = shutil.which("node")
@@ -104,7 +97,7 @@ def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_c
     assert [record.server_round for record in server.history] == list(range(finished + 1, ROUNDS + 1))
     assert sorted((e.device, e.kind) for e in second.hub.events if e.kind == "joined") == [("a", "joined"),
                                                                                           ("b", "joined")]
-    start = _checkpoint_values(last)
+    start = checkpoint_values(last)
     receipts = second.hub.ledger.receipts
     for record in server.history:
         used = sorted(r.partition for r in receipts if r.server_round == record.server_round and r.outcome == "used")
@@ -114,5 +107,5 @@ def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_c
                  len(loaders[p].dataset)) for p in used]  # type: ignore[arg-type]
         total = sum(count for _, count in fits)
         average = {n: sum(values[n].astype(np.float64) * count for values, count in fits) / total for n in start}
-        _assert_round(record.checkpoint, average, atol=BROWSER_ATOL)
-        start = _checkpoint_values(record.checkpoint)  # type: ignore[arg-type]
+        assert_round(record.checkpoint, average, atol=BROWSER_ATOL)
+        start = checkpoint_values(record.checkpoint)  # type: ignore[arg-type]

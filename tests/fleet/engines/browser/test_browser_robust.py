@@ -32,7 +32,7 @@ from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
 from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.browser.frames import pack, unpack  # noqa: E402
 from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
-from tests.fleet.engines.browser.test_browser_fleet import _checkpoint_values, digits_folders  # noqa: E402, F401
+from tests.fleet.engines.browser.digits_rounds import checkpoint_values  # noqa: E402
 
 NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
 DATA = DigitsPartitions(batch_size=16, seed=0)
@@ -60,7 +60,7 @@ def _poisoned(fleet: BrowserFleet) -> None:
 @pytest.mark.spread
 @pytest.mark.parametrize("strategy", [FedMedian, FedTrimmedAvg, FedAvg], ids=["median", "trimmed-mean", "fedavg"])
 def test_a_poisoned_device_is_outvoted_by_robust_strategies_and_visible_under_fedavg(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, strategy: type  # noqa: F811
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, strategy: type
 ) -> None:
     exported, web = digits_folders
     node = shutil.which("node")
@@ -84,7 +84,7 @@ def test_a_poisoned_device_is_outvoted_by_robust_strategies_and_visible_under_fe
             honest.wait(timeout=60)
     accuracies = [record.evaluation["accuracy"] for record in server.history]
     assert [record.devices for record in server.history] == [3, 3, 3]
-    largest = float(max(np.abs(v).max() for v in _checkpoint_values(server.history[-1].checkpoint).values()))
+    largest = float(max(np.abs(v).max() for v in checkpoint_values(server.history[-1].checkpoint).values()))
     if strategy is FedAvg:
         assert largest > 1e3, largest
         assert accuracies[-1] < 0.5, accuracies
