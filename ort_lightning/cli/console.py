@@ -276,8 +276,8 @@ def _fleet(args: argparse.Namespace) -> None:
     import logging
     import warnings
 
-    from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader
-    from ort_lightning.fleet.experiment import FleetConfig, run_experiment
+    from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
+    from ort_lightning.fleet.run import FleetConfig, run_experiment
 
     config = FleetConfig.from_yaml(args.config, overrides=args.overrides)
     if args.browsers:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ort_lightning.fleet.browser.frames import pack, train_frame
+from ort_lightning.fleet.devices.frames import pack, train_frame
 from tests.helpers import ROOT
 
 PATH = ROOT / "tests" / "web" / "frame_vectors.json"

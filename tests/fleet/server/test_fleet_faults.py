@@ -23,7 +23,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import ClientData, FleetClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
-from ort_lightning.fleet.experiment import FleetConfig  # noqa: E402
+from ort_lightning.fleet.run import FleetConfig  # noqa: E402
 from tests.fleet.fedavg_by_hand import (  # noqa: E402
     EPOCHS,
     LR,

@@ -16,7 +16,7 @@ from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import TrainingArtifacts
 from ort_lightning.fleet import FleetServer, GlobalModel
-from ort_lightning.fleet.digits import DigitsPartitions
+from ort_lightning.fleet.data.digits import DigitsPartitions
 from tests.helpers import ort_device_loop
 
 LR = 0.01

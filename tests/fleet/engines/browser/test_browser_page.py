@@ -32,8 +32,11 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
 from tests.fleet.engines.browser.chromium import CHROMIUM_FLAGS  # noqa: E402
 from tests.fleet.engines.browser.digits_rounds import DATA  # noqa: E402
 

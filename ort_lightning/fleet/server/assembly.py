@@ -1,4 +1,4 @@
-"""What a fleet experiment is built from: the device folder and the server (each device's client: `fleet.runner`).
+"""What a fleet experiment is built from: the device folder and the server (each device's client: `fleet.devices.client`).
 
 Each takes the `FleetConfig` and the artifacts; the data comes as an argument (``data`` for the
 devices, ``test`` for the server's evaluation), so that nothing here knows a data set.
@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.export import prepare_for_web
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.config import STRATEGIES, FleetConfig
-from ort_lightning.fleet.server import GlobalModel
+from ort_lightning.fleet.config.fleet_config import STRATEGIES, FleetConfig
+from ort_lightning.fleet.server.global_model import GlobalModel
+from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 

@@ -19,9 +19,9 @@ from typing import Any
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.digits import SPLITS
-from ort_lightning.fleet.keys import check_keys, check_types, parse_override
-from ort_lightning.fleet.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
+from ort_lightning.fleet.config.keys import check_keys, check_types, parse_override
+from ort_lightning.fleet.data.digits import SPLITS
+from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig"]
 
@@ -54,7 +54,7 @@ class FleetConfig:
         start: where each device starts, ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the
             server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
         engine: ``"local"``, ``"simulation"`` (Flower's Ray engine) or ``"browser"`` (browsers that open the
-            fleet's page are the devices, `ort_lightning.fleet.browser`).
+            fleet's page are the devices, `ort_lightning.fleet.engines.browser`).
         runner: what a simulated device runs: ``"ort"`` (ONNX Runtime's device loop on the device folder,
             what a phone or a page runs: `DeviceClient`) or ``"lightning"`` (a ``lightning.Trainer`` over an
             `ORTLightningModule`, `FleetClient`: not what a device runs).
@@ -72,7 +72,7 @@ class FleetConfig:
         ort_web: ``engine: browser``: onnxruntime-web's ``dist/`` folder or a URL (None: found as
             `ort_lightning.web.find_ort_web` finds it).
         page_data: ``engine: browser``: an ES module the pages import to make their own batches (the
-            contract is in `ort_lightning.fleet.browser`), instead of the digits partitions; None: the
+            contract is in `ort_lightning.fleet.engines.browser`), instead of the digits partitions; None: the
             server ships each page its digits partition.
         max_examples: ``engine: browser`` with ``page_data``: the most examples per epoch a page may claim.
         min_devices: ``engine: browser``: the pages the first round waits for (None: ``devices``, which is

@@ -4,7 +4,7 @@
 accuracy after each round, and writes each round's ORT checkpoint, ``history.json`` and (with
 matplotlib) ``accuracy.png`` under `out`. The data is an argument: ``data(partition, partitions)
 -> ClientData`` for the devices (the contract of `FleetClient`) and ``test``, the batches the
-global model is evaluated on; ``ort-lightning fleet`` passes the digits (`ort_lightning.fleet.digits`),
+global model is evaluated on; ``ort-lightning fleet`` passes the digits (`ort_lightning.fleet.data.digits`),
 the example's data set.
 
 Every engine's devices run what a real device runs (``runner: ort``, `DeviceClient`): ONNX
@@ -17,7 +17,7 @@ that a simulated round equals a browser's round. ``runner: lightning`` runs a
 ``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
 cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
 to many machines; ``engine: browser`` serves a page whose visitors are the devices
-(`ort_lightning.fleet.browser`: ``host``, ``port``, ``device_timeout``, ``ort_web``).
+(`ort_lightning.fleet.engines.browser`: ``host``, ``port``, ``device_timeout``, ``ort_web``).
 
 Example::
 
@@ -36,16 +36,16 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.assembly import device_folder, fleet_server, quiet_ray
-from ort_lightning.fleet.browser.experiment import run_browser_experiment
-from ort_lightning.fleet.client import FleetClient
-from ort_lightning.fleet.config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
-from ort_lightning.fleet.device import DeviceClient
-from ort_lightning.fleet.local import run_local
-from ort_lightning.fleet.protocol import DataFn
-from ort_lightning.fleet.report import report
-from ort_lightning.fleet.runner import fleet_client
+from ort_lightning.fleet.config.fleet_config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
+from ort_lightning.fleet.devices.client import fleet_client
+from ort_lightning.fleet.devices.ort_loop import DeviceClient
+from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.devices.trainer_loop import FleetClient
+from ort_lightning.fleet.engines.browser.browser_run import run_browser_experiment
+from ort_lightning.fleet.engines.local import run_local
+from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
+from ort_lightning.fleet.server.report import report
+from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment"]
 
