@@ -3,16 +3,15 @@
 `run_experiment` trains the artifacts on `devices` devices for `rounds` rounds, prints the global
 accuracy after each round, and writes each round's ORT checkpoint, ``history.json`` and (with
 matplotlib) ``accuracy.png`` under `out`. The data is an argument: ``data(partition, partitions)
--> ClientData`` for the devices (the contract of `FleetClient`) and ``test``, the batches the
+-> ClientData`` for the devices (the contract of `DeviceClient`) and ``test``, the batches the
 global model is evaluated on; ``ort-lightning fleet`` passes the digits (`ort_lightning.fleet.data.digits`),
 the example's data set.
 
-Every engine's devices run what a real device runs (``runner: ort``, `DeviceClient`): ONNX
-Runtime's loop on the device folder ``out/device`` that `prepare_for_web` writes from the
-artifacts (the optimizer graph computes the config's ``lr``), the very files a browser loads, so
-that a simulated round equals a browser's round. ``runner: lightning`` runs a
-``lightning.Trainer`` over an `ORTLightningModule` on each simulated device instead
-(`FleetClient`): no device has a Trainer, and its epochs shuffle differently (`DeviceClient`).
+Every engine's devices run `DeviceClient` on the device folder ``out/device`` that
+`prepare_for_web` writes from the artifacts (its optimizer graph computes the config's ``lr``),
+the very files a browser loads: ``runner: ort`` runs ONNX Runtime's loop, what a real device
+runs, so that a simulated round equals a browser's round; ``runner: lightning`` runs a
+``lightning.Trainer`` over an `ORTLightningModule` at the folder's rate instead.
 
 ``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
 cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
@@ -36,11 +35,9 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.config.fleet_config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
-from ort_lightning.fleet.devices.client import fleet_client
-from ort_lightning.fleet.devices.ort_loop import DeviceClient
-from ort_lightning.fleet.devices.protocol import DataFn
-from ort_lightning.fleet.devices.trainer_loop import FleetClient
+from ort_lightning.fleet.config.fleet_config import ENGINES, STRATEGIES, FleetConfig
+from ort_lightning.fleet.devices.client import DeviceClient
+from ort_lightning.fleet.devices.protocol import RUNNERS, DataFn
 from ort_lightning.fleet.engines.browser.browser_run import run_browser_experiment
 from ort_lightning.fleet.engines.local import run_local
 from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
@@ -50,7 +47,7 @@ from ort_lightning.fleet.server.server_app import FleetServer
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment"]
 
 
-def _run(server: FleetServer, client: DeviceClient | FleetClient, config: FleetConfig) -> None:
+def _run(server: FleetServer, client: DeviceClient, config: FleetConfig) -> None:
     if config.engine == "local":
         run_local(server.server_app(), client.client_app(), nodes=config.devices)
         return
@@ -77,7 +74,7 @@ def run_experiment(
     Args:
         config: the experiment.
         artifacts: the exported artifacts (the server's folder; the devices' folder is written from it).
-        data: ``(partition, partitions) -> ClientData``, each device's data (as `FleetClient` takes it);
+        data: ``(partition, partitions) -> ClientData``, each device's data (as `DeviceClient` takes it);
             None only with ``engine: browser`` and ``page_data`` (the pages make their own).
         test: the batches the global model is evaluated on after every round (None: no accuracy).
         echo: print the accuracy per round.
@@ -96,8 +93,9 @@ def run_experiment(
                                  f"{config.engine!r}, but got None; pass the devices' data (only browser pages with "
                                  "page_data make their own).")
     server = fleet_server(config, artifacts, test)
-    devices = device_folder(config, artifacts).directory if config.runner == "ort" else artifacts
+    client = DeviceClient(device_folder(config, artifacts).directory, data, epochs=config.epochs, runner=config.runner,
+                          optimizer_state=config.optimizer_state, start=config.start)
     started = time.perf_counter()
-    _run(server, fleet_client(config, devices, data), config)
+    _run(server, client, config)
     report(server, config, time.perf_counter() - started, echo=echo)
     return server

@@ -21,7 +21,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedPro
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.keys import check_keys, check_types, parse_override
 from ort_lightning.fleet.data.digits import SPLITS
-from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
+from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, RUNNERS, STARTS
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig"]
 
@@ -31,8 +31,6 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fedadagrad": FedAdagrad,
 }
 ENGINES = ("local", "simulation", "browser")
-#: What a simulated device runs: ONNX Runtime's device loop (what a real device runs), or a Lightning Trainer.
-RUNNERS = ("ort", "lightning")
 
 
 @dataclass(frozen=True)
@@ -50,14 +48,14 @@ class FleetConfig:
             (non-IID: each device holds the digits of one writer-like group; `DigitsPartitions`).
         strategy: a key of `STRATEGIES`.
         strategy_options: keyword arguments of that Flower strategy (``fraction_train``, ``eta``...).
-        optimizer_state: ``"fresh"`` or ``"keep"`` (see `FleetClient`).
+        optimizer_state: ``"fresh"`` or ``"keep"`` (see `DeviceClient`).
         start: where each device starts, ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the
-            server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `FleetClient`).
+            server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `DeviceClient`).
         engine: ``"local"``, ``"simulation"`` (Flower's Ray engine) or ``"browser"`` (browsers that open the
             fleet's page are the devices, `ort_lightning.fleet.engines.browser`).
         runner: what a simulated device runs: ``"ort"`` (ONNX Runtime's device loop on the device folder,
-            what a phone or a page runs: `DeviceClient`) or ``"lightning"`` (a ``lightning.Trainer`` over an
-            `ORTLightningModule`, `FleetClient`: not what a device runs).
+            what a phone or a page runs) or ``"lightning"`` (a ``lightning.Trainer`` over an
+            `ORTLightningModule`: not what a device runs); see `DeviceClient`.
         cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
         hidden: hidden units of the digits MLP (when the console script exports it).
         seed: seed of the model, the split and the shuffles.

@@ -6,9 +6,10 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and d
 `FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
 plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
 is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
-digits, and it trains as a device does (``runner: ort``: ONNX Runtime's device loop on the
-``artifacts`` folder, starting from its nominal checkpoint plus the server's values, at ``lr``
-set through ORT's ``set_learning_rate``, or at the rate a ``prepare_for_web`` folder computes).
+digits, and it trains as a device does (`DeviceClient`, from its nominal checkpoint plus the
+server's values) on its device folder: the ``artifacts`` folder prepared once per SuperNode
+process with ``lr`` in its optimizer graph (`prepare_for_web`), or ``artifacts`` itself where it
+is such a folder already, at that rate.
 The server first gives all ``devices`` SuperNodes up to ``device_timeout`` seconds to connect;
 before each round it then waits for ``min_nodes`` of them (by default ``devices - 1``, at least
 1: a round goes on after one SuperNode is lost), trains on every SuperNode connected then, gives
@@ -25,24 +26,24 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
+import atexit
+import functools
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
-from ort_lightning.fleet.devices.client import fleet_client
-
-if TYPE_CHECKING:
-    from ort_lightning.fleet.devices.ort_loop import DeviceClient
-    from ort_lightning.fleet.devices.trainer_loop import FleetClient
+from ort_lightning.fleet.devices.client import DeviceClient
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -68,7 +69,7 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
 
 
 # ----------------------------------------------------------------------------- the device
-client = ClientApp()
+client = ClientApp(mods=[clip_when_asked])
 
 
 @client.train()
@@ -83,10 +84,35 @@ def _evaluate(message: Message, context: Context) -> Message:
     return _client(config, artifacts).evaluate(message, context)
 
 
-def _client(config: FleetConfig, artifacts: Path) -> DeviceClient | FleetClient:
-    """The device of this app: its SuperNode's share of the digits."""
-    return fleet_client(config, artifacts, DigitsPartitions(split=config.split, batch_size=config.batch_size,
-                                                            seed=config.seed))
+def _client(config: FleetConfig, artifacts: Path) -> DeviceClient:
+    """The device of this app: its SuperNode's share of the digits, on its device folder."""
+    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
+    return DeviceClient(_device_folder(str(artifacts), config.lr), data, epochs=config.epochs, runner=config.runner,
+                        optimizer_state=config.optimizer_state, start=config.start)
+
+
+@functools.lru_cache(maxsize=2)
+def _device_folder(artifacts: str, lr: float) -> Path:
+    """`artifacts` with `lr` in its optimizer graph: prepared once per process, or `artifacts` if it has that rate.
+
+    Raises:
+        ConfigurationError: for a folder prepared with another rate than the run config's `lr`.
+    """
+    loaded = TrainingArtifacts.load(artifacts)
+    schedule = loaded.manifest.lr_schedule
+    if schedule is None:
+        from ort_lightning.export import prepare_for_web  # the exporter's side, for a folder still to prepare
+
+        root = tempfile.mkdtemp(prefix="ort-lightning-device-")
+        atexit.register(shutil.rmtree, root, True)
+        return prepare_for_web(loaded, Path(root) / "device", lr=lr).directory
+    if (schedule.kind, schedule.lr) != ("constant", lr):
+        raise ConfigurationError(
+            f"The run config's lr={lr}, but the device folder {artifacts} computes its own rate "
+            f"({schedule.describe()}); pass lr={schedule.lr} in the run config, or name the exported folder, which "
+            "each SuperNode prepares with the run config's lr."
+        )
+    return loaded.directory
 
 
 # ----------------------------------------------------------------------------- the server
@@ -103,10 +129,7 @@ def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    nodes = config.nodes_to_wait_for
-    waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
-    config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
-    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed))
+    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed), min_nodes=config.nodes_to_wait_for)
     _wait_for_nodes(grid, config.devices, config.device_timeout)
     started = time.perf_counter()
     fleet.main(grid, context)

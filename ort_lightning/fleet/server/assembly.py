@@ -1,4 +1,4 @@
-"""What a fleet experiment is built from: the device folder and the server (each device's client: `fleet.devices.client`).
+"""What a fleet experiment is built from: the device folder and the server (each device's client: `devices.client`).
 
 Each takes the `FleetConfig` and the artifacts; the data comes as an argument (``data`` for the
 devices, ``test`` for the server's evaluation), so that nothing here knows a data set.
@@ -14,19 +14,17 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.export import prepare_for_web
-from ort_lightning.fleet.config.fleet_config import STRATEGIES, FleetConfig
+from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.server.global_model import GlobalModel
 from ort_lightning.fleet.server.server_app import FleetServer
+from ort_lightning.fleet.server.strategies import strategy_from
 
 __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 
 
-def _strategy(config: FleetConfig) -> Strategy:
-    options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, config.devices),
-               "min_train_nodes": min(2, config.devices), **config.strategy_options}
-    if config.strategy == "fedprox":
-        options.setdefault("proximal_mu", 0.0)
-    return STRATEGIES[config.strategy](**options)
+def _strategy(config: FleetConfig, min_nodes: int | None) -> Strategy:
+    return strategy_from({"name": config.strategy, "options": config.strategy_options}, None, config.devices,
+                         min_nodes=min_nodes, lr=config.lr)
 
 
 def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> TrainingArtifacts:
@@ -39,14 +37,16 @@ def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Tra
 
 
 def fleet_server(
-    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None
+    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None, *,
+    min_nodes: int | None = None,
 ) -> FleetServer:
     """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``.
 
-    `test` holds the batches the global model is evaluated on after every round (None: no evaluation).
+    `test` holds the batches the global model is evaluated on after every round (None: no evaluation);
+    `min_nodes`, the devices each round waits for (`strategy_from`'s).
     """
     model = GlobalModel(Path(artifacts), checkpoint=config.resume)
-    return FleetServer(model, _strategy(config), rounds=config.rounds, directory=Path(config.out) / "rounds",
+    return FleetServer(model, _strategy(config, min_nodes), rounds=config.rounds, directory=Path(config.out) / "rounds",
                        test=test, device_timeout=config.device_timeout)
 
 

@@ -4,8 +4,9 @@ Example::
 
     >>> import numpy as np
     >>> from ort_lightning.fleet.devices.frames import Result
+    >>> from ort_lightning.fleet.devices.weights import WeightOrder
     >>> result = Result(np.arange(3, dtype=np.float32), examples=8, steps=2, losses=[0.9, 0.5])
-    >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, [("w", (3,))], last_epoch=1)
+    >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, WeightOrder([("w", (3,))]), last_epoch=1)
     >>> arrays["w"].numpy().tolist(), metrics["num-examples"], metrics["train_loss"], metrics["steps_per_second"]
     ([0.0, 1.0, 2.0], 8, 0.5, 4.0)
 """
@@ -13,17 +14,17 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 
+from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result
 from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.weights import WeightOrder
 
-__all__ = ["reply_records"]
+__all__ = ["clipping_norm", "reply_records"]
 
 
 def _timings(header: dict[str, Any]) -> dict[str, float]:
@@ -36,19 +37,34 @@ def _timings(header: dict[str, Any]) -> dict[str, float]:
     return timings
 
 
-def _named(weights: np.ndarray, specs: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    named, at = {}, 0
-    for name, shape in specs:
-        size = math.prod(shape)
-        named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
-        at += size
-    return named
+def clipping_norm(message: Message) -> float | None:
+    """The norm a device clips its update to: Flower's client-side DP wrappers put it in the train config."""
+    config = message.content.config_records.get("config")
+    # NOTE: "clipping_norm" is Flower's key (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM).
+    value = None if config is None else config.get("clipping_norm")
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def _norm_bit(header: dict[str, Any], clip: float, device: str) -> int:
+    """Flower's ``norm_bit`` (adaptive clipping): 1 where the device's update was above the norm and clipped."""
+    norm = header.get("update_norm")
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm):
+        raise DeviceReplyError(f"{device} was asked to clip its update to norm {clip:g} but sent update_norm={norm!r}, "
+                               "not the norm it clipped; the device is refused (use the fleet's page).")
+    return int(norm > clip)
 
 
 def reply_records(
-    result: Result, header: dict[str, Any], specs: Sequence[tuple[str, tuple[int, ...]]], *, last_epoch: int | None
+    result: Result, header: dict[str, Any], weight_order: WeightOrder, *, last_epoch: int | None,
+    clip: float | None = None, device: str = "the device",
 ) -> tuple[ArrayRecord, MetricRecord]:
-    """The reply's arrays (by the names of `specs`) and metrics; `last_epoch`: its steps, else the device's count."""
+    """The reply's arrays (named by `weight_order`) and metrics; `last_epoch`: its steps, else the device's count.
+
+    With `clip` (client-side DP), the metrics hold Flower's ``norm_bit`` from the device's ``update_norm``.
+
+    Raises:
+        DeviceReplyError: a device asked to clip that sent no update norm.
+    """
     steps = last_epoch if last_epoch is not None else result.last_epoch_steps
     last = result.losses[-steps:] if steps else []
     timings = _timings(header)
@@ -57,4 +73,6 @@ def reply_records(
         WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
         "steps": result.steps, "steps_per_second": rate, **timings,
     }
-    return ArrayRecord(_named(result.weights, specs)), MetricRecord(metrics)
+    if clip is not None:
+        metrics["norm_bit"] = _norm_bit(header, clip, device)
+    return weight_order.record(result.weights), MetricRecord(metrics)
