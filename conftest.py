@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 # NOTE: without Flower, importing ort_lightning.fleet raises on purpose; its doctests are skipped, as
-# tests/test_fleet.py is, instead of failing collection.
+# tests/fleet/test_fleet.py is, instead of failing collection.
 collect_ignore = [] if importlib.util.find_spec("flwr") else ["ort_lightning/fleet"]
 
 #: The cores this process found when it started, before ``--core-per-worker`` pinned it to one of them.

@@ -55,6 +55,29 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class TripleGradient(torch.autograd.Function):
+    """Identity whose torch backward triples the gradient; its ONNX export is a plain Identity."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 3 * grad
+
+    @staticmethod
+    def symbolic(graph: torch.Graph, x: torch.Value) -> torch.Value:
+        return graph.op("Identity", x)
+
+
+class TripledMLP(MLP):
+    """An MLP whose torch gradients of fc1 are three times what its ONNX graph computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(TripleGradient.apply(self.fc1(x))))
+
+
 class BNDropoutCNN(torch.nn.Module):
     """Conv -> BatchNorm -> ReLU -> Dropout -> Linear on 1x8x8 images, 10 classes."""
 
@@ -101,7 +124,7 @@ def mlp_adamw(artifacts_root: Path) -> Exported:
 @pytest.fixture(scope="session")
 def mlp_sgd(artifacts_root: Path) -> Exported:
     torch.manual_seed(1)
-    # NOTE: only mlp_adamw and bn_dropout_cnn are verified (tests/test_verify.py reads their reports); the tests
+    # NOTE: only mlp_adamw and bn_dropout_cnn are verified (tests/export/test_verify.py reads their reports); the tests
     # of mlp_sgd compare its steps with torch themselves.
     return _export(artifacts_root, "mlp_sgd", MLP(), torch.zeros(2, 4), optimizer="sgd", verify=False)
 

@@ -32,10 +32,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from onnxruntime import OrtValue
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-__all__ = ["DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "cli_error_line", "ort_deaths",
+__all__ = ["ROOT", "DeviceRun", "GradientProbe", "RunIf", "checkpointing_for", "cli_error_line", "ort_deaths",
            "ort_device_loop", "ort_device_run", "ort_device_start", "quiet_trainer", "scale_gradient", "tiered"]
 
 Tensor = torch.Tensor | np.ndarray
+#: The repository's root: the tests' paths are written from it, wherever a test file lies under tests/.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- ONNX Runtime's device loop

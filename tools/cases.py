@@ -1,6 +1,6 @@
 """The op audit's cases: one tiny model per differentiable torch.nn layer family and common tensor op.
 
-The one list that ``python -m tools.op_audit`` (which writes docs/ops.md) and tests/test_ops.py
+The one list that ``python -m tools.op_audit`` (which writes docs/ops.md) and tests/export/test_ops.py
 both run. Each case builds its model and makes inputs for any batch size, from fixed seeds.
 """
 

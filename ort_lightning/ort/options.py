@@ -24,7 +24,7 @@ def session_options(
     """Return `SessionOptions` that log errors only, with `custom_op_library` registered when given.
 
     `spinning` and `intra_op_threads` (0: ORT's default) change no result
-    (``tests/test_session_numerics.py``); nothing is loaded that the caller did not name.
+    (``tests/ort/test_session_numerics.py``); nothing is loaded that the caller did not name.
 
     Raises:
         ConfigurationError: for a library file that is missing or that ORT cannot load.

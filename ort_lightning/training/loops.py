@@ -3,7 +3,7 @@
 A second ``fit`` of a Trainer starts where the first stopped, and Lightning has no public way to
 start its loops over; `fresh_loops` builds them as ``Trainer.__init__`` does, so that a Trainer
 reused for many fits (a fleet worker's) counts each from 0. `LOOPS` lists what this relies on;
-``tests/test_lightning_private.py`` checks it against the installed lightning.
+``tests/training/test_lightning_private.py`` checks it against the installed lightning.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // Unit tests of frames.js, the device's frame codec, on the vectors frames.py wrote (tests/web/frame_vectors.json,
-// tests/frame_vectors.py): Python's train frames decode here to the tensors listed beside them, and the result
-// frames this codec writes are Python's bytes, which tests/test_frame_vectors.py reads back with frames.py.
+// tests/fleet/devices/frame_vectors.py): Python's train frames decode here to the tensors listed beside them, and the result
+// frames this codec writes are Python's bytes, which tests/fleet/devices/test_frame_vectors.py reads back with frames.py.
 import assert from 'node:assert/strict';
 import { readFile } from 'node:fs/promises';
 import { test } from 'node:test';

@@ -1,6 +1,6 @@
 // Unit tests of runner.js's own checks (node --test tests/web/): a fake onnxruntime-web namespace that records
 // what the runner asks of it. What onnxruntime-web computes is tested end to end against ORT's Python loop
-// (tests/test_web_runner.py, tests/test_browser_fleet.py); here, what the runner refuses before or after it.
+// (tests/web/test_web_runner.py, tests/fleet/engines/browser/test_browser_fleet.py); here, what the runner refuses before or after it.
 import assert from 'node:assert/strict';
 import { fileURLToPath } from 'node:url';
 import { test } from 'node:test';

@@ -1,4 +1,4 @@
-// node tests/web/train_device.mjs job.json: what tests/test_web_runner.py runs (and the example of docs/browsers.md).
+// node tests/web/train_device.mjs job.json: what tests/web/test_web_runner.py runs (and the example of docs/browsers.md).
 //
 // The job names onnxruntime-web's dist/ folder, the runner, a device folder, the graphs' format
 // ('ort' or 'onnx'), the epochs, and raw little-endian files: the weights (float32) and each batch's

@@ -122,7 +122,7 @@ server = ServerApp()
 @server.main()
 def _main(grid: Grid, context: Context) -> None:
     # The server's parts (Lightning among them) are imported here: each SuperNode loads this module for
-    # `client`, and a device imports no Lightning (tests/test_fleet_device.py).
+    # `client`, and a device imports no Lightning (tests/fleet/devices/test_fleet_device.py).
     from ort_lightning.fleet.server.assembly import fleet_server
     from ort_lightning.fleet.server.report import report
 

@@ -2,7 +2,7 @@
 
 `ModelCheckpointAdapter` overrides each private file method in a line or two and hands over to a
 public-named one, so ``ORTCheckpoint`` is written against public names only. `OVERRIDDEN` and
-`FIELDS` list what this relies on; ``tests/test_lightning_private.py`` checks them against the
+`FIELDS` list what this relies on; ``tests/training/test_lightning_private.py`` checks them against the
 installed lightning.
 """
 
