@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from ort_lightning.web import wire
-
-from ._web import ROOT
-from .helpers import RunIf
+from tests._web import ROOT
+from tests.helpers import RunIf
 
 pytest.importorskip("starlette", reason='the browser fleet is not installed: pip install -e ".[fleet]"')
 
