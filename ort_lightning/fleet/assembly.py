@@ -13,20 +13,27 @@ from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.config import STRATEGIES, FleetConfig
+from ort_lightning.fleet.config import FleetConfig, PrivacySection, StrategySection
 from ort_lightning.fleet.server import GlobalModel
 
 __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 
 
-def _strategy(config: FleetConfig) -> Strategy:
-    options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, config.devices),
-               "min_train_nodes": min(2, config.devices), **config.strategy_options}
-    if config.strategy == "fedprox":
+def strategy_from(strategy: StrategySection, privacy: PrivacySection, devices: int) -> Strategy:
+    """The Flower strategy of the ``strategy`` section (``privacy``: the strategies module's business)."""
+    import flwr.serverapp.strategy as flower
+
+    if privacy.side is not None:
+        raise ConfigurationError(f"`privacy.side: {privacy.side}` needs the strategies module; set privacy.side: null.")
+    kind = {name.lower(): getattr(flower, name) for name in flower.__all__}[strategy.name]
+    options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, devices), "min_train_nodes": min(2, devices),
+               **strategy.options}
+    if strategy.name == "fedprox":
         options.setdefault("proximal_mu", 0.0)
-    return STRATEGIES[config.strategy](**options)
+    return kind(**options)
 
 
 def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> TrainingArtifacts:
@@ -35,7 +42,7 @@ def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Tra
     Written by `prepare_for_web` from `artifacts` (constant rate, ``.ort`` graphs, the nominal
     checkpoint): the files a browser loads, and the ones a simulated device opens.
     """
-    return prepare_for_web(artifacts, Path(config.out) / "device", lr=config.lr)
+    return prepare_for_web(artifacts, Path(config.output.folder) / "device", lr=config.devices.lr)
 
 
 def fleet_server(
@@ -45,9 +52,10 @@ def fleet_server(
 
     `test` holds the batches the global model is evaluated on after every round (None: no evaluation).
     """
-    model = GlobalModel(Path(artifacts), checkpoint=config.resume)
-    return FleetServer(model, _strategy(config), rounds=config.rounds, directory=Path(config.out) / "rounds",
-                       test=test, device_timeout=config.device_timeout)
+    model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
+    strategy = strategy_from(config.strategy, config.privacy, config.devices.count)
+    return FleetServer(model, strategy, rounds=config.rounds, directory=Path(config.output.folder) / "rounds",
+                       test=test, device_timeout=config.devices.timeout)
 
 
 def quiet_ray() -> None:

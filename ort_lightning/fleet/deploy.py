@@ -2,30 +2,24 @@
 
 `client` (a ``ClientApp``) and `server` (a ``ServerApp``) are the apps that a Flower app project
 names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and docs/fleets.md
-("From the simulation to Flower's deployment runtime") gives the commands. Both read Flower's run config: the keys of a
-`FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
-plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
-is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
-digits, and it trains as a device does (``runner: ort``: ONNX Runtime's device loop on the
-``artifacts`` folder, starting from its nominal checkpoint plus the server's values, at ``lr``
-set through ORT's ``set_learning_rate``, or at the rate a ``prepare_for_web`` folder computes).
-The server first gives all ``devices`` SuperNodes up to ``device_timeout`` seconds to connect;
-before each round it then waits for ``min_nodes`` of them (by default ``devices - 1``, at least
-1: a round goes on after one SuperNode is lost), trains on every SuperNode connected then, gives
-each ``device_timeout`` seconds to answer, writes a complete ORT checkpoint per round under
-``out/rounds`` and prints the accuracy per round, with the nodes that failed it, into the run's
-log (``flwr log``, or``flwr run --stream``).
+("From the simulation to Flower's deployment runtime") gives the commands. Both read Flower's run
+config: the fleet config's sections as TOML tables (``[tool.flwr.app.config.devices]``; Flower
+joins their keys with dots, ``--run-config "devices.count=3"``), with ``model.artifacts`` the
+artifacts folder every machine holds at that path. Each SuperNode is one device: its node config
+(``partition-id``, ``num-partitions``) chooses its share of the digits. The server first gives all
+``devices.count`` SuperNodes up to ``devices.timeout`` seconds to connect; before each round it
+waits for ``devices.min_nodes`` of them (by default count - 1: a round goes on after one SuperNode
+is lost), writes a complete ORT checkpoint per round and prints the round lines into the run's log.
 
 Example::
 
-    >>> config, artifacts = read_run_config({"artifacts": "/srv/fleet/artifacts", "devices": 2, "rounds": 1})
-    >>> config.devices, config.rounds, artifacts.name
-    (2, 1, 'artifacts')
+    >>> config, artifacts = read_run_config({"model.artifacts": "/srv/fleet/artifacts", "devices.count": 2})
+    >>> config.devices.count, artifacts.name
+    (2, 'artifacts')
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.config import unflatten_dict
 from flwr.serverapp import Grid, ServerApp
 
 from ort_lightning.errors import ConfigurationError
@@ -51,20 +46,19 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
     """The experiment and the artifacts folder that a run config names.
 
     Args:
-        run_config: Flower's run config (``[tool.flwr.app.config]``, with ``flwr run --run-config`` overrides).
+        run_config: Flower's run config (``[tool.flwr.app.config]``'s tables, their keys joined with dots).
 
     Raises:
-        ConfigurationError: without an ``artifacts`` key, or for keys `FleetConfig` refuses.
+        ConfigurationError: without ``model.artifacts``, or for keys `FleetConfig` refuses.
     """
-    values = dict(run_config)
-    artifacts = values.pop("artifacts", None)
-    if not artifacts:
+    config = FleetConfig.from_dict(unflatten_dict(dict(run_config)), where="the run config")
+    if not config.model.artifacts:
         raise ConfigurationError(
-            "The run config has no `artifacts` key; add artifacts = \"/path/to/artifacts\" under "
-            "[tool.flwr.app.config] of the app's pyproject.toml, or pass flwr run ... --run-config "
-            "\"artifacts='/path/to/artifacts'\" (a folder that every machine holds at that path)."
+            "The run config has no `model.artifacts` key; add artifacts = \"/path/to/artifacts\" under "
+            "[tool.flwr.app.config.model] of the app's pyproject.toml, or pass flwr run ... --run-config "
+            "\"model.artifacts='/path/to/artifacts'\" (a folder that every machine holds at that path)."
         )
-    return FleetConfig.from_dict(values), Path(str(artifacts))
+    return config, Path(config.model.artifacts)
 
 
 # ----------------------------------------------------------------------------- the device
@@ -85,8 +79,8 @@ def _evaluate(message: Message, context: Context) -> Message:
 
 def _client(config: FleetConfig, artifacts: Path) -> DeviceClient | FleetClient:
     """The device of this app: its SuperNode's share of the digits."""
-    return fleet_client(config, artifacts, DigitsPartitions(split=config.split, batch_size=config.batch_size,
-                                                            seed=config.seed))
+    return fleet_client(config, artifacts, DigitsPartitions(split=config.data.partition,
+                                                            batch_size=config.devices.batch_size, seed=config.seed))
 
 
 # ----------------------------------------------------------------------------- the server
@@ -105,9 +99,9 @@ def _main(grid: Grid, context: Context) -> None:
     # all `devices` would hang the run at the next round once one SuperNode is lost.
     nodes = config.nodes_to_wait_for
     waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
-    config = dataclasses.replace(config, strategy_options={**waiting, **config.strategy_options})
+    config = config.replace(strategy={"options": {**waiting, **config.strategy.options}})
     fleet = fleet_server(config, artifacts, digits_test_loader(config.seed))
-    _wait_for_nodes(grid, config.devices, config.device_timeout)
+    _wait_for_nodes(grid, config.devices.count, config.devices.timeout)
     started = time.perf_counter()
     fleet.main(grid, context)
     report(fleet, config, time.perf_counter() - started, engine="Flower deployment runtime")

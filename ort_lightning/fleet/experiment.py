@@ -1,35 +1,25 @@
-"""The fleet experiment people run: N devices, R rounds of a Flower strategy, accuracy per round.
+"""The one entry point of a fleet run: sections in, the engine's rounds, the history out.
 
-`run_experiment` trains the artifacts on `devices` devices for `rounds` rounds, prints the global
-accuracy after each round, and writes each round's ORT checkpoint, ``history.json`` and (with
-matplotlib) ``accuracy.png`` under `out`. The data is an argument: ``data(partition, partitions)
--> ClientData`` for the devices (the contract of `FleetClient`) and ``test``, the batches the
-global model is evaluated on; ``ort-lightning fleet`` passes the digits (`ort_lightning.fleet.digits`),
-the example's data set.
+`run_fleet` takes a `FleetConfig` (or its mapping, the YAML's shape), builds what its ``model``
+and ``data`` sections name, runs the rounds on its engine, prints the round lines and returns
+what ``history.json`` holds. `run_experiment` is the same run over artifacts and data the caller
+already holds (``data(partition, partitions) -> ClientData``, ``test`` the server's batches).
 
-Every engine's devices run what a real device runs (``runner: ort``, `DeviceClient`): ONNX
-Runtime's loop on the device folder ``out/device`` that `prepare_for_web` writes from the
-artifacts (the optimizer graph computes the config's ``lr``), the very files a browser loads, so
-that a simulated round equals a browser's round. ``runner: lightning`` runs a
-``lightning.Trainer`` over an `ORTLightningModule` on each simulated device instead
-(`FleetClient`): no device has a Trainer, and its epochs shuffle differently (`DeviceClient`).
-
-``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
-cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
-to many machines; ``engine: browser`` serves a page whose visitors are the devices
-(`ort_lightning.fleet.browser`: ``host``, ``port``, ``device_timeout``, ``ort_web``).
-
-Example::
-
-    >>> config = FleetConfig.from_dict({"devices": 3, "rounds": 1, "out": "runs/fleet"})
-    >>> config.devices, config.strategy, config.split
-    (3, 'fedavg', 'iid')
+Every engine's devices run what a real device runs (``devices.runner: ort``, `DeviceClient`) on the
+device folder ``output.folder/device`` that `prepare_for_web` writes; ``runner: lightning`` runs a
+Trainer per device instead (`FleetClient`). ``engine.name: local`` runs Flower's apps in this
+process, ``ray`` on Flower's Ray simulation, ``browser`` on the pages that open the fleet's URL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,27 +31,30 @@ from ort_lightning.fleet.assembly import device_folder, fleet_server, quiet_ray
 from ort_lightning.fleet.browser.experiment import run_browser_experiment
 from ort_lightning.fleet.client import FleetClient
 from ort_lightning.fleet.config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
+from ort_lightning.fleet.data.partitions import Partitions
 from ort_lightning.fleet.device import DeviceClient
 from ort_lightning.fleet.local import run_local
 from ort_lightning.fleet.protocol import DataFn
 from ort_lightning.fleet.report import report
 from ort_lightning.fleet.runner import fleet_client
+from ort_lightning.fleet.sources import fleet_artifacts, fleet_data
 
-__all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment"]
+__all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment", "run_fleet"]
 
 
 def _run(server: FleetServer, client: DeviceClient | FleetClient, config: FleetConfig) -> None:
-    if config.engine == "local":
-        run_local(server.server_app(), client.client_app(), nodes=config.devices)
+    if config.engine.name == "local":
+        run_local(server.server_app(), client.client_app(), nodes=config.devices.count)
         return
     from flwr.simulation import run_simulation
 
     quiet_ray()
     # NOTE: the actors' own log lines (Flower's "Manually terminating ClientAppActor" at the end of each run) stay in
     # the actors: a device's failure reaches the server as its error reply, which the round line names.
-    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.cpus_per_device, "num_gpus": 0.0},
+    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.devices.cpus, "num_gpus": 0.0},
                                "init_args": {"log_to_driver": False}}
-    run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices, backend_config=backend)
+    run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices.count,
+                   backend_config=backend)
 
 
 def run_experiment(
@@ -88,16 +81,65 @@ def run_experiment(
     Raises:
         ConfigurationError: without `data` where the devices need it.
     """
-    Path(config.out).mkdir(parents=True, exist_ok=True)
-    if config.engine == "browser":
+    Path(config.output.folder).mkdir(parents=True, exist_ok=True)
+    if config.engine.name == "browser":
         return run_browser_experiment(config, artifacts, data, test=test, echo=echo)
     if data is None:
         raise ConfigurationError(f"Expected `data`, each device's (partition, partitions) -> ClientData, for engine "
-                                 f"{config.engine!r}, but got None; pass the devices' data (only browser pages with "
-                                 "page_data make their own).")
+                                 f"{config.engine.name!r}, but got None; pass the devices' data (only browser pages "
+                                 "with page_data make their own).")
     server = fleet_server(config, artifacts, test)
-    devices = device_folder(config, artifacts).directory if config.runner == "ort" else artifacts
+    devices = device_folder(config, artifacts).directory if config.devices.runner == "ort" else artifacts
     started = time.perf_counter()
     _run(server, fleet_client(config, devices, data), config)
     report(server, config, time.perf_counter() - started, echo=echo)
     return server
+
+
+def run_fleet(
+    config: FleetConfig | Mapping[str, Any],
+    *,
+    echo: bool = True,
+    flower_log: bool = False,
+    search: Sequence[str | os.PathLike[str]] = (),
+) -> dict[str, Any]:
+    """Run the fleet a config describes; print its round lines (when `echo`); return its history.
+
+    Args:
+        config: a `FleetConfig`, or the mapping of its sections (what the YAML holds).
+        echo: print the round lines (``round 1: accuracy ...``), as ``ort-lightning fleet`` does.
+        flower_log: keep Flower's own log (INFO lines per round); by default only its errors show.
+        search: folders searched first for the import paths of ``model.factory`` and ``data.class_path``.
+
+    Returns:
+        What ``output.folder/history.json`` holds: ``config``, ``initial``, ``rounds`` (one record per
+        round: ``accuracy``, ``loss``, ``devices``, ``examples``, ``failures``, ``train``, ``checkpoint``...)
+        and ``seconds``.
+    """
+    if not isinstance(config, FleetConfig):
+        config = FleetConfig.from_dict(config)
+    with _quiet(flower_log):
+        data, test = fleet_data(config, search=search)
+        example = data.train.tensors[0][0] if isinstance(data, Partitions) else None
+        artifacts = fleet_artifacts(config, example, search=search)
+        run_experiment(config, artifacts, None if config.engine.page_data else data, test=test, echo=echo)
+    return json.loads((Path(config.output.folder) / "history.json").read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def _quiet(flower_log: bool) -> Iterator[None]:
+    """Flower's log at ERROR (unless asked for) and Lightning's per-device lines off, for the run only."""
+    # NOTE: Flower logs ~100 INFO lines per run, coloured even when redirected, and warns about
+    # fraction_evaluate=0.0, a default here (the server measures the global model itself).
+    names = ["lightning.pytorch", "lightning.fabric"] + ([] if flower_log else ["flwr"])
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            # NOTE: a device's fit has no validation data by design.
+            warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

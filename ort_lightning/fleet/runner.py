@@ -31,9 +31,10 @@ def fleet_client(
     `ORTLightningModule` (`FleetClient`).
     """
     kind: type[DeviceClient] | type[FleetClient] = DeviceClient
-    if config.runner == "lightning":
+    if config.devices.runner == "lightning":
         from ort_lightning.fleet.client import FleetClient  # Lightning, for the runner that asks for it
 
         kind = FleetClient
-    return kind(Path(artifacts), data, epochs=config.epochs, lr=config.lr, optimizer_state=config.optimizer_state,
-                start=config.start)
+    devices = config.devices
+    return kind(Path(artifacts), data, epochs=devices.epochs, lr=devices.lr, optimizer_state=devices.optimizer_state,
+                start=devices.start)
