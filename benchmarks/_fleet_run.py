@@ -114,7 +114,7 @@ def _costs(server: Any, strategy: RecordingFedAvg) -> list[RoundCosts]:
 
 def _fleet(run: FleetRun) -> tuple[Any, Any]:
     """The devices' ClientApp and the server's global model of `run.fleet`."""
-    from ort_lightning.fleet.digits import DigitsPartitions
+    from ort_lightning.fleet.data.digits import DigitsPartitions
 
     data = DigitsPartitions(split=run.split, batch_size=run.batch_size, seed=run.seed)
     data(0, run.devices)  # NOTE: the digits' load and the writer groups are cached once per process, not a device's
@@ -139,7 +139,7 @@ def _run(run: FleetRun, server: Any, client_app: Any) -> None:
         return
     from flwr.simulation import run_simulation
 
-    from ort_lightning.fleet.assembly import quiet_ray
+    from ort_lightning.fleet.server.assembly import quiet_ray
 
     quiet_ray()
     backend = {"client_resources": {"num_cpus": 1.0, "num_gpus": 0.0}}
@@ -149,8 +149,8 @@ def _run(run: FleetRun, server: Any, client_app: Any) -> None:
 def run_fleet(run: FleetRun) -> dict[str, Any]:
     """Run `run`'s rounds; write its final global values to ``out/final.pt``; return its per-round costs."""
     from ort_lightning.fleet import FleetServer
-    from ort_lightning.fleet.digits import digits_test_loader
-    from ort_lightning.fleet.parameters import get_values
+    from ort_lightning.fleet.data.digits import digits_test_loader
+    from ort_lightning.fleet.devices.state_values import get_values
 
     for name in ("lightning.pytorch", "lightning.fabric", "flwr", "ray"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -10,7 +10,7 @@ evaluates them on the held-out digits and writes each round with ``torch.save`` 
 quickstart's checkpoint), so that the same `FleetServer` round loop runs every fleet.
 
 `LightningTorchClient` trains the same ``Net`` under a ``lightning.Trainer``, reusing one module
-and one Trainer per worker as ort-lightning's devices do (`ort_lightning.fleet.worker`): the
+and one Trainer per worker as ort-lightning's devices do (`ort_lightning.fleet.devices.trainer_slots`): the
 difference between it and the ort fleet is ORT's alone, the difference between it and the torch
 fleet is Lightning's own cost of a fit.
 """
@@ -30,8 +30,8 @@ from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
 from ort_lightning.demo import digits_mlp
-from ort_lightning.fleet.protocol import DataFn
-from ort_lightning.fleet.worker import fresh_loops
+from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.devices.trainer_slots import fresh_loops
 
 #: torch.optim.AdamW's defaults, the options ``export_artifacts(optimizer="adamw")`` exports.
 ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -116,7 +116,7 @@ class DigitsLightning(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, **ADAMW)  # type: ignore[arg-type]
 
 
-#: This worker's module and Trainer of the Lightning fleet, per options (as `ort_lightning.fleet.worker` keeps them).
+#: This worker's module and Trainer of the Lightning fleet, per options (as `fleet.devices.trainer_slots` keeps them).
 _LIGHTNING_SLOTS: dict[tuple[int, int, int, float], tuple[DigitsLightning, pl.Trainer]] = {}
 
 

@@ -33,13 +33,12 @@ from flwr.serverapp.strategy import FedAvg
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
 from ort_lightning.export import prepare_for_web
-from ort_lightning.fleet import FleetServer, GlobalModel
-from ort_lightning.fleet.browser import BrowserFleet
-from ort_lightning.fleet.digits import DigitsPartitions
-from ort_lightning.fleet.protocol import ClientData
+from ort_lightning.fleet import BrowserFleet, FleetServer, GlobalModel
+from ort_lightning.fleet.data.digits import DigitsPartitions
+from ort_lightning.fleet.devices.protocol import ClientData
 from ort_lightning.web import find_ort_web
 
-NODE_DEVICE = Path(__file__).resolve().parents[1] / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
+NODE_DEVICE = Path(__file__).resolve().parents[1] / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 #: Every device trains partition i of this many, whatever the fleet's size: the same work per device.
 SHARES = 50
 DATA = DigitsPartitions(batch_size=32, seed=0)

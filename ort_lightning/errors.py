@@ -10,7 +10,7 @@ __all__ = [
     "BatchError",
     "CheckpointError",
     "ConfigurationError",
-    "DeviceError",
+    "CudaError",
     "DeviceReplyError",
     "DistributedError",
     "ExportError",
@@ -37,8 +37,8 @@ class BatchError(ORTLightningError, ValueError):
     """A batch does not match the inputs of the training or eval graph."""
 
 
-class DeviceError(ORTLightningError, RuntimeError):
-    """The requested device is unknown or the installed ONNX Runtime build cannot use it."""
+class CudaError(ORTLightningError, RuntimeError):
+    """A compute device that is not ``cpu``, ``cuda`` or ``cuda:N``, or CUDA asked of ONNX Runtime's CPU build."""
 
 
 class DistributedError(ORTLightningError, RuntimeError):

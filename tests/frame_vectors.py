@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ort_lightning.fleet.browser.frames import pack, train_frame
+from ort_lightning.fleet.devices.frames import pack, train_frame
 
 PATH = Path(__file__).resolve().parent / "web" / "frame_vectors.json"
 

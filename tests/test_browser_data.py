@@ -25,10 +25,10 @@ from .helpers import RunIf, ort_device_loop
 
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from ort_lightning.fleet.browser.frames import pack, read_result, unpack  # noqa: E402
-from ort_lightning.fleet.digits import DigitsPartitions  # noqa: E402
-from ort_lightning.fleet.folder import check_buffer_order  # noqa: E402
+from ort_lightning.fleet import BrowserFleet  # noqa: E402
+from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.devices.device_files import check_buffer_order  # noqa: E402
+from ort_lightning.fleet.devices.frames import pack, read_result, unpack  # noqa: E402
 
 from .test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
 
@@ -173,7 +173,7 @@ def test_a_claim_over_max_examples_is_refused_with_the_stated_bound() -> None:
 
 
 def test_page_data_in_a_fleet_config_needs_browsers() -> None:
-    from ort_lightning.fleet.experiment import FleetConfig
+    from ort_lightning.fleet.run import FleetConfig
 
     config = FleetConfig.from_dict({"engine": "browser", "page_data": str(DATA_MODULE), "max_examples": 40})
     assert (config.page_data, config.max_examples) == (str(DATA_MODULE), 40)

@@ -31,12 +31,15 @@ from flwr.serverapp.strategy import (  # noqa: E402
     Strategy,
 )
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
 
 from .test_browser_fleet import DATA, _checkpoint_values, _initial, digits_folders  # noqa: E402, F401
 
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 NORM = 0.05
 
 

@@ -27,12 +27,15 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import ClientConnection, connect  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from ort_lightning.fleet.browser.frames import pack, unpack  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
+from ort_lightning.fleet.devices.frames import pack, unpack  # noqa: E402
 
 CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"  # returned as given, never fetched
-LOGGER = "ort_lightning.fleet.browser"
+LOGGER = "ort_lightning.fleet.engines.browser"
 
 
 @pytest.fixture(scope="module")

@@ -46,11 +46,14 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from ort_lightning.fleet.browser.frames import pack, read_result, train_frame, unpack  # noqa: E402
-from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
-from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
+from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader  # noqa: E402
+from ort_lightning.fleet.devices.frames import pack, read_result, train_frame, unpack  # noqa: E402
+from ort_lightning.fleet.run import FleetConfig, run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.spread]
 
@@ -241,7 +244,7 @@ def test_a_browser_closed_during_round_two_leaves_the_round_to_the_other_two(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
-    logger = logging.getLogger("ort_lightning.fleet.browser")
+    logger = logging.getLogger("ort_lightning.fleet.engines.browser")
     # NOTE: the hub logs "sent" before the frame goes out, and the handler kills the process before it returns:
     # the page dies owing round 2, before it could answer it.
     urls = {"a": "&name=a", "b": "&name=b", "c": "&name=c"}

@@ -24,8 +24,11 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
 
 from .test_browser_fleet import BROWSER_ATOL, DATA, _assert_round, _initial, _reference, digits_folders  # noqa: E402, F401
 

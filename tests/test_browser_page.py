@@ -33,8 +33,11 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
 
 from .test_browser_fleet import CHROMIUM_FLAGS, DATA, digits_folders  # noqa: E402, F401
 

@@ -21,11 +21,11 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning import export_artifacts  # noqa: E402
 from ort_lightning.errors import ConfigurationError, FleetError  # noqa: E402
-from ort_lightning.fleet.browser import BrowserDevice, BrowserFleet  # noqa: E402
-from ort_lightning.fleet.browser.grid import BrowserGrid, PageData, strategy_floor  # noqa: E402
-from ort_lightning.fleet.browser.hub import Hub  # noqa: E402
-from ort_lightning.fleet.browser.population import Population  # noqa: E402
-from ort_lightning.fleet.browser.tls import is_loopback, tls_files  # noqa: E402
+from ort_lightning.fleet import BrowserDevice, BrowserFleet  # noqa: E402
+from ort_lightning.fleet.engines.browser.grid import BrowserGrid, PageData, strategy_floor  # noqa: E402
+from ort_lightning.fleet.engines.browser.hub import Hub  # noqa: E402
+from ort_lightning.fleet.engines.browser.population import Population  # noqa: E402
+from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files  # noqa: E402
 
 CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"
 SPECS = [("weight", (2, 3)), ("bias", (2,))]

@@ -29,14 +29,17 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg  # noqa: E4
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-from ort_lightning.fleet import FleetServer, GlobalModel  # noqa: E402
-from ort_lightning.fleet.browser import BrowserFleet  # noqa: E402
-from ort_lightning.fleet.browser.frames import pack, unpack  # noqa: E402
-from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
+from ort_lightning.fleet import (  # noqa: E402
+    BrowserFleet,  # noqa: E402
+    FleetServer,
+    GlobalModel,
+)
+from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader  # noqa: E402
+from ort_lightning.fleet.devices.frames import pack, unpack  # noqa: E402
 
 from .test_browser_fleet import _checkpoint_values, digits_folders  # noqa: E402, F401
 
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "browser" / "node_device.mjs"
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 DATA = DigitsPartitions(batch_size=16, seed=0)
 
 

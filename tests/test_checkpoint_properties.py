@@ -117,7 +117,7 @@ def test_resume_from_lightning_ckpt_writes_its_own_properties(
 
 def test_fleet_rounds_and_lightning_runs_keep_apart(mlp_adamw: Exported, first_run: FirstRun, tmp_path: Path) -> None:
     """A fleet server resumed from a Lightning run's file, then a Lightning run from the fleet's last round."""
-    from ort_lightning.fleet.server import ROUND_PROPERTY, GlobalModel
+    from ort_lightning.fleet.server.global_model import ROUND_PROPERTY, GlobalModel
 
     model = GlobalModel(mlp_adamw.artifacts, checkpoint=first_run.monitored / "last.ortckpt")
     model.load(model.arrays(), server_round=1)

@@ -38,7 +38,7 @@ WRITES = {
 }
 
 #: The modules whose public names (their ``__all__``) the API reference pages must render.
-PUBLIC_MODULES = ("ort_lightning", "ort_lightning.errors", "ort_lightning.fleet", "ort_lightning.fleet.browser",
+PUBLIC_MODULES = ("ort_lightning", "ort_lightning.errors", "ort_lightning.fleet", "ort_lightning.fleet.engines.browser",
                   "ort_lightning.web")
 
 #: In-process blocks that take more than about 10 s on an idle 2-core machine, and why (scripts are always slow).

@@ -44,7 +44,7 @@ from ort_lightning.fleet import (  # noqa: E402
     set_values,
     state_order,
 )
-from ort_lightning.fleet.app import FleetServer  # noqa: E402
+from ort_lightning.fleet.server.server_app import FleetServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -342,7 +342,7 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
     ids=["split", "strategy", "devices", "unknown-key", "runner"],
 )
 def test_fleet_config_mistakes_are_named(values: dict[str, Any], message: str) -> None:
-    from ort_lightning.fleet.experiment import FleetConfig
+    from ort_lightning.fleet.run import FleetConfig
 
     with pytest.raises(ValueError, match=message):
         FleetConfig.from_dict(values)

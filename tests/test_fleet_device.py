@@ -41,8 +41,8 @@ from ort_lightning.fleet import (  # noqa: E402
     round_path,
     run_local,
 )
-from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader  # noqa: E402
-from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader  # noqa: E402
+from ort_lightning.fleet.run import FleetConfig, run_experiment  # noqa: E402
 
 LR = 0.01
 HIDDEN = 16
@@ -314,8 +314,8 @@ sys.modules.update(dict.fromkeys(("lightning", "pytorch_lightning", "lightning_f
 import numpy as np, torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
-from ort_lightning.fleet.deploy import client
-from ort_lightning.fleet.local import LocalGrid
+from ort_lightning.fleet.engines.deployment import client
+from ort_lightning.fleet.engines.local import LocalGrid
 
 folder, values, out, partitions = sys.argv[1], np.load(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 LocalGrid(ClientApp(), nodes=1)  # the task identity Flower stamps on a Message

@@ -24,7 +24,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import ClientData, FleetClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
-from ort_lightning.fleet.experiment import FleetConfig  # noqa: E402
+from ort_lightning.fleet.run import FleetConfig  # noqa: E402
 
 from .test_fleet import EPOCHS, LR, SIZES, _assert_close, _reference, _values_in, iid_data  # noqa: E402
 

@@ -22,8 +22,8 @@ pytest.importorskip("sklearn")
 from benchmarks.fleet import COLUMNS, main  # noqa: E402
 from ort_lightning import export_artifacts  # noqa: E402
 from ort_lightning.demo import FEATURES, digits_mlp  # noqa: E402
-from ort_lightning.fleet.digits import DigitsPartitions, _splits, digits_test_loader, writer_groups  # noqa: E402
-from ort_lightning.fleet.experiment import FleetConfig, run_experiment  # noqa: E402
+from ort_lightning.fleet.data.digits import DigitsPartitions, _splits, digits_test_loader, writer_groups  # noqa: E402
+from ort_lightning.fleet.run import FleetConfig, run_experiment  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

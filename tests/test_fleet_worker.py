@@ -26,7 +26,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
 
 from ort_lightning.fleet import ClientData, FleetClient, LocalGrid, get_values  # noqa: E402
-from ort_lightning.fleet.worker import WORKER  # noqa: E402
+from ort_lightning.fleet.devices.trainer_slots import WORKER  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-from ort_lightning.fleet.browser.frames import read_result, unpack  # noqa: E402
+from ort_lightning.fleet.devices.frames import read_result, unpack  # noqa: E402
 
 from ._web import ROOT  # noqa: E402
 from .frame_vectors import PATH, vectors  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 
 from ort_lightning import ORTLightningModule, TrainingArtifacts
 from ort_lightning.errors import ArtifactError, ConfigurationError
-from ort_lightning.fleet.parameters import get_values
+from ort_lightning.fleet.devices.state_values import get_values
 from ort_lightning.ort import runtime
 from tests.conftest import Exported
 from tests.helpers import ort_deaths

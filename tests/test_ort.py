@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.bridge import BatchBinder, to_torch
-from ort_lightning.errors import ArtifactError, DeviceError
+from ort_lightning.errors import ArtifactError, CudaError
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.training.session.parameters import parameter_views
 from tests.conftest import Exported, blobs
@@ -103,9 +103,9 @@ def test_parse_device_accepts_cpu() -> None:
 )
 def test_misspelled_device_names_the_accepted_spellings(mlp_adamw: Exported, device: str) -> None:
     expected = rf"Expected a device 'cpu', 'cuda' or 'cuda:N', but got {re.escape(repr(device))}"
-    with pytest.raises(DeviceError, match=expected):
+    with pytest.raises(CudaError, match=expected):
         _ort.parse_device(device)
-    with pytest.raises(DeviceError, match=expected):
+    with pytest.raises(CudaError, match=expected):
         _assemble(mlp_adamw.artifacts, device)
 
 
@@ -116,7 +116,7 @@ def test_cuda_on_cpu_build_names_the_install_command(mlp_adamw: Exported, device
         rf"Device {re.escape(repr(device))} needs the CUDA build of ONNX Runtime training.*"
         r"pip uninstall -y onnxruntime-training-cpu && pip install \"ort-lightning\[cuda\]\""
     )
-    with pytest.raises(DeviceError, match=expected):
+    with pytest.raises(CudaError, match=expected):
         _assemble(mlp_adamw.artifacts, device)
 
 

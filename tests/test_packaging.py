@@ -165,13 +165,13 @@ def test_public_names() -> None:
 def test_fleet_public_names() -> None:
     pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]"')
     import ort_lightning.fleet as fleet
-    from ort_lightning.fleet.app import FleetServer, RoundRecord
-    from ort_lightning.fleet.client import FleetClient, evaluate_module
-    from ort_lightning.fleet.device import DeviceClient
-    from ort_lightning.fleet.local import LocalGrid, run_local
-    from ort_lightning.fleet.parameters import get_values, set_values, state_order
-    from ort_lightning.fleet.protocol import ClientData
-    from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.devices.ort_loop import DeviceClient
+    from ort_lightning.fleet.devices.protocol import ClientData
+    from ort_lightning.fleet.devices.state_values import get_values, set_values, state_order
+    from ort_lightning.fleet.devices.trainer_loop import FleetClient, evaluate_module
+    from ort_lightning.fleet.engines.local import LocalGrid, run_local
+    from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
 
     public = [CheckpointEachRound, ClientData, DeviceClient, FleetClient, FleetServer, GlobalModel, LocalGrid,
               RoundRecord, evaluate_module, get_values, round_path, run_local, set_values, state_order]

@@ -20,8 +20,8 @@ from onnxruntime.training.api import CheckpointState
 
 from ort_lightning import ORTLightningModule, export_artifacts
 from ort_lightning.artifacts import checks
-from ort_lightning.fleet.parameters import get_values
-from ort_lightning.fleet.server import GlobalModel
+from ort_lightning.fleet.devices.state_values import get_values
+from ort_lightning.fleet.server.global_model import GlobalModel
 from tests.conftest import Exported
 
 

@@ -272,7 +272,7 @@ def _save_pretrained(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- fleet
 def _fleet(args: argparse.Namespace) -> None:
-    from ort_lightning.fleet.experiment import FleetConfig, run_fleet
+    from ort_lightning.fleet.run import FleetConfig, run_fleet
 
     config = FleetConfig.from_yaml(args.config, overrides=args.overrides)
     if args.browsers:

@@ -1,8 +1,9 @@
 """Fleet experiments: federated training of the very artifacts that ship, on Flower.
 
 Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which installs
-``flwr[simulation]``). `run_fleet` runs a fleet from a `FleetConfig`'s sections and returns its history. A `DeviceClient` is what each simulated device runs: ONNX Runtime's
-device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.device`).
+``flwr[simulation]``). `run_fleet` runs a fleet from a `FleetConfig`'s sections and returns its
+history (docs/fleets.md). A `DeviceClient` is what each simulated device runs: ONNX Runtime's
+device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`).
 A `FleetClient` runs a Lightning ``Trainer`` over an `ORTLightningModule` instead, for those who
 ask for it by name: no device has a Trainer. The server runs Flower's own
 strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
@@ -26,37 +27,45 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from ort_lightning._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from ort_lightning.fleet.app import FleetServer, RoundRecord
-    from ort_lightning.fleet.client import FleetClient, evaluate_module
-    from ort_lightning.fleet.config import FleetConfig
-    from ort_lightning.fleet.device import DeviceClient
-    from ort_lightning.fleet.experiment import run_fleet
-    from ort_lightning.fleet.local import LocalGrid, run_local
-    from ort_lightning.fleet.parameters import get_values, set_values, state_order
-    from ort_lightning.fleet.protocol import ClientData
-    from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.config.fleet_config import FleetConfig
+    from ort_lightning.fleet.devices.ort_loop import DeviceClient
+    from ort_lightning.fleet.devices.protocol import ClientData
+    from ort_lightning.fleet.devices.state_values import get_values, set_values, state_order
+    from ort_lightning.fleet.devices.trainer_loop import FleetClient, evaluate_module
+    from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
+    from ort_lightning.fleet.engines.local import LocalGrid, run_local
+    from ort_lightning.fleet.run import run_fleet
+    from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
 
 #: Each public name and the module it comes from.
 _HOMES = {
-    "CheckpointEachRound": "ort_lightning.fleet.server",
-    "ClientData": "ort_lightning.fleet.protocol",
-    "DeviceClient": "ort_lightning.fleet.device",
-    "FleetClient": "ort_lightning.fleet.client",
-    "FleetConfig": "ort_lightning.fleet.config",
-    "FleetServer": "ort_lightning.fleet.app",
-    "GlobalModel": "ort_lightning.fleet.server",
-    "LocalGrid": "ort_lightning.fleet.local",
-    "RoundRecord": "ort_lightning.fleet.app",
-    "evaluate_module": "ort_lightning.fleet.client",
-    "get_values": "ort_lightning.fleet.parameters",
-    "round_path": "ort_lightning.fleet.server",
-    "run_fleet": "ort_lightning.fleet.experiment",
-    "run_local": "ort_lightning.fleet.local",
-    "set_values": "ort_lightning.fleet.parameters",
-    "state_order": "ort_lightning.fleet.parameters",
+    "BrowserDevice": "ort_lightning.fleet.engines.browser",
+    "BrowserFleet": "ort_lightning.fleet.engines.browser",
+    "BrowserGrid": "ort_lightning.fleet.engines.browser",
+    "Refusal": "ort_lightning.fleet.engines.browser",
+    "CheckpointEachRound": "ort_lightning.fleet.server.global_model",
+    "ClientData": "ort_lightning.fleet.devices.protocol",
+    "DeviceClient": "ort_lightning.fleet.devices.ort_loop",
+    "FleetClient": "ort_lightning.fleet.devices.trainer_loop",
+    "FleetConfig": "ort_lightning.fleet.config.fleet_config",
+    "FleetServer": "ort_lightning.fleet.server.server_app",
+    "GlobalModel": "ort_lightning.fleet.server.global_model",
+    "LocalGrid": "ort_lightning.fleet.engines.local",
+    "RoundRecord": "ort_lightning.fleet.server.server_app",
+    "evaluate_module": "ort_lightning.fleet.devices.trainer_loop",
+    "get_values": "ort_lightning.fleet.devices.state_values",
+    "round_path": "ort_lightning.fleet.server.global_model",
+    "run_fleet": "ort_lightning.fleet.run",
+    "run_local": "ort_lightning.fleet.engines.local",
+    "set_values": "ort_lightning.fleet.devices.state_values",
+    "state_order": "ort_lightning.fleet.devices.state_values",
 }
 
 __all__ = [
+    "BrowserDevice",
+    "BrowserFleet",
+    "BrowserGrid",
     "CheckpointEachRound",
     "ClientData",
     "DeviceClient",
@@ -65,6 +74,7 @@ __all__ = [
     "FleetServer",
     "GlobalModel",
     "LocalGrid",
+    "Refusal",
     "RoundRecord",
     "evaluate_module",
     "get_values",

@@ -18,7 +18,10 @@ from collections.abc import Callable
 
 from ort_lightning.ort._api import capi as _C
 from ort_lightning.ort._api import onnxruntime
-from ort_lightning.ort.files import (
+from ort_lightning.ort.checkpoint_state import HeldState, buffer_order, read_state
+from ort_lightning.ort.generate import OPTIMIZER_NODES, generate, is_block, optimizer_kind_of, write_device_files
+from ort_lightning.ort.options import session_options
+from ort_lightning.ort.ort_files import (
     CHECKPOINT_READ_ERRORS,
     WRITE_ERRORS,
     checkpoint_summary,
@@ -28,10 +31,7 @@ from ort_lightning.ort.files import (
     ort_metadata,
     ort_node_attributes,
 )
-from ort_lightning.ort.generate import OPTIMIZER_NODES, generate, is_block, optimizer_kind_of, write_device_files
-from ort_lightning.ort.options import session_options
 from ort_lightning.ort.session import SessionSettings, TrainingSession, assemble, parse_device
-from ort_lightning.ort.state import HeldState, buffer_order, read_state
 
 __all__ = [
     "CHECKPOINT_READ_ERRORS",

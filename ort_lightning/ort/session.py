@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ort_lightning.errors import ArtifactError, ConfigurationError, DeviceError, ORTLightningError
+from ort_lightning.errors import ArtifactError, ConfigurationError, CudaError, ORTLightningError
 from ort_lightning.ort._api import (
     CheckpointState,
     Module,
@@ -31,11 +31,11 @@ from ort_lightning.ort._api import (
     onnxruntime,
 )
 from ort_lightning.ort._api import capi as _C
-from ort_lightning.ort.files import optimizer_kind_in
+from ort_lightning.ort.checkpoint_state import HeldState, copy_parameters, state_outlives
 from ort_lightning.ort.options import session_options
+from ort_lightning.ort.ort_files import optimizer_kind_in
 from ort_lightning.ort.properties import replace_properties
 from ort_lightning.ort.settings import SessionSettings
-from ort_lightning.ort.state import HeldState, copy_parameters, state_outlives
 
 __all__ = [
     "OrtValueVector",
@@ -59,7 +59,7 @@ def parse_device(device: str) -> tuple[str, int]:
     """Split ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into a kind and an index, checking the build.
 
     Raises:
-        DeviceError: for another spelling, or for CUDA without the CUDA build of ORT.
+        CudaError: for another spelling, or for CUDA without the CUDA build of ORT.
 
     Example::
 
@@ -68,12 +68,12 @@ def parse_device(device: str) -> tuple[str, int]:
     """
     match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
     if match is None:
-        raise DeviceError(
+        raise CudaError(
             f"Expected a device 'cpu', 'cuda' or 'cuda:N', but got {device!r}; pass one of those spellings."
         )
     kind, index = match.group("kind") or match.group("cuda"), match.group("index")
     if kind == "cuda" and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-        raise DeviceError(
+        raise CudaError(
             f"Device {device!r} needs the CUDA build of ONNX Runtime training, but the installed build "
             f"offers {onnxruntime.get_available_providers()}; run `{_CUDA_INSTALL}`, or train on \"cpu\"."
         )
@@ -284,7 +284,7 @@ def assemble(
     manifest says.
 
     Raises:
-        DeviceError: for a device this build cannot use.
+        CudaError: for a device this build cannot use.
         ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
         ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded, or
             `parameters` of another size than the state's.

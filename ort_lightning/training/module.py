@@ -27,8 +27,8 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.ort import runtime as _ort
 from ort_lightning.ort.runtime import SessionSettings
 from ort_lightning.strategies import check_strategy
+from ort_lightning.training.checkpointing.checkpoint_files import RunOrigin, read_checkpoint_state
 from ort_lightning.training.checkpointing.connector import CheckpointConnector, RunState
-from ort_lightning.training.checkpointing.files import RunOrigin, read_checkpoint_state
 from ort_lightning.training.checkpointing.io import install_atomic_io
 from ort_lightning.training.checkpointing.methods import CheckpointHooks
 from ort_lightning.training.guards import check_precision, check_torch_parameters, label_range_of, updated_parameters

@@ -1,7 +1,7 @@
 """What a browser or Node needs to train the device artifacts: the runner and onnxruntime-web.
 
 The package ships the device runner (``runner.js``, an ES module without dependencies; the browser
-fleet's page and its device scripts ship with `ort_lightning.fleet.browser`); onnxruntime-web itself
+fleet's page and its device scripts ship with `ort_lightning.fleet.engines.browser`); onnxruntime-web itself
 comes from npm (``npm install onnxruntime-web@1.19.2``) and is never copied into the package.
 `asset` is the path of a shipped file, `find_ort_web` where onnxruntime-web's ``dist/`` folder is
 (or the URL that serves it).

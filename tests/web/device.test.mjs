@@ -3,8 +3,8 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-const { FINAL_CLOSES, FleetDevice, RUN_FINISHED } = await import(new URL('../../ort_lightning/fleet/browser/device.js', import.meta.url).href);
-const { pack } = await import(new URL('../../ort_lightning/fleet/browser/frames.js', import.meta.url).href);
+const { FINAL_CLOSES, FleetDevice, RUN_FINISHED } = await import(new URL('../../ort_lightning/fleet/devices/web/device.js', import.meta.url).href);
+const { pack } = await import(new URL('../../ort_lightning/fleet/devices/web/frames.js', import.meta.url).href);
 
 const WELCOME = JSON.stringify({ type: 'welcome', fleet: 'digits', device: 'browser-1', ort: 'ort.mjs',
   files: { training: 't', eval: 'e', optimizer: 'o', checkpoint: 'c' }, data: null });
@@ -86,7 +86,7 @@ test('a round that fails becomes an error frame naming the message', async () =>
 });
 
 test('client-side fixed clipping scales the update to the norm, and leaves a smaller one alone', async () => {
-  const { clip } = await import(new URL('../../ort_lightning/fleet/browser/device.js', import.meta.url).href);
+  const { clip } = await import(new URL('../../ort_lightning/fleet/devices/web/device.js', import.meta.url).href);
   const sent = new Float32Array([1, 1, 1, 1]);
   const trained = new Float32Array([4, 5, 1, 1]); // the update (3, 4, 0, 0) has norm 5
   assert.equal(clip(trained, sent, 1), 5);

@@ -6,7 +6,7 @@ import { readFile } from 'node:fs/promises';
 import { test } from 'node:test';
 
 const { ARRAYS, pack, readTrain, resultFrame, unpack } = await import(
-  new URL('../../ort_lightning/fleet/browser/frames.js', import.meta.url).href);
+  new URL('../../ort_lightning/fleet/devices/web/frames.js', import.meta.url).href);
 const VECTORS = JSON.parse(await readFile(new URL('frame_vectors.json', import.meta.url), 'utf8'));
 
 /** The bytes of a vector's frame, in an ArrayBuffer of their own (as a WebSocket delivers them). */

@@ -6,7 +6,7 @@ import { pathToFileURL } from 'node:url';
 const [url, dist] = process.argv.slice(2);
 const ort = await import(pathToFileURL(`${dist}/ort.training.wasm.min.mjs`).href);
 const { joinFleet, memoryStorage } = await import(
-  new URL('../../ort_lightning/fleet/browser/node_device.mjs', import.meta.url).href);
+  new URL('../../ort_lightning/fleet/devices/web/node_device.mjs', import.meta.url).href);
 
 const a = await joinFleet(url, { ort, name: 'a' });
 const storage = memoryStorage();

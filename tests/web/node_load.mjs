@@ -11,8 +11,8 @@ const [url, dist, planText] = process.argv.slice(2);
 const plan = JSON.parse(planText);
 const ort = await import(pathToFileURL(`${dist}/ort.training.wasm.min.mjs`).href);
 const { joinFleet, memoryStorage } = await import(
-  new URL('../../ort_lightning/fleet/browser/node_device.mjs', import.meta.url).href);
-const { unpack } = await import(new URL('../../ort_lightning/fleet/browser/frames.js', import.meta.url).href);
+  new URL('../../ort_lightning/fleet/devices/web/node_device.mjs', import.meta.url).href);
+const { unpack } = await import(new URL('../../ort_lightning/fleet/devices/web/frames.js', import.meta.url).href);
 
 const sent = [];
 const left = [];

@@ -5,7 +5,7 @@ import { pathToFileURL } from 'node:url';
 
 const [url, dist] = process.argv.slice(2);
 const ort = await import(pathToFileURL(`${dist}/ort.training.wasm.min.mjs`).href);
-const { stayInFleet } = await import(new URL('../../ort_lightning/fleet/browser/node_device.mjs', import.meta.url).href);
+const { stayInFleet } = await import(new URL('../../ort_lightning/fleet/devices/web/node_device.mjs', import.meta.url).href);
 
 const ends = await Promise.all(['a', 'b'].map((name) => stayInFleet(url, { ort, name, every: 200, patience: 5000 })));
 console.log(JSON.stringify(ends));

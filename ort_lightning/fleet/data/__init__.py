@@ -1,1 +1,1 @@
-"""The devices' data: any training set cut into partitions (`partitions`), and the bundled digits."""
+"""The data a fleet trains on: the bundled digits, and partitions of any data set across devices."""

@@ -45,7 +45,7 @@ from ort_lightning.errors import ArtifactError, CheckpointError, ConfigurationEr
 from ort_lightning.pretrained.record import read_record
 from ort_lightning.storage.atomic import remove_with_digest
 from ort_lightning.storage.temps import check_writable, remove_stale_temps
-from ort_lightning.training.checkpointing.files import Checkpointable
+from ort_lightning.training.checkpointing.checkpoint_files import Checkpointable
 from ort_lightning.training.checkpointing.lightning_private import ModelCheckpointAdapter
 
 __all__ = ["ORTCheckpoint", "pretrained_folder"]

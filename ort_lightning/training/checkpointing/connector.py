@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ort_lightning.errors import ArtifactError, CheckpointError, ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.training.checkpointing.files import (
+from ort_lightning.training.checkpointing.checkpoint_files import (
     ORT_STATE_KEY,
     PROGRESS_KEY,
     RunOrigin,

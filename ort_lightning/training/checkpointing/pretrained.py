@@ -41,13 +41,13 @@ import torch
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import CheckpointError, ConfigurationError
 from ort_lightning.pretrained.writer import write_pretrained
-from ort_lightning.training.checkpointing.connector import STATE_DIGEST_KEY
-from ort_lightning.training.checkpointing.files import (
+from ort_lightning.training.checkpointing.checkpoint_files import (
     ORT_STATE_KEY,
     PROGRESS_KEY,
     read_checkpoint_state,
     restored_state,
 )
+from ort_lightning.training.checkpointing.connector import STATE_DIGEST_KEY
 from ort_lightning.training.checkpointing.travel import (
     IDENTITY_KEY,
     check_identity,

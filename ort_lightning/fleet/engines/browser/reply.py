@@ -3,7 +3,7 @@
 Example::
 
     >>> import numpy as np
-    >>> from ort_lightning.fleet.browser.frames import Result
+    >>> from ort_lightning.fleet.devices.frames import Result
     >>> result = Result(np.arange(3, dtype=np.float32), examples=8, steps=2, losses=[0.9, 0.5])
     >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, [("w", (3,))], last_epoch=1)
     >>> arrays["w"].numpy().tolist(), metrics["num-examples"], metrics["train_loss"], metrics["steps_per_second"]
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from ort_lightning.fleet.browser.frames import Result
-from ort_lightning.fleet.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.frames import Result
+from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
 
 __all__ = ["reply_records"]
 

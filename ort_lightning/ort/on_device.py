@@ -46,9 +46,9 @@ import numpy as np
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort._api import CheckpointState, Module, Optimizer, onnxruntime
+from ort_lightning.ort.checkpoint_state import copy_parameters, state_outlives
 from ort_lightning.ort.options import session_options
 from ort_lightning.ort.session import refused
-from ort_lightning.ort.state import copy_parameters, state_outlives
 
 __all__ = ["DeviceFiles", "OrtDevice", "Trained"]
 

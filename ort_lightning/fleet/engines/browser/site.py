@@ -2,14 +2,14 @@
 
 Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
 
-- ``GET /?token=T``: the page (``page.html`` beside this module); a missing or wrong token is a 403.
-- ``GET /page.js``, ``/device.js``, ``/frames.js`` (beside this module: the page, the device's protocol,
+- ``GET /?token=T``: the page (``page.html`` of the devices' ``web/`` folder); a missing or wrong token is a 403.
+- ``GET /page.js``, ``/device.js``, ``/frames.js`` (the devices' ``web/`` folder: the page, the device's protocol,
   the frame codec) and ``GET /runner.js`` (``ort_lightning/web``: the device runner), shipped with the package.
 - ``GET /device/<role>?token=T``: the device files (``training``, ``eval``, ``optimizer``, ``checkpoint``).
 - ``GET /data.js?token=T``: the user's data module, when the fleet has one (``page_data``).
 - ``GET /ort/...``: onnxruntime-web's ``dist/`` folder, when `find_ort_web` found one on disk (a
   URL given instead is imported by the page from there).
-- ``WS /join?token=T&name=N``: the device's connection (frames: `ort_lightning.fleet.browser.frames`).
+- ``WS /join?token=T&name=N``: the device's connection (frames: `ort_lightning.fleet.devices.frames`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ort_lightning.fleet.browser.hub import POLICY_VIOLATION, RUN_FINISHED, TOO_BIG, BrowserDevice, Hub
+from ort_lightning.fleet.engines.browser.hub import POLICY_VIOLATION, RUN_FINISHED, TOO_BIG, BrowserDevice, Hub
 from ort_lightning.web import TRAINING_BUILD, asset
 
 __all__ = ["ROLES", "SCRIPTS", "web_app"]
@@ -40,13 +40,14 @@ __all__ = ["ROLES", "SCRIPTS", "web_app"]
 ROLES = ("training", "eval", "optimizer", "checkpoint")
 #: The page's scripts that ship beside this module (runner.js comes from `ort_lightning.web`).
 SCRIPTS = ("page.js", "device.js", "frames.js")
-_HERE = Path(__file__).resolve().parent
+#: Where the device's scripts and page lie: the devices' room (`ort_lightning.fleet.devices`), beside their frames.
+_SCRIPTS = Path(__file__).resolve().parents[2] / "devices" / "web"
 #: WebSocket close code of a page that leaves on purpose (RFC 6455): its leave button.
 NORMAL_CLOSURE = 1000
 _WRONG_TOKEN = ("This fleet's join token is missing or wrong (a page of another fleet, or of a run started with "
                 "another token, has another): open the URL the fleet printed (http://HOST:PORT/?token=...), with its "
                 "token.")
-_LOG = logging.getLogger("ort_lightning.fleet.browser")
+_LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
 
 
 def _refuse_token(what: str, address: str) -> None:
@@ -87,11 +88,11 @@ class _Site:
         if not self.admitted(request.query_params.get("token")):
             _refuse_token("a page", _address(request))
             return PlainTextResponse(_WRONG_TOKEN, status_code=403)
-        return FileResponse(_HERE / "page.html", media_type="text/html")
+        return FileResponse(_SCRIPTS / "page.html", media_type="text/html")
 
     async def script(self, request: Request) -> Response:
         name = request.url.path.lstrip("/")
-        return FileResponse(_HERE / name if name in SCRIPTS else asset(name), media_type="text/javascript")
+        return FileResponse(_SCRIPTS / name if name in SCRIPTS else asset(name), media_type="text/javascript")
 
     async def device_file(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):

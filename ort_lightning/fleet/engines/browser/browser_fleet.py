@@ -1,6 +1,6 @@
 """`BrowserFleet`: a web server whose visitors are the devices of a Flower fleet.
 
-See the package docstring (`ort_lightning.fleet.browser`) for what a page does and what a
+See the package docstring (`ort_lightning.fleet.engines.browser`) for what a page does and what a
 user's ``data`` must be.
 """
 
@@ -20,20 +20,20 @@ from flwr.app import Context, RecordDict
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.browser.frames import HEADER_LIMIT
-from ort_lightning.fleet.browser.grid import BrowserGrid, Epochs, PageData, strategy_floor
-from ort_lightning.fleet.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
-from ort_lightning.fleet.browser.site import web_app
-from ort_lightning.fleet.browser.tls import is_loopback, tls_files
-from ort_lightning.fleet.folder import device_files, ordered, weight_order
-from ort_lightning.fleet.local import _RUN_ID
-from ort_lightning.fleet.protocol import DataFn
+from ort_lightning.fleet.devices.device_files import device_files, ordered, weight_order
+from ort_lightning.fleet.devices.frames import HEADER_LIMIT
+from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.engines.browser.grid import BrowserGrid, Epochs, PageData, strategy_floor
+from ort_lightning.fleet.engines.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
+from ort_lightning.fleet.engines.browser.site import web_app
+from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files
+from ort_lightning.fleet.engines.local import _RUN_ID
+from ort_lightning.fleet.server.server_app import FleetServer
 from ort_lightning.web import find_ort_web
 
 __all__ = ["BrowserFleet"]
 
-_LOG = logging.getLogger("ort_lightning.fleet.browser")
+_LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
 
 def _page_data(
     data: DataFn | None, page_data: str | os.PathLike[str] | None, max_examples: int | None

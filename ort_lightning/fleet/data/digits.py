@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ort_lightning.demo_data import split_digits
-from ort_lightning.fleet.protocol import ClientData
+from ort_lightning.fleet.devices.protocol import ClientData
 
 __all__ = ["SPLITS", "WRITERS", "DigitsPartitions", "digits_test_loader", "writer_groups"]
 

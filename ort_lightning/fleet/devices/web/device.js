@@ -1,6 +1,6 @@
 // One device of an ort-lightning browser fleet, whatever runs it: the fleet's page (page.js) or Node.
 //
-// `FleetDevice` speaks the fleet's protocol (ort_lightning/fleet/browser/frames.py) over one WebSocket:
+// `FleetDevice` speaks the fleet's protocol (ort_lightning/fleet/devices/frames.py) over one WebSocket:
 // on the server's `welcome` it imports onnxruntime-web's training build, reads the device files (graphs and
 // checkpoint) as bytes and opens them once with runner.js to report its parameter count (`ready`). Each
 // `train` frame (the round's weights and each epoch's batches) is then trained on a fresh device

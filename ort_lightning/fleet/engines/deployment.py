@@ -31,13 +31,13 @@ from flwr.common.config import unflatten_dict
 from flwr.serverapp import Grid, ServerApp
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.config import FleetConfig
-from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader
-from ort_lightning.fleet.runner import fleet_client
+from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
+from ort_lightning.fleet.devices.client import fleet_client
 
 if TYPE_CHECKING:
-    from ort_lightning.fleet.client import FleetClient
-    from ort_lightning.fleet.device import DeviceClient
+    from ort_lightning.fleet.devices.ort_loop import DeviceClient
+    from ort_lightning.fleet.devices.trainer_loop import FleetClient
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -91,8 +91,8 @@ server = ServerApp()
 def _main(grid: Grid, context: Context) -> None:
     # The server's parts (Lightning among them) are imported here: each SuperNode loads this module for
     # `client`, and a device imports no Lightning (tests/test_fleet_device.py).
-    from ort_lightning.fleet.assembly import fleet_server
-    from ort_lightning.fleet.report import report
+    from ort_lightning.fleet.server.assembly import fleet_server
+    from ort_lightning.fleet.server.report import report
 
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for

@@ -1,6 +1,6 @@
 """What a fleet's server and devices agree on, without Lightning: record keys, a device's options and data.
 
-A device imports this module and `ort_lightning.fleet.device` only: no device has a ``Trainer``,
+A device imports this module and `ort_lightning.fleet.devices.ort_loop` only: no device has a ``Trainer``,
 so nothing here may import Lightning (``tests/test_fleet_device.py`` runs a device with Lightning
 absent).
 

@@ -21,10 +21,10 @@ import torch
 from flwr.app import Message, MessageType
 
 from ort_lightning.errors import ConfigurationError, FleetError
-from ort_lightning.fleet.browser.frames import train_frame
-from ort_lightning.fleet.browser.hub import Hub
-from ort_lightning.fleet.local import ServerGrid
-from ort_lightning.fleet.protocol import ARRAYS_KEY
+from ort_lightning.fleet.devices.frames import train_frame
+from ort_lightning.fleet.devices.protocol import ARRAYS_KEY
+from ort_lightning.fleet.engines.browser.hub import Hub
+from ort_lightning.fleet.engines.local import ServerGrid
 
 __all__ = ["BrowserGrid", "Epochs", "PageData", "strategy_floor"]
 

@@ -15,12 +15,12 @@ import time
 
 from torch.utils.data import DataLoader
 
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.assembly import device_folder, fleet_server
-from ort_lightning.fleet.browser.fleet import BrowserFleet
-from ort_lightning.fleet.config import FleetConfig
-from ort_lightning.fleet.protocol import DataFn
-from ort_lightning.fleet.report import report
+from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.engines.browser.browser_fleet import BrowserFleet
+from ort_lightning.fleet.server.assembly import device_folder, fleet_server
+from ort_lightning.fleet.server.report import report
+from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["run_browser_experiment"]
 

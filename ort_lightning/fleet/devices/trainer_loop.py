@@ -3,7 +3,7 @@
 Each ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor
 name, in the training graph's order). The client loads those values into its worker's
 `ORTLightningModule` of the artifacts (one module and one ``Trainer`` per worker process, shared
-by the devices it runs one after another: `ort_lightning.fleet.worker`), fits `epochs` local
+by the devices it runs one after another: `ort_lightning.fleet.devices.trainer_slots`), fits `epochs` local
 epochs on its own data, and replies with its values, ``num-examples`` (the size of its training
 set: FedAvg's weight), ``train_loss``, ``setup_seconds`` (from the handler's start to the fit's)
 and ``fit_seconds`` (the wall time of its fit). ``evaluate`` messages run the eval graph on the
@@ -64,8 +64,7 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.parameters import get_values, set_values
-from ort_lightning.fleet.protocol import (  # the protocol's names, still importable from here
+from ort_lightning.fleet.devices.protocol import (  # the protocol's names, still importable from here
     ARRAYS_KEY,
     METRICS_KEY,
     OPTIMIZER_STATES,
@@ -75,7 +74,8 @@ from ort_lightning.fleet.protocol import (  # the protocol's names, still import
     DataFn,
     check_client_options,
 )
-from ort_lightning.fleet.worker import WORKER, Slot, SlotKind
+from ort_lightning.fleet.devices.state_values import get_values, set_values
+from ort_lightning.fleet.devices.trainer_slots import WORKER, Slot, SlotKind
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = [
@@ -213,7 +213,7 @@ class FleetClient:
     def _slot(self, values: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[Slot]:
         """This worker's slot for these artifacts and options; the first device builds it with its `values`.
 
-        See `ort_lightning.fleet.worker`.
+        See `ort_lightning.fleet.devices.trainer_slots`.
         """
         trainer_options = self._trainer_options()
         kind = SlotKind.of(self.artifacts, start=self.start, module_options=self._module_options(),

@@ -2,7 +2,7 @@
 
 `device_files` names what a device opens (the ``.ort`` graphs where present, the nominal
 checkpoint if there is one), the same files for a browser's page and for a simulated device's
-`ort_lightning.ort.device.OrtDevice`.
+`ort_lightning.ort.on_device.OrtDevice`.
 
 A device (a page, or a simulated device) sets and reads its weights as one float32 buffer (onnxruntime-web's
 ``loadParametersBuffer`` / ``getContiguousParameters``), laid out the way ONNX Runtime lays out
@@ -32,7 +32,7 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.artifacts.state import state_specs
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort import runtime as _ort
-from ort_lightning.ort.device import DeviceFiles
+from ort_lightning.ort.on_device import DeviceFiles
 
 __all__ = ["check_buffer_order", "device_files", "ordered", "weight_order"]
 

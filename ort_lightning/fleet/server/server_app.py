@@ -40,8 +40,8 @@ from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.protocol import DEVICE_TIMEOUT
-from ort_lightning.fleet.server import CheckpointEachRound, GlobalModel, round_path
+from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT
+from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
 
 __all__ = ["DEVICE_TIMEOUT", "FleetServer", "RoundRecord"]
 

@@ -31,16 +31,16 @@ from typing import Any
 from flwr.app import Error, Message, RecordDict
 
 from ort_lightning.errors import DeviceReplyError
-from ort_lightning.fleet.browser.frames import Result, read_result, unpack
-from ort_lightning.fleet.browser.ledger import Ledger, Receipt
-from ort_lightning.fleet.browser.population import Population, PopulationEvent
-from ort_lightning.fleet.browser.reply import reply_records
-from ort_lightning.fleet.local import CLIENT_ERROR_CODE
-from ort_lightning.fleet.protocol import ARRAYS_KEY, METRICS_KEY
+from ort_lightning.fleet.devices.frames import Result, read_result, unpack
+from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, METRICS_KEY
+from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
+from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
+from ort_lightning.fleet.engines.browser.reply import reply_records
+from ort_lightning.fleet.engines.local import CLIENT_ERROR_CODE
 
 __all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
-_LOG = logging.getLogger("ort_lightning.fleet.browser")
+_LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
 #: WebSocket close code for a policy violation (RFC 6455): a refused device.
 POLICY_VIOLATION = 1008
 #: WebSocket close code of a frame over the size limit (RFC 6455).

@@ -25,7 +25,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import export_artifacts
-    >>> from ort_lightning.fleet.parameters import get_values
+    >>> from ort_lightning.fleet.devices.state_values import get_values
     >>> folder = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False).directory
     >>> kind = SlotKind.of(folder, start="auto", module_options={"lr": 0.1}, trainer_options={"max_epochs": 1})
     >>> def build() -> Slot:
@@ -67,7 +67,7 @@ class SlotKind:
 
     Attributes:
         artifacts: the artifacts folder, resolved.
-        start: where a module starts (`ort_lightning.fleet.client.FleetClient`'s ``start``).
+        start: where a module starts (`ort_lightning.fleet.devices.trainer_loop.FleetClient`'s ``start``).
         module_options: `ORTLightningModule` options, as ``(name, repr)`` pairs (a value without a
             ``repr`` of its own, a callable or a metric, is told apart by identity).
         trainer_options: ``lightning.Trainer`` options, as ``(name, repr)`` pairs.

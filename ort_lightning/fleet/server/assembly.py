@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.config import FleetConfig, PrivacySection, StrategySection
-from ort_lightning.fleet.server import GlobalModel
+from ort_lightning.fleet.config.fleet_config import FleetConfig, PrivacySection, StrategySection
+from ort_lightning.fleet.server.global_model import GlobalModel
+from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 

@@ -34,9 +34,9 @@ from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.fleet.client import evaluate_module
-from ort_lightning.fleet.parameters import get_values, set_values
-from ort_lightning.fleet.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.state_values import get_values, set_values
+from ort_lightning.fleet.devices.trainer_loop import evaluate_module
 from ort_lightning.training.module import ORTLightningModule
 
 __all__ = ["ROUND_PROPERTY", "CheckpointEachRound", "GlobalModel", "round_path"]

@@ -18,8 +18,8 @@ import numpy as np
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.ort._api import CheckpointState, Module, bound_module, bound_state
 from ort_lightning.ort._api import capi as _C
-from ort_lightning.ort.files import nominal_summary_of, summary_of
 from ort_lightning.ort.options import session_options
+from ort_lightning.ort.ort_files import nominal_summary_of, summary_of
 
 __all__ = ["HeldState", "buffer_order", "copy_parameters", "read_state", "state_outlives"]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.keys import build_section, merge_override, refuse_flat_keys
-from ort_lightning.fleet.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
+from ort_lightning.fleet.config.keys import build_section, merge_override, refuse_flat_keys
+from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
 
 __all__ = [
     "ENGINES", "PARTITIONS", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection", "EngineSection", "FleetConfig",

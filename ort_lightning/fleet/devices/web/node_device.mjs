@@ -6,7 +6,7 @@
 //
 // (Node 22 and newer have WebSocket without the flag.) In a script:
 //
-//   const {joinFleet} = await import('.../ort_lightning/fleet/browser/node_device.mjs');
+//   const {joinFleet} = await import('.../ort_lightning/fleet/devices/web/node_device.mjs');
 //   const device = await joinFleet(url, {ort, name: 'node-1'});   // resolves once the server admitted it
 //   ...; device.leave();                                           // closes as a page's leave button does
 //   await stayInFleet(url, {ort, name: 'node-2'});                  // joins again after a server restart

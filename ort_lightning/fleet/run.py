@@ -26,18 +26,19 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.assembly import device_folder, fleet_server, quiet_ray
-from ort_lightning.fleet.browser.experiment import run_browser_experiment
-from ort_lightning.fleet.client import FleetClient
-from ort_lightning.fleet.config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
+from ort_lightning.fleet.config.fleet_config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
 from ort_lightning.fleet.data.partitions import Partitions
-from ort_lightning.fleet.device import DeviceClient
-from ort_lightning.fleet.local import run_local
-from ort_lightning.fleet.protocol import DataFn
-from ort_lightning.fleet.report import report
-from ort_lightning.fleet.runner import fleet_client
-from ort_lightning.fleet.sources import fleet_artifacts, fleet_data
+from ort_lightning.fleet.data.sources import fleet_data
+from ort_lightning.fleet.devices.client import fleet_client
+from ort_lightning.fleet.devices.ort_loop import DeviceClient
+from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.devices.trainer_loop import FleetClient
+from ort_lightning.fleet.engines.browser.browser_run import run_browser_experiment
+from ort_lightning.fleet.engines.local import run_local
+from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
+from ort_lightning.fleet.server.model_artifacts import fleet_artifacts
+from ort_lightning.fleet.server.report import report
+from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment", "run_fleet"]
 

@@ -3,7 +3,7 @@
 `BrowserFleet` serves one page on an address you choose (loopback by default). Every browser
 that opens its URL (``http://HOST:PORT/?token=...``, printed with a random join token; a wrong
 token is refused) becomes one Flower device, partition ``i`` of ``devices`` in joining order.
-The page (``page.html``, ``page.js`` and ``device.js`` beside this module) imports
+The page (``page.html``, ``page.js`` and ``device.js`` in ``ort_lightning/fleet/devices/web``) imports
 onnxruntime-web's training build (served from ``npm install onnxruntime-web@1.19.2``'s ``dist/``
 folder, or from a URL you give), loads the device folder's graphs and checkpoint, and trains every round it is sent with
 ``runner.js``. Flower's own machinery runs the rounds: `FleetServer` with its strategy and its
@@ -59,7 +59,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import export_artifacts
-    >>> from ort_lightning.fleet.digits import DigitsPartitions
+    >>> from ort_lightning.fleet.data.digits import DigitsPartitions
     >>> artifacts = export_artifacts(torch.nn.Linear(64, 10), torch.zeros(2, 64), tempfile.mkdtemp(),
     ...                              nominal_checkpoint=True, verify=False)
     >>> fleet = BrowserFleet(artifacts, DigitsPartitions(), port=0, devices=2,
@@ -71,8 +71,8 @@ Example::
 
 from __future__ import annotations
 
-from ort_lightning.fleet.browser.fleet import BrowserFleet
-from ort_lightning.fleet.browser.grid import BrowserGrid
-from ort_lightning.fleet.browser.hub import BrowserDevice, Refusal
+from ort_lightning.fleet.engines.browser.browser_fleet import BrowserFleet
+from ort_lightning.fleet.engines.browser.grid import BrowserGrid
+from ort_lightning.fleet.engines.browser.hub import BrowserDevice, Refusal
 
 __all__ = ["BrowserDevice", "BrowserFleet", "BrowserGrid", "Refusal"]

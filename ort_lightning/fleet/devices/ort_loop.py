@@ -2,7 +2,7 @@
 
 Each ``train`` message carries the global values (an ``ArrayRecord`` keyed by state tensor
 name). The device opens the device folder's files as a phone or a page opens them
-(`ort_lightning.ort.device.OrtDevice`: the ``.ort`` graphs where present, the nominal
+(`ort_lightning.ort.on_device.OrtDevice`: the ``.ort`` graphs where present, the nominal
 checkpoint plus the server's values as one float32 buffer), trains `epochs` local epochs (per
 batch one train step, one optimizer step and a gradient reset, ``runner.js``'s loop), and
 replies with its values (a loss that turns NaN or infinite is an error reply instead, as a
@@ -65,10 +65,17 @@ from flwr.clientapp import ClientApp
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
-from ort_lightning.fleet.arrays import WeightLayout
-from ort_lightning.fleet.folder import device_files, ordered, weight_order
-from ort_lightning.fleet.protocol import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY, ClientData, DataFn, check_client_options
-from ort_lightning.ort.device import DeviceFiles, OrtDevice
+from ort_lightning.fleet.devices.device_files import device_files, ordered, weight_order
+from ort_lightning.fleet.devices.protocol import (
+    ARRAYS_KEY,
+    METRICS_KEY,
+    WEIGHT_KEY,
+    ClientData,
+    DataFn,
+    check_client_options,
+)
+from ort_lightning.fleet.devices.weights import WeightLayout
+from ort_lightning.ort.on_device import DeviceFiles, OrtDevice
 
 __all__ = ["DeviceClient", "DeviceFolder"]
 
@@ -156,7 +163,7 @@ class DeviceClient:
             ``"complete"`` (the complete checkpoint, whose weights the server's values replace).
         labels: the training graph's label inputs, where the folder cannot tell (see `TrainingArtifacts.load`).
         intra_op_threads: ONNX Runtime's intra-op threads per device: one, as a page runs it (see
-            `ort_lightning.ort.device`); 0 for ORT's default pool.
+            `ort_lightning.ort.on_device`); 0 for ORT's default pool.
 
     Raises:
         ConfigurationError: for an unknown `optimizer_state` or `start`, or a non-positive `epochs`.

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ort_lightning.fleet.app import FleetServer
-from ort_lightning.fleet.config import FleetConfig
+from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["report"]
 

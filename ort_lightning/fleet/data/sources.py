@@ -1,4 +1,4 @@
-"""What the ``model`` and ``data`` sections name, built: the artifacts folder, each device's data, the test batches.
+"""What the ``data`` section names, built: each device's data and the batches the global model is measured on.
 
 A ``package.module:name`` is imported as Python imports it, with `search` (the config file's folder)
 tried first, so that a module beside the config is found from any working folder.
@@ -10,18 +10,19 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.config import FleetConfig
+from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.data.partitions import Partitions, tensor_dataset
-from ort_lightning.fleet.protocol import DataFn
+from ort_lightning.fleet.devices.protocol import DataFn
 
-__all__ = ["fleet_artifacts", "fleet_data", "import_path"]
+if TYPE_CHECKING:
+    from ort_lightning.fleet.config.fleet_config import FleetConfig
+
+__all__ = ["fleet_data", "import_path"]
 
 
 def import_path(path: str, *, key: str, search: Sequence[str | os.PathLike[str]] = ()) -> Any:
@@ -52,8 +53,6 @@ def fleet_data(config: FleetConfig, *, search: Sequence[str | os.PathLike[str]] 
     """Each device's data and the batches the global model is measured on, as the ``data`` section says."""
     data, devices = config.data, config.devices
     if data.class_path is None:
-        from ort_lightning.fleet.digits import DigitsPartitions, digits_test_loader
-
         return (DigitsPartitions(split=data.partition, batch_size=devices.batch_size, seed=config.seed),
                 digits_test_loader(config.seed))
     module = import_path(data.class_path, key="data.class_path", search=search)(**data.init_args)
@@ -74,32 +73,3 @@ def _loader(module: Any, name: str) -> DataLoader | None:
         return getattr(module, name)() if hasattr(module, name) else None
     except NotImplementedError:  # NOTE: LightningDataModule's hooks that the user did not write raise this
         return None
-
-
-def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
-                    search: Sequence[str | os.PathLike[str]] = ()) -> Path:
-    """The artifacts folder the fleet trains: the ``model`` section's folder, or its model exported once.
-
-    `example` is one training input (its shape with a batch of 2 is the export's example input when
-    ``model.input_shape`` is null). The model is built under ``torch.manual_seed(seed)``.
-    """
-    from ort_lightning import TrainingArtifacts, export_artifacts
-    from ort_lightning.demo import FEATURES, digits_mlp
-
-    model = config.model
-    if model.artifacts:
-        return TrainingArtifacts.load(model.artifacts).directory
-    folder = Path(config.output.folder) / "artifacts"
-    if (folder / "ort_lightning.json").exists():
-        return TrainingArtifacts.load(folder).directory
-    if model.factory is None:
-        module, inputs = digits_mlp(model.hidden, seed=config.seed), torch.zeros(2, FEATURES)
-    else:
-        torch.manual_seed(config.seed)
-        module = import_path(model.factory, key="model.factory", search=search)(**model.init_args)
-        shape = model.input_shape or ([2, *example.shape] if example is not None else None)
-        if shape is None:
-            raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
-                                     f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
-        inputs = torch.zeros(*shape)
-    return export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True).directory

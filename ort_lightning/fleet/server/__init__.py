@@ -1,0 +1,1 @@
+"""The server side of a fleet: the global model, the strategy, the rounds, their checkpoints and report."""
