@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.protocol import ClientData
+from ort_lightning.fleet.devices.protocol import ClientData
 
 __all__ = ["SCHEMES", "Partitions", "partition_rows", "tensor_dataset"]
 
