@@ -133,17 +133,31 @@ class StrategySection:
 
 @dataclass(frozen=True)
 class PrivacySection:
-    """Flower's differential privacy around the strategy: clipped on the ``client`` or ``server`` side, or off."""
+    """Flower's differential privacy around the strategy, clipped on the ``client`` or ``server`` side (null: off).
+
+    The other keys are the arguments of Flower's DP wrapper for that side and clipping (null: its
+    default): ``clipping_norm`` for fixed clipping, ``initial_clipping_norm`` and the rest for adaptive.
+    """
 
     side: str | None = None
     clipping: str = "fixed"
-    noise_multiplier: float = 1.0
-    clipping_norm: float = 1.0
-    options: dict[str, Any] = field(default_factory=dict)
+    noise_multiplier: float | None = None
+    clipping_norm: float | None = None
+    initial_clipping_norm: float | None = None
+    target_clipped_quantile: float | None = None
+    clip_norm_lr: float | None = None
+    clipped_count_stddev: float | None = None
+    num_sampled_clients: int | None = None
 
     def __post_init__(self) -> None:
         _one_of("privacy.side", self.side, (None, "client", "server"))
         _one_of("privacy.clipping", self.clipping, ("fixed", "adaptive"))
+
+    def wrapper(self) -> dict[str, Any] | None:
+        """The keys set, as the strategies take them (None: no differential privacy)."""
+        if self.side is None:
+            return None
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
 @dataclass(frozen=True)

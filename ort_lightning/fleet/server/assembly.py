@@ -6,8 +6,11 @@ devices, ``test`` for the server's evaluation), so that nothing here knows a dat
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
@@ -15,23 +18,23 @@ from torch.utils.data import DataLoader
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
-from ort_lightning.fleet.config.fleet_config import FleetConfig, PrivacySection, StrategySection
+from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.server.global_model import GlobalModel
 from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 
 
-def strategy_from(strategy: StrategySection, privacy: PrivacySection, devices: int) -> Strategy:
-    """The Flower strategy of the ``strategy`` section (``privacy``: the strategies module's business)."""
+def strategy_from(strategy: Mapping[str, Any], privacy: Mapping[str, Any] | None, devices: int) -> Strategy:
+    """The Flower strategy of the ``strategy`` section with the fleet's defaults (``privacy``: none yet)."""
     import flwr.serverapp.strategy as flower
 
-    if privacy.side is not None:
-        raise ConfigurationError(f"`privacy.side: {privacy.side}` needs the strategies module; set privacy.side: null.")
-    kind = {name.lower(): getattr(flower, name) for name in flower.__all__}[strategy.name]
+    if privacy is not None:
+        raise ConfigurationError(f"`privacy.side: {privacy['side']}` is not served yet; set privacy.side: null.")
+    kind = {name.lower(): getattr(flower, name) for name in flower.__all__}[strategy["name"]]
     options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, devices), "min_train_nodes": min(2, devices),
-               **strategy.options}
-    if strategy.name == "fedprox":
+               **strategy["options"]}
+    if strategy["name"] == "fedprox":
         options.setdefault("proximal_mu", 0.0)
     return kind(**options)
 
@@ -53,7 +56,7 @@ def fleet_server(
     `test` holds the batches the global model is evaluated on after every round (None: no evaluation).
     """
     model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
-    strategy = strategy_from(config.strategy, config.privacy, config.devices.count)
+    strategy = strategy_from(dataclasses.asdict(config.strategy), config.privacy.wrapper(), config.devices.count)
     return FleetServer(model, strategy, rounds=config.rounds, directory=Path(config.output.folder) / "rounds",
                        test=test, device_timeout=config.devices.timeout)
 
