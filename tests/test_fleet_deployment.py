@@ -196,5 +196,5 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
 def test_run_config_without_artifacts_is_named() -> None:
     from ort_lightning.fleet.engines.deployment import read_run_config
 
-    with pytest.raises(ValueError, match=r"The run config has no `artifacts` key; add artifacts = "):
-        read_run_config({"devices": 2, "rounds": 1})
+    with pytest.raises(ValueError, match=r"The run config has no `model.artifacts` key; add artifacts = "):
+        read_run_config({"devices.count": 2, "rounds": 1})

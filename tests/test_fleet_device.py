@@ -207,8 +207,8 @@ def test_the_experiment_prints_and_records_the_devices_timings(
     folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     exported, _ = folders
-    config = FleetConfig.from_dict({"devices": DEVICES, "rounds": 1, "epochs": 1, "lr": LR, "batch_size": 32,
-                                    "hidden": HIDDEN, "out": str(tmp_path)})
+    config = FleetConfig.from_dict({"devices": {"count": DEVICES, "epochs": 1, "lr": LR, "batch_size": 32},
+                                    "rounds": 1, "model": {"hidden": HIDDEN}, "output": {"folder": str(tmp_path)}})
     run_experiment(config, exported.directory, DATA, test=digits_test_loader(0))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("round  1"))
     assert re.search(r"[\d.]+ ms mean local fit, [\d.]+ ms set-up, \d+ steps/s", line), line
@@ -235,7 +235,7 @@ def test_a_device_evaluates_through_its_eval_graph_as_torch_computes(
 # ----------------------------------------------------------------------------- bad input
 def test_the_experiment_needs_the_devices_data(folders: tuple[TrainingArtifacts, TrainingArtifacts],
                                                tmp_path: Path) -> None:
-    config = FleetConfig.from_dict({"devices": 2, "rounds": 1, "out": str(tmp_path)})
+    config = FleetConfig.from_dict({"devices": {"count": 2}, "rounds": 1, "output": {"folder": str(tmp_path)}})
     message = r"Expected `data`, each device's \(partition, partitions\) -> ClientData, for engine 'local'"
     with pytest.raises(ConfigurationError, match=message + ", but got None; pass the devices' data"):
         run_experiment(config, folders[0].directory, None)
@@ -391,17 +391,18 @@ PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|
 def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
     from .test_cli import run
 
-    config = {"devices": 2, "rounds": 1, "epochs": 2, "hidden": HIDDEN, "batch_size": 32}
+    config = {"devices": {"count": 2, "epochs": 2, "batch_size": 32}, "rounds": 1, "model": {"hidden": HIDDEN}}
     shown = {}
-    for engine in ("simulation", "local"):
+    for engine in ("ray", "local"):
         path = tmp_path / f"{engine}.yaml"
-        path.write_text(json.dumps({**config, "engine": engine, "out": str(tmp_path / engine)}), encoding="utf-8")
+        sections = {**config, "engine": {"name": engine}, "output": {"folder": str(tmp_path / engine)}}
+        path.write_text(json.dumps(sections), encoding="utf-8")
         result = run("fleet", "--config", path, cwd=tmp_path)
         shown[engine] = result.stdout + result.stderr
         noise = [line for line in shown[engine].splitlines() if line.strip() and not PRINTED.fullmatch(line)]
         assert not noise, shown[engine]
     accuracy = [re.findall(r"accuracy ([\d.]+)%", text) for text in shown.values()]
     assert accuracy[0] == accuracy[1], shown
-    _assert_close(_values(round_path(tmp_path / "simulation" / "rounds", 1)),
+    _assert_close(_values(round_path(tmp_path / "ray" / "rounds", 1)),
                   {n: v.astype(np.float64) for n, v in _values(round_path(tmp_path / "local" / "rounds", 1)).items()},
                   atol=1e-6)

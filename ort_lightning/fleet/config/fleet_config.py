@@ -250,6 +250,7 @@ class FleetConfig:
         values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         if not isinstance(values, dict):
             raise ConfigurationError(f"Fleet config {path} must be a mapping of keys to values, got {type(values)}.")
+        cls.from_dict(values, where=f"the fleet config {path}")
         for text in overrides:
             values = merge_override(values, text)
-        return cls.from_dict(values, where=f"the fleet config {path}" + (" with --set" if overrides else ""))
+        return cls.from_dict(values, where="--set")
