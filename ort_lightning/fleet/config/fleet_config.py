@@ -51,7 +51,8 @@ class ModelSection:
 
     ``factory`` is ``package.module:function`` called with ``init_args``; it is exported once with an
     example input of ``input_shape`` (float32; None: two rows shaped like the data's first example)
-    and ``loss``. ``artifacts`` is a folder `export_artifacts` wrote with ``nominal_checkpoint=True``.
+    and ``loss``, one step checked against torch in a child process unless ``verify`` is false.
+    ``artifacts`` is a folder `export_artifacts` wrote with ``nominal_checkpoint=True``.
     """
 
     hidden: int = 64
@@ -59,6 +60,7 @@ class ModelSection:
     init_args: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] | None = None
     loss: str = "cross_entropy"
+    verify: bool = True
     artifacts: str | None = None
 
     def __post_init__(self) -> None:

@@ -42,4 +42,5 @@ def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
             raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
                                      f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
         inputs = torch.zeros(*shape)
-    return export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True).directory
+    return export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True,
+                            verify=model.verify).directory
