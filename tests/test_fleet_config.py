@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,9 @@ import pytest
 import torch
 
 from ort_lightning.errors import ConfigurationError
+
+from ._web import ort_web_dist
+from .helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 pytest.importorskip("sklearn", reason="the example's data module reads scikit-learn's breast-cancer set")
@@ -30,6 +35,7 @@ from ort_lightning.fleet.data.partitions import partition_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fleet_own_model.yaml"
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 sys.path.insert(0, str(EXAMPLE.parent))
 from fleet_own_model import BreastCancer, mlp  # noqa: E402
 
@@ -158,3 +164,35 @@ def test_the_own_model_trains_on_the_ray_engine_as_in_process(tmp_path: Path) ->
     assert [r["devices"] for r in ray["rounds"]] == [2]
     assert ray["rounds"][0]["loss"] == pytest.approx(local["rounds"][0]["loss"], abs=1e-6)
     assert ray["rounds"][0]["accuracy"] == local["rounds"][0]["accuracy"]
+
+
+@RunIf(node=True)
+@pytest.mark.slow
+@pytest.mark.spread
+def test_the_own_model_trains_on_node_devices_as_in_process(tmp_path: Path) -> None:
+    node, dist = shutil.which("node"), ort_web_dist()
+    assert node is not None
+    assert dist is not None
+    config = tmp_path / "fleet.yaml"
+    sections = {**_own(tmp_path / "nodes", seed=0), "engine": {"name": "browser", "port": 0, "ort_web": dist}}
+    config.write_text(json.dumps(sections), encoding="utf-8")
+    command = [sys.executable, "-c", "import sys; from ort_lightning.cli import main; sys.exit(main())", "fleet",
+               "--config", str(config)]
+    fleet = subprocess.Popen(command, cwd=EXAMPLE.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert fleet.stdout is not None
+    lines = []
+    for line in fleet.stdout:
+        lines.append(line)
+        if line.strip().startswith("http"):
+            break
+    url = lines[-1].strip()
+    devices = subprocess.run([node, "--experimental-websocket", str(NODE_DEVICE), url, "--ort-web", dist,
+                              "--devices", "2"], capture_output=True, text=True, timeout=240, check=False)
+    output = "".join(lines) + fleet.stdout.read()
+    assert fleet.wait(timeout=60) == 0, output
+    assert devices.returncode == 0, devices.stdout + devices.stderr
+    nodes = json.loads((tmp_path / "nodes" / "history.json").read_text(encoding="utf-8"))
+    local = run_fleet(_own(tmp_path / "local", seed=0), echo=False)
+    assert [r["devices"] for r in nodes["rounds"]] == [2]
+    assert nodes["rounds"][0]["loss"] == pytest.approx(local["rounds"][0]["loss"], rel=1e-3)
+    assert nodes["rounds"][0]["accuracy"] == pytest.approx(local["rounds"][0]["accuracy"], abs=1.01 / 114)
