@@ -2,7 +2,7 @@
 
 Every fleet runs the same `FleetServer` round loop (Flower's ``Strategy.start`` over a
 `RecordingFedAvg`), the same digits partitions and the same initial values; only the devices
-and the server's global model differ (`DeviceClient` or `FleetClient` over the ORT artifacts, the quickstart's
+and the server's global model differ (`DeviceClient` over the ORT device folder, the quickstart's
 `TorchClient` or its Lightning twin `LightningTorchClient`, and `GlobalModel` or `TorchGlobalModel`).
 The device's costs are measured from outside its code: a Flower mod (`timed`) times each
 ``train`` call and adds the worker's peak resident memory to the reply; the device's own
@@ -119,10 +119,14 @@ def _fleet(run: FleetRun) -> tuple[Any, Any]:
     data = DigitsPartitions(split=run.split, batch_size=run.batch_size, seed=run.seed)
     data(0, run.devices)  # NOTE: the digits' load and the writer groups are cached once per process, not a device's
     if run.fleet in ("ort", "ort-lightning"):
-        from ort_lightning.fleet import DeviceClient, FleetClient, GlobalModel
+        import tempfile
 
-        kind = DeviceClient if run.fleet == "ort" else FleetClient
-        client = kind(run.artifacts, data, epochs=run.epochs, lr=run.lr)
+        from ort_lightning.export import prepare_for_web
+        from ort_lightning.fleet import DeviceClient, GlobalModel
+
+        folder = prepare_for_web(run.artifacts, Path(tempfile.mkdtemp()) / "device", lr=run.lr)  # the devices' rate
+        runner = "ort" if run.fleet == "ort" else "lightning"
+        client = DeviceClient(folder.directory, data, epochs=run.epochs, runner=runner)
         return client.client_app(mods=[timed]), GlobalModel(run.artifacts)
     from benchmarks._fleet_torch import LightningTorchClient, TorchClient, TorchGlobalModel
 

@@ -8,8 +8,8 @@ same Flower engine, in three fleets:
 
 - ``ort``: devices run ONNX Runtime's device loop on the exported ORT artifacts, what a real device
   runs (ort-lightning's `DeviceClient`: ``.ort`` graphs, the nominal checkpoint plus the server's values).
-- ``ort-lightning``: devices train the same artifacts under a ``lightning.Trainer`` (`FleetClient`, one
-  module and one Trainer per worker): the simulated device before `DeviceClient`.
+- ``ort-lightning``: devices train the same artifacts under a ``lightning.Trainer``
+  (``DeviceClient(runner="lightning")``, one module and one Trainer per worker).
 - ``lightning``: devices train the torch module under a ``lightning.Trainer``, one module and
   one Trainer per worker as the ort fleet keeps them (`benchmarks._fleet_torch.LightningTorchClient`):
   ORT's share of the ort fleet's cost is the difference between these two.

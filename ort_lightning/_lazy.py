@@ -24,13 +24,7 @@ __all__ = ["lazy_names"]
 def lazy_names(
     namespace: dict[str, Any], homes: Mapping[str, str]
 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """The module ``__getattr__`` and ``__dir__`` of a package whose ``globals()`` lazily hold `homes`.
-
-    Args:
-        namespace: the package's ``globals()``; each name is stored there on first use, so that later
-            lookups never reach ``__getattr__``.
-        homes: each public name -> the module it comes from.
-    """
+    """The module ``__getattr__`` and ``__dir__`` of a package lazily holding `homes` (name -> module)."""
 
     def __getattr__(name: str) -> object:
         if name not in homes:

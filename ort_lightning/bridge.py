@@ -1,20 +1,15 @@
 """DLPack bridge between torch tensors and ONNX Runtime OrtValues, without copies.
 
-A `BatchBinder` turns a DataLoader batch into the input vector of one graph: each tensor is
-moved to the artifacts' device only when it is elsewhere, made contiguous only when it is
-not, checked against the graph's dtype, and wrapped by DLPack (same memory, no copy).
-`to_torch` goes back the same way (`ort_lightning.training.session.parameters.parameter_views`
-builds on it: torch tensors sharing ORT's parameters and gradients). `BatchBinder.step` is
-one graph step on one batch: order, check the labels (`LabelRange`, for cross-entropy
-artifacts: ORT 1.19.2 trains on labels outside ``[0, C)`` with a wrong loss), bind, run, and
-the loss back as a torch tensor.
+`BatchBinder` turns a DataLoader batch into one graph's inputs (moved, made contiguous and
+dtype-checked only where needed) and runs one graph step on it; `to_torch` goes back the same
+way; `LabelRange` refuses cross-entropy labels out of range, which ORT 1.19.2 trains on with a
+wrong loss.
 
 Example::
 
     >>> import torch
     >>> from ort_lightning.artifacts import TensorSpec
-    >>> spec = TensorSpec("input", "float32", ("batch", 3))
-    >>> binder = BatchBinder((spec,), torch.device("cpu"), graph="training")
+    >>> binder = BatchBinder((TensorSpec("input", "float32", ("batch", 3)),), torch.device("cpu"), graph="training")
     >>> x = torch.ones(2, 3)
     >>> to_torch(binder((x,))[0]).data_ptr() == x.data_ptr()
     True
@@ -43,17 +38,10 @@ _from_dlpack = OrtValue.from_dlpack
 
 
 def hand_over_to_ort(device: torch.device | None) -> None:
-    """Wait for torch's current CUDA stream on `device`, so that ORT reads what torch wrote; no-op off CUDA.
-
-    NOTE: DLPack hands ORT the memory without a stream handshake, and ORT runs on a stream of its
-    own that does not wait for torch's: batches that Lightning copied with ``non_blocking=True``,
-    gradients that torch scaled, clipped or all-reduced and parameters a torch optimizer updated
-    must be finished before ORT reads them.
-
-    Example::
-
-        >>> hand_over_to_ort(torch.device("cpu"))  # nothing to wait for on the CPU
-    """
+    """Wait for torch's current CUDA stream on `device`, so that ORT reads what torch wrote; no-op off CUDA."""
+    # NOTE: DLPack hands ORT the memory without a stream handshake, and ORT's stream does not wait for
+    # torch's: non-blocking batch copies, torch's clipping or all-reduce and a torch optimizer's update
+    # must be finished before ORT reads them.
     if device is not None and device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -69,13 +57,7 @@ def to_torch(value: Any) -> torch.Tensor:
 
 
 class BatchBinder:
-    """Turns batches into the OrtValue inputs of one graph.
-
-    Args:
-        specs: the graph's user inputs in order (model inputs, then labels).
-        device: where the graph runs; tensors elsewhere are moved there first.
-        graph: ``"training"`` or ``"eval"``, for error messages.
-    """
+    """Turns batches into the OrtValue inputs of one graph (`specs` in order; `graph` names it in errors)."""
 
     def __init__(self, specs: Sequence[TensorSpec], device: torch.device, *, graph: str) -> None:
         self.specs = tuple(specs)
@@ -90,24 +72,20 @@ class BatchBinder:
                            if index and isinstance(batch, str) and spec.shape and spec.shape[0] == batch)
 
     def __call__(self, batch: Any) -> Any:
-        """Return an OrtValueVector holding `batch` in graph-input order.
-
-        Shapes are not checked here (ORT checks them); `run` turns ORT's refusal into a
-        `BatchError` naming the input.
+        """Return an OrtValueVector holding `batch` in graph-input order (ORT checks the shapes).
 
         Raises:
-            BatchError: for a batch with the wrong number of tensors, missing names, or a dtype other
-                than the graph's.
+            BatchError: for the wrong number of tensors, missing names, or a dtype other than the graph's.
         """
         return self.bind(self.ordered(batch))
 
     def step(
         self, run: Callable[[Any], Any], batch: Any, labels: LabelRange | None = None
     ) -> tuple[Sequence[torch.Tensor], Any, torch.Tensor]:
-        """One graph step on `batch`: order it, check its `labels`, run `run`; return the tensors, fetches and loss.
+        """One graph step on `batch`: order it, check its `labels`, run; return the tensors, fetches and loss.
 
         Raises:
-            BatchError: for a batch the graph refuses (see `ordered`, `run`), or labels out of range.
+            BatchError: for a batch the graph refuses, or labels out of range.
         """
         tensors = self.ordered(batch)
         if self._rows:
@@ -121,7 +99,7 @@ class BatchBinder:
         return tensors, fetches, loss
 
     def check_rows(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Refuse inputs (labels among them) whose first axis, the batch axis, is not as long as the first input's.
+        """Refuse inputs whose batch axis is not as long as the first input's.
 
         Raises:
             BatchError: naming both inputs and both counts.
@@ -138,11 +116,10 @@ class BatchBinder:
                 )
 
     def run(self, step: Callable[[Any], Any], tensors: Sequence[torch.Tensor]) -> Any:
-        """Bind `tensors` (from `ordered`) and run `step` on them; return its fetches.
+        """Bind `tensors` and run `step`; a refused shape is diagnosed only then (a good batch pays nothing).
 
         Raises:
-            BatchError: for a dtype other than the graph's, or when ORT refuses a rank or a fixed
-                dimension (diagnosed only then, so that a good batch pays nothing for it).
+            BatchError: for a wrong dtype, rank or fixed dimension.
         """
         vector = self.bind(tensors)
         try:
@@ -181,11 +158,7 @@ class BatchBinder:
         return vector
 
     def check_shapes(self, tensors: Sequence[torch.Tensor], *, cause: BaseException | None = None) -> None:
-        """Raise a `BatchError` for the first tensor whose rank or fixed dimensions the graph refuses.
-
-        Raises:
-            BatchError: naming the input, the expected shape and the given one.
-        """
+        """Raise a `BatchError` naming the first input whose rank or fixed dimensions the graph refuses."""
         for tensor, spec, shape in zip(tensors, self.specs, self._shapes, strict=True):
             if shape is not None and not _fits(tensor.shape, shape):
                 raise self._shape_error(spec, tensor) from cause
@@ -194,7 +167,7 @@ class BatchBinder:
         """Return the tensors of `batch` in graph-input order.
 
         Raises:
-            BatchError: for a batch with the wrong number of tensors, missing names or non-tensors.
+            BatchError: for the wrong number of tensors, missing names or non-tensors.
         """
         if isinstance(batch, (tuple, list)):
             tensors: Sequence[Any] = batch
@@ -228,28 +201,17 @@ class BatchBinder:
         return tensors
 
     def model_inputs(self, batch: Any, count: int, *, entry: str, labels_allowed: bool) -> list[torch.Tensor]:
-        """Return the model inputs (the first `count` graph inputs) of `batch`, checked before ORT sees them.
-
-        What ``forward`` and ``predict_step`` bind: the eval graph's labels are then filled in, so a
-        batch of model inputs is checked here, in one line, instead of by ORT's multi-line error.
+        """The first `count` graph inputs of `batch`, checked in one line before ORT sees them.
 
         Args:
             batch: a tensor, a tuple/list of tensors, or a dict keyed by input name.
             count: how many of the graph's inputs are model inputs (the rest are labels).
-            entry: the method the batch was passed to, for error messages (``"forward()"``).
+            entry: the method the batch was passed to, for error messages.
             labels_allowed: whether a tuple/list may also hold the labels (ignored then).
 
         Raises:
             BatchError: for the wrong number of tensors, a missing name, a non-tensor, a wrong dtype,
                 rank or fixed dimension, or an empty tensor.
-
-        Example::
-
-            >>> from ort_lightning.artifacts import TensorSpec
-            >>> specs = (TensorSpec("input", "float32", ("batch", 3)), TensorSpec("labels", "int64", ("batch",)))
-            >>> binder = BatchBinder(specs, torch.device("cpu"), graph="eval")
-            >>> len(binder.model_inputs((torch.ones(2, 3),), 1, entry="forward()", labels_allowed=False))
-            1
         """
         names = self.names[:count]
         if isinstance(batch, Mapping):
@@ -316,20 +278,12 @@ class BatchBinder:
 class LabelRange:
     """Refuse cross-entropy labels outside ``[0, classes)`` (ORT trains on them with a wrong loss).
 
-    Args:
-        name: the label input's name.
-        index: its position among the graph's inputs.
-        classes: the number of classes (the class axis of the logits).
-        ignore_index: a label value the loss skips (torch's ``ignore_index``, -100 by default;
-            Hugging Face pads labels with it); None when every label counts.
-        reduction: the loss's reduction; under ``"mean"`` a batch whose labels are all `ignore_index`
-            has an undefined loss (torch's is NaN), which the call reports.
+    `ignore_index` is a label the loss skips; under the ``"mean"`` `reduction` a batch of ignored
+    labels only has an undefined loss (torch's is NaN), which the call reports.
 
     Example::
 
         >>> guard = LabelRange("labels", index=1, classes=3, ignore_index=-100)
-        >>> guard((torch.zeros(2, 4), torch.tensor([0, 2])), graph="training")
-        False
         >>> guard((torch.zeros(2, 4), torch.tensor([-100, -100])), graph="training")  # torch's loss: NaN
         True
         >>> guard((torch.zeros(2, 4), torch.tensor([0, 3])), graph="training")
@@ -348,11 +302,7 @@ class LabelRange:
         self.reduction = reduction
 
     def __call__(self, tensors: Sequence[torch.Tensor], *, graph: str) -> bool:
-        """Check the labels among `tensors` (in graph-input order).
-
-        Returns:
-            Whether the batch's loss is undefined: every label is `ignore_index` under the ``"mean"``
-            reduction, where torch's loss is NaN (0/0) and ORT's 0.0.
+        """Check the labels among `tensors`; return whether the batch's loss is undefined (all ignored, mean).
 
         Raises:
             BatchError: naming the labels, the range found and the range expected.

@@ -41,11 +41,8 @@ def digits_mlp(hidden: int = 64, seed: int = 0) -> torch.nn.Module:
 
 
 def stripes_cnn(channels: int = 8, seed: int = 0) -> torch.nn.Module:
-    """Return a fresh small CNN for `StripesDataModule`'s 1x12x12 images: 4 classes.
-
-    Conv + BatchNorm + ReLU twice, a global max pool (no average pooling: ONNX Runtime's
-    AveragePool gradient needs a fixed batch size), then a linear classifier.
-    """
+    """Return a fresh small CNN for `StripesDataModule`'s 1x12x12 images: 4 classes, max pooling."""
+    # NOTE: max, not average pooling: ORT's AveragePool gradient needs a fixed batch size.
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -59,13 +56,7 @@ def stripes_cnn(channels: int = 8, seed: int = 0) -> torch.nn.Module:
 
 
 class DigitsDataModule(pl.LightningDataModule):
-    """scikit-learn's digits as ``(pixels float32 [B, 64] in [0, 1], label int64 [B])`` batches.
-
-    Args:
-        batch_size: samples per training batch.
-        val_fraction: share of the 1,797 images held out for validation (and test/predict).
-        seed: seed of the split and of the training shuffle.
-    """
+    """scikit-learn's digits as ``(pixels float32 [B, 64] in [0, 1], label int64 [B])`` batches, split by `seed`."""
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0) -> None:
         super().__init__()
@@ -98,25 +89,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
 
 class StripesDataModule(pl.LightningDataModule):
-    """Generated images ``float32 [B, 1, 12, 12]`` of a stripe in one of 4 directions, labels ``int64 [B]``.
-
-    Nothing downloads: the images are drawn from a seeded generator.
-
-    Args:
-        batch_size: samples per training batch.
-        train_size: generated training images (the validation, test and predict sets have a quarter of that).
-        seed: seed of the images and of the training shuffle.
-
-    Example::
-
-        >>> data = StripesDataModule(batch_size=8, train_size=16)
-        >>> data.setup("fit")
-        >>> x, y = next(iter(data.train_dataloader()))
-        >>> tuple(x.shape), int(y.max()) < 4
-        ((8, 1, 12, 12), True)
-        >>> stripes_cnn()(x).shape
-        torch.Size([8, 4])
-    """
+    """Generated images ``float32 [B, 1, 12, 12]`` of a stripe in one of 4 directions, labels ``int64 [B]``."""
 
     def __init__(self, batch_size: int = 32, train_size: int = 512, seed: int = 0) -> None:
         super().__init__()

@@ -62,12 +62,7 @@ class StorageError(ORTLightningError, OSError):
 
 
 class DeviceReplyError(ORTLightningError, ValueError):
-    """What a fleet device sent back was refused before it reached the strategy.
-
-    Its values had the wrong count or were not finite, it claimed more examples than it was
-    given, its frame was over the size limit or unreadable, or it stopped answering: the device
-    is named and dropped from the fleet, and its round completes with the other devices.
-    """
+    """What a fleet device sent back was refused before it reached the strategy; the device is dropped."""
 
 
 class FleetError(ORTLightningError, RuntimeError):

@@ -30,6 +30,8 @@ CONTINUES = '!!! note "Continues the quick start"'
 FENCE = re.compile(r'^```python(?: title="([^"]+)")?\n(.*?)^```$', re.S | re.M)
 #: Every line that opens a Python block, however it is fenced or indented: `FENCE` must read each one.
 ANY_PYTHON_FENCE = re.compile(r"^\s*```\s*(python|py|pycon)\b", re.M)
+#: A line that includes another file, or one section of it, as mkdocs' pymdownx.snippets does.
+SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$', re.M)
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,30 @@ def docs_pages() -> list[Path]:
     return sorted(DOCS.rglob("*.md"))
 
 
+def _section(text: str, name: str) -> str:
+    start, end = f"--8<-- [start:{name}]", f"--8<-- [end:{name}]"
+    lines = text.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if start in line)
+    last = next(i for i, line in enumerate(lines) if end in line)
+    return "".join(lines[first + 1 : last])
+
+
+def page_text(path: Path) -> str:
+    """The page as the site renders it: each snippet line replaced by what it includes (one level).
+
+    Line numbers of a page with snippets count in this text, not in the file.
+    """
+
+    def include(match: re.Match[str]) -> str:
+        text = (ROOT / match.group(1)).read_text(encoding="utf-8")
+        return (_section(text, match.group(2)) if match.group(2) else text).rstrip("\n")
+
+    return SNIPPET.sub(include, path.read_text(encoding="utf-8"))
+
+
 def python_blocks(path: Path) -> list[Block]:
     """The page's Python blocks, in order."""
-    text = path.read_text(encoding="utf-8")
+    text = page_text(path)
     return [
         Block(page_name(path), index, text.count("\n", 0, match.start()) + 1, match.group(2), match.group(1))
         for index, match in enumerate(FENCE.finditer(text))
@@ -68,11 +91,11 @@ def python_blocks(path: Path) -> list[Block]:
 
 def python_fences(path: Path) -> int:
     """How many Python blocks the page opens, counted apart from `FENCE`."""
-    return len(ANY_PYTHON_FENCE.findall(path.read_text(encoding="utf-8")))
+    return len(ANY_PYTHON_FENCE.findall(page_text(path)))
 
 
 def continues_the_quick_start(path: Path) -> bool:
-    return CONTINUES in path.read_text(encoding="utf-8")
+    return CONTINUES in page_text(path)
 
 
 def quick_start() -> Block:

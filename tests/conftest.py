@@ -6,7 +6,7 @@ import copy
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +104,22 @@ def mlp_sgd(artifacts_root: Path) -> Exported:
     # NOTE: only mlp_adamw and bn_dropout_cnn are verified (tests/test_verify.py reads their reports); the tests
     # of mlp_sgd compare its steps with torch themselves.
     return _export(artifacts_root, "mlp_sgd", MLP(), torch.zeros(2, 4), optimizer="sgd", verify=False)
+
+
+@pytest.fixture(scope="session")
+def device_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[TrainingArtifacts, float], Path]:
+    """The device folder of some artifacts at a rate (``prepare_for_web``'s, ``.onnx``), written once a session."""
+    from ort_lightning.export import prepare_for_web
+
+    made: dict[tuple[Path, float], Path] = {}
+
+    def folder(artifacts: TrainingArtifacts, lr: float) -> Path:
+        if (artifacts.directory, lr) not in made:
+            output = tmp_path_factory.mktemp("device-folder") / "device"
+            made[artifacts.directory, lr] = prepare_for_web(artifacts, output, lr=lr, ort_format=False).directory
+        return made[artifacts.directory, lr]
+
+    return folder
 
 
 @pytest.fixture(scope="session")

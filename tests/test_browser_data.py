@@ -27,8 +27,8 @@ flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install 
 
 from ort_lightning.fleet import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
-from ort_lightning.fleet.devices.device_files import check_buffer_order  # noqa: E402
 from ort_lightning.fleet.devices.frames import pack, read_result, unpack  # noqa: E402
+from ort_lightning.fleet.devices.weights import check_buffer_order  # noqa: E402
 
 from .test_browser_fleet import CDN, _assert_round, _chromium, _server  # noqa: E402
 
@@ -130,7 +130,7 @@ def test_the_flat_weights_follow_onnx_runtimes_buffer_not_the_manifest_nor_the_a
 ) -> None:
     exported, web = unsorted_folders
     with BrowserFleet(web, page_data=DATA_MODULE, max_examples=40, port=0, devices=1, ort_web=CDN) as fleet:
-        declared = [name for name, _ in fleet.hub.specs]
+        declared = fleet.hub.weight_order.names
     # ONNX Runtime's own buffer over the complete checkpoint, cut at each tensor's size in the declared order
     state = CheckpointState.load_checkpoint(str(exported.checkpoint))
     module = Module(str(exported.training_model), state, str(exported.eval_model))

@@ -22,18 +22,19 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from ort_lightning import export_artifacts  # noqa: E402
 from ort_lightning.errors import ConfigurationError, FleetError  # noqa: E402
 from ort_lightning.fleet import BrowserDevice, BrowserFleet  # noqa: E402
+from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.grid import BrowserGrid, PageData, strategy_floor  # noqa: E402
 from ort_lightning.fleet.engines.browser.hub import Hub  # noqa: E402
 from ort_lightning.fleet.engines.browser.population import Population  # noqa: E402
 from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files  # noqa: E402
 
 CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"
-SPECS = [("weight", (2, 3)), ("bias", (2,))]
+SPECS = WeightOrder([("weight", (2, 3)), ("bias", (2,))])
 
 
 def _hub(partitions: int = 2) -> tuple[Hub, list]:
     events: list = []
-    return Hub(partitions=partitions, specs=SPECS, device_timeout=5.0, on_event=events.append), events
+    return Hub(partitions=partitions, weight_order=SPECS, device_timeout=5.0, on_event=events.append), events
 
 
 def _page(hub: Hub, name: str, identity: object) -> tuple[BrowserDevice, str | None]:

@@ -101,7 +101,9 @@ def test_the_pages_hold_the_blocks_this_test_runs() -> None:
     assert all(continues_the_quick_start(DOCS.parent / block.page) for block in scripts)
 
 
-def test_the_readme_quick_start_is_the_docs_quick_start() -> None:
+def test_the_docs_quick_start_is_the_readme_quick_start_included() -> None:
+    # docs/index.md includes the README's block (pymdownx.snippets) rather than a copy of it
+    assert '--8<-- "README.md:quick-start"' in QUICK_START_PAGE.read_text(encoding="utf-8")
     assert python_blocks(README)[0].code == quick_start().code
 
 

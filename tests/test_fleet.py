@@ -35,14 +35,14 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning.fleet import (  # noqa: E402
     ClientData,
-    FleetClient,
+    DeviceClient,
     GlobalModel,
     LocalGrid,
+    WeightOrder,
     get_values,
     round_path,
     run_local,
     set_values,
-    state_order,
 )
 from ort_lightning.fleet.server.server_app import FleetServer  # noqa: E402
 
@@ -120,11 +120,11 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 
 def _run(
-    exported: Exported, data: Any, folder: Path, *, rounds: int, mods: list[Any] | None = None,
-    devices: Path | None = None, start: str = "auto",
+    exported: Exported, data: Any, folder: Path, *, rounds: int, devices: Path, mods: list[Any] | None = None,
+    start: str = "auto",
 ) -> FleetServer:
-    """`rounds` of FedAvg over `devices` (the artifacts folder each device holds; the exported one by default)."""
-    client = FleetClient(devices or exported.artifacts.directory, data, epochs=EPOCHS, lr=LR, start=start)
+    """`rounds` of FedAvg over `devices` (the device folder each device holds, at LR) with Trainer devices."""
+    client = DeviceClient(devices, data, epochs=EPOCHS, runner="lightning", start=start)
     server = FleetServer(GlobalModel(exported.artifacts), FedAvg(fraction_evaluate=0.0), rounds=rounds,
                          directory=folder)
     run_local(server.server_app(), client.client_app(mods=mods), nodes=len(SIZES))
@@ -152,7 +152,7 @@ def _weightless(artifacts: TrainingArtifacts, folder: Path) -> Path:
 # ----------------------------------------------------------------------------- tests
 def test_values_follow_the_training_graph_and_land_in_ort_memory(mlp_adamw: Exported) -> None:
     module = ORTLightningModule(mlp_adamw.artifacts)
-    assert state_order(mlp_adamw.artifacts) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert WeightOrder.of(mlp_adamw.artifacts).names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     address, session = module.fc1.weight.data_ptr(), module.ort_session
     reference = mlp_adamw.reference().state_dict()
     set_values(module, {name: torch.full_like(value, 0.5) for name, value in reference.items()})
@@ -175,8 +175,10 @@ def test_set_values_refuses_values_of_other_artifacts(mlp_adamw: Exported) -> No
         set_values(module, {**values, "fc1.bias": torch.zeros(3)})
 
 
-def test_fedavg_rounds_match_independent_fits_averaged_by_example_count(mlp_adamw: Exported, tmp_path: Path) -> None:
-    server = _run(mlp_adamw, iid_data, tmp_path / "rounds", rounds=2)
+def test_fedavg_rounds_match_independent_fits_averaged_by_example_count(
+    mlp_adamw: Exported, device_folder: Any, tmp_path: Path
+) -> None:
+    server = _run(mlp_adamw, iid_data, tmp_path / "rounds", rounds=2, devices=device_folder(mlp_adamw.artifacts, LR))
     expected = _reference(mlp_adamw, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
 
     for number, (average, fits) in enumerate(expected, start=1):
@@ -194,7 +196,7 @@ def test_fedavg_rounds_match_independent_fits_averaged_by_example_count(mlp_adam
 
 
 def test_devices_from_the_nominal_checkpoint_equal_the_complete_start_and_the_reference(
-    shipped: Exported, tmp_path: Path
+    shipped: Exported, device_folder: Any, tmp_path: Path
 ) -> None:
     """Devices holding no weights at all (ORT's nominal start, the server's values) == the complete start == by hand."""
     nominal = shipped.artifacts.nominal_checkpoint
@@ -202,10 +204,11 @@ def test_devices_from_the_nominal_checkpoint_equal_the_complete_start_and_the_re
     with pytest.raises(RuntimeError, match="nominal state"):  # ORT holds names and shapes, no data
         CheckpointState.load_checkpoint(str(nominal)).parameters["fc1.weight"]  # noqa: B018 - reading is the check
     assert 2 * nominal.stat().st_size < shipped.artifacts.checkpoint.stat().st_size
-    devices = _weightless(shipped.artifacts, tmp_path / "device")
+    complete = device_folder(shipped.artifacts, LR)
+    devices = _weightless(TrainingArtifacts.load(complete), tmp_path / "device")
 
     from_nominal = _run(shipped, iid_data, tmp_path / "nominal", rounds=2, devices=devices)  # start="auto"
-    from_complete = _run(shipped, iid_data, tmp_path / "complete", rounds=2, start="complete")
+    from_complete = _run(shipped, iid_data, tmp_path / "complete", rounds=2, devices=complete, start="complete")
     expected = _reference(shipped, iid_data, [[0, 1, 2], [0, 1, 2]], tmp_path)
 
     for server in (from_nominal, from_complete):  # a device that failed would only be left out of the average
@@ -221,26 +224,26 @@ def test_devices_from_the_nominal_checkpoint_equal_the_complete_start_and_the_re
 
 def test_nominal_start_without_a_nominal_checkpoint_is_named(mlp_adamw: Exported) -> None:
     with pytest.raises(ValueError, match=r"Expected `start` to be one of \('auto', 'nominal', 'complete'\)"):
-        FleetClient(mlp_adamw.artifacts.directory, iid_data, start="weightless")
-    client = FleetClient(mlp_adamw.artifacts.directory, iid_data, start="nominal")
+        DeviceClient(mlp_adamw.artifacts.directory, iid_data, runner="lightning", start="weightless")
+    client = DeviceClient(mlp_adamw.artifacts.directory, iid_data, runner="lightning", start="nominal")
     grid = LocalGrid(client.client_app(), nodes=1)
     content = RecordDict({"arrays": ArrayRecord(get_values(ORTLightningModule(mlp_adamw.artifacts))),
                           "config": ConfigRecord({"server-round": 1})})
     (reply,) = grid.send_and_receive([Message(content, dst_node_id=1, message_type="train")])
     assert reply.has_error()
-    needs = r'start="nominal"\) needs a nominal checkpoint in .*export_artifacts\(\.\.\., nominal_checkpoint=True\)'
+    needs = r'start="nominal" needs a nominal checkpoint in .*export_artifacts\(\.\.\., nominal_checkpoint=True\)'
     assert re.search(needs, reply.error.reason), reply.error.reason
 
 
 def test_complete_start_on_a_device_folder_is_named(shipped: Exported, tmp_path: Path) -> None:
     devices = _weightless(shipped.artifacts, tmp_path / "device")
-    client = FleetClient(devices, iid_data, start="complete")
+    client = DeviceClient(devices, iid_data, runner="lightning", start="complete")
     grid = LocalGrid(client.client_app(), nodes=1)
     content = RecordDict({"arrays": ArrayRecord(get_values(ORTLightningModule(shipped.artifacts))),
                           "config": ConfigRecord({"server-round": 1})})
     (reply,) = grid.send_and_receive([Message(content, dst_node_id=1, message_type="train")])
     assert reply.has_error()
-    needs = (r'start="complete"\) needs the complete checkpoint in .*, but the folder holds no weights .*pass '
+    needs = (r'start="complete" needs the complete checkpoint in .*, but the folder holds no weights .*pass '
              r'start="nominal" or "auto"')
     assert re.search(needs, reply.error.reason), reply.error.reason
 
@@ -258,11 +261,12 @@ def _fail(rounds_to_devices: dict[int, set[int]]) -> Callable[..., Message]:
 
 
 def test_non_iid_round_survives_a_failing_device_and_keeps_earlier_checkpoints(
-    mlp_adamw: Exported, tmp_path: Path
+    mlp_adamw: Exported, device_folder: Any, tmp_path: Path
 ) -> None:
     folder = tmp_path / "rounds"
     # round 2: device 1 fails; round 3: every device fails
-    server = _run(mlp_adamw, label_data, folder, rounds=3, mods=[_fail({2: {1}, 3: {0, 1, 2}})])
+    server = _run(mlp_adamw, label_data, folder, rounds=3, devices=device_folder(mlp_adamw.artifacts, LR),
+                  mods=[_fail({2: {1}, 3: {0, 1, 2}})])
     expected = _reference(mlp_adamw, label_data, [[0, 1, 2], [0, 2]], tmp_path)
 
     for number, (average, _) in enumerate(expected, start=1):
@@ -276,24 +280,29 @@ def test_non_iid_round_survives_a_failing_device_and_keeps_earlier_checkpoints(
     assert verify_digest(folder / "last.ortckpt")
 
 
-def test_resumed_server_continues_round_numbers_from_the_checkpoint(mlp_adamw: Exported, tmp_path: Path) -> None:
-    first = _run(mlp_adamw, iid_data, tmp_path / "a", rounds=1)
+def test_resumed_server_continues_round_numbers_from_the_checkpoint(
+    mlp_adamw: Exported, device_folder: Any, tmp_path: Path
+) -> None:
+    first = _run(mlp_adamw, iid_data, tmp_path / "a", rounds=1, devices=device_folder(mlp_adamw.artifacts, LR))
     resumed = GlobalModel(mlp_adamw.artifacts, checkpoint=first.history[0].checkpoint)
     assert resumed.server_round == 1
     written = _values_in(mlp_adamw, round_path(tmp_path / "a", 1))
     _assert_close(_state(resumed.module), {name: value.double() for name, value in written.items()})
 
 
-def test_kept_optimizer_state_continues_the_devices_adamw_step(mlp_adamw: Exported, tmp_path: Path) -> None:
+def test_kept_optimizer_state_continues_the_devices_adamw_step(
+    mlp_adamw: Exported, device_folder: Any, tmp_path: Path
+) -> None:
     """optimizer_state="keep": a device's second round starts at its own AdamW step, not at step 0."""
-    client = FleetClient(mlp_adamw.artifacts.directory, iid_data, epochs=1, lr=LR, optimizer_state="keep")
+    client = DeviceClient(device_folder(mlp_adamw.artifacts, LR), iid_data, epochs=1, runner="lightning",
+                          optimizer_state="keep")
     server = FleetServer(GlobalModel(mlp_adamw.artifacts), FedAvg(fraction_evaluate=0.0), rounds=2,
                          directory=tmp_path / "keep")
     grid = LocalGrid(client.client_app(), nodes=len(SIZES))
     server.main(grid, Context(1, 0, {}, RecordDict(), {}))
     steps = []
     for context in map(grid.context, grid.get_node_ids()):
-        stored = context.state.array_records["ort_lightning_state"].to_torch_state_dict()["checkpoint"]
+        stored = context.state.array_records["ort_lightning_device_checkpoint"].to_torch_state_dict()["checkpoint"]
         path = tmp_path / f"device-{context.node_id}.ortckpt"
         path.write_bytes(stored.numpy().tobytes())
         steps.append(ORTLightningModule(mlp_adamw.artifacts, checkpoint=path).start_progress["global_step"])
@@ -301,11 +310,11 @@ def test_kept_optimizer_state_continues_the_devices_adamw_step(mlp_adamw: Export
 
 
 @pytest.mark.alone  # Ray
-def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, tmp_path: Path) -> None:
+def test_flower_ray_simulation_runs_the_same_round(mlp_adamw: Exported, device_folder: Any, tmp_path: Path) -> None:
     """One true run on Flower's simulation engine (Ray): 2 devices, 1 round, the same numbers as by hand."""
     from flwr.simulation import run_simulation
 
-    client = FleetClient(mlp_adamw.artifacts.directory, iid_data, epochs=EPOCHS, lr=LR)
+    client = DeviceClient(device_folder(mlp_adamw.artifacts, LR), iid_data, epochs=EPOCHS, runner="lightning")
     server = FleetServer(GlobalModel(mlp_adamw.artifacts), FedAvg(fraction_evaluate=0.0), rounds=1,
                          directory=tmp_path / "rounds")
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}}

@@ -15,7 +15,7 @@ flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install 
 
 from flwr.app import Array, ArrayRecord  # noqa: E402
 
-from ort_lightning.fleet.devices.weights import WeightLayout  # noqa: E402
+from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
 
 ORDER = [("fc1.weight", (16, 64)), ("fc1.bias", (16,)), ("fc2.weight", (10, 16)), ("fc2.bias", (10,)), ("s", ())]
 SIZE = 16 * 64 + 16 + 10 * 16 + 10 + 1
@@ -37,7 +37,7 @@ def _flower_record(weights: np.ndarray) -> ArrayRecord:
 
 def test_record_holds_the_bytes_flower_writes() -> None:
     weights = _weights()
-    ours, flowers = WeightLayout(ORDER).record(weights), _flower_record(weights)
+    ours, flowers = WeightOrder(ORDER).record(weights), _flower_record(weights)
     assert list(ours) == [name for name, _ in ORDER]
     for name, _ in ORDER:
         assert (ours[name].dtype, ours[name].shape, ours[name].stype) == (
@@ -47,7 +47,7 @@ def test_record_holds_the_bytes_flower_writes() -> None:
 
 def test_flat_equals_flowers_values_in_order() -> None:
     weights = _weights(1)
-    flat = WeightLayout(ORDER).flat(_flower_record(weights))
+    flat = WeightOrder(ORDER).flat(_flower_record(weights))
     assert flat.dtype == np.float32
     np.testing.assert_array_equal(flat, weights)
     expected = np.concatenate([_flower_record(weights)[name].numpy().ravel() for name, _ in ORDER])
@@ -70,24 +70,24 @@ def test_other_encodings_take_flowers_conversion(kind: str) -> None:
         elif value.ndim == 2:  # np.asfortranarray would make a scalar 1-d
             value = np.asfortranarray(value)
         named[name] = Array.from_numpy_ndarray(value)
-    np.testing.assert_array_equal(WeightLayout(ORDER).flat(ArrayRecord(array_dict=named)), weights)
+    np.testing.assert_array_equal(WeightOrder(ORDER).flat(ArrayRecord(array_dict=named)), weights)
 
 
 def test_flat_is_a_copy_the_record_does_not_share() -> None:
-    record = WeightLayout(ORDER).record(_weights(3))
-    flat = WeightLayout(ORDER).flat(record)
+    record = WeightOrder(ORDER).record(_weights(3))
+    flat = WeightOrder(ORDER).flat(record)
     flat[:] = 0
-    assert np.abs(WeightLayout(ORDER).flat(record)).sum() > 0
+    assert np.abs(WeightOrder(ORDER).flat(record)).sum() > 0
 
 
 def test_values_of_another_layout_are_refused_by_name() -> None:
-    other = WeightLayout([("fc1.weight", (8, 64))]).record(np.zeros(8 * 64, np.float32))
+    other = WeightOrder([("fc1.weight", (8, 64))]).record(np.zeros(8 * 64, np.float32))
     with pytest.raises(ConfigurationError, match=r"sent the values \{'fc1.weight': \(8, 64\)\}, but the device folder "
                                                  r"trains .*start the FleetServer from the artifacts"):
-        WeightLayout(ORDER).flat(other)
+        WeightOrder(ORDER).flat(other)
 
 
 @pytest.mark.parametrize("weights", [np.zeros(SIZE, np.float64), np.zeros(SIZE - 1, np.float32)])
 def test_a_buffer_of_another_dtype_or_size_is_refused(weights: np.ndarray) -> None:
     with pytest.raises(ConfigurationError, match=rf"Expected a float32 buffer of {SIZE} values, but got"):
-        WeightLayout(ORDER).record(weights)
+        WeightOrder(ORDER).record(weights)

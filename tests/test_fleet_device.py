@@ -43,6 +43,7 @@ from ort_lightning.fleet import (  # noqa: E402
 )
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader  # noqa: E402
 from ort_lightning.fleet.run import FleetConfig, run_experiment  # noqa: E402
+from ort_lightning.fleet.server.assembly import device_folder  # noqa: E402
 
 LR = 0.01
 HIDDEN = 16
@@ -113,15 +114,37 @@ def test_rounds_equal_the_fedavg_of_orts_documented_loop_on_the_device_folder(
         start = {name: value.astype(np.float32) for name, value in expected.items()}
 
 
-def test_a_plain_folder_trains_at_the_rate_the_device_sets(
-    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+@pytest.fixture(scope="module")
+def rated(folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The experiment's device folder for a config's ``lr`` (the one place the rate is written), once per rate."""
+    made: dict[float, Path] = {}
+
+    def folder(lr: float) -> Path:
+        if lr not in made:
+            config = FleetConfig.from_dict({"lr": lr, "out": str(tmp_path_factory.mktemp(f"lr-{lr}"))})
+            made[lr] = device_folder(config, folders[0].directory).directory
+        return made[lr]
+
+    return folder
+
+
+@pytest.mark.parametrize("runner", ["ort", "lightning"])
+@pytest.mark.parametrize("lr", [0.003, 0.05])
+def test_the_configs_rate_is_what_every_runner_trains_at(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], rated: Any, runner: str, lr: float
 ) -> None:
+    """A device's round, by either runner, equals plain torch's AdamW at the config's lr on the same batches."""
     exported, _ = folders
-    _run(exported, exported, tmp_path, rounds=1, epochs=2, lr=LR)
-    start = _values(exported.checkpoint)
-    fits = [(ort_device_loop(exported.directory, _epochs(p, 2), lr=LR, graphs="ort", values=start),
-             len(DATA(p, DEVICES).train.dataset)) for p in range(DEVICES)]  # type: ignore[arg-type]
-    _assert_close(_values(round_path(tmp_path, 1)), _fedavg(fits), atol=1e-6)
+    reply = DeviceClient(rated(lr), DATA, runner=runner).train(_message(_values(exported.checkpoint)), _context(0))
+    trained = reply.content.array_records["arrays"].to_torch_state_dict()
+    model = digits_mlp(HIDDEN, seed=0)  # the exported module; the artifacts' AdamW defaults are torch's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for x, y in _epochs(0, 1):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5, msg=name)
 
 
 def _kept_reference(folder: Path, start: dict[str, np.ndarray], tmp_path: Path) -> list[dict[str, np.ndarray]]:
@@ -245,13 +268,19 @@ def test_a_nominal_start_without_a_nominal_checkpoint_is_named(tmp_path: Path) -
     plain = export_artifacts(digits_mlp(HIDDEN), torch.zeros(2, FEATURES), tmp_path / "plain", verify=False)
     client = DeviceClient(plain.directory, DATA, start="nominal")
     with pytest.raises(ConfigurationError, match=r"\"nominal\" needs a nominal checkpoint .*nominal_checkpoint=True"):
-        client.folder()
+        client.loop()
 
 
-def test_a_rate_the_device_folder_ignores_is_refused(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> None:
+def test_a_client_refuses_an_unknown_runner_and_options_its_runner_ignores(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts]
+) -> None:
     _, device = folders
-    with pytest.raises(ConfigurationError, match=r"computes its own rate \(constant 0.01.*pass lr=None"):
-        DeviceClient(device.directory, DATA, lr=0.05).folder()
+    unknown = r"Expected `runner` to be one of \('ort', 'lightning'\), but got 'tf'; pass \"ort\""
+    with pytest.raises(ConfigurationError, match=unknown):
+        DeviceClient(device.directory, DATA, runner="tf")
+    ignored = r"configure the Trainer of runner=\"lightning\", but this client runs ONNX Runtime's device loop"
+    with pytest.raises(ConfigurationError, match=ignored):
+        DeviceClient(device.directory, DATA, trainer_options={"max_steps": 2})
 
 
 def test_values_of_another_model_are_refused_by_name(
@@ -262,6 +291,27 @@ def test_values_of_another_model_are_refused_by_name(
     message = _message(_values(other.checkpoint))
     with pytest.raises(ConfigurationError, match=r"the device folder trains .*start the FleetServer from the artif"):
         DeviceClient(device.directory, DATA).train(message, _context(0))
+
+
+def test_a_supernode_trains_at_the_run_configs_rate(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> None:
+    """A SuperNode prepares a plain folder at the run config's lr, and refuses a folder prepared at another rate."""
+    from ort_lightning.fleet.engines.deployment import client
+
+    exported, device = folders
+    start = _values(exported.checkpoint)
+
+    def reply(artifacts: Path, lr: float) -> Message:
+        run_config = {"artifacts": str(artifacts), "devices": DEVICES, "lr": lr, "batch_size": 32, "seed": 0}
+        return client(_message(start), Context(1, 1, {"partition-id": 1, "num-partitions": DEVICES}, RecordDict(),
+                                                run_config))
+
+    trained = reply(exported.directory, LR)
+    assert not trained.has_error(), trained.error
+    expected = ort_device_loop(device.directory, _epochs(1, 1), lr=None, graphs="ort", values=start)
+    _assert_close({n: a.numpy() for n, a in trained.content.array_records["arrays"].items()}, expected, atol=1e-6)
+    with pytest.raises(ConfigurationError, match=r"The run config's lr=0.05, but the device folder .* computes its own "
+                                                 r"rate \(constant 0.01, .*pass lr=0.01 in the run config"):
+        reply(device.directory, 0.05)
 
 
 # ----------------------------------------------------------------------------- faults, as for every device
@@ -357,27 +407,30 @@ def test_a_supernode_trains_a_round_with_lightning_absent(
 # ----------------------------------------------------------------------------- Node: the same round
 @pytest.mark.slow
 @RunIf(node=True)
-@pytest.mark.parametrize("epochs", [1, 2, 3], ids=["1-epoch", "2-epochs", "3-epochs"])
+@pytest.mark.parametrize(("epochs", "lr"), [(1, 0.05), (2, LR), (3, LR)],
+                         ids=["1-epoch-at-0.05", "2-epochs", "3-epochs"])
 def test_node_runs_a_devices_round_as_the_python_device_does(
-    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, epochs: int
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], rated: Any, tmp_path: Path, epochs: int, lr: float
 ) -> None:
+    """Node trains the device folder as the Python device does, at the rate of the config that wrote it."""
     from tests.test_web_runner import _node_run, _write_job
 
-    exported, device = folders
+    exported, _ = folders
+    device = rated(lr)
     start = _values(exported.checkpoint)
-    reply = DeviceClient(device.directory, DATA, epochs=epochs).train(_message(start), _context(1))
+    reply = DeviceClient(device, DATA, epochs=epochs).train(_message(start), _context(1))
     python = reply.content.array_records["arrays"].to_numpy_ndarrays()
     # the page's loop: each epoch's batches in turn (one `train` each), here as one list of every epoch's batches
-    order = [name for name, _ in DeviceClient(device.directory, DATA).folder().order]
+    order = DeviceClient(device, DATA).loop().weight_order.names  # type: ignore[attr-defined]
     weights = np.concatenate([start[name].ravel() for name in order])
     batches = [tuple(tensor.numpy() for tensor in batch) for batch in _epochs(1, epochs)]
-    job = _write_job(tmp_path, device.directory, "ort", weights, batches)
+    job = _write_job(tmp_path, device, "ort", weights, batches)
     job.write_text(json.dumps({**json.loads(job.read_text()), "epochs": 1}))
     result, trained, _ = _node_run(job)
     assert result["steps"] == len(batches)
     # NOTE: the README's tolerance for browsers: 1e-5 per 1e-3 of rate
     np.testing.assert_allclose(trained, np.concatenate([array.ravel() for array in python]), rtol=0,
-                               atol=1e-5 * LR / 1e-3)
+                               atol=1e-5 * lr / 1e-3)
 
 
 # ----------------------------------------------------------------------------- Ray: the round lines alone

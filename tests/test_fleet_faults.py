@@ -23,7 +23,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from ort_lightning.fleet import ClientData, FleetClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
+from ort_lightning.fleet import ClientData, DeviceClient, FleetServer, GlobalModel, round_path, run_local  # noqa: E402
 from ort_lightning.fleet.run import FleetConfig  # noqa: E402
 
 from .test_fleet import EPOCHS, LR, SIZES, _assert_close, _reference, _values_in, iid_data  # noqa: E402
@@ -65,9 +65,9 @@ def release() -> Any:
 
 
 def test_a_hung_device_fails_its_round_and_the_round_averages_the_other_two(
-    mlp_adamw: Exported, tmp_path: Path, release: threading.Event
+    mlp_adamw: Exported, device_folder: Any, tmp_path: Path, release: threading.Event
 ) -> None:
-    client = FleetClient(mlp_adamw.artifacts.directory, hung_data, epochs=EPOCHS, lr=LR)
+    client = DeviceClient(device_folder(mlp_adamw.artifacts, LR), hung_data, epochs=EPOCHS, runner="lightning")
     server = FleetServer(GlobalModel(mlp_adamw.artifacts), FedAvg(fraction_evaluate=0.0), rounds=2,
                          directory=tmp_path / "rounds", device_timeout=DEVICE_TIMEOUT)
     started = time.perf_counter()

@@ -25,7 +25,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
 
-from ort_lightning.fleet import ClientData, FleetClient, LocalGrid, get_values  # noqa: E402
+from ort_lightning.fleet import ClientData, DeviceClient, LocalGrid, get_values  # noqa: E402
 from ort_lightning.fleet.devices.trainer_slots import WORKER  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -100,11 +100,12 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 
 def test_a_worker_builds_one_module_and_trainer_for_many_devices(
-    mlp_sgd: Exported, mlp_adamw: Exported, worker: Any, builds: list[tuple[str, bool]]
+    mlp_sgd: Exported, mlp_adamw: Exported, device_folder: Any, worker: Any, builds: list[tuple[str, bool]]
 ) -> None:
     """SGD: one ORT build for 12 device rounds; AdamW: one more per round (ORT sets its moments only when it builds)."""
     nodes = len(SIZES)
-    grid = LocalGrid(FleetClient(mlp_sgd.artifacts.directory, device_data, lr=LR).client_app(), nodes=nodes)
+    sgd = DeviceClient(device_folder(mlp_sgd.artifacts, LR), device_data, runner="lightning")
+    grid = LocalGrid(sgd.client_app(), nodes=nodes)
     start = get_values(ORTLightningModule(mlp_sgd.artifacts))
     builds.clear()
     first = _round(grid, start, 1)
@@ -117,7 +118,8 @@ def test_a_worker_builds_one_module_and_trainer_for_many_devices(
     expected = _torch_fit(model, torch.optim.SGD(model.parameters(), lr=LR), device_data(nodes - 1, nodes))
     _assert_close(second[-1], expected, atol=1e-5)
 
-    adamw = LocalGrid(FleetClient(mlp_adamw.artifacts.directory, device_data, lr=LR).client_app(), nodes=nodes)
+    client = DeviceClient(device_folder(mlp_adamw.artifacts, LR), device_data, runner="lightning")
+    adamw = LocalGrid(client.client_app(), nodes=nodes)
     start = get_values(ORTLightningModule(mlp_adamw.artifacts))
     builds.clear()
     _round(adamw, start, 1)
@@ -152,7 +154,7 @@ def test_a_session_built_for_training_alone_builds_the_eval_graph_when_asked(
 
 @pytest.mark.parametrize("optimizer_state", ["fresh", "keep"])
 def test_devices_of_one_worker_see_neither_the_others_weights_nor_their_optimizer_state(
-    mlp_adamw: Exported, worker: Any, optimizer_state: str
+    mlp_adamw: Exported, device_folder: Any, worker: Any, optimizer_state: str
 ) -> None:
     """Two rounds of three devices in one module, each device against its own torch AdamW run.
 
@@ -160,7 +162,8 @@ def test_devices_of_one_worker_see_neither_the_others_weights_nor_their_optimize
     device continues its own AdamW step and moments, under ``"fresh"`` each starts anew.
     """
     nodes = 3
-    client = FleetClient(mlp_adamw.artifacts.directory, device_data, lr=LR, optimizer_state=optimizer_state)
+    client = DeviceClient(device_folder(mlp_adamw.artifacts, LR), device_data, runner="lightning",
+                          optimizer_state=optimizer_state)
     grid = LocalGrid(client.client_app(), nodes=nodes)
     start = get_values(ORTLightningModule(mlp_adamw.artifacts))
     first = _round(grid, start, 1)

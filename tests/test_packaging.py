@@ -165,16 +165,19 @@ def test_public_names() -> None:
 def test_fleet_public_names() -> None:
     pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]"')
     import ort_lightning.fleet as fleet
-    from ort_lightning.fleet.devices.ort_loop import DeviceClient
+    from ort_lightning.fleet.devices.client import DeviceClient
     from ort_lightning.fleet.devices.protocol import ClientData
-    from ort_lightning.fleet.devices.state_values import get_values, set_values, state_order
-    from ort_lightning.fleet.devices.trainer_loop import FleetClient, evaluate_module
+    from ort_lightning.fleet.devices.state_values import get_values, set_values
+    from ort_lightning.fleet.devices.trainer_loop import evaluate_module
+    from ort_lightning.fleet.devices.weights import WeightOrder
+    from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
 
-    public = [CheckpointEachRound, ClientData, DeviceClient, FleetClient, FleetServer, GlobalModel, LocalGrid,
-              RoundRecord, evaluate_module, get_values, round_path, run_local, set_values, state_order]
+    public = [BrowserDevice, BrowserFleet, BrowserGrid, CheckpointEachRound, ClientData, DeviceClient, FleetServer,
+              GlobalModel, LocalGrid, Refusal, RoundRecord, WeightOrder, evaluate_module, get_values, round_path,
+              run_local, set_values]
     assert fleet.__all__ == sorted(thing.__name__ for thing in public)
     assert all(getattr(fleet, thing.__name__) is thing for thing in public)  # imported on first use
     with pytest.raises(AttributeError, match="no attribute 'Trainer'"):

@@ -1,19 +1,8 @@
 """Read a folder that ONNX Runtime's ``generate_artifacts`` wrote (no ``ort_lightning.json``) into a `Manifest`.
 
-What the manifest records for `export_artifacts`' own folders is read here from the graphs and
-the checkpoint (ORT 1.19.2's conventions, measured): the training graph's inputs are the user
-inputs, then the parameters, then ``<p>_grad.accumulation.buffer``, then ``lazy_reset_grad``;
-labels are named ``labels`` (CrossEntropyLoss) or ``target`` (MSE, L1, BCEWithLogits); the first
-output is the loss, the others up to the ``<p>_grad.accumulation.out`` are extra model outputs; the
-optimizer kind is the optimizer graph's node; trainable vs frozen is each checkpoint parameter's
-``requires_grad`` (in a device folder whose only checkpoint is the nominal one, which names the
-parameters and nothing else, the gradient buffers the training graph takes). Nothing is written
-into the folder; ``.ort`` graphs are read through ONNX Runtime.
-
-Example::
-
-    >>> locate_prefix(Path("."), ["pre_training_model.onnx", "pre_checkpoint"])
-    'pre_'
+The manifest is read from the graphs and checkpoint by ORT 1.19.2's conventions: input order,
+``labels``/``target`` names, the loss first among outputs, the optimizer node, ``requires_grad``
+(or, for a nominal checkpoint, which gradient buffers the training graph takes).
 """
 
 from __future__ import annotations
@@ -43,10 +32,12 @@ _BLOCK_OUTPUT = re.compile(r"onnx::\w+::\d+")
 
 
 def locate_prefix(directory: Path, names: Iterable[str]) -> str:
-    """The one ``prefix=`` of the training graphs among `names` (files of `directory`).
+    """The one ``prefix=`` of the training graphs among `names` (`ArtifactError` for none or several).
 
-    Raises:
-        ArtifactError: when no training graph, or training graphs of several prefixes, are there.
+    Example::
+
+        >>> locate_prefix(Path("."), ["pre_training_model.onnx", "pre_checkpoint"])
+        'pre_'
     """
     prefixes = sorted({name[: -len(suffix)] for name in names
                        for suffix in ("training_model.onnx", "training_model.ort") if name.endswith(suffix)})
@@ -64,14 +55,10 @@ def locate_prefix(directory: Path, names: Iterable[str]) -> str:
 
 
 def present_files(directory: Path, prefix: str, *, check_formats: bool = True) -> dict[str, Path | None]:
-    """The paths of a folder's graphs and checkpoints by role, None for each one absent (nothing is refused).
-
-    Each graph is ``<prefix><role>.onnx``, else ``<prefix><role>.ort``; ``checkpoint`` is the complete
-    checkpoint (the weights) and ``nominal_checkpoint`` ORT's weightless one (names and shapes).
+    """A folder's graphs (``.onnx``, else ``.ort``) and checkpoints by role, None where absent.
 
     Raises:
-        ArtifactError: with `check_formats`, for an ``.ort`` graph that is not the conversion of the
-            ``.onnx`` one beside it.
+        ArtifactError: with `check_formats`, for an ``.ort`` graph that does not match its ``.onnx``.
     """
     files: dict[str, Path | None] = {}
     for role in GRAPHS:
@@ -87,15 +74,7 @@ def present_files(directory: Path, prefix: str, *, check_formats: bool = True) -
 
 
 def adopted_files(directory: Path, prefix: str | None = None) -> dict[str, Path | None]:
-    """The paths of a ``generate_artifacts`` folder's graphs and checkpoints (``.onnx`` preferred to ``.ort``).
-
-    ``optimizer_model`` is None when the folder has no optimizer graph (``optimizer=None``);
-    ``checkpoint`` is None in a device folder whose only checkpoint is ``nominal_checkpoint``
-    (no weights), ``nominal_checkpoint`` None when there is none.
-
-    Raises:
-        ArtifactError: for a missing training or eval graph, or neither checkpoint.
-    """
+    """The paths of a ``generate_artifacts`` folder's graphs and checkpoints (`ArtifactError` for missing ones)."""
     if prefix is None:
         prefix = locate_prefix(directory, (path.name for path in directory.iterdir()))
     files = present_files(directory, prefix)
@@ -114,11 +93,7 @@ def adopted_files(directory: Path, prefix: str | None = None) -> dict[str, Path 
 
 
 def graph_io(path: Path) -> tuple[list[TensorSpec], list[str]]:
-    """The inputs and output names of a graph, ``.onnx`` read by onnx, ``.ort`` through ONNX Runtime.
-
-    Raises:
-        ArtifactError: for a file that cannot be read as a graph.
-    """
+    """The inputs and output names of a graph, ``.onnx`` read by onnx, ``.ort`` through ONNX Runtime."""
     if path.suffix == ".ort":
         inputs, outputs = _ort.ort_graph_io(path)
         return [TensorSpec(name, dtype, shape) for name, dtype, shape in inputs], outputs
@@ -143,17 +118,14 @@ def _check_formats_agree(onnx_path: Path, ort_path: Path) -> None:
 def adopted_manifest(
     files: dict[str, Path | None], *, labels: Sequence[str] | None = None
 ) -> Manifest:
-    """Derive the `Manifest` of a ``generate_artifacts`` folder from its graphs and checkpoint.
+    """Derive the `Manifest` of a ``generate_artifacts`` folder from `files` and its checkpoint.
 
-    Args:
-        files: what `adopted_files` returned.
-        labels: the label inputs, for a graph whose loss is a custom block (the graph cannot tell);
-            ``[]`` for a model that computes its own loss from inputs only. None reads them from
-            ORT's conventions.
+    `labels` names the label inputs where the graph cannot tell (a custom loss block); None reads
+    ORT's conventions.
 
     Raises:
-        ArtifactError: when the checkpoint is of another model, `labels` names an input the graph
-            lacks, or the labels cannot be told apart from the model inputs.
+        ArtifactError: when the checkpoint is of another model, `labels` names an absent input, or
+            the labels cannot be told apart from the model inputs.
     """
     training = _path(files, "training_model")
     inputs, outputs = graph_io(training)
@@ -202,9 +174,8 @@ def _path(files: dict[str, Path | None], role: str) -> Path:
 def _checkpoint_parameters(path: Path, inputs: list[TensorSpec], *, weightless: bool) -> list[tuple[str, bool]]:
     """``(name, requires_grad)`` per state tensor, in the checkpoint's order.
 
-    A nominal checkpoint lists the names, but ONNX Runtime 1.19.2 reads nothing else of a parameter
-    (not even ``requires_grad``) before its weights are given: a name trains when the training graph
-    takes its gradient buffer, as ``generate_artifacts`` builds it for each ``requires_grad`` parameter.
+    NOTE: ORT 1.19.2 reads nothing but names of a nominal checkpoint; a name trains when the training
+    graph takes its gradient buffer.
     """
     if not weightless:
         summary = _ort_checkpoint(path)[0]

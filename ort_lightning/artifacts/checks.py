@@ -1,25 +1,7 @@
 """What the files of an artifacts folder must agree on, checked once when the folder is loaded.
 
-Each graph is read once (`read_graph`: its IR version, inputs, outputs and node types) and must be
-the graph of its slot: the training graph takes ``lazy_reset_grad`` and gradient buffers, the eval
-graph does not, the optimizer graph holds an optimizer node. The manifest's values must be what the
-graphs say (`check_manifest`: inputs and labels, loss output and model outputs, the trainable set
-against the training graph's gradient buffers, the state tensors, the optimizer kind against the
-optimizer node, the loss against the labels' element type), and the complete checkpoint must be the
-one exported (`check_checkpoint_digest`: the sha256 the manifest records). ``.ort`` graphs are
-ONNX Runtime's own format, which onnx cannot read: ONNX Runtime's refusal of them is reported when
-the session is built.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from pathlib import Path
-    >>> from ort_lightning import export_artifacts
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, verify=False)
-    >>> facts = read_graph(folder / "training_model.onnx")
-    >>> facts.role, "lazy_reset_grad" in [spec.name for spec in facts.inputs]
-    ('training_model', True)
+Each graph must be the graph of its slot, the manifest what the graphs say, and the checkpoint the
+one exported (its sha256). ``.ort`` graphs, which onnx cannot read, are checked by ORT itself.
 """
 
 from __future__ import annotations
@@ -77,10 +59,7 @@ class GraphFacts:
 
 
 def read_graph(path: Path) -> GraphFacts:
-    """Read an ``.onnx`` graph once (no external weights): its IR version is checked, its facts returned.
-
-    The facts are kept while the file's size and mtime stay the same, so that the folder check and the
-    session's assembly read each graph once per process.
+    """Read an ``.onnx`` graph once (cached by size and mtime); its IR version checked, its facts returned.
 
     Raises:
         ArtifactError: for a file onnx cannot parse, or an IR version ORT 1.19.2 cannot read.
@@ -97,11 +76,7 @@ _KNOWN_LIMIT = 32
 
 
 def remember_graph(path: Path, model: onnx.ModelProto) -> None:
-    """Keep the facts of `model`, just saved at `path`, so that `read_graph` need not read the file back.
-
-    Raises:
-        ArtifactError: as `read_graph` would for the file.
-    """
+    """Keep the facts of `model`, just saved at `path`, so that `read_graph` need not read the file back."""
     stat = path.stat()
     while len(_KNOWN) >= _KNOWN_LIMIT:
         # The oldest go first: clearing them all could drop the graphs of the export in progress.
@@ -133,14 +108,7 @@ def _facts_of(path: Path, model: onnx.ModelProto) -> GraphFacts:
 
 
 def check_graphs(graphs: Mapping[str, GraphFacts]) -> None:
-    """Refuse a graph in the wrong slot, and an eval graph whose parameters differ from the training graph's.
-
-    Args:
-        graphs: role -> facts of each ``.onnx`` graph of the folder.
-
-    Raises:
-        ArtifactError: naming the file, what it holds and what to do.
-    """
+    """Refuse a graph in the wrong slot, or an eval graph whose parameters differ from the training graph's."""
     for role, facts in graphs.items():
         if facts.role != role:
             raise ArtifactError(
@@ -160,10 +128,7 @@ def check_graphs(graphs: Mapping[str, GraphFacts]) -> None:
 
 
 def _conflict(first: tuple[int | str, ...], second: tuple[int | str, ...]) -> bool:
-    """Whether two shapes cannot be the same tensor's: other ranks, or two fixed sizes that differ.
-
-    NOTE: symbolic dimensions may be named differently in two graphs of one model; they never conflict.
-    """
+    """Whether two shapes cannot be the same tensor's (symbolic dimensions never conflict)."""
     return len(first) != len(second) or any(
         isinstance(a, int) and isinstance(b, int) and a > 0 and b > 0 and a != b
         for a, b in zip(first, second, strict=True)
@@ -179,16 +144,7 @@ def _described(facts: GraphFacts) -> str:
 
 
 def check_manifest(manifest: Manifest, graphs: Mapping[str, GraphFacts], folder: Path) -> None:
-    """Refuse a manifest whose values are not what the folder's ``.onnx`` graphs say.
-
-    Args:
-        manifest: the manifest read from `folder`.
-        graphs: role -> facts of each ``.onnx`` graph (an ``.ort`` one is absent: checked by ONNX Runtime).
-        folder: the artifacts folder, for messages.
-
-    Raises:
-        ArtifactError: naming the manifest's value, the graph's, and what to do.
-    """
+    """Refuse a manifest whose values are not what the folder's ``.onnx`` graphs say (`ArtifactError`)."""
     source = folder / MANIFEST_NAME
     training = graphs.get("training_model")
     if training is not None:
@@ -273,29 +229,13 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
 
 
 def checkpoint_digest(path: Path) -> str:
-    """The sha256 of a checkpoint file (cached while the file's size and mtime stay the same).
-
-    Example::
-
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "checkpoint"
-        >>> _ = path.write_bytes(b"")
-        >>> checkpoint_digest(path)[:16]
-        'e3b0c44298fc1c14'
-    """
+    """The sha256 of a checkpoint file (cached while the file's size and mtime stay the same)."""
     stat = path.stat()
     return _sha256(os.fspath(path), stat.st_size, stat.st_mtime_ns)
 
 
 def check_checkpoint_digest(manifest: Manifest, checkpoint: Path | None) -> None:
-    """Refuse a complete checkpoint whose sha256 is not the one the manifest recorded at export.
-
-    A manifest written before the digest was recorded, or a folder without the complete checkpoint
-    (a device's), has nothing to check.
-
-    Raises:
-        ArtifactError: naming the file, both digests, and what to do.
-    """
+    """Refuse a complete checkpoint whose sha256 is not the one the manifest recorded (`ArtifactError`)."""
     if manifest.checkpoint_sha256 is None or checkpoint is None:
         return
     found = checkpoint_digest(checkpoint)

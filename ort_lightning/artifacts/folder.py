@@ -42,23 +42,9 @@ FILES = {
 class TrainingArtifacts:
     """A validated artifacts folder: the paths of its files and its manifest.
 
-    A folder that ``onnxruntime.training.artifacts.generate_artifacts`` wrote (no manifest) is
-    adopted: its manifest is read from the graphs (a ``prefix=``, ``.ort`` graphs, no optimizer graph).
-    A device folder holds the graphs (``.onnx`` or ``.ort``) and the ``nominal_checkpoint`` only, no
-    weights (`weightless`): it trains once weights are given (``ORTLightningModule(folder, values=...)``).
-
-    Example::
-
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> from ort_lightning import export_artifacts
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, nominal_checkpoint=True,
-        ...                      verify=False)
-        >>> (folder / "checkpoint").unlink()  # what a device receives: graphs and the nominal checkpoint
-        >>> device = TrainingArtifacts.load(folder)
-        >>> device.weightless, device.nominal_checkpoint.name
-        (True, 'nominal_checkpoint')
+    A ``generate_artifacts`` folder (no manifest) is adopted: its manifest is read from the graphs. A
+    device folder holds graphs and the ``nominal_checkpoint`` only (`weightless`): it trains once
+    weights are given (``ORTLightningModule(folder, values=...)``).
     """
 
     directory: Path
@@ -95,10 +81,7 @@ class TrainingArtifacts:
 
     @property
     def weightless(self) -> bool:
-        """Whether the folder holds no weights: its only checkpoint is ``nominal_checkpoint`` (a device's folder).
-
-        The weights come from elsewhere (a fleet's server): ``ORTLightningModule(folder, values=...)``.
-        """
+        """Whether the folder's only checkpoint is ``nominal_checkpoint`` (a device's folder)."""
         return self.files is not None and self.files["checkpoint"] is None
 
     @property
@@ -118,11 +101,7 @@ class TrainingArtifacts:
 
     @property
     def nominal_checkpoint(self) -> Path | None:
-        """ORT's weightless checkpoint (names and shapes only), None when the folder has none.
-
-        ``export_artifacts(..., nominal_checkpoint=True)`` and ``generate_artifacts(..., nominal_checkpoint=True)``
-        write it; a device that receives its weights from elsewhere (a fleet's server) starts from it.
-        """
+        """ORT's weightless checkpoint (names and shapes only), None when the folder has none."""
         graph = self.training_model.name
         path = self.directory / f"{graph[: graph.rindex('training_model')]}nominal_checkpoint"
         return path if path.is_file() else None
@@ -133,29 +112,15 @@ class TrainingArtifacts:
     ) -> TrainingArtifacts:
         """Validate an artifacts folder and read its manifest, or derive one from a ``generate_artifacts`` folder.
 
-        Either folder may be a device's: ``.ort`` graphs without the ``.onnx`` ones, and the
-        ``nominal_checkpoint`` without the complete checkpoint (`weightless`).
-
         Args:
             directory: the folder.
             labels: for a folder without manifest whose loss is a custom block: the label inputs
-                (``[]``: none). None reads them from ORT's names (``labels``, ``target``). With a
-                manifest, they must be the labels it records (`check_labels`).
+                (``[]``: none); with a manifest, they must be the ones it records.
             prefix: the ``prefix=`` given to ``generate_artifacts``; None finds it.
 
         Raises:
-            ArtifactError: for a missing folder or file, a foreign manifest, a graph whose ONNX IR
-                version ORT 1.19.2 cannot read, a folder whose labels cannot be told, or `labels`
-                that disagree with the manifest.
-
-        Example::
-
-            >>> import tempfile, torch
-            >>> from ort_lightning import export_artifacts
-            >>> folder = tempfile.mkdtemp()
-            >>> _ = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder, verify=False)
-            >>> TrainingArtifacts.load(folder).adopted
-            False
+            ArtifactError: for a missing folder or file, a foreign manifest, a graph ORT 1.19.2 cannot
+                read, labels that cannot be told, or `labels` that disagree with the manifest.
         """
         folder = _check_folder(Path(directory))
         _check_verified(folder)
@@ -174,14 +139,7 @@ class TrainingArtifacts:
         return artifacts
 
     def check_labels(self, labels: Sequence[str] | None) -> None:
-        """Refuse `labels` (an explicit ``labels=``) that are not the labels these artifacts have.
-
-        An exported folder's manifest says which graph inputs are labels; ``labels=`` is for a
-        ``generate_artifacts`` folder without one. The same labels are accepted, others refused.
-
-        Raises:
-            ArtifactError: naming both lists and what to do.
-        """
+        """Refuse an explicit ``labels=`` that are not the labels these artifacts have (`ArtifactError`)."""
         recorded = [spec.name for spec in self.manifest.labels]
         if labels is None or list(labels) == recorded:
             return
@@ -201,11 +159,7 @@ class TrainingArtifacts:
 
 
 def _own_files(folder: Path) -> dict[str, Path | None]:
-    """The files of `export_artifacts`' layout: graphs as ``.onnx``, else ``.ort``; a checkpoint, else the nominal one.
-
-    Raises:
-        ArtifactError: for a graph in neither format, or neither checkpoint.
-    """
+    """The files of `export_artifacts`' layout: ``.onnx`` graphs, else ``.ort``; a checkpoint, else the nominal one."""
     # NOTE: an export writes both formats from one graph; comparing them would load every .ort graph on each load.
     files = present_files(folder, "", check_formats=False)
     for role in (*GRAPHS, "checkpoint"):
@@ -259,11 +213,7 @@ def _check_versions(manifest: Manifest, source: Path) -> None:
 
 
 def _read_graphs(files: dict[str, Path | None]) -> dict[str, GraphFacts]:
-    """Read each ``.onnx`` graph once and check that it is the graph of its slot; role -> its facts.
-
-    Raises:
-        ArtifactError: for a damaged graph, an IR version ORT cannot read, or a graph in the wrong slot.
-    """
+    """Read each ``.onnx`` graph once and check that it is the graph of its slot; role -> its facts."""
     graphs = {role: read_graph(path) for role in GRAPHS
               if (path := files.get(role)) is not None and path.suffix == ".onnx"}
     check_graphs(graphs)

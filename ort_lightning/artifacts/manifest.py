@@ -1,15 +1,4 @@
-"""The manifest of a set of artifacts: ``ort_lightning.json``, and the `TensorSpec` of each graph input.
-
-`export_artifacts` writes it, `TrainingArtifacts.load` reads it back; it records the inputs,
-labels and outputs of the graphs, the loss, the optimizer and its hyper-parameters, the
-parameter names, and the versions of the packages that made the artifacts.
-
-Example::
-
-    >>> spec = TensorSpec("input", "float32", ("batch", 4))
-    >>> spec.torch_dtype
-    torch.float32
-"""
+"""The manifest of a set of artifacts, ``ort_lightning.json``, and the `TensorSpec` of each graph input."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """The learning-rate schedule an optimizer graph computes itself, as the manifest records it.
 
-ONNX Runtime feeds every optimizer graph a ``learning_rate`` input, which its Python and C++
-builds set (``Optimizer.set_learning_rate``) and onnxruntime-web cannot (it always feeds ORT's
-default 1e-3). A folder from ``ort_lightning.export.prepare_for_web`` computes its rate inside the
-optimizer graph from the ``step`` input instead, and its manifest says which (`GraphSchedule`);
-a plain folder's rate is fed by the runtime (`RUNTIME_FED`).
-
-Example::
-
-    >>> GraphSchedule("linear", 0.01, warmup_steps=10, total_steps=100).describe()
-    'linear warmup 10 steps to 0.01, decay to 0 at step 100, computed in the optimizer graph'
-    >>> [GraphSchedule("linear", 1.0, warmup_steps=2, total_steps=4).factor(s) for s in range(5)]
-    [0.0, 0.5, 1.0, 0.5, 0.0]
+onnxruntime-web cannot set ``learning_rate``; a ``prepare_for_web`` folder computes it from the
+``step`` input instead (`GraphSchedule`); a plain folder's rate is fed by the runtime (`RUNTIME_FED`).
 """
 
 from __future__ import annotations
@@ -39,14 +29,11 @@ RUNTIME_FED = "fed by the runtime (onnxruntime-web trains such a folder at ORT's
 class GraphSchedule:
     """A learning rate computed in the optimizer graph: ``lr(s) = lr * factor(s)``, `s` completed optimizer steps.
 
-    ``"constant"``: factor 1. ``"linear"``: the linear warmup and decay of
-    ``ORTLightningModule(lr_scheduler="linear")``, ``s / max(1, W)`` for ``s < W``, else
-    ``max(0, (T - s) / max(1, T - W))``.
-
     Example::
 
-        >>> GraphSchedule("constant", 0.01).describe()
-        'constant 0.01, computed in the optimizer graph'
+        >>> schedule = GraphSchedule("linear", 1.0, warmup_steps=2, total_steps=4)
+        >>> [schedule.factor(s) for s in range(5)], schedule.arguments()
+        ([0.0, 0.5, 1.0, 0.5, 0.0], "lr=1.0, lr_scheduler='linear', warmup_steps=2, total_steps=4")
     """
 
     kind: str
@@ -72,13 +59,7 @@ class GraphSchedule:
         )
 
     def arguments(self) -> str:
-        """The ``ORTLightningModule`` arguments that train at this schedule's rate.
-
-        Example::
-
-            >>> GraphSchedule("linear", 0.05, warmup_steps=3, total_steps=8).arguments()
-            "lr=0.05, lr_scheduler='linear', warmup_steps=3, total_steps=8"
-        """
+        """The ``ORTLightningModule`` arguments that train at this schedule's rate."""
         if self.kind == "constant":
             return f"lr={self.lr!r}, lr_scheduler='constant'"
         return (f"lr={self.lr!r}, lr_scheduler='linear', warmup_steps={self.warmup_steps}, "
@@ -93,22 +74,13 @@ class GraphSchedule:
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> GraphSchedule | None:
-        """Read the schedule an optimizer graph's metadata records (`METADATA_KEY`), None when it records none.
-
-        Example::
-
-            >>> GraphSchedule.from_metadata({METADATA_KEY: '{"kind": "constant", "lr": 0.01}'})
-            GraphSchedule(kind='constant', lr=0.01, warmup_steps=0, total_steps=None)
-        """
+        """Read the schedule an optimizer graph's metadata records (`METADATA_KEY`), None when it records none."""
         text = metadata.get(METADATA_KEY)
         return None if text is None else cls.from_dict(json.loads(text))
 
 
 def graph_schedule(path: Path) -> GraphSchedule | None:
-    """The schedule an optimizer graph (``.onnx`` or ``.ort``) computes itself, as its metadata says; None if none.
-
-    What a folder without manifest (a device's copy of the graphs) tells of its rate.
-    """
+    """The schedule an optimizer graph computes itself, as its metadata says; None if none."""
     if path.suffix == ".ort":
         return GraphSchedule.from_metadata(_ort.ort_metadata(path))
     proto = onnx.load(path, load_external_data=False)

@@ -1,11 +1,8 @@
-"""The state tensors of a set of artifacts, as the training graph takes them, and values for them.
+"""The state tensors of a set of artifacts, in the training graph's order, and values for them.
 
-ORT's state is every tensor of the CheckpointState (trainable and frozen parameters, and buffers
-such as BatchNorm running statistics). The training graph takes them as inputs in one order,
-which is the order of ORT's contiguous parameter buffer (``Module.copy_buffer_to_parameters``),
-not the alphabetical order in which the CheckpointState lists them. The graph also gives their
-shapes and element types, so that values can be checked without reading any checkpoint: a
-nominal checkpoint has names and nothing else.
+That order is ORT's parameter buffer's (``copy_buffer_to_parameters``), not the checkpoint's
+alphabetical one; the graph also gives shapes and types, so values are checked without reading
+a checkpoint (a nominal one has names only).
 
 Example::
 
@@ -14,8 +11,6 @@ Example::
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> [(spec.name, spec.shape) for spec in state_specs(artifacts)]
     [('weight', (3, 4)), ('bias', (3,))]
-    >>> flat_values({"weight": torch.ones(3, 4), "bias": torch.zeros(3)}, state_specs(artifacts)).shape
-    (15,)
 """
 
 from __future__ import annotations
@@ -50,14 +45,7 @@ def _graph_inputs(path: Path, mtime_ns: int) -> tuple[TensorSpec, ...]:
 
 
 def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
-    """The state tensors of `artifacts` in the order the training graph takes them, with shapes and types.
-
-    Args:
-        artifacts: the artifacts whose training graph sets the order.
-
-    Returns:
-        One `TensorSpec` per parameter and buffer, named as ``named_parameters()`` / ``named_buffers()`` name them.
-    """
+    """One `TensorSpec` per parameter and buffer of `artifacts`, in the training graph's order."""
     path = artifacts.training_model
     inputs = _graph_inputs(path, path.stat().st_mtime_ns)
     skip = {spec.name for spec in artifacts.manifest.graph_inputs} | ort_inputs([spec.name for spec in inputs])
@@ -65,19 +53,7 @@ def state_specs(artifacts: TrainingArtifacts) -> list[TensorSpec]:
 
 
 def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ...], bool]]:
-    """``(name, shape, trainable)`` of every state tensor: what the artifacts' checkpoint holds.
-
-    Read from the complete checkpoint; for a `weightless` folder (a nominal checkpoint names the
-    tensors and nothing else), from the training graph's inputs and the manifest. The order is the
-    checkpoint's, or the graph's: compare summaries by name.
-
-    Example::
-
-        >>> import tempfile, torch
-        >>> from ort_lightning import export_artifacts
-        >>> state_summary(export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False))
-        [('bias', (3,), True), ('weight', (3, 4), True)]
-    """
+    """``(name, shape, trainable)`` of every state tensor, from the checkpoint or, weightless, the graph."""
     if not artifacts.weightless:
         return _ort.checkpoint_summary(artifacts.checkpoint)[0]
     trainable = set(artifacts.manifest.trainable)
@@ -88,17 +64,7 @@ def state_summary(artifacts: TrainingArtifacts) -> list[tuple[str, tuple[int, ..
 def check_shapes(
     shapes: Mapping[str, Sequence[int]], specs: Sequence[TensorSpec], *, source: Path, artifacts: TrainingArtifacts
 ) -> None:
-    """Refuse a state whose tensors have other shapes than the training graph takes (a checkpoint of another model).
-
-    Args:
-        shapes: name -> shape of each tensor of the state ORT loaded from `source`.
-        specs: what `state_specs` returned.
-        source: the checkpoint the state came from, for the message.
-        artifacts: the artifacts, for the message.
-
-    Raises:
-        ArtifactError: naming the tensor and both shapes.
-    """
+    """Refuse a state loaded from `source` whose shapes are not the training graph's (`ArtifactError` naming both)."""
     for spec in specs:
         shape = shapes.get(spec.name)
         if shape is not None and not _fits(tuple(shape), spec.shape):
@@ -119,15 +85,7 @@ def _as_tensor(value: object) -> torch.Tensor:
 
 
 def check_values(values: Mapping[str, object], specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
-    """`values` as tensors in the order of `specs`, once every name and shape is checked.
-
-    Args:
-        values: name -> tensor or numpy array, for every state tensor.
-        specs: what `state_specs` returned.
-
-    Raises:
-        ConfigurationError: for missing, unexpected or misshapen values.
-    """
+    """`values` as tensors in the order of `specs`, every name and shape checked (`ConfigurationError`)."""
     expected = [spec.name for spec in specs]
     missing = [name for name in expected if name not in values]
     unexpected = sorted(set(values) - set(expected))
@@ -149,11 +107,10 @@ def check_values(values: Mapping[str, object], specs: Sequence[TensorSpec]) -> d
 
 
 def flat_values(values: Mapping[str, object], specs: Sequence[TensorSpec]) -> np.ndarray:
-    """`values` in one contiguous float32 buffer, in the order of `specs` (what ORT's parameter buffer holds).
+    """`values` in one contiguous float32 buffer in the order of `specs`, as ORT's parameter buffer holds them.
 
     Raises:
-        ConfigurationError: for values `check_values` refuses, or state tensors that are not float32
-            (ORT's parameter buffer is one float32 array).
+        ConfigurationError: for values `check_values` refuses, or state tensors that are not float32.
     """
     others = [f"{spec.name} ({spec.dtype})" for spec in specs if spec.dtype != "float32"]
     if others:

@@ -23,11 +23,7 @@ __all__ = ["example_inputs", "export_factory", "load_factory", "parse_shape"]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """Parse ``"3,32,32"`` (one model input's shape without the batch dimension).
-
-    Raises:
-        UsageError: for anything but comma-separated positive integers.
-    """
+    """Parse ``"3,32,32"`` (one model input's shape without the batch dimension; `UsageError` else)."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
         raise UsageError(
@@ -38,11 +34,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
-    """Import ``package.module:factory`` and return the callable.
-
-    Raises:
-        UsageError: for a spec without ``:`` or a module without that callable.
-    """
+    """Import ``package.module:factory`` and return the callable (`UsageError` if there is none)."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise UsageError(
@@ -55,11 +47,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
 
 
 def example_inputs(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> tuple[Any, ...]:
-    """Return zero tensors of batch 2 with these per-input shapes and dtypes (default float32).
-
-    Raises:
-        UsageError: for no shape, a count mismatch or an unknown dtype.
-    """
+    """Zero tensors of batch 2 with these per-input shapes and dtypes (default float32; `UsageError` else)."""
     import torch
 
     if not shapes:
@@ -83,14 +71,10 @@ def export_factory(
     dtypes: Sequence[str] = (),
     **options: Any,
 ) -> Any:
-    """Build the model that `spec` names and export it with example inputs of `shapes`.
-
-    Returns:
-        The `TrainingArtifacts`.
+    """Build the model `spec` names and export it with example inputs of `shapes`; return the `TrainingArtifacts`.
 
     Raises:
-        UsageError: when the factory returns no torch module, or the model cannot run on inputs of
-            these shapes (the message names the shapes and ``--input-shape``).
+        UsageError: when the factory returns no torch module, or the model cannot run on these shapes.
     """
     import torch
 

@@ -1,10 +1,7 @@
 """What the console script says about a fit: one line per epoch outside a terminal, and one line at the end.
 
-In a terminal, Lightning's own progress bar redraws itself in place. Written to a file or a pipe,
-every redraw is kept: a bar of a few epochs filled 74 lines of up to 5,690 characters. There,
-`EpochLines` takes the bar's place and prints one line when an epoch ends (after its validation).
-When the fit ends, `fit_line` says where it got and what it wrote: the final metrics, the best and
-the last checkpoint.
+Written to a file or a pipe, Lightning's bar keeps every redraw; `EpochLines` prints one line per
+epoch there instead, and `fit_line` sums up the fit.
 
 Example::
 
@@ -28,10 +25,7 @@ __all__ = ["EpochLines", "fit_line", "format_metrics", "progress_callbacks"]
 
 
 def format_metrics(metrics: Mapping[str, Any]) -> str:
-    """``name value`` pairs of the scalar `metrics`, by name, at 4 significant digits.
-
-    A metric logged both per step and per epoch shows once, by its plain name, with its epoch value.
-    """
+    """``name value`` pairs of the scalar `metrics` at 4 significant digits; step/epoch twins show once."""
     values: dict[str, float] = {}
     for name, value in metrics.items():
         if isinstance(value, torch.Tensor) and value.numel() != 1:
@@ -43,11 +37,7 @@ def format_metrics(metrics: Mapping[str, Any]) -> str:
 
 
 class EpochLines(ProgressBar):
-    """A progress "bar" for output that is not a terminal: one line per finished epoch, nothing in between.
-
-    ``epoch 3/10: train_loss 0.2345, val_loss 0.2011``: the epoch counted from 1, and the metrics
-    logged so far (Lightning's ``callback_metrics``).
-    """
+    """A progress "bar" for output that is not a terminal: ``epoch 3/10: train_loss 0.2345, val_loss 0.2011``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,12 +64,7 @@ class EpochLines(ProgressBar):
 
 
 def progress_callbacks(options: Mapping[str, Any] | None = None) -> list[ProgressBar]:
-    """``[EpochLines()]`` where Lightning's bar would redraw into a file or a pipe; else nothing.
-
-    Args:
-        options: the Trainer's options as configured; a bar turned off (``enable_progress_bar: false``)
-            or a ``ProgressBar`` among the callbacks stays as the user chose.
-    """
+    """``[EpochLines()]`` where Lightning's bar would redraw into a file or a pipe, unless the user chose a bar."""
     options = options or {}
     callbacks = options.get("callbacks") or []
     chosen = any(isinstance(callback, ProgressBar) for callback in
@@ -90,13 +75,7 @@ def progress_callbacks(options: Mapping[str, Any] | None = None) -> list[Progres
 
 
 def fit_line(trainer: pl.Trainer) -> str:
-    """One line on a finished fit: its epochs and steps, the final metrics, the best and last checkpoints, the logs.
-
-    Example::
-
-        fit: 10 epochs, 230 steps; train_loss 0.09, val_loss 0.1068; best runs/ckpts/epoch=8-step=207.ckpt,
-        last runs/ckpts/last.ckpt; logs runs/lightning_logs/version_0
-    """
+    """One line on a finished fit: epochs and steps, the final metrics, the best and last checkpoints, the logs."""
     epochs, steps = trainer.current_epoch, trainer.global_step
     parts = [f"fit: {epochs} epoch{'s' * (epochs != 1)}, {steps} step{'s' * (steps != 1)}"]
     metrics = format_metrics(trainer.callback_metrics)

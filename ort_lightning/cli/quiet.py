@@ -1,28 +1,8 @@
 """What the console script keeps off its output: Lightning's tips and the known warnings of the pinned versions.
 
-The filters apply around one command of the console script (`quiet_lightning`), never at the
-package's import: a program that imports ``ort_lightning`` sees every warning its libraries give.
-Each pattern names one line that lightning 2.6 on torch 2.13 prints on every run and that asks
-nothing of the user:
-
-- the accelerator lines (``GPU available: False, used: False``, TPU, HPU);
-- the tips (``💡 Tip: ... litlogger``, ``litmodels``);
-- ``Loading `train_dataloader` to estimate number of stepping batches.`` and
-  ```Trainer.fit` stopped: `max_epochs=10` reached.`` (the command's own last line says so);
-- ``isinstance(treespec, LeafSpec)`` is deprecated (Lightning's ``_pytree`` on torch 2.13);
-- the logging interval (``The number of training batches (23) is smaller than the logging
-  interval``): a short epoch of an example, logged once per epoch anyway;
-- ``Seed set to 0`` (the config's ``seed_everything``, echoed);
-- jsonargparse's deprecations of the calls LightningCLI makes (``instantiate_classes``,
-  ``add_instantiator``, ``skip_none``): nothing a config can change.
-
-Any other line of Lightning's, a warning about the user's own code or data among them, still prints.
-
-Example::
-
-    >>> import logging
-    >>> with quiet_lightning():
-    ...     logging.getLogger("lightning.pytorch.utilities.rank_zero").info("GPU available: False, used: False")
+The filters apply around one command (`quiet_lightning`), never at import. Each pattern names a
+line lightning 2.6 on torch 2.13 prints on every run that asks nothing of the user (accelerator
+lines, tips, the stepping-batches estimate, known deprecations); any other line still prints.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Passes over the graphs that ONNX Runtime generated: each file loaded once, fixed, saved once.
 
-`finish` runs, per graph and in order:
-
-- ``training_model.onnx``: BatchNorm running statistics updated by torch's rule
-  (`batchnorm.torch_running_statistics`), then the IR version ORT reads;
-- ``eval_model.onnx``: the training-only outputs trimmed and Dropout made an Identity
-  (`fix_eval_graph`), then the IR version;
-- ``optimizer_model.onnx``: torch's decoupled AdamW weight decay (`set_torch_adamw_mode`, AdamW
-  only), then the IR version.
-
-It returns the finished training graph, so that the manifest reads its inputs and outputs
-without loading the file again.
-
-Example::
-
-    >>> import onnx
-    >>> graph = onnx.helper.make_graph([onnx.helper.make_node("Dropout", ["x"], ["y", "mask"])], "g", [], [])
-    >>> model = onnx.helper.make_model(graph)
-    >>> fix_eval_graph(model)
-    >>> [(n.op_type, list(n.output)) for n in model.graph.node]
-    [('Identity', ['y'])]
+Training graph: BatchNorm running statistics by torch's rule. Eval graph: training-only outputs
+trimmed, Dropout an Identity. Optimizer graph: torch's decoupled AdamW weight decay. Each then
+gets the IR version ORT reads.
 """
 
 from __future__ import annotations
@@ -40,22 +23,12 @@ Pass = Callable[[onnx.ModelProto], object]
 
 
 def finish(paths: dict[str, Path], *, optimizer: str) -> onnx.ModelProto:
-    """Apply the passes after generation to the graph files in `paths`; return the training graph.
-
-    Args:
-        paths: ``training_model``, ``eval_model`` and ``optimizer_model`` -> their files.
-        optimizer: ``"adamw"`` or ``"sgd"``, as generated.
-    """
+    """Apply the passes to the graph files in `paths` (role -> file) for `optimizer`; return the training graph."""
     return finish_graphs(paths, optimizer=optimizer)["training_model"]
 
 
 def finish_graphs(paths: dict[str, Path], *, optimizer: str) -> dict[str, onnx.ModelProto]:
-    """Apply the passes after generation to the graph files in `paths`; return each graph as saved.
-
-    Args:
-        paths: ``training_model``, ``eval_model`` and ``optimizer_model`` -> their files.
-        optimizer: ``"adamw"`` or ``"sgd"``, as generated.
-    """
+    """Apply the passes to the graph files in `paths` (role -> file) for `optimizer`; return each graph as saved."""
     passes: dict[str, Sequence[Pass]] = {
         "training_model": (torch_running_statistics, lower_ir_version),
         "eval_model": (fix_eval_graph, lower_ir_version),
@@ -74,11 +47,16 @@ def _rewrite(path: Path, passes: Sequence[Pass]) -> onnx.ModelProto:
 
 
 def fix_eval_graph(proto: onnx.ModelProto) -> None:
-    """Make an eval graph an inference graph that ORT can load.
+    """Make an eval graph an inference graph ORT can load: training-only outputs trimmed, Dropout an Identity.
 
-    ORT's generator turns training mode off in the eval graph but keeps the training-only
-    outputs (running statistics of BatchNormalization, the mask of Dropout), which ORT then
-    refuses. Those outputs are trimmed and Dropout becomes an Identity.
+    Example::
+
+        >>> import onnx
+        >>> node = onnx.helper.make_node("Dropout", ["x"], ["y", "m"])
+        >>> model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [], []))
+        >>> fix_eval_graph(model)
+        >>> [(n.op_type, list(n.output)) for n in model.graph.node]
+        [('Identity', ['y'])]
     """
     for node in proto.graph.node:
         if node.op_type in _TRAINING_ONLY_OUTPUTS:
@@ -90,11 +68,7 @@ def fix_eval_graph(proto: onnx.ModelProto) -> None:
 
 
 def set_torch_adamw_mode(proto: onnx.ModelProto) -> None:
-    """Switch the AdamW node of an optimizer graph to torch's decoupled weight decay.
-
-    ORT's default ``adam_mode=1`` decays after the update (the Hugging Face variant);
-    ``adam_mode=0`` decays before, as ``torch.optim.AdamW`` does.
-    """
+    """Switch an optimizer graph's AdamW to torch's decoupled weight decay (``adam_mode=0``)."""
     for node in proto.graph.node:
         if node.op_type == "AdamWOptimizer":
             for attribute in node.attribute:

@@ -1,33 +1,9 @@
 """BatchNorm running statistics as torch keeps them, rewritten into the training graph.
 
-ORT's ``BatchNormInternal`` kernel updates ``running_var`` with the batch's biased (population)
-variance; torch's ``BatchNorm*d`` uses the unbiased one, ``var * n / (n - 1)`` with ``n`` the
-elements per channel (``N * H * W``). Left alone, a model trained here validates and exports
-with a running variance ~``1/n`` below a torch-trained model's.
-
-The rewrite takes the update out of the kernel and writes torch's rule after it:
-
-- the node's ``momentum`` becomes 1.0, so that the kernel keeps the running statistics as
-  they are (ONNX: ``running = momentum * running + (1 - momentum) * batch``);
-- from the kernel's saved batch mean and inverse standard deviation, new nodes compute
-  ``running_mean = (1 - m) * running_mean + m * mean`` and
-  ``running_var = (1 - m) * running_var + m * var_biased * n / (n - 1)`` (torch's momentum ``m``);
-- an ``InPlaceAccumulatorV2`` node with its overwrite flag set writes each result into the
-  running statistic's own buffer, the CheckpointState tensor that the graph reads, during
-  ``train_step``: the same in-place mechanism ORT uses for gradient accumulation buffers.
-
-Whatever the device's kernel does with the variance (cuDNN's own update already divides by
-``n - 1``), the statistics written are torch's.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from ort_lightning import export_artifacts
-    >>> model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-    >>> artifacts = export_artifacts(model, torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-    >>> import onnx
-    >>> [n.op_type for n in onnx.load(artifacts.training_model).graph.node].count("InPlaceAccumulatorV2") >= 2
-    True
+ORT's ``BatchNormInternal`` updates ``running_var`` with the biased variance, torch with the
+unbiased one (``n / (n - 1)``). The rewrite sets the kernel's momentum to 1 (statistics kept) and
+writes torch's update after it, in place, through an ``InPlaceAccumulatorV2`` with its overwrite
+flag, whatever the device's kernel does.
 """
 
 from __future__ import annotations
@@ -128,11 +104,7 @@ def _rewrite_node(node: onnx.NodeProto, state: set[str], names: NodeBuilder) -> 
 
 
 def torch_running_statistics(proto: onnx.ModelProto) -> int:
-    """Rewrite, in place, the BatchNorm updates of a training graph to torch's rule; return how many.
-
-    Only nodes whose running statistics are inputs of the graph (tensors of the checkpoint
-    state) are rewritten; the eval graph needs nothing, as it only reads the statistics.
-    """
+    """Rewrite, in place, a training graph's BatchNorm updates (those of checkpoint state) to torch's rule."""
     state = {info.name for info in proto.graph.input}
     names = NodeBuilder(graph_names(proto.graph))
     added: list[onnx.NodeProto] = []

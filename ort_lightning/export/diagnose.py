@@ -1,26 +1,7 @@
 """Why torch's exporter failed, told in the user's terms: the operator, the argument, the module, the fix.
 
-torch's TorchScript exporter converts a traced graph node by node; when a node has no conversion
-(no symbolic at the opset, or a symbolic that refuses one of its arguments), its error names the
-aten op at best, and the package used to wrap it in its internal adapter's name. Here the failing
-node is read back from the error's traceback: its kind is the operator, its scope is the module
-that called it (``model.layers.0.self_attn``), and torch's own words keep the argument.
-
-Example::
-
-    >>> import torch
-    >>> from ort_lightning.export.source import torch_to_onnx
-    >>> class Net(torch.nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.fold = torch.nn.Fold((3, 3), 2)
-    ...     def forward(self, x):
-    ...         return self.fold(x)
-    >>> try:
-    ...     torch_to_onnx(Net(), (torch.zeros(1, 4, 4),), input_names=["x"])
-    ... except Exception as error:
-    ...     print(str(error).split(": ", 1)[1].split(";")[0])
-    torch's exporter has no conversion of aten::col2im at opset 17, called in module 'fold' (Fold)
+The failing node is read back from torch's traceback: its kind is the operator, its scope the
+module that called it.
 """
 
 from __future__ import annotations
@@ -82,12 +63,7 @@ def _torch_says(error: BaseException) -> str:
 
 
 def failed_conversion(error: BaseException, *, prefix: str | None = None) -> FailedConversion | None:
-    """What node `error` (raised by ``torch.onnx.export``) failed to convert, or None if it failed elsewhere.
-
-    Args:
-        error: the exception torch raised.
-        prefix: the adapter's prefix to drop from the module path (``"model."``), if the model was wrapped.
-    """
+    """What node `error` (from ``torch.onnx.export``) failed to convert, without the adapter's `prefix`; None else."""
     node = _failed_node(error.__traceback__)
     says = _torch_says(error)
     if node is not None:
@@ -125,11 +101,17 @@ def _remedy(model: torch.nn.Module, failure: FailedConversion) -> str:
 
 
 def conversion_error(error: BaseException, model: torch.nn.Module, *, prefix: str | None, opset: int) -> ExportError:
-    """The `ExportError` for a failed ``torch.onnx.export`` of `model` (the user's model, not an adapter).
+    """The `ExportError` for a failed ``torch.onnx.export`` of `model`, naming operator, argument, module and fix.
 
-    It names the operator and the argument that have no conversion, the module that called it, torch's
-    reason and what to do. A failure that is no conversion (the forward ran on the example inputs, so
-    they are not the cause) says so and keeps torch's message.
+    Example::
+
+        >>> import torch
+        >>> from ort_lightning.export.source import torch_to_onnx
+        >>> try:
+        ...     torch_to_onnx(torch.nn.Fold((3, 3), 2), (torch.zeros(1, 4, 4),), input_names=["x"])
+        ... except Exception as error:
+        ...     print(str(error).split(": ", 1)[1].split(";")[0])
+        torch's exporter has no conversion of aten::col2im at opset 17, called in Fold.forward itself
     """
     name = type(model).__name__
     failure = failed_conversion(error, prefix=prefix)

@@ -1,32 +1,19 @@
 """Weights outside the forward graph: ONNX external data, for models near or over protobuf's 2 GB.
 
-A ``ModelProto`` cannot be serialized above 2 GB, and ONNX Runtime's generator refuses one.
-With external data, every parameter and buffer initializer of the forward graph keeps its name,
-type and shape, while its bytes live in `WEIGHTS_FILE` of a work folder (``data_location``
-``EXTERNAL``, ``location`` relative to that folder). The graph then weighs kilobytes through the
-passes before generation; ORT's generator sees weightless stand-ins (`ort_lightning.ort.generate`)
-and the checkpoint is written from the work folder, one tensor read at a time.
-
-Constants (shapes, axes, exponents ...) stay in the graph: ORT's generator reads them.
-
-`external_data_wanted` decides: ``export_artifacts(..., external_data=None)`` takes this path for
-every torch module (its weights are then written once, from the module's own tensors, and never
-copied into a graph: a 540 MB Llama's export peaked at 3.1-3.4x its weights instead of 8x) and for an ONNX
-source whose initializers exceed `AUTO_BYTES` (a smaller one already holds its weights in memory);
-True forces it, False never.
+A ``ModelProto`` cannot be serialized above 2 GB, and ORT's generator refuses one. Here every
+weight initializer keeps its name, type and shape while its bytes live in `WEIGHTS_FILE` of a
+work folder; the passes handle a graph of kilobytes, the generator sees stand-ins, and the
+checkpoint is written from the work folder. Constants stay in the graph (the generator reads them).
 
 Example::
 
     >>> import numpy as np, tempfile
-    >>> from pathlib import Path
     >>> from onnx import helper, numpy_helper
     >>> weight = numpy_helper.from_array(np.ones((2, 3), np.float32), "w")
     >>> proto = helper.make_model(helper.make_graph([], "g", [], [], [weight]))
     >>> folder = Path(tempfile.mkdtemp())
-    >>> externalize(proto, {"w"}, folder)
-    24
-    >>> is_external(proto.graph.initializer[0]), (folder / WEIGHTS_FILE).stat().st_size
-    (True, 24)
+    >>> externalize(proto, {"w"}, folder), is_external(proto.graph.initializer[0])
+    (24, True)
     >>> read_array(proto.graph.initializer[0], folder).sum()
     np.float32(6.0)
 """
@@ -89,13 +76,7 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
 
 
 def state_bytes(model: Any) -> int:
-    """Bytes of a model's parameters and buffers (a torch module), or of its initializers (ONNX).
-
-    Example::
-
-        >>> state_bytes(torch.nn.Linear(4, 3))
-        60
-    """
+    """Bytes of a model's parameters and buffers (a torch module), or of its initializers (ONNX)."""
     if isinstance(model, torch.nn.Module):
         tensors = [*model.parameters(), *model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -111,13 +92,7 @@ def state_bytes(model: Any) -> int:
 
 
 def external_data_wanted(model: Any, external_data: bool | None) -> bool:
-    """Decide whether an export keeps the weights outside the graph: always for a torch module, by size for ONNX.
-
-    Example::
-
-        >>> external_data_wanted(torch.nn.Linear(4, 3), None), external_data_wanted(torch.nn.Linear(4, 3), False)
-        (True, False)
-    """
+    """Whether an export keeps the weights outside the graph: always for a torch module, by size for ONNX."""
     if external_data is not None:
         return bool(external_data)
     return isinstance(model, torch.nn.Module) or state_bytes(model) > AUTO_BYTES
@@ -135,23 +110,10 @@ def _point(tensor: onnx.TensorProto, offset: int, length: int) -> None:
 
 
 def attach_weights(proto: onnx.ModelProto, tensors: Mapping[str, torch.Tensor], directory: Path) -> int:
-    """Turn the graph inputs named like `tensors` into initializers kept in ``directory / WEIGHTS_FILE``.
+    """Turn the graph inputs named like `tensors` into external initializers in ``directory / WEIGHTS_FILE``.
 
-    For a graph exported without its weights (``torch.onnx.export(..., export_params=False)``),
-    whose parameters and buffers are graph inputs: each tensor's bytes are written from torch's
-    own memory (one tensor at a time is copied, and only off a GPU), and the input becomes an
-    external initializer of the input's type and the tensor's shape. Returns the bytes written.
-
-    Example::
-
-        >>> import tempfile
-        >>> from onnx import TensorProto, helper
-        >>> inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("x", "w")]
-        >>> proto = helper.make_model(helper.make_graph([], "g", inputs, []))
-        >>> attach_weights(proto, {"w": torch.ones(2)}, Path(tempfile.mkdtemp()))
-        8
-        >>> [i.name for i in proto.graph.input], [(t.name, is_external(t)) for t in proto.graph.initializer]
-        (['x'], [('w', True)])
+    For a graph exported without its weights (``export_params=False``): each tensor is written from
+    torch's own memory, one at a time. Returns the bytes written.
     """
     written = 0
     kept: list[onnx.ValueInfoProto] = []
@@ -183,10 +145,7 @@ def externalize(
 ) -> int:
     """Move the bytes of the initializers in `names` to ``directory / WEIGHTS_FILE``; return the bytes written.
 
-    Embedded initializers are written and emptied one at a time. Initializers that are already
-    external (resolved against `source_dir`, the folder of the source file) are copied into the
-    work folder, so that every weight resolves against `directory`; external initializers not
-    in `names` (constants) are read back into the graph, where ONNX Runtime's generator needs them.
+    External ones are copied from `source_dir`; external constants not in `names` come back into the graph.
     """
     written = 0
     with open(directory / WEIGHTS_FILE, "ab") as sink:
@@ -208,16 +167,7 @@ def externalize(
 
 
 def bytes_needed(model: Any, *, external: bool) -> int:
-    """About what an export writes: the checkpoint holds the weights, the work folder of external data again.
-
-    NOTE: the graphs take the weights as inputs, so they add kilobytes; a graph's own constants are
-    not counted (the writers' failure reports those).
-
-    Example::
-
-        >>> bytes_needed(torch.nn.Linear(4, 3), external=True)
-        120
-    """
+    """About what an export writes: the checkpoint holds the weights, and the work folder again if `external`."""
     return state_bytes(model) * (2 if external else 1)
 
 
@@ -225,15 +175,7 @@ def bytes_needed(model: Any, *, external: bool) -> int:
 def weights_folder(folder: Path, *, external: bool) -> Iterator[Path | None]:
     """A work folder inside `folder` for the weights' external data (None without), removed afterwards.
 
-    NOTE: inside the output folder, not the system's temporary one: the weights need as much disk
-    as the checkpoint, and the user chose that disk for it.
-
-    Example::
-
-        >>> import tempfile
-        >>> with weights_folder(Path(tempfile.mkdtemp()), external=True) as work:
-        ...     work.name.startswith(".weights-")
-        True
+    NOTE: not in the system's temporary folder: the user chose this disk for the weights.
     """
     if not external:
         yield None

@@ -1,33 +1,9 @@
 """The learning rate computed inside an optimizer graph, for runtimes that cannot set one.
 
-ONNX Runtime's optimizer graphs (``AdamWOptimizer``, ``SGDOptimizerV2``) take the rate as the
-graph input ``learning_rate``; onnxruntime-web has no call to set it and always feeds ORT's
-default 1e-3. `bake_lr` rewires the optimizer node's rate input to nodes that compute it: a
-constant, or the linear warmup and decay of ``ORTLightningModule(lr_scheduler="linear")`` from
-the graph input ``step``. The ``learning_rate`` input stays (every ORT build feeds it) and is
-ignored.
-
-Step counting, measured on ORT 1.19.2: the ``step`` fed to the update after `s` completed
-updates is ``s + 1`` (ORT adds one for AdamW's bias correction and counts only updates that ran),
-and ORT's generator gives the SGD graph that input too, although ``SGDOptimizerV2`` does not
-read it. The schedule takes ``s = step - 1``, in float64 as Python computes it, and casts the
-rate to float32 once, as ``Optimizer.set_learning_rate`` does: the same float32 rate as the
-module's scheduler, bit for bit.
-
-Example::
-
-    >>> import onnx
-    >>> from onnx import TensorProto, helper
-    >>> from ort_lightning.artifacts.schedule import METADATA_KEY, GraphSchedule
-    >>> graph = helper.make_graph(
-    ...     [helper.make_node("SGDOptimizerV2", ["learning_rate", "params", "gradients"], ["done"],
-    ...                       domain="com.microsoft")], "optimizer",
-    ...     [helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, [1]),
-    ...      helper.make_tensor_value_info("step", TensorProto.INT64, [1])], [])
-    >>> proto = helper.make_model(graph)
-    >>> bake_lr(proto, GraphSchedule("constant", 0.01))
-    >>> [node.op_type for node in proto.graph.node]
-    ['Constant', 'SGDOptimizerV2']
+`bake_lr` rewires the optimizer node's ``learning_rate`` input to nodes that compute the rate (a
+constant, or the linear schedule from the ``step`` input); the input stays, ignored. ORT feeds
+``step`` = completed updates + 1, so the schedule takes ``s = step - 1`` in float64 and casts to
+float32 once: the module scheduler's rate, bit for bit.
 """
 
 from __future__ import annotations
@@ -56,8 +32,8 @@ def bake_lr(proto: onnx.ModelProto, schedule: GraphSchedule) -> None:
     """Make the optimizer graph `proto` compute its learning rate as `schedule` says, in place.
 
     Raises:
-        ExportError: for a graph without one optimizer node reading the ``learning_rate`` input, or a
-            linear schedule on a graph without the ``step`` input.
+        ExportError: for a graph without one optimizer node reading ``learning_rate``, or a linear
+            schedule on a graph without the ``step`` input.
     """
     node = _optimizer_node(proto)
     graph = proto.graph

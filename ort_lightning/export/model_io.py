@@ -1,24 +1,7 @@
 """Models whose forward takes keyword inputs or returns a mapping (Hugging Face's `ModelOutput`).
 
-The exporter traces positional tensors into tensors. A model called as
-``model(input_ids=..., attention_mask=...)`` that returns ``ModelOutput(loss=..., logits=...)``
-is exported through a thin adapter that feeds the keywords and picks the outputs by name;
-the adapter's ``model.`` prefix is then stripped from the graph, so parameters keep torch's
-own names (tied weights, such as GPT-2's embedding and LM head, stay one parameter).
-
-Example::
-
-    >>> import torch
-    >>> class Net(torch.nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.fc = torch.nn.Linear(4, 3)
-    ...     def forward(self, x, scale):
-    ...         return {"logits": self.fc(x) * scale, "hidden": x}
-    >>> plan = plan_io(Net(), {"x": torch.zeros(2, 4), "scale": torch.ones(2, 1)}, input_names=None,
-    ...                output=None, model_returns_loss=False)
-    >>> plan.input_names, plan.output_names
-    (['x', 'scale'], ['logits'])
+Such a model is exported through a thin adapter that feeds the keywords and picks the outputs by
+name; the adapter's ``model.`` prefix is stripped, so parameters keep torch's names.
 """
 
 from __future__ import annotations
@@ -106,15 +89,7 @@ def _pick(keys: Sequence[str], output: str | None, model_returns_loss: bool, mod
 def copy_sharing_parameters(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of `model` whose parameters are the model's own tensors (buffers and the rest copied).
 
-    NOTE: a forward or a trace in training mode writes BatchNorm running statistics (buffers),
-    never parameters; sharing them keeps a model of several GB from being copied for either.
-
-    Example::
-
-        >>> model = torch.nn.BatchNorm1d(2)
-        >>> copied = copy_sharing_parameters(model)
-        >>> copied.weight is model.weight, copied.running_mean is model.running_mean
-        (True, False)
+    NOTE: a training-mode trace writes buffers, never parameters; sharing them spares copying a large model.
     """
     return copy.deepcopy(model, memo={id(parameter): parameter for parameter in model.parameters()})
 
@@ -131,8 +106,7 @@ def plan_io(
 
     Raises:
         ExportError: for an `output` the model does not return, a mapping without ``loss`` under
-            ``loss=None``, `input_names` that contradict the dict, or `output` on a model whose
-            outputs have no names.
+            ``loss=None``, `input_names` that contradict the dict, or `output` on unnamed outputs.
     """
     keywords = _keywords(example_inputs, input_names) if isinstance(example_inputs, Mapping) else None
     inputs = tuple(example_inputs.values()) if keywords is not None else _as_tuple(example_inputs)

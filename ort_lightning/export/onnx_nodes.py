@@ -1,23 +1,11 @@
 """ONNX node basics, spelled once: the default domain, the float types, and `NodeBuilder`.
 
-`NodeBuilder` is the one way the export stages make new nodes: each rewrite of `legalize/`, the
-BatchNorm update of `batchnorm`, and the loss graphs of `losses/` name their nodes and outputs
-through it, so that no new name collides with one the graph already has.
-
 Example::
 
     >>> builder = NodeBuilder(taken={"x", "scope/Relu"})
     >>> node = builder.node("Relu", ["x"], name="scope/Relu")
     >>> node.name, list(node.output)
     ('scope/Relu_1', ['scope/Relu_out'])
-
-    >>> import onnx
-    >>> is_ai_onnx(onnx.helper.make_node("Relu", ["x"], ["y"]))
-    True
-    >>> graph = onnx.helper.make_graph([], "g", [], [])
-    >>> model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-    >>> ai_onnx_opset(model)
-    17
 """
 
 from __future__ import annotations
@@ -61,11 +49,7 @@ def graph_names(graph: onnx.GraphProto) -> set[str]:
 
 
 class NodeBuilder:
-    """Makes ONNX nodes whose node and output names are new to the graph.
-
-    Args:
-        taken: the names the graph already uses (`graph_names`); new ones are added as made.
-    """
+    """Makes ONNX nodes whose node and output names are new to the graph (`taken` grows as it makes them)."""
 
     def __init__(self, taken: Iterable[str] = ()) -> None:
         self._taken = set(taken)

@@ -1,31 +1,18 @@
 """`export_artifacts`: a torch module or an ONNX model becomes ONNX Runtime training artifacts.
 
-The pipeline, stage by stage (each a module of this package):
-
-1. `source`: the forward graph, from a torch module (exported) or an ONNX model (copied);
-2. `before_generation`: passes on the forward graph, legalization last (`legalize/`);
-3. generation: ONNX Runtime's ``generate_artifacts`` builds the training, eval and optimizer
-   graphs and the checkpoint (`ort_lightning.ort`), with the loss of `losses/`;
-4. `after_generation`: passes on the generated graphs, each file loaded and saved once;
-5. `verify/`: one training step in a child process against torch autograd;
-6. the manifest ``ort_lightning.json`` is written, and for a transformers or peft model what rebuilds
-   it (``pretrained/``, `ort_lightning.pretrained.record`), for the write-back;
-7. on request, what a device ships (``.ort`` graphs, a nominal checkpoint), from the final
-   graphs; the folder is read back by `TrainingArtifacts.load`.
-
-Every stage writes into a staging folder (`ort_lightning.storage.staging`) whose files move into
-``output_dir`` only after the last stage, so that a failure leaves an earlier export intact.
+The stages, each a module of this package: `source` (the forward graph), `before_generation`
+(passes, legalization last), generation (ORT's ``generate_artifacts`` with the loss of
+`losses/`), `after_generation`, `verify/` (one step against torch autograd), then the manifest
+and what a device ships. Every stage writes into a staging folder that moves into place only
+after the last one, so that a failure leaves an earlier export intact.
 
 Example::
 
     >>> import tempfile, torch
-    >>> from ort_lightning import export_artifacts, TrainingArtifacts
-    >>> folder = tempfile.mkdtemp()
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder)
+    >>> from ort_lightning import export_artifacts
+    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp())
     >>> [spec.name for spec in artifacts.manifest.inputs], [spec.name for spec in artifacts.manifest.labels]
     (['input'], ['labels'])
-    >>> TrainingArtifacts.load(folder).manifest.optimizer
-    'adamw'
 """
 
 from __future__ import annotations
@@ -103,13 +90,7 @@ def _torch_names(model: ModelSource) -> set[str]:
 def _split_parameters(
     parameters: set[str], frozen: Sequence[str], unused: Collection[str] = ()
 ) -> tuple[list[str], list[str]]:
-    """Trainable and frozen graph parameters; frozen names in `unused` (never read by the forward) are dropped.
-
-    Example::
-
-        >>> _split_parameters({"a", "b"}, ["b", "old.weight"], {"old.weight"})
-        (['a'], ['b'])
-    """
+    """Trainable and frozen graph parameters; frozen names in `unused` (never read by the forward) are dropped."""
     # NOTE: peft keeps the replaced head as classifier.original_module.* beside the trained copy; the
     # forward never reads it, so the graph has no such tensor, yet the natural frozen= list names it.
     frozen = [name for name in frozen if name in parameters or name not in unused]
@@ -166,67 +147,41 @@ def export_artifacts(
 ) -> TrainingArtifacts:
     """Turn a torch module or an ONNX model into ONNX Runtime training artifacts.
 
+    Every node ORT cannot differentiate is first rewritten into an exact equivalent it can
+    (``export.legalize.RULES``; docs/ops.md lists what trains).
+
     Args:
-        model: a ``torch.nn.Module``, an ``onnx.ModelProto``, or the path of an ``.onnx`` file.
-            A torch module trains its ``named_parameters()``. An ONNX model trains only its real
-            weights: floating-point initializers of rank >= 1, other than BatchNorm running
-            statistics, that some node reads at a differentiable input (not as a shape, axes,
-            indices, Pow exponent, Dropout ratio, Clip bound ...); scalars and those other
-            initializers stay constants (``ort-lightning inspect`` lists both).
-        example_inputs: a tensor or tuple of tensors the module's forward takes (torch models only),
-            or a dict of keyword tensors (``{"input_ids": ..., "attention_mask": ...}``), whose keys
-            name the graph's inputs; the first dimension of every input and output becomes a dynamic
-            batch dimension.
-        output_dir: folder for the artifacts; created if missing, the export's files in it replaced, other
-            files left alone. The files are written into a hidden staging folder inside it and moved into
-            place only when every stage has passed: a failed export leaves the folder as it was.
-        loss: ``"cross_entropy"`` or ``"nll"`` (labels ``labels``, int64, class axis 1 as in torch),
-            ``"mse"``, ``"bce_with_logits"``, ``"l1"``, ``"smooth_l1"``, ``"huber"`` (target
-            ``target``, like the output), a torch loss module with its options
-            (``nn.CrossEntropyLoss(weight=, ignore_index=, reduction=, label_smoothing=)``,
-            ``nn.NLLLoss``, ``nn.MSELoss``, ``nn.L1Loss``, ``nn.BCEWithLogitsLoss(weight=, pos_weight=)``,
-            ``nn.SmoothL1Loss(beta=)``, ``nn.HuberLoss(delta=)``), a custom ``onnxblock.Block``, or
-            None when the model's first output is already the loss (a ``ModelOutput``'s ``loss``).
+        model: a ``torch.nn.Module`` (trains its ``named_parameters()``), an ``onnx.ModelProto`` or the
+            path of an ``.onnx`` file (trains its floating-point weights read at differentiable inputs;
+            ``ort-lightning inspect`` lists them).
+        example_inputs: a tensor, tuple of tensors or dict of keyword tensors for the forward (torch
+            models only); the first dimension of every input and output becomes the batch dimension.
+        output_dir: folder for the artifacts; created if missing, the export's files replaced only when
+            every stage has passed.
+        loss: ``"cross_entropy"``, ``"nll"`` (labels ``labels``, int64), ``"mse"``, ``"bce_with_logits"``,
+            ``"l1"``, ``"smooth_l1"``, ``"huber"`` (target ``target``), a torch loss module with its options,
+            a custom ``onnxblock.Block``, or None when the model's first output is the loss.
         optimizer: ``"adamw"`` (torch.optim.AdamW's defaults) or ``"sgd"`` (plain ``w -= lr * g``).
         optimizer_options: for AdamW ``betas``, ``eps``, ``weight_decay``.
-        frozen: names of parameters (``named_parameters()`` names) that must not train; torch
-            parameters with ``requires_grad=False`` are frozen too, as they are in torch.
+        frozen: ``named_parameters()`` names that must not train (``requires_grad=False`` ones too).
         input_names: names of the model inputs (default ``input`` or ``input_0``, ``input_1`` ...).
-        verify: run one training step of the new artifacts in a child process, at the example's
-            batch size and one more, and compare the loss and every gradient with torch autograd,
-            computed in float64 in a child forked from this process (on Linux, for a CPU model), so
-            that its copies of the weights never add to this process's memory (ONNX sources, custom
-            loss blocks and checkpoints over 1 GiB get no reference: crash, error and finiteness
-            only). The report is kept in ``manifest.verification``. False skips it (about 2 s per
-            export).
-        output: for a model that returns a mapping (Hugging Face's ``ModelOutput``), the key of the
-            output the loss reads (default ``"logits"``); with ``loss=None`` it is kept next to ``loss``.
-        ort_format: also write ``training_model.ort``, ``eval_model.ort``, ``optimizer_model.ort`` (and
-            their ``*.required_operators.config``) beside the ``.onnx`` graphs, as ORT's own
-            ``generate_artifacts(ort_format=True)`` does: what a mobile build of ONNX Runtime loads.
-        nominal_checkpoint: also write ``nominal_checkpoint``: the parameters' names and shapes
-            without weights, as ORT's ``generate_artifacts(nominal_checkpoint=True)`` does.
-        external_data: keep the weights out of the ONNX graphs while exporting (ONNX external data in
-            a work folder inside `output_dir`, removed at the end), so that a model over protobuf's
-            2 GB exports and the weights are not copied into every graph on the way. None (the
-            default) does so for every torch module, and for an ONNX source whose initializers
-            exceed 1 GiB (``export.external.AUTO_BYTES``); True forces it, False never. The folder
-            is the same either way: the graphs take the weights as inputs and ``checkpoint`` holds them.
+        verify: run one training step of the new artifacts in a child process and compare the loss and
+            every gradient with float64 torch autograd (report in ``manifest.verification``).
+        output: for a model that returns a mapping, the key of the output the loss reads (``"logits"``).
+        ort_format: also write the ``.ort`` graphs a mobile build of ONNX Runtime loads.
+        nominal_checkpoint: also write ``nominal_checkpoint`` (names and shapes, no weights).
+        external_data: keep the weights out of the graphs while exporting (a model over 2 GB exports);
+            None does so for every torch module and for ONNX sources over 1 GiB.
 
     Returns:
         The validated `TrainingArtifacts`.
 
-    Before ORT builds the training graphs, every node it cannot differentiate is rewritten into
-    an exact equivalent it can (``export.legalize.RULES``; docs/ops.md lists what trains).
-
     Raises:
-        ExportError: for an unknown loss, loss option, optimizer, option or frozen name, a peft DoRA adapter
-            (its detached weight norm has no ONNX equivalent: see ``export.adapters``), logits whose
-            class axis is ambiguous, a model that cannot be exported, a layer ORT cannot differentiate
-            and no rewrite covers (the message names the ONNX op, the node and the torch module), or
-            artifacts whose first training step crashes, fails, or disagrees with torch autograd.
-        StorageError: when the file system of `output_dir` has too little space for the weights, or
-            runs out while the files are written; nothing in `output_dir` has changed.
+        ExportError: for an unknown loss, option, optimizer or frozen name, a peft DoRA adapter, an
+            ambiguous class axis, a model that cannot be exported, a layer ORT cannot differentiate
+            (naming the op, node and torch module), or artifacts whose first step fails or disagrees
+            with torch autograd.
+        StorageError: when `output_dir`'s file system has too little space; nothing there has changed.
     """
     loss_kind, loss_spec = _check_loss(loss)
     options = _normalize_optimizer(optimizer, optimizer_options)
@@ -303,8 +258,7 @@ def export_artifacts(
 def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -> tuple[str, ...]:
     """The state's names in the torch module's order (parameters, then buffers), the rest in the graph's.
 
-    NOTE: ONNX Runtime lists a checkpoint's parameters alphabetically; recorded here so that
-    ``named_parameters()`` can follow the model's own order (code zips the two lists).
+    NOTE: ONNX Runtime lists a checkpoint's parameters alphabetically.
     """
     names: list[str] = []
     if isinstance(model, torch.nn.Module):
@@ -315,12 +269,7 @@ def _model_order(model: Any, training_graph: onnx.ModelProto, state: set[str]) -
 
 
 def _generate(proto: onnx.ModelProto, loss: LossSpec | Any | None, **options: Any) -> None:
-    """The generation stage: ORT's ``generate_artifacts`` with `loss` over the model's first output.
-
-    A `LossSpec` is checked against the model's output (the class axis) and built by `losses/`;
-    a custom block is ORT's own; None means the model returns its loss. A missing gradient is
-    explained by the node and torch module it comes from.
-    """
+    """The generation stage: ORT's ``generate_artifacts`` with `loss` over the model's first output."""
     outputs = [info.name for info in proto.graph.output]
     if isinstance(loss, LossSpec):
         check_class_axis(loss, proto, outputs[0])

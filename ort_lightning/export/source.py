@@ -57,13 +57,7 @@ def default_input_names(count: int) -> list[str]:
 
 
 def default_output_names(count: int, *, model_returns_loss: bool) -> list[str]:
-    """Name a model's outputs: the first is ``"loss"`` or ``"logits"``, then ``output_1`` ...
-
-    Example::
-
-        >>> default_output_names(2, model_returns_loss=False)
-        ['logits', 'output_1']
-    """
+    """Name a model's outputs: the first is ``"loss"`` or ``"logits"``, then ``output_1`` ..."""
     first = "loss" if model_returns_loss else "logits"
     return [first] + [f"output_{i}" for i in range(1, count)]
 
@@ -79,13 +73,10 @@ def _output_rows(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...
 def _dynamic_axes(
     input_names: Sequence[str], output_names: Sequence[str], rows: Sequence[int | None], batch: int
 ) -> dict[str, dict[int, str]]:
-    """``batch`` for every input and every output of the batch's size, ``batch*K`` for K rows per sample.
+    """``batch`` for every input and output of the batch's size, ``batch*K`` for K rows per sample.
 
-    NOTE: an output with other rows, such as a language model's ``logits.view(-1, V)`` of B*T
-    rows, must not share the batch's symbol: ORT's gradient of the Reshape would then take the
-    flattened rows for the batch and fail at every batch size but the example's. ``batch*T``
-    also tells how many label rows a batch needs; rows that are no multiple of the batch get
-    ``<output>_rows``.
+    NOTE: an output of B*T rows (``logits.view(-1, V)``) must not share the batch's symbol: ORT's
+    Reshape gradient would fail at every batch size but the example's.
     """
     axes = {name: {0: "batch"} for name in input_names}
     for name, size in zip(output_names, rows, strict=True):
@@ -111,15 +102,8 @@ def torch_to_onnx(
 ) -> onnx.ModelProto:
     """Export `model` in training mode with a dynamic batch dimension, parameters under torch names.
 
-    The model is copied first (its parameters shared, `_copy_sharing_parameters`): tracing in
-    training mode would otherwise update the caller's BatchNorm running statistics. The trace
-    still updates the copy's, so the buffer initializers are reset to the model's state as it
-    was before the trace. `output_names` default to `default_output_names`.
-
-    With a `directory`, torch exports the graph without its weights (``export_params=False``:
-    parameters and buffers become graph inputs) and `external.attach_weights` writes them to the
-    directory, straight from the module's tensors, as external data: no copy of a model over
-    protobuf's 2 GB is ever built in memory.
+    A copy is traced, so the caller's BatchNorm statistics stay. With a `directory` the weights go
+    there as external data straight from the module's tensors (no copy of a 2 GB model in memory).
 
     Raises:
         ExportError: when torch cannot export the model.
@@ -170,9 +154,7 @@ def torch_to_onnx(
 def _restore_initializers(proto: onnx.ModelProto, state: dict[str, torch.Tensor]) -> None:
     """Overwrite initializers named like `state` entries with those values.
 
-    NOTE: the TorchScript exporter runs the forward once in training mode and records the
-    state after it, so each BatchNorm's running statistics arrive already updated by the
-    example batch (running_mean = 0.1 * batch mean, running_var = 0.9 + ...).
+    NOTE: the TorchScript exporter records BatchNorm statistics after its training-mode trace.
     """
     for index, initializer in enumerate(proto.graph.initializer):
         tensor = state.get(initializer.name)
@@ -194,11 +176,7 @@ def buffer_inputs_of(proto: onnx.ModelProto) -> set[str]:
 
 
 def check_opset(proto: onnx.ModelProto, source: str) -> None:
-    """Refuse a model whose ai.onnx opset is newer than ORT 1.19.2 reads.
-
-    Raises:
-        ExportError: naming the opset found and the limit.
-    """
+    """Refuse a model whose ai.onnx opset is newer than ORT 1.19.2 reads (`ExportError`)."""
     for opset in proto.opset_import:
         if is_ai_onnx(opset) and opset.version > limits.MAX_OPSET:
             raise ExportError(
@@ -218,11 +196,6 @@ def load_source(
     weights_dir: Path | None = None,
 ) -> tuple[onnx.ModelProto, set[str], set[str]]:
     """The source stage: the forward graph, its parameter initializers and its buffer initializers.
-
-    A torch module is exported (`torch_to_onnx`); an ONNX model or file is copied, and its real
-    weights told from its constants (`weights.split_initializers`). The graph's opset is checked
-    against what ONNX Runtime 1.19.2 reads. With a `weights_dir`, the parameters' and buffers'
-    bytes end up there as external data (`external.externalize`) and the graph holds none.
 
     Raises:
         ExportError: for a model that is not a module, a ModelProto or a readable ONNX file, or an
@@ -246,11 +219,7 @@ def _forward_graph(
     *,
     weights_dir: Path | None = None,
 ) -> tuple[onnx.ModelProto, set[str], set[str], Path | None]:
-    """The forward graph, its parameter and buffer initializers, and the folder its external data lies in.
-
-    A torch module is exported (`torch_to_onnx`, into `weights_dir` when given); an ONNX model or
-    file is copied, and its real weights told from its constants (`weights.split_initializers`).
-    """
+    """The forward graph, its parameter and buffer initializers, and the folder its external data lies in."""
     if isinstance(model, torch.nn.Module):
         plan = plan_io(
             model, example_inputs, input_names=input_names, output=output, model_returns_loss=model_returns_loss
@@ -273,10 +242,7 @@ def _forward_graph(
 
 
 def _onnx_graph(model: ModelSource, *, external: bool) -> tuple[onnx.ModelProto, Path | None]:
-    """A copy of an ONNX source, and the folder its external data lies in (a file's own folder).
-
-    `external`: a file's external data stays on disk (`externalize` copies it tensor by tensor).
-    """
+    """A copy of an ONNX source, and the folder its external data lies in (a file's own folder)."""
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(model)

@@ -1,16 +1,7 @@
 """ONNX symbolics for torch layers the TorchScript exporter refuses at opset 17 (or in training mode).
 
-Each one writes the layer in ops that ORT 1.19.2 can differentiate. They are registered only for
-the duration of one export (`registered`), so that a user's own ``torch.onnx.export`` calls see
-torch's behaviour unchanged.
-
-Example::
-
-    >>> import torch
-    >>> from ort_lightning.export.source import torch_to_onnx
-    >>> proto = torch_to_onnx(torch.nn.RMSNorm(4), (torch.zeros(2, 4),), input_names=["x"])
-    >>> sorted({node.op_type for node in proto.graph.node} & {"ReduceMean", "Sqrt"})
-    ['ReduceMean', 'Sqrt']
+Each writes the layer in ops ORT 1.19.2 can differentiate, registered for one export only
+(`registered`), so a user's own ``torch.onnx.export`` sees torch unchanged.
 """
 
 from __future__ import annotations
@@ -101,11 +92,7 @@ def _rrelu(g: Any, x: Any, lower: Any, upper: Any, training: Any, generator: Any
 
 
 def _repeat_heads(g: Any, x: Any, query: Any) -> Any:
-    """(B, H_kv, S, D) -> (B, H_q, S, D), each key/value head repeated H_q / H_kv times in a row.
-
-    As transformers' ``repeat_kv``: Unsqueeze to (B, H_kv, 1, S, D), Expand the new axis to the group
-    size, Reshape to (B, H_q, S, D). Shapes are read at run time, so the batch and sequence stay dynamic.
-    """
+    """(B, H_kv, S, D) -> (B, H_q, S, D), each key/value head repeated in a row, as transformers' ``repeat_kv``."""
     shape, heads = g.op("Shape", x), g.op("Shape", query)
     one, two, four = (_const(g, [n], torch.int64) for n in (1, 2, 4))
     group = g.op("Div", g.op("Slice", heads, one, two), g.op("Slice", shape, one, two))
@@ -122,10 +109,7 @@ def _repeat_heads(g: Any, x: Any, query: Any) -> Any:
 
 
 def _safe_mask(g: Any, attn_mask: Any, query: Any) -> tuple[Any, Any]:
-    """A bool mask as an additive mask of the query's type (0, or its lowest finite value), and the rows' multiplier.
-
-    The multiplier is 1 for a query row that may attend somewhere and 0 for one that may attend nowhere.
-    """
+    """A bool mask as an additive mask (0 or the lowest finite value), and 0 for rows attending nowhere."""
     dtype = torch.onnx.JitScalarType.from_value(query)
     lowest = torch.finfo(dtype.dtype()).min
     additive = g.op("Where", attn_mask, _const(g, 0.0, dtype.dtype()), _const(g, lowest, dtype.dtype()))
@@ -139,15 +123,10 @@ def _scaled_dot_product_attention(g: Any, query: Any, key: Any, value: Any, attn
                                   is_causal: bool, scale: Any, enable_gqa: bool) -> Any:
     """Torch's symbolic, with keys and values repeated per group (``enable_gqa``) and a differentiable bool mask.
 
-    NOTE: torch 2.13's opset-14 symbolic refuses ``enable_gqa`` ("conversion of
-    scaled_dot_product_attention not implemented if enable_gqa is True"), and transformers asks for
-    it whenever it passes SDPA no mask (a causal batch without padding).
-
-    NOTE: with a bool mask, torch's symbolic adds -inf and then replaces the NaN a fully masked
-    row's Softmax gives by 0. That is torch's forward, but ORT's Softmax gradient of the NaN row
-    is NaN, and left padding makes such rows (a pad query attends to no key). Here the mask adds
-    the lowest finite value instead, and the rows that may attend nowhere are multiplied by 0:
-    torch's output (0 there) and a zero gradient. A float mask or none goes to torch's symbolic.
+    NOTE: torch 2.13's symbolic refuses ``enable_gqa``, which transformers asks for when it passes no
+    mask. With a bool mask it adds -inf and zeroes the NaN of fully masked rows, whose Softmax
+    gradient is NaN in ORT (left padding makes such rows); here the lowest finite value is added and
+    those rows are multiplied by 0.
     """
     if enable_gqa:
         key, value = _repeat_heads(g, key, query), _repeat_heads(g, value, query)
@@ -162,11 +141,7 @@ def _scaled_dot_product_attention(g: Any, query: Any, key: Any, value: Any, attn
 
 @symbolic_helper.parse_args("v", "i", "i", "v", "v")
 def _diff(g: Any, x: Any, n: int, dim: int, prepend: Any, append: Any) -> Any:
-    """``torch.diff`` (n times along `dim`, after `prepend` and before `append`): Slice, Slice, Sub.
-
-    NOTE: transformers calls it on ``position_ids`` to find packed sequences when a decoder runs
-    without a cache and without an attention mask (``use_cache=False``, as fine-tuning scripts set).
-    """
+    """``torch.diff`` as Slice, Slice, Sub (transformers calls it on ``position_ids`` without a cache or mask)."""
     parts = [part for part in (prepend, x, append) if not symbolic_helper._is_none(part)]
     values = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis_i=dim)
     axis = _const(g, [dim], torch.int64)
@@ -179,11 +154,7 @@ def _diff(g: Any, x: Any, n: int, dim: int, prepend: Any, append: Any) -> Any:
 
 @symbolic_helper.parse_args("v", "i", "none")
 def _cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
-    """``cumsum`` of a bool tensor counts in int64, as torch does; other types go to torch's symbolic.
-
-    NOTE: torch's symbolic writes ``CumSum`` on the bool itself, which ONNX does not type
-    (transformers' packed-sequence check: ``(position_diff != 1).cumsum(-1)``).
-    """
+    """``cumsum`` of a bool tensor counts in int64, as torch does (ONNX does not type ``CumSum`` on bool)."""
     if symbolic_helper._is_bool(x) and (dtype is None or symbolic_helper._is_none(dtype)):
         x = g.op("Cast", x, to_i=torch.onnx.TensorProtoDataType.INT64)
     return symbolic_opset11.cumsum(g, x, dim, dtype)

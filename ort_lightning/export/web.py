@@ -1,16 +1,8 @@
 """`prepare_for_web`: a device folder whose optimizer graph computes its own learning rate.
 
-onnxruntime-web trains ONNX Runtime's artifacts as they are, but it has no call to set the
-learning rate: a plain folder trains there at ORT's default 1e-3 whatever rate the server used.
-`prepare_for_web` writes a copy of a folder whose optimizer graph computes the rate itself
-(`ort_lightning.export.lr_graph`): a constant, or the linear warmup and decay of
-``ORTLightningModule(lr_scheduler="linear")``, so that N steps in a browser are N steps of the
-module with the same settings. The other graphs are copied unchanged; the ``.ort`` graphs are
-converted again from the rewritten ``.onnx`` ones; the manifest records the schedule
-(``Manifest.lr_schedule``).
-
-The folder is written beside its destination and renamed into place, so that a reader sees the
-old folder or the new one, never a mix.
+onnxruntime-web has no call to set the learning rate, so a plain folder trains there at ORT's
+default 1e-3. The copy written here computes the rate in its optimizer graph
+(`ort_lightning.export.lr_graph`), and is renamed into place whole.
 
 Example::
 
@@ -58,46 +50,24 @@ def prepare_for_web(
 ) -> TrainingArtifacts:
     """Write a device folder whose optimizer graph computes its learning rate, for onnxruntime-web.
 
-    The rate follows ``ORTLightningModule(lr=lr, lr_scheduler=..., warmup_steps=..., total_steps=...)``
-    step for step (`s` counts the optimizer steps completed since the device's optimizer started);
-    the ``learning_rate`` that a runtime feeds is ignored, so every build of ONNX Runtime trains
-    the folder at this schedule. ``ORTLightningModule`` trains it when given the same settings and
-    refuses others.
+    The rate follows ``ORTLightningModule`` with the same schedule step for step, whatever rate a
+    runtime feeds; the module trains the folder with the same settings and refuses others.
 
     Args:
-        artifacts: the folder `export_artifacts` or ``generate_artifacts`` wrote (with ``.onnx`` graphs),
-            or its `TrainingArtifacts`.
-        output_dir: the device folder to write: a new or empty folder, or one this function wrote
-            before (replaced whole).
+        artifacts: a folder with ``.onnx`` graphs, or its `TrainingArtifacts`.
+        output_dir: a new or empty folder, or one this function wrote before (replaced whole).
         lr: the peak learning rate.
-        lr_scheduler: ``"constant"`` (`lr` at every step) or ``"linear"`` (warmup from 0 to `lr`
-            over `warmup_steps`, then linear decay to 0 at `total_steps`).
-        warmup_steps: optimizer steps of warmup (``"linear"``), a count or a fraction in (0, 1) of
-            `total_steps`, rounded as the module rounds it.
-        total_steps: the optimizer step at which the linear schedule reaches 0. Required for
-            ``"linear"``: the module's None means the Trainer's ``estimated_stepping_batches``, and a
-            device has no Trainer; pass the optimizer steps the device runs from a fresh start.
-        ort_format: also write the ``.ort`` graphs (what onnxruntime-web loads fastest).
+        lr_scheduler: ``"constant"`` or ``"linear"`` (warmup from 0, then decay to 0 at `total_steps`).
+        warmup_steps: optimizer steps of warmup, a count or a fraction in (0, 1) of `total_steps`.
+        total_steps: where the linear schedule reaches 0; required for ``"linear"`` (a device has no Trainer).
+        ort_format: also write the ``.ort`` graphs.
 
     Returns:
-        The device folder: graphs, the checkpoint when the source has one, ``nominal_checkpoint``,
-        the manifest with ``lr_schedule``.
+        The device folder's `TrainingArtifacts`.
 
     Raises:
         ExportError: for a bad schedule, a folder without ``.onnx`` graphs or optimizer graph, a folder
             already prepared, or an `output_dir` that is the source or holds other files.
-
-    Example::
-
-        >>> import tempfile, torch
-        >>> from pathlib import Path
-        >>> from ort_lightning import export_artifacts
-        >>> root = Path(tempfile.mkdtemp())
-        >>> plain = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), root / "plain", verify=False)
-        >>> web = prepare_for_web(plain, root / "web", lr=0.05, lr_scheduler="linear", warmup_steps=3,
-        ...                       total_steps=8)
-        >>> sorted(path.name for path in web.directory.glob("*.ort"))
-        ['eval_model.ort', 'optimizer_model.ort', 'training_model.ort']
     """
     schedule = _schedule(lr, lr_scheduler, warmup_steps, total_steps)
     source = artifacts if isinstance(artifacts, TrainingArtifacts) else TrainingArtifacts.load(artifacts)

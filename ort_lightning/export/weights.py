@@ -1,33 +1,9 @@
 """Which initializers of an ONNX model are weights to train, and which are constants.
 
-A torch module says which tensors are parameters; an ONNX file does not: exporters also store
-scalar factors, shapes, axes, exponents and clip bounds as initializers. Training those (and
-AdamW's weight decay shrinking them) changes what the model computes. The rule:
-
-An initializer of an ONNX source trains when all of these hold:
-
-1. its type is floating point (float, double, float16, bfloat16);
-2. it has rank >= 1 (a scalar is a constant the exporter stored, such as ``x * 0.5``);
-3. it is not a BatchNormalization running statistic (those are buffers, updated by the graph);
-4. at least one node reads it at a differentiable input: not as a shape, axes, pads, indices,
-   Pow exponent, Dropout ratio, Clip bound, Resize scale or any other input in
-   `NON_DIFFERENTIABLE_INPUTS`.
-
-Everything else stays a constant of the graph. ``export_artifacts(..., frozen=[...])`` can still
-keep any weight from training.
-
-Example::
-
-    >>> import numpy as np
-    >>> from onnx import TensorProto, helper, numpy_helper
-    >>> graph = helper.make_graph(
-    ...     [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Mul", ["h", "half"], ["y"])],
-    ...     "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-    ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-    ...     [numpy_helper.from_array(np.ones((3, 4), np.float32), "w"),
-    ...      numpy_helper.from_array(np.array(0.5, np.float32), "half")])
-    >>> split_initializers(helper.make_model(graph), buffers=set())
-    (['w'], ['half'])
+An ONNX file does not say which tensors are parameters, and training a stored scalar or shape
+changes what the model computes. A floating-point initializer of rank >= 1, not a BatchNorm
+running statistic, read by some node at a differentiable input (not in
+`NON_DIFFERENTIABLE_INPUTS`) trains; everything else stays a constant.
 """
 
 from __future__ import annotations
@@ -73,15 +49,7 @@ def _differentiable_uses(graph: onnx.GraphProto) -> dict[str, bool]:
 
 
 def split_initializers(proto: onnx.ModelProto, *, buffers: set[str]) -> tuple[list[str], list[str]]:
-    """Split the floating-point initializers of `proto` into ``(weights, constants)`` by the module's rule.
-
-    Args:
-        proto: the forward model.
-        buffers: BatchNormalization running statistics (neither weights nor constants here).
-
-    Returns:
-        Sorted names of the weights that train and of the floating-point constants that do not.
-    """
+    """Split `proto`'s floating-point initializers into sorted ``(weights, constants)``; `buffers` are neither."""
     uses = _differentiable_uses(proto.graph)
     weights: list[str] = []
     constants: list[str] = []

@@ -2,10 +2,10 @@
 
 Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which installs
 ``flwr[simulation]``). `run_fleet` runs a fleet from a `FleetConfig`'s sections and returns its
-history (docs/fleets.md). A `DeviceClient` is what each simulated device runs: ONNX Runtime's
-device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`).
-A `FleetClient` runs a Lightning ``Trainer`` over an `ORTLightningModule` instead, for those who
-ask for it by name: no device has a Trainer. The server runs Flower's own
+history (docs/fleets.md). A `DeviceClient` is what each device runs on every engine: ONNX Runtime's
+device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`),
+or a Lightning ``Trainer`` over an `ORTLightningModule` for those who ask for it
+(``runner="lightning"``): no device has a Trainer. The server runs Flower's own
 strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
 complete ORT checkpoint. `LocalGrid` runs the same apps in this process, without Ray.
 
@@ -28,10 +28,11 @@ from ort_lightning._lazy import lazy_names
 
 if TYPE_CHECKING:
     from ort_lightning.fleet.config.fleet_config import FleetConfig
-    from ort_lightning.fleet.devices.ort_loop import DeviceClient
+    from ort_lightning.fleet.devices.client import DeviceClient
     from ort_lightning.fleet.devices.protocol import ClientData
-    from ort_lightning.fleet.devices.state_values import get_values, set_values, state_order
-    from ort_lightning.fleet.devices.trainer_loop import FleetClient, evaluate_module
+    from ort_lightning.fleet.devices.state_values import get_values, set_values
+    from ort_lightning.fleet.devices.trainer_loop import evaluate_module
+    from ort_lightning.fleet.devices.weights import WeightOrder
     from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.run import run_fleet
@@ -46,20 +47,19 @@ _HOMES = {
     "Refusal": "ort_lightning.fleet.engines.browser",
     "CheckpointEachRound": "ort_lightning.fleet.server.global_model",
     "ClientData": "ort_lightning.fleet.devices.protocol",
-    "DeviceClient": "ort_lightning.fleet.devices.ort_loop",
-    "FleetClient": "ort_lightning.fleet.devices.trainer_loop",
+    "DeviceClient": "ort_lightning.fleet.devices.client",
     "FleetConfig": "ort_lightning.fleet.config.fleet_config",
     "FleetServer": "ort_lightning.fleet.server.server_app",
     "GlobalModel": "ort_lightning.fleet.server.global_model",
     "LocalGrid": "ort_lightning.fleet.engines.local",
     "RoundRecord": "ort_lightning.fleet.server.server_app",
+    "WeightOrder": "ort_lightning.fleet.devices.weights",
     "evaluate_module": "ort_lightning.fleet.devices.trainer_loop",
     "get_values": "ort_lightning.fleet.devices.state_values",
     "round_path": "ort_lightning.fleet.server.global_model",
     "run_fleet": "ort_lightning.fleet.run",
     "run_local": "ort_lightning.fleet.engines.local",
     "set_values": "ort_lightning.fleet.devices.state_values",
-    "state_order": "ort_lightning.fleet.devices.state_values",
 }
 
 __all__ = [
@@ -69,20 +69,19 @@ __all__ = [
     "CheckpointEachRound",
     "ClientData",
     "DeviceClient",
-    "FleetClient",
     "FleetConfig",
     "FleetServer",
     "GlobalModel",
     "LocalGrid",
     "Refusal",
     "RoundRecord",
+    "WeightOrder",
     "evaluate_module",
     "get_values",
     "round_path",
     "run_fleet",
     "run_local",
     "set_values",
-    "state_order",
 ]
 
 

@@ -5,10 +5,11 @@ and ``data`` sections name, runs the rounds on its engine, prints the round line
 what ``history.json`` holds. `run_experiment` is the same run over artifacts and data the caller
 already holds (``data(partition, partitions) -> ClientData``, ``test`` the server's batches).
 
-Every engine's devices run what a real device runs (``devices.runner: ort``, `DeviceClient`) on the
-device folder ``output.folder/device`` that `prepare_for_web` writes; ``runner: lightning`` runs a
-Trainer per device instead (`FleetClient`). ``engine.name: local`` runs Flower's apps in this
-process, ``ray`` on Flower's Ray simulation, ``browser`` on the pages that open the fleet's URL.
+Every engine's devices run `DeviceClient` on the device folder ``output.folder/device`` that
+`prepare_for_web` writes (its optimizer graph computes ``devices.lr``): ONNX Runtime's loop, what a
+real device runs (``devices.runner: ort``), or a Trainer per device (``runner: lightning``).
+``engine.name: local`` runs Flower's apps in this process, ``ray`` on Flower's Ray simulation,
+``browser`` on the pages that open the fleet's URL.
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.config.fleet_config import ENGINES, RUNNERS, STRATEGIES, FleetConfig
+from ort_lightning.fleet.config.fleet_config import ENGINES, STRATEGIES, FleetConfig
 from ort_lightning.fleet.data.partitions import Partitions
 from ort_lightning.fleet.data.sources import fleet_data
-from ort_lightning.fleet.devices.client import fleet_client
-from ort_lightning.fleet.devices.ort_loop import DeviceClient
-from ort_lightning.fleet.devices.protocol import DataFn
-from ort_lightning.fleet.devices.trainer_loop import FleetClient
+from ort_lightning.fleet.devices.client import DeviceClient
+from ort_lightning.fleet.devices.protocol import RUNNERS, DataFn
 from ort_lightning.fleet.engines.browser.browser_run import run_browser_experiment
 from ort_lightning.fleet.engines.local import run_local
 from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
@@ -43,7 +42,7 @@ from ort_lightning.fleet.server.server_app import FleetServer
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment", "run_fleet"]
 
 
-def _run(server: FleetServer, client: DeviceClient | FleetClient, config: FleetConfig) -> None:
+def _run(server: FleetServer, client: DeviceClient, config: FleetConfig) -> None:
     if config.engine.name == "local":
         run_local(server.server_app(), client.client_app(), nodes=config.devices.count)
         return
@@ -71,7 +70,7 @@ def run_experiment(
     Args:
         config: the experiment.
         artifacts: the exported artifacts (the server's folder; the devices' folder is written from it).
-        data: ``(partition, partitions) -> ClientData``, each device's data (as `FleetClient` takes it);
+        data: ``(partition, partitions) -> ClientData``, each device's data (as `DeviceClient` takes it);
             None only with ``engine: browser`` and ``page_data`` (the pages make their own).
         test: the batches the global model is evaluated on after every round (None: no accuracy).
         echo: print the accuracy per round.
@@ -90,9 +89,11 @@ def run_experiment(
                                  f"{config.engine.name!r}, but got None; pass the devices' data (only browser pages "
                                  "with page_data make their own).")
     server = fleet_server(config, artifacts, test)
-    devices = device_folder(config, artifacts).directory if config.devices.runner == "ort" else artifacts
+    devices = config.devices
+    client = DeviceClient(device_folder(config, artifacts).directory, data, epochs=devices.epochs,
+                          runner=devices.runner, optimizer_state=devices.optimizer_state, start=devices.start)
     started = time.perf_counter()
-    _run(server, fleet_client(config, devices, data), config)
+    _run(server, client, config)
     report(server, config, time.perf_counter() - started, echo=echo)
     return server
 

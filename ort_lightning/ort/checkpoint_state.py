@@ -28,22 +28,14 @@ _CPU = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
 
 @dataclass(frozen=True)
 class HeldState:
-    """ORT's CheckpointState in memory, on its way to one build (`assemble(checkpoint=...)`).
-
-    Either a closed session's, for the next build on the same `device` (see `TrainingSession.handover`),
-    or one read from the file `source` (`read_state`), whose summary is then read from the same read.
-    """
+    """ORT's CheckpointState in memory, on its way to one build: a closed session's, or one read from `source`."""
 
     state: Any
     device: str | None = None
     source: str | None = None
 
     def summary(self) -> tuple[list[tuple[str, tuple[int, ...], bool]], dict[str, Any]]:
-        """``(name, shape, requires_grad)`` per parameter, and the properties.
-
-        Raises:
-            RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a nominal state.
-        """
+        """``(name, shape, requires_grad)`` per parameter, and the properties; refused if nominal."""
         return summary_of(self.state)
 
     def nominal_summary(self) -> tuple[list[str], dict[str, Any]] | None:
@@ -51,21 +43,13 @@ class HeldState:
         return nominal_summary_of(self.state)
 
     def values(self) -> dict[str, np.ndarray]:
-        """Name -> a copy of every tensor of the state (trainable and frozen parameters, buffers), on the CPU.
-
-        Raises:
-            RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a nominal state, which holds no values.
-        """
+        """Name -> a CPU copy of every tensor of the state (a ``CHECKPOINT_READ_ERRORS`` for a nominal state)."""
         bound = bound_state(self.state)
         return {name: np.array(bound.get_parameter(name).data.numpy(), copy=True) for name in bound.parameter_names()}
 
 
 def read_state(path: os.PathLike[str] | str) -> HeldState:
-    """Read an ORT checkpoint file once: its summary and the build it starts come from this one read.
-
-    Raises:
-        RuntimeError: (one of ``CHECKPOINT_READ_ERRORS``) for a file ONNX Runtime cannot read.
-    """
+    """Read an ORT checkpoint file once: its summary and the build it starts come from this one read."""
     source = os.fspath(path)
     return HeldState(CheckpointState.load_checkpoint(source), source=source)
 
@@ -73,15 +57,9 @@ def read_state(path: os.PathLike[str] | str) -> HeldState:
 def state_outlives(module: Module, state: CheckpointState) -> None:
     """Keep `state` alive until ORT's C++ Module under `module` is destroyed, whoever holds that Module last.
 
-    ORT 1.19.2's C++ Module writes into its CheckpointState when it is destroyed (``~Module`` resets
-    the state's data-transfer pointer), and a bound call (its ``train_step_with_ort_values``)
-    keeps that Module alive past the Python ``Module``, which holds the state. Freed in that order,
-    the state is written after it is freed: glibc then aborts, at once or at the process's end.
-
-    Example::
-
-        module = Module(training_model, state, eval_model, device=target, session_options=options)
-        state_outlives(module, state)  # before anything can take a bound call of it
+    NOTE: ORT 1.19.2's ``~Module`` writes into its CheckpointState, and a bound call keeps the C++
+    Module alive past the Python one; freed the other way round, glibc aborts. Call it right after
+    building the ``Module``, before anything takes a bound call of it.
     """
     # NOTE: finalize holds `state` until the Module's weak reference dies, after the Module's destructor. Not at
     # exit: a Module still alive then keeps its state.
@@ -93,9 +71,7 @@ def _release(_: CheckpointState) -> None:
 
 
 def copy_parameters(module: Any, parameters: np.ndarray) -> None:
-    """Copy one float32 buffer into every parameter of `module`'s state, in the training graph's input order.
-
-    Works on a nominal state too: ONNX Runtime allocates the parameters then.
+    """Copy one float32 buffer into every parameter of `module`'s state (a nominal one too), in the graph's order.
 
     Raises:
         ConfigurationError: for a buffer that is not float32 or not the size of the state.
@@ -116,15 +92,7 @@ def copy_parameters(module: Any, parameters: np.ndarray) -> None:
 
 
 def buffer_order(training_model: os.PathLike[str] | str, checkpoint: os.PathLike[str] | str) -> list[str]:
-    """The state's names in the order of ONNX Runtime's contiguous parameter buffer, as ORT itself lays it out.
-
-    Measured, not assumed: a buffer ``0, 1, 2, ...`` goes in through `copy_parameters`, and each
-    parameter's first value then says where its values start.
-
-    Args:
-        training_model: the training graph (``.onnx`` or ``.ort``).
-        checkpoint: its checkpoint, complete or nominal.
-    """
+    """The state's names in the order of ORT's contiguous parameter buffer, measured by copying ``0, 1, 2, ...`` in."""
     state = CheckpointState.load_checkpoint(os.fspath(checkpoint))
     module = Module(os.fspath(training_model), state, None, "cpu", session_options=session_options())
     state_outlives(module, state)

@@ -1,13 +1,4 @@
-"""Generating training artifacts with ONNX Runtime's ``generate_artifacts``.
-
-With our loss and optimizer blocks, and the files a device ships (``.ort`` graphs, a nominal
-checkpoint).
-
-Example::
-
-    >>> optimizer_kind_of(["SGDOptimizerV2"])
-    'sgd'
-"""
+"""Generating training artifacts with ONNX Runtime's ``generate_artifacts``, and the files a device ships."""
 
 from __future__ import annotations
 
@@ -123,14 +114,10 @@ def _optimizer_block(kind: str, options: dict[str, Any]) -> Any:
 def _stand_in(tensor: onnx.TensorProto) -> onnx.TensorProto:
     """An initializer with `tensor`'s name, type and shape whose data is one element of zeros.
 
-    NOTE: ONNX Runtime's generator checks the model in memory (``onnx.checker.check_model``), which
-    resolves external data against the working directory and refuses it; its path-based flow
-    (``generate_artifacts(path)``) saves the model once per loss block and loses the external data
-    of every block after the first (MSE, L1, BCE fail; microsoft/onnxruntime#22411, fixed after
-    1.19.2). The generator reads only the names, types and shapes of the parameters (it moves
-    them to graph inputs before any ONNX Runtime session sees the graph) and the checker does not
-    compare raw data with the shape, so one element stands in for the weights; the checkpoint is
-    written from the real data (`_checkpoint_from`).
+    NOTE: ORT's generator checks the model in memory and refuses external data; its path-based flow
+    loses the external data of every loss block after the first (microsoft/onnxruntime#22411). It
+    reads only names, types and shapes, so one element stands in; the checkpoint is written from the
+    real data (`_checkpoint_from`).
     """
     stand_in = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
     stand_in.raw_data = bytes(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize)
@@ -154,12 +141,8 @@ def _weightless(model: onnx.ModelProto, state: set[str]) -> tuple[onnx.ModelProt
 def _checkpoint_from(weights_dir: Path, external: dict[str, onnx.TensorProto]) -> Iterator[None]:
     """While generating, write the checkpoint's stand-ins from their external data in `weights_dir`.
 
-    NOTE: ``generate_artifacts`` writes the checkpoint with ``onnxblock.save_checkpoint`` from the
-    initializers it found; swapping that function for one generation is the only hook. ONNX
-    Runtime's writer reads external data itself, tensor by tensor, when the location is absolute
-    (measured: 1 GiB written with no growth of the process's memory, where the same tensors
-    serialized with their bytes took 1 GiB more), so the initializers go to it as they are, their
-    location made absolute.
+    NOTE: swapping ``onnxblock.save_checkpoint`` for one generation is the only hook; ORT's writer
+    reads absolute external data tensor by tensor, without holding it all in memory.
     """
     original = onnxblock.save_checkpoint
 
@@ -204,16 +187,14 @@ def generate(
         model: the forward `onnx.ModelProto`, parameters as initializers.
         trainable: initializers that get gradients.
         frozen: initializers kept in the checkpoint state without gradients.
-        loss: a loss name, an `onnxblock.Block`, a function ``(model, output) -> loss name`` that
-            appends the loss to the forward graph, or None when the model's first output is the loss.
+        loss: a loss name, an `onnxblock.Block`, a function ``(model, output) -> loss name``, or None
+            when the model's first output is the loss.
         optimizer: ``"adamw"`` or ``"sgd"``.
         optimizer_options: the normalized hyper-parameters of `optimizer`.
         directory: where the four artifacts go.
         extra_outputs: model outputs kept as graph outputs next to the loss.
         loss_inputs: model outputs fed to the loss (None: all of them).
-        weights_dir: where the external data of `model`'s parameters lies, when they are kept
-            outside the graph (a model over protobuf's 2 GB); ORT's generator then sees stand-ins
-            (`_stand_in`) and the checkpoint is written from the external data.
+        weights_dir: where `model`'s weights lie as external data, if they do.
 
     Raises:
         ExportError: when ORT cannot build the gradient graph.
@@ -250,12 +231,7 @@ def write_device_files(
     ort_format: bool,
     nominal_checkpoint: bool,
 ) -> None:
-    """Write what ``generate_artifacts(..., ort_format=True, nominal_checkpoint=True)`` writes, from final graphs.
-
-    ``.ort`` graphs (and ``*.required_operators.config``) beside the `graphs`, as ORT's generator
-    converts them (fixed optimization style); ``nominal_checkpoint`` beside `checkpoint`: its
-    parameters' names, shapes and trainability, no weights.
-    """
+    """Write the ``.ort`` graphs and ``nominal_checkpoint`` as ORT's generator would, from the final graphs."""
     if ort_format:
         # NOTE: the converter prints its progress, and its config writer logs each file at INFO; a library
         # keeps the user's console quiet (`_quiet_converter_log`).
@@ -280,8 +256,8 @@ def optimizer_kind_of(nodes: Sequence[str]) -> str | None:
 
     Example::
 
-        >>> optimizer_kind_of(["AdamWOptimizer"])
-        'adamw'
+        >>> optimizer_kind_of(["AdamWOptimizer"]), optimizer_kind_of(["SGDOptimizerV2"])
+        ('adamw', 'sgd')
     """
     for op_type in nodes:
         if op_type in OPTIMIZER_NODES:

@@ -1,33 +1,20 @@
-"""`OrtDevice`: what a device runs, through ONNX Runtime's Python training API, step for step as ``runner.js``.
+"""`OrtDevice`: ONNX Runtime's own device loop in Python, step for step as ``web/runner.js``.
 
-A phone or a browser tab trains a device folder with ONNX Runtime's own loop, and nothing else:
-open the files (``CheckpointState.load_checkpoint``, ``Module``, the server's weights through
-``copy_buffer_to_parameters``, ``Optimizer``), then per batch one train step, one optimizer
-step and a gradient reset, at the rate the optimizer graph computes (a folder from
-``prepare_for_web``) or at the rate the device sets (``Optimizer.set_learning_rate``, a plain
-folder), and the weights back as one float32 buffer. `OrtDevice` is that loop in Python, the
-same sequence ``ort_lightning/web/runner.js`` runs in onnxruntime-web, so that a simulated
-device and a browser train the same files to the same numbers.
-
-ONNX Runtime's session options are its defaults, but for errors-only logging and the intra-op
-threads: one by default, as onnxruntime-web runs a page, so that a device's numbers do not
-depend on the cores of the machine that simulates it, and a device builds no thread pool
-(measured on 2 busy cores: opening a device took 1.4-1.7 ms on one thread, 1.6-3.4 ms with ORT's
-default pool, whose threads then also wake for every step). ``intra_op_threads=0`` takes ORT's
-default pool, whose threads sleep when idle instead of spinning.
+Open the files, copy the server's weights in, then per batch one train step, one optimizer step
+and a gradient reset, and the weights back as one float32 buffer: what a phone or a browser tab
+runs, so that a simulated device and a browser train the same files to the same numbers. One
+intra-op thread by default, as onnxruntime-web runs a page.
 
 Example::
 
     >>> import tempfile, torch
-    >>> from pathlib import Path
     >>> from ort_lightning import export_artifacts
     >>> folder = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(),
     ...                           nominal_checkpoint=True, verify=False).directory
     >>> files = DeviceFiles(training=folder / "training_model.onnx", optimizer=folder / "optimizer_model.onnx",
     ...                     checkpoint=folder / "nominal_checkpoint")
     >>> device = OrtDevice.open(files, weights=np.zeros(15, np.float32), lr=0.1)
-    >>> batch = [np.ones((2, 4), np.float32), np.array([0, 2])]
-    >>> trained = device.train([batch], epochs=3)
+    >>> trained = device.train([[np.ones((2, 4), np.float32), np.array([0, 2])]], epochs=3)
     >>> trained.steps, trained.examples, len(device.get_weights())
     (3, 2, 15)
     >>> device.release()
@@ -55,14 +42,7 @@ __all__ = ["DeviceFiles", "OrtDevice", "Trained"]
 
 @dataclass(frozen=True)
 class DeviceFiles:
-    """The files a device opens, by the names ``runner.js``'s ``openDevice`` takes.
-
-    Attributes:
-        training: the training graph (``.ort`` or ``.onnx``).
-        optimizer: the optimizer graph.
-        checkpoint: the nominal checkpoint (the server sends the weights) or a complete one.
-        eval: the eval graph, needed only to evaluate.
-    """
+    """The files a device opens (training, optimizer and eval graphs, checkpoint), as ``runner.js`` names them."""
 
     training: Path
     optimizer: Path
@@ -78,13 +58,7 @@ class DeviceFiles:
 
 @dataclass(frozen=True)
 class Trained:
-    """What one `OrtDevice.train` did.
-
-    Attributes:
-        losses: the loss of every step, in order.
-        examples: examples of one epoch (the sum of each batch's first dimension): FedAvg's weight.
-        seconds: wall time of the loop (the batches' conversion included).
-    """
+    """What one `OrtDevice.train` did: each step's loss, one epoch's examples (FedAvg's weight), wall seconds."""
 
     losses: list[float]
     examples: int
@@ -102,11 +76,7 @@ class Trained:
 
 
 class OrtDevice:
-    """One device's ONNX Runtime objects over a device folder's files (build with `open`).
-
-    The state, the module and the optimizer are ONNX Runtime's own (``onnxruntime.training.api``);
-    `release` frees them, the module before the state.
-    """
+    """One device's ONNX Runtime objects over a device folder's files (build with `open`; `release` frees them)."""
 
     def __init__(self, state: Any, module: Any, optimizer: Any) -> None:
         self._state, self._module, self._optimizer = state, module, optimizer
@@ -119,20 +89,15 @@ class OrtDevice:
     ) -> OrtDevice:
         """Open a device on `files`, as ONNX Runtime documents a device that receives its weights.
 
-        ``CheckpointState.load_checkpoint(checkpoint)``, ``Module(training[, eval])``,
-        ``copy_buffer_to_parameters(weights, trainable_only=False)``, then ``Optimizer``: built
-        over a checkpoint that holds an optimizer state (a device's own, saved with `save`), the
-        optimizer continues its step and moments; otherwise it starts at step 0 with no moments.
-
         Args:
             files: the device folder's files.
-            weights: every state tensor, one float32 buffer in the training graph's input order;
-                None keeps the checkpoint's weights (a nominal checkpoint has none).
-            checkpoint: a checkpoint to open instead of ``files.checkpoint`` (a device's own).
-            evaluation: also load the eval graph (only `evaluate` needs it).
-            lr: the learning rate to set (ONNX Runtime's ``set_learning_rate``); None leaves the rate
-                the optimizer graph computes (a folder from ``prepare_for_web``) or holds (1e-3).
-            intra_op_threads: ONNX Runtime's intra-op threads (see the module docstring); 0 for ORT's default.
+            weights: every state tensor as one float32 buffer in the training graph's order; None keeps
+                the checkpoint's.
+            checkpoint: a checkpoint to open instead of ``files.checkpoint`` (a device's own, with its
+                optimizer state).
+            evaluation: also load the eval graph.
+            lr: the learning rate to set; None leaves the rate the optimizer graph computes or holds.
+            intra_op_threads: ONNX Runtime's intra-op threads; 0 for ORT's default pool.
 
         Raises:
             ArtifactError: for a file ONNX Runtime cannot load.
@@ -158,7 +123,7 @@ class OrtDevice:
         return cls(state, module, optimizer)
 
     def set_weights(self, weights: np.ndarray) -> None:
-        """Replace every parameter's value (one float32 buffer in the training graph's input order).
+        """Replace every parameter's value (one float32 buffer in the training graph's order).
 
         Raises:
             ConfigurationError: for a buffer of another dtype or size.
@@ -166,12 +131,7 @@ class OrtDevice:
         copy_parameters(self._module, weights)
 
     def train(self, batches: Sequence[Sequence[Any]], *, epochs: int = 1) -> Trained:
-        """Per epoch, per batch: one train step, one optimizer step and a gradient reset (``runner.js``'s ``train``).
-
-        Args:
-            batches: one epoch's batches, each one array or CPU tensor per training graph input, in order
-                (model inputs, then labels).
-            epochs: passes over `batches`.
+        """Per epoch, per batch: one train step, one optimizer step and a gradient reset.
 
         Raises:
             ConfigurationError: for `epochs` below 1 or no batches.
@@ -191,12 +151,7 @@ class OrtDevice:
         return Trained(losses, examples, time.perf_counter() - started)
 
     def evaluate(self, batches: Sequence[Sequence[Any]]) -> list[tuple[float, np.ndarray | None]]:
-        """Run the eval graph on each batch (the device must be opened with ``evaluation=True``).
-
-        Returns:
-            Per batch, the loss and the eval graph's next output (the model's first output, e.g. the
-            logits), or None where the eval graph has no output but the loss.
-        """
+        """Per batch, the eval graph's loss and its next output (None without one); needs ``evaluation=True``."""
         module = self._module
         module.eval()
         results = []

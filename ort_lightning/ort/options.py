@@ -1,14 +1,9 @@
-"""ONNX Runtime's session options as ort-lightning sets them.
-
-Errors-only logging, thread pools, spinning, custom operator libraries. Everything else is ORT's
-default, so that a session here computes what ORT's documented loop computes on a device.
+"""ONNX Runtime's session options as ort-lightning sets them; everything else is ORT's default, as on a device.
 
 Example::
 
     >>> session_options(spinning=False).log_severity_level
     3
-    >>> session_options().enable_mem_pattern  # ORT's default: see the note in `session_options`
-    True
 """
 
 from __future__ import annotations
@@ -28,13 +23,8 @@ def session_options(
 ) -> Any:
     """Return `SessionOptions` that log errors only, with `custom_op_library` registered when given.
 
-    Nothing is loaded unless the caller names a library: never implicitly from an artifacts folder.
-    ``spinning=False`` makes ORT's idle intra-op threads sleep instead of spinning, which pays when
-    several processes share the cores (DDP ranks on one CPU), or when torch runs right after ORT.
-    ``intra_op_threads`` sizes ORT's intra-op pool; 0 leaves ORT's own default. Neither changes a
-    result: every setting the product builds trains as ORT's default ``SessionOptions()`` does, to
-    the bit on the zoo and ORT's tutorial graphs (``tests/test_session_numerics.py``). Everything
-    else, memory patterns and the CPU arena included, is ORT's default, which is what a device runs.
+    `spinning` and `intra_op_threads` (0: ORT's default) change no result
+    (``tests/test_session_numerics.py``); nothing is loaded that the caller did not name.
 
     Raises:
         ConfigurationError: for a library file that is missing or that ORT cannot load.

@@ -1,22 +1,9 @@
 """An ORT checkpoint file's properties: exactly those its writer gives, none carried over.
 
-ONNX Runtime 1.19.2 keeps a CheckpointState's properties in memory and saves them all: those the
-state was loaded with and those added since. Its API adds and reads properties but removes none,
-so a run that starts from a checkpoint would write the first run's ``monitor_value`` (or a fleet's
-``fleet_round``) into its own files as if they were its own. `replace_properties` writes the
-property bag of a saved file anew instead.
-
-The file is a flatbuffer (``ort_training_checkpoint.fbs``: ``Checkpoint {version, module_state,
-optimizer_groups, property_bag}``). The new ``PropertyBag`` is built as a flatbuffer of its own,
-appended at an aligned offset, and the root table's ``property_bag`` offset is pointed at it; the
-old bag stays behind as a few unreferenced bytes. Nothing else in the file moves, so a file of any
-size costs one append and one 4-byte write.
-
-Example::
-
-    >>> bag = property_bag({"epoch": 2, "lr": 0.5, "monitor": "val_loss"})
-    >>> len(bag) % 8
-    0
+ORT 1.19.2 saves every property a state was loaded with and removes none, so a resumed run would
+write the first run's ``monitor_value`` as its own. `replace_properties` appends a new
+``PropertyBag`` flatbuffer to the saved file and points the root table at it: one append and one
+4-byte write, whatever the file's size.
 """
 
 from __future__ import annotations
@@ -41,10 +28,7 @@ _UOFFSET_LIMIT = 2**32
 
 
 def property_bag(properties: Mapping[str, int | float | str]) -> bytes:
-    """A ``PropertyBag`` flatbuffer (its root offset first) holding `properties`, as ONNX Runtime types them.
-
-    ``str`` values are string properties, ``float`` float (ORT keeps float32), anything else int64.
-    """
+    """A ``PropertyBag`` flatbuffer holding `properties`: str as string, float as float, the rest int64."""
     builder = flatbuffers.Builder(256)
     builder.ForceDefaults(True)  # NOTE: an int 0 or float 0.0 is written, not left to the schema's default
     ints, floats, strings = [], [], []
@@ -87,9 +71,6 @@ def _vector(builder: flatbuffers.Builder, items: list[int]) -> int:
 def replace_properties(path: str | os.PathLike[str], properties: Mapping[str, int | float | str]) -> None:
     """Make the checkpoint file `path` hold exactly `properties` (ONNX Runtime saved it a moment ago).
 
-    A file saved from a state without properties has no ``property_bag`` field; it stays so when
-    `properties` is empty (the caller adds one property to the state before saving otherwise).
-
     Raises:
         CheckpointError: for a file that is not an ORT checkpoint, or one without a property bag when
             `properties` is not empty.
@@ -118,11 +99,7 @@ def replace_properties(path: str | os.PathLike[str], properties: Mapping[str, in
 
 
 def _bag_field(stream: BinaryIO, head: bytes, size: int, path: str | os.PathLike[str]) -> int | None:
-    """The file position of the root table's ``property_bag`` offset; None when the table has no such field.
-
-    Raises:
-        CheckpointError: for a file whose root table or vtable lies outside it.
-    """
+    """The file position of the root table's ``property_bag`` offset; None without one."""
     try:
         (root,) = struct.unpack("<I", head)
         stream.seek(root)

@@ -1,13 +1,4 @@
-"""The ORT objects that train one set of artifacts: `assemble` builds a `TrainingSession`.
-
-A CheckpointState, a Module and an Optimizer over that one state, on a device, with the session
-options.
-
-Example::
-
-    >>> parse_device("cpu")
-    ('cpu', 0)
-"""
+"""The ORT objects that train one set of artifacts: `assemble` builds a `TrainingSession`."""
 
 from __future__ import annotations
 
@@ -81,11 +72,9 @@ def parse_device(device: str) -> tuple[str, int]:
 
 
 class TrainingSession:
-    """The ORT objects that train one set of artifacts: state, module, optimizer.
+    """The ORT objects that train one set of artifacts: state, module and optimizer over one state.
 
-    The module and the optimizer share `state`, so an optimizer update is visible to the next
-    step at once. Hot-path methods are bound C functions; nothing is looked up per step.
-    `optimizer_kind` (``"adamw"`` or ``"sgd"``) is what the optimizer graph itself runs.
+    Hot-path methods are bound C functions; nothing is looked up per step.
     """
 
     def __init__(
@@ -168,13 +157,9 @@ class TrainingSession:
         self, path: os.PathLike[str] | str, *, include_optimizer_state: bool,
         properties: Mapping[str, int | float | str] | None = None,
     ) -> None:
-        """Write the CheckpointState (and optionally the optimizer's step and moments) to `path`.
+        """Write the CheckpointState (with the optimizer's step and moments if asked) to `path`.
 
-        Args:
-            path: the file to write.
-            include_optimizer_state: also write the optimizer's step and moments.
-            properties: the file's properties, exactly (`replace_properties`): none that the state was loaded
-                with or that an earlier save wrote. None keeps what the state holds (a snapshot to rebuild from).
+        `properties` are the file's exactly; None keeps what the state holds (a snapshot to rebuild from).
         """
         state = bound_state(self._state)
         if properties and not state.property_names():
@@ -196,34 +181,18 @@ class TrainingSession:
 
     @property
     def ort_objects(self) -> tuple[Any, Any, Any]:
-        """ONNX Runtime's own ``(CheckpointState, Module, Optimizer)`` of this session (Nones once closed).
-
-        For ONNX Runtime's own API on the same objects (its ``LinearLRScheduler``, its documented loop);
-        the session's methods are the way to train them.
-        """
+        """ONNX Runtime's own ``(CheckpointState, Module, Optimizer)`` of this session (Nones once closed)."""
         return self._state, self._module, self._optimizer
 
     def handover(self) -> HeldState:
-        """This session's CheckpointState, for the next build (`assemble(checkpoint=...)`); the caller then closes it.
-
-        `LiveSession` closes the running session before it builds over the state. The weights, the
-        optimizer's step and moments and the properties go over as they are: no file is written and
-        nothing is copied (ORT's Optimizer takes the moments it finds in the state), so that a
-        rebuild for other thread settings or graphs costs no snapshot's memory.
-        """
+        """This session's CheckpointState for the next build, as it is (no file); the caller closes this one."""
         return HeldState(self._state, self.settings.device)
 
     def __del__(self) -> None:
         self.close()
 
     def close(self) -> None:
-        """Let ONNX Runtime free these objects now (their sessions, kernels and memory arena).
-
-        What still holds this wrapper (an optimizer, the step path) no longer holds ORT's objects, so
-        that a rebuild can free the old session before it builds the new one: one session's memory at
-        a time. Tensors already handed out (parameter views, outputs) keep their own memory. Every
-        step method raises afterwards.
-        """
+        """Let ONNX Runtime free these objects now, so that a rebuild holds one session's memory at a time."""
         # NOTE: ORT's Optimizer and Module point into the CheckpointState without owning it: they go first, the
         # state last (the bound methods hold the C++ objects, so they go before the wrappers).
         self.optimizer_step = self.set_lr = self.get_lr = _closed
@@ -266,28 +235,15 @@ def assemble(
 ) -> TrainingSession:
     """Build CheckpointState -> Module (train + eval) -> [the weights in] -> Optimizer as `settings` say.
 
-    `settings` None is `SessionSettings()`: the CPU, spinning threads, ORT's own pool size, the eval graph.
-
-    The eval graph is built only when ``settings.evaluation`` (without it, one session fewer: a
-    device's round). `checkpoint` is a file, or a `HeldState` handed over by a running session on
-    the same device.
-
-    ``settings.spinning`` is ORT's intra-op thread spinning, ``settings.intra_op_threads`` the size
-    of its intra-op pool, 0 for ORT's default (see `session_options`). `parameters` is every state
-    tensor in one float32 buffer, in the training graph's input order; when given, it replaces the
-    checkpoint's weights before the Optimizer is built, which is how a device starts from a nominal
-    checkpoint (names and shapes, no weights): ONNX Runtime's documented sequence
-    ``load_checkpoint(nominal)``, ``Module(...)``, ``copy_buffer_to_parameters(buffer, trainable_only=False)``.
-
-    `optimizer_kind` is what the optimizer graph runs, as its caller read it from the graph's nodes
-    (`optimizer_kind_in`); None reads it here. It names what ORT will actually run, not what a
-    manifest says.
+    `checkpoint` is a file or a `HeldState`; `parameters`, every state tensor in one float32 buffer,
+    replaces the checkpoint's weights before the Optimizer is built (ORT's documented sequence for a
+    device that starts from a nominal checkpoint). `optimizer_kind` None reads it from the graph.
 
     Raises:
         CudaError: for a device this build cannot use.
         ArtifactError: for an optimizer graph that is neither AdamW nor SGD.
-        ConfigurationError: for a `custom_op_library` that is missing or cannot be loaded, or
-            `parameters` of another size than the state's.
+        ConfigurationError: for a `custom_op_library` that cannot be loaded, or `parameters` of
+            another size than the state's.
     """
     settings = SessionSettings() if settings is None else settings
     kind, index = parse_device(settings.device)

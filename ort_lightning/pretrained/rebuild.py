@@ -1,20 +1,8 @@
 """The exported model again: built from its record (random weights, no download), then given the trained values.
 
-`rebuild` reads the configs the record holds with transformers' and peft's own readers
-(the model class's ``config_class``, ``GenerationConfig``, ``PeftConfig.from_pretrained``), builds the model class it
-names and wraps it with ``get_peft_model`` and ``add_adapter`` in the recorded order, the recorded
-adapter active. `load_values` copies ORT's state into it by ``named_parameters()`` name.
-
-ORT's state holds a tied weight once, under torch's first name (``model.embed_tokens.weight``, not
-``lm_head.weight``): the model's other names for the same tensor need no value of their own.
-
-Example::
-
-    >>> import torch
-    >>> model = torch.nn.Linear(2, 1)
-    >>> load_values(model, {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, source="a state")
-    >>> model.weight.tolist()
-    [[1.0, 1.0]]
+`rebuild` reads the record with transformers' and peft's own readers and builds the model, its
+adapters added in the recorded order; `load_values` copies ORT's state in by ``named_parameters()``
+name (a tied weight is in ORT's state once, under torch's first name).
 """
 
 from __future__ import annotations
@@ -32,11 +20,7 @@ __all__ = ["load_values", "rebuild"]
 
 
 def _model_class(record: PretrainedRecord) -> Any:
-    """The class the record names, imported.
-
-    Raises:
-        ArtifactError: when it cannot be imported here.
-    """
+    """The class the record names, imported (`ArtifactError` when it cannot be imported here)."""
     module, _, name = record.model_class.rpartition(".")
     try:
         found = getattr(importlib.import_module(module), name)
@@ -50,11 +34,7 @@ def _model_class(record: PretrainedRecord) -> Any:
 
 
 def rebuild(record: PretrainedRecord) -> torch.nn.Module:
-    """The recorded model with random weights: its config's class, with its peft adapters, the active one set.
-
-    Raises:
-        ArtifactError: for a model class that cannot be imported here.
-    """
+    """The recorded model with random weights, its peft adapters added and the active one set (`ArtifactError`)."""
     import transformers
 
     model_class = _model_class(record)
@@ -81,13 +61,20 @@ def rebuild(record: PretrainedRecord) -> torch.nn.Module:
 def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, source: str) -> None:
     """Copy `values` (ORT's state by torch name) into `model`'s parameters and buffers.
 
-    Every parameter of `model` must get a value, directly or through a tied name, except those no forward
-    reads (peft's inactive adapters, its ``original_module`` beside a ``modules_to_save`` copy); buffers
-    that ORT's state does not hold (computed from the config, such as rotary frequencies) keep theirs.
+    Every parameter a forward reads must get a value; buffers ORT does not hold (rotary frequencies)
+    keep theirs.
 
     Raises:
         CheckpointError: for a value `model` has no tensor for, one of another shape, or a parameter
             left without a value.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> load_values(model, {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, source="a state")
+        >>> model.weight.tolist()
+        [[1.0, 1.0]]
     """
     parameters = dict(model.named_parameters(remove_duplicate=False))
     tensors: dict[str, torch.Tensor] = {**parameters, **dict(model.named_buffers(remove_duplicate=False))}
@@ -117,12 +104,7 @@ def load_values(model: torch.nn.Module, values: Mapping[str, torch.Tensor], *, s
 
 
 def _never_read(model: torch.nn.Module) -> set[int]:
-    """The parameters a forward never reads: peft's inactive adapters, and ``original_module`` beside a copy.
-
-    NOTE: the export leaves them out of the graph (the forward reads the active adapter and the trained
-    ``modules_to_save`` copy), so ORT's state has no value for them; the adapter folder holds the active
-    adapter only, and a merge drops the rest.
-    """
+    """Parameters no forward reads (inactive adapters, ``original_module`` beside a copy): not in ORT's state."""
     unread: list[torch.nn.Module | torch.nn.Parameter] = []
     for module in model.modules():
         names = getattr(module, "active_adapters", None)  # NOTE: a list on peft's layers, a method on transformers'

@@ -1,32 +1,8 @@
 """What rebuilds a transformers model, recorded beside the artifacts at export.
 
-When the exported model is a transformers ``PreTrainedModel``, or a peft ``PeftModel`` over one,
-`write_record` writes a ``pretrained/`` folder into the artifacts folder, each part in its owner's
-own format:
-
-- ``config.json`` (and ``generation_config.json``): the model's config as transformers writes it,
-  with ``architectures`` naming the model class;
-- ``adapters/<name>/adapter_config.json``: each peft adapter's config as peft writes it;
-- ``ort_lightning_pretrained.json``: the model class's import path, the adapters' names in
-  order and the active one.
-
-That is all the write-back (`ort_lightning.pretrained.writer`) needs to build the model again
-from its config, with random weights and no download, before the trained values go in. Any other
-model gets no record, and the write-back then needs the model itself.
-
-Example::
-
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> import transformers
-    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    ...                                   num_attention_heads=2, num_key_value_heads=1)
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> write_record(transformers.LlamaForCausalLM(config), folder)
-    True
-    >>> record = read_record(folder)
-    >>> record.model_class, record.adapters
-    ('transformers.models.llama.modeling_llama.LlamaForCausalLM', ())
+For a transformers or peft model, `write_record` writes ``pretrained/``: the config as
+transformers writes it, each adapter's config as peft writes it, and the class and adapters'
+names; the write-back rebuilds the model from them without a download.
 """
 
 from __future__ import annotations
@@ -53,14 +29,7 @@ _FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class PretrainedRecord:
-    """What rebuilds the exported model: where its configs lie, its class, its adapters.
-
-    Attributes:
-        directory: the record's folder (``<artifacts>/pretrained``): ``config.json`` is there.
-        model_class: import path of the transformers model class (``module.QualName``).
-        adapters: the peft adapters' names in the order they were added; empty for a model without.
-        active_adapter: the adapter that was active (trained) at export; None without adapters.
-    """
+    """What rebuilds the exported model: its record's `directory`, `model_class`, `adapters` and `active_adapter`."""
 
     directory: Path
     model_class: str
@@ -90,11 +59,7 @@ def is_pretrained(model: object) -> bool:
 
 
 def write_record(model: object, folder: Path) -> bool:
-    """Write the record of `model` into ``folder/pretrained``; False (nothing written) for another model.
-
-    A transformers model into which adapters were injected without a ``PeftModel`` (it has a
-    ``peft_config``) gets no record either: its class alone does not rebuild it.
-    """
+    """Write the record of `model` into ``folder/pretrained``; False (nothing written) for another model."""
     if not is_pretrained(model):
         return False
     peft_model = _loaded("peft", "PeftModel")
@@ -129,11 +94,7 @@ def write_record(model: object, folder: Path) -> bool:
 
 
 def read_record(folder: Path) -> PretrainedRecord:
-    """Read the record of the artifacts folder `folder`.
-
-    Raises:
-        ArtifactError: when the folder holds none (the model was not a transformers model), or a damaged one.
-    """
+    """Read the record of the artifacts folder `folder` (`ArtifactError` when there is none)."""
     path = folder / RECORD_DIR / _RECORD_NAME
     if not path.is_file():
         raise ArtifactError(

@@ -1,31 +1,7 @@
 """Trained values out as the folders transformers and peft read, through their own ``save_pretrained``.
 
-`write_pretrained` puts ORT's state (name -> tensor) into the exported model, rebuilt from the
-artifacts' record (`ort_lightning.pretrained.record`) or given by the caller, and lets the model
-write itself:
-
-- a peft model writes its adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) of
-  the active adapter, the one that trained (at the top for ``default``, else in a subfolder of its name,
-  as peft writes it), which ``PeftModel.from_pretrained(base, folder)`` loads;
-- a transformers model writes ``model.safetensors`` + ``config.json``, which
-  ``AutoModelForCausalLM.from_pretrained(folder)`` (or the model's own class) loads;
-- with ``merge=True``, a peft model is merged first (``merge_and_unload``) and written as the
-  transformers model it becomes.
-
-The folder is written as a whole (`ort_lightning.storage.staging`): a failure leaves it as it was.
-
-Example::
-
-    >>> import tempfile, torch, transformers
-    >>> from pathlib import Path
-    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    ...                                   num_attention_heads=2, num_key_value_heads=1)
-    >>> model = transformers.LlamaForCausalLM(config)
-    >>> values = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
-    >>> root = Path(tempfile.mkdtemp())
-    >>> folder = write_pretrained(values, root / "out", artifacts=root, model=model, source="zeros")
-    >>> sorted(path.name for path in folder.iterdir())
-    ['config.json', 'generation_config.json', 'model.safetensors']
+A peft model writes its active adapter's folder, a transformers model ``model.safetensors`` +
+``config.json``; with ``merge=True`` a peft model is merged first. The folder is written as a whole.
 """
 
 from __future__ import annotations
@@ -61,10 +37,8 @@ def write_pretrained(
         values: name -> tensor of ORT's state (``named_parameters()`` names; a tied weight once).
         folder: where the model writes itself; created if missing, its files replaced.
         artifacts: the artifacts folder whose record rebuilds the model (unless `model` is given).
-        model: the torch model the artifacts were exported from, instead of the record's rebuild;
-            its parameters take `values` (a merge happens on a copy of it).
-        merge: merge peft adapters into the base weights (``merge_and_unload``) and write the merged
-            transformers model; a model without adapters is written whole either way.
+        model: the torch model to write instead of the record's rebuild.
+        merge: merge peft adapters into the base weights and write the merged model.
         source: what the values come from, for the messages.
 
     Raises:

@@ -1,22 +1,13 @@
 """Atomic, verified file writes: a crash at any instant leaves the previous file intact.
 
-A file is written under a temporary name in its own folder, flushed to disk, then renamed
-over the target (a rename within one folder is atomic on POSIX and Windows). A sidecar
-``<name>.sha256`` holds the digests the file may have: while a replacement is in flight it
-lists both the old and the new digest, so that whichever of the two files a crash leaves
-behind still verifies, and a corrupted or truncated file verifies as neither.
-
-Temporary files carry this package's name pattern (see `ort_lightning.storage.temps`), so
-that a clean-up never touches a user's file. A writer may leave companions beside its file:
-ONNX Runtime writes a checkpoint over 2 GB as ``path`` plus ``path.data``; the companion is
-fsynced, digested and renamed with it (first, so the main file never names missing data).
-A write that fails (a full disk, no permission) raises `StorageError` naming the path and the
-cause; the previous file stays, and no partial or temporary file is left.
+A file is written under a temporary name beside it, flushed, then renamed over the target. A
+``<name>.sha256`` sidecar lists the digests the file may have (both, while a replacement is in
+flight), so a truncated file verifies as neither. Companions (ORT's ``path.data``) move with it,
+first. A failed write raises `StorageError` and leaves no partial file.
 
 Example::
 
     >>> import tempfile
-    >>> from pathlib import Path
     >>> target = Path(tempfile.mkdtemp()) / "state.bin"
     >>> digest = atomic_write(target, lambda tmp: tmp.write_bytes(b"weights"))
     >>> verify_digest(target)
@@ -66,13 +57,7 @@ def sha256_of(path: Path) -> str:
 
 
 def fsync(path: Path) -> None:
-    """Put a file's data, or a folder's entries (a rename, a new file), on disk.
-
-    Example::
-
-        >>> import tempfile
-        >>> fsync(Path(tempfile.mkdtemp()))
-    """
+    """Put a file's data, or a folder's entries (a rename, a new file), on disk."""
     # NOTE: a file's data and a rename are durable only once they and the folder's entry are on disk.
     if os.name == "nt" and path.is_dir():  # pragma: no cover - folders cannot be opened on Windows
         return
@@ -166,14 +151,9 @@ def atomic_write(
 
     Args:
         path: the file to create or replace; its folder is created when missing.
-        write: writes the complete file at the temporary path it is given (and maybe companions
-            ``<temp>.data``, moved to ``<path>.data`` with it).
-        digest: keep a ``.sha256`` sidecar that `verify_digest` checks (companions get their own).
-        expected_size: bytes the file will about take, checked against the free space first; None
-            means the size of the file it replaces, if any.
-
-    Returns:
-        The hex sha256 of the file written.
+        write: writes the complete file (and maybe ``<temp>.data``) at the temporary path it is given.
+        digest: keep a ``.sha256`` sidecar that `verify_digest` checks.
+        expected_size: bytes checked against the free space first; None: the replaced file's size.
 
     Raises:
         StorageError: when the disk has too little space or the write fails; the previous file is intact.
@@ -201,11 +181,7 @@ def atomic_write(
 def _write_staged(
     target: Path, temp: Path, write: Callable[[Path], object], *, digest: bool
 ) -> tuple[str, list[tuple[Path, Path, str | None]]]:
-    """Write and flush `temp` (and its companions), record their digests; return the renames to make.
-
-    Each rename is ``(temp file, final path, digest to keep alone afterwards or None)``; companions
-    come first, so that the main file, renamed last, never names data that is not there yet.
-    """
+    """Write and flush `temp` and its companions; return the renames, companions first."""
     write(temp)
     files = [*_companions(temp), temp]
     moves: list[tuple[Path, Path, str | None]] = []
@@ -225,15 +201,10 @@ def _write_staged(
 
 
 def verify_digest(path: str | os.PathLike[str]) -> bool:
-    """Check a file against its sidecar digest.
-
-    Companions beside it (``path.data``, ONNX Runtime's external data) are checked against their own sidecars.
-
-    Returns:
-        True when the sidecar exists and the file matches it; False when there is no sidecar.
+    """Check a file (and its companions) against its sidecar; False when there is no sidecar.
 
     Raises:
-        CheckpointError: for a missing or empty file, or one (or a companion) whose bytes match no recorded digest.
+        CheckpointError: for a missing or empty file, or bytes that match no recorded digest.
     """
     target = Path(path)
     if not target.is_file():

@@ -1,21 +1,7 @@
 """Free space before a write, and what a failed write says: the path, the cause, the sizes.
 
-A write that runs out of space fails in three dialects: an ``OSError`` with ``errno`` 28 from
-Python, ONNX Runtime's ``RuntimeError`` "... No space left on device errno:28" for a checkpoint,
-and "Protobuf serialization failed" (no word of space) for an inference model. `write_failure`
-turns each into one `StorageError` that names the file, says whether the disk is full, and
-how much the write needed and found, measured while the partial file still holds its space.
-
-Example::
-
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> check_space(folder / "model.onnx", needed=1)
-    >>> error = write_failure(folder / "model.onnx", OSError(28, "No space left on device"),
-    ...                       written=0, needed=2**60)
-    >>> str(error).startswith("No space left on device: writing")
-    True
+A full disk fails in three dialects (``OSError`` 28, ORT's ``RuntimeError`` "errno:28", protobuf's
+"serialization failed"); `write_failure` turns each into one `StorageError` with the sizes.
 """
 
 from __future__ import annotations
@@ -69,12 +55,7 @@ def _no_space_error(path: Path, needed: int | None, free: int | None, *, folder:
 
 
 def check_space(path: Path, *, needed: int | None, folder: bool = False) -> None:
-    """Refuse a write of about `needed` bytes before it starts when the file system has less room.
-
-    Args:
-        path: the file (or, with `folder`, the folder of files) to be written.
-        needed: bytes the write will about take; None or 0 checks nothing.
-        folder: word the error for a folder written as a whole (an export) rather than one file.
+    """Refuse a write of about `needed` bytes to `path` (a `folder` if so) before it starts, when space is short.
 
     Raises:
         StorageError: naming the path, the size needed and the space free.
@@ -100,14 +81,7 @@ def _says_no_space(error: BaseException) -> bool:
 
 
 def write_failure(path: Path, error: BaseException, *, written: int, needed: int | None) -> StorageError:
-    """The package's error for a write of `path` that failed with `error`.
-
-    Args:
-        path: the file that was being written.
-        error: what the writer raised.
-        written: bytes the partial file held when the write failed (before it is removed).
-        needed: the size the write was expected to reach, if known.
-    """
+    """The package's error for a write of `path` that failed with `error`, with `written` and `needed` bytes."""
     free = free_bytes(path)
     if _says_no_space(error) or (free is not None and free < _NEARLY_FULL):
         # NOTE: measured before the partial file is removed: it holds what the write could use.
@@ -122,18 +96,9 @@ def write_failure(path: Path, error: BaseException, *, written: int, needed: int
 def folder_space_failure(
     folder: Path, error: BaseException, *, written: int, needed: int | None, writes: tuple[type[BaseException], ...]
 ) -> StorageError | None:
-    """The package's error for a folder whose files could not all be written for want of space, else None.
+    """The package's error for a folder not written for want of space, else None (the caller's to raise).
 
-    Unlike `write_failure`, any other failure stays the caller's to raise as it was: a stage that
-    writes a folder also fails for reasons that have nothing to do with the disk.
-
-    Args:
-        folder: the folder that was being written.
-        error: what a writer of it raised.
-        written: bytes its partial files held when the write failed (before they are removed).
-        needed: the size the folder was expected to reach, if known.
-        writes: the error types a writer raises (a full disk may say nothing of space: protobuf's
-            "Protobuf serialization failed"); a nearly full disk explains only those.
+    `writes` are the error types a writer raises; a nearly full disk explains only those.
     """
     free = free_bytes(folder / "_")  # NOTE: inside it: the folder may be a mount point of its own
     chain = _causes(error)

@@ -1,27 +1,16 @@
 """A folder of files written as a whole: staged inside the destination, then moved into place.
 
-`export_artifacts` writes several files (graphs, checkpoints, the manifest, ``.ort`` graphs) with
-several writers, some of them ONNX Runtime's, none of which can be told to write atomically. They
-all write into a hidden staging folder inside the destination (the same file system, so a move is
-a rename), named with the package's temporary pattern (`ort_lightning.storage.temps`). Only when
-every writer and every check has succeeded are the files fsynced and renamed over the
-destination's, one by one, the files named in `last` last; a staged subfolder replaces the
-destination's folder of that name whole. Files of the destination that the new set does not hold
-stay (a user's files, a source model kept beside its artifacts).
-
-A failure before that point (a full disk, a stage that raises) removes the staging folder, and the
-destination folder if this call created it: the destination's files are as they were. A full disk
-becomes `StorageError` naming the folder, the size and the free space, however a writer said it.
+The export's writers (some of them ONNX Runtime's) cannot write atomically; they write into a
+hidden staging folder on the same file system, and only when every stage has passed are the files
+fsynced and renamed over the destination's (`last` ones last). A failure leaves the destination as
+it was, and a full disk becomes one `StorageError`, however a writer said it.
 
 Example::
 
     >>> import tempfile
-    >>> from pathlib import Path
     >>> out = Path(tempfile.mkdtemp()) / "out"
     >>> with staged_folder(out, needed=10) as stage:
     ...     _ = (stage / "a.bin").write_bytes(b"new")
-    >>> sorted(path.name for path in out.iterdir())
-    ['a.bin']
     >>> try:
     ...     with staged_folder(out, needed=10) as stage:
     ...         _ = (stage / "a.bin").write_bytes(b"newer")
@@ -30,18 +19,6 @@ Example::
     ...     pass
     >>> (out / "a.bin").read_bytes(), sorted(path.name for path in out.iterdir())
     (b'new', ['a.bin'])
-
-A staged subfolder replaces the destination's whole; one named in `obsolete` goes when the new set lacks it:
-
-    >>> (out / "sub").mkdir(); _ = (out / "sub" / "old.json").write_text("{}")
-    >>> with staged_folder(out, needed=10) as stage:
-    ...     (stage / "sub").mkdir(); _ = (stage / "sub" / "new.json").write_text("{}")
-    >>> sorted(path.name for path in (out / "sub").iterdir())
-    ['new.json']
-    >>> with staged_folder(out, needed=10, obsolete=("sub",)) as stage:
-    ...     _ = (stage / "a.bin").write_bytes(b"newest")
-    >>> sorted(path.name for path in out.iterdir())
-    ['a.bin']
 """
 
 from __future__ import annotations
@@ -72,16 +49,13 @@ def staged_folder(
     """Yield an empty staging folder; on success move its files into `destination`.
 
     Args:
-        destination: the folder the files belong in; created when missing (and removed again
-            when this call created it and the block fails).
+        destination: the folder the files belong in; created when missing.
         needed: bytes the files will about take, checked against the free space first; None checks nothing.
         last: names moved after all others (a manifest that describes the rest).
-        obsolete: names removed from `destination` after the move when the new set does not hold
-            them (a marker an earlier failed write left).
+        obsolete: names removed from `destination` when the new set does not hold them.
 
     Raises:
-        StorageError: when the file system has too little space, before anything is written, or
-            when a writer runs out of it; the destination's files are as they were.
+        StorageError: when the file system has too little space; the destination is as it was.
     """
     folder = Path(destination)
     created = not folder.exists()
@@ -109,11 +83,7 @@ def staged_folder(
 
 
 def _publish(stage: Path, folder: Path, *, last: Collection[str], obsolete: Collection[str]) -> None:
-    """Flush the staged files, then rename each over the destination's (`last` ones last).
-
-    A staged subfolder replaces the destination's entry of that name whole: the old one is moved into
-    the staging folder first (a folder cannot be renamed over a folder that has files), and goes with it.
-    """
+    """Flush the staged files, then rename each over the destination's; a staged subfolder replaces its whole."""
     entries = sorted(stage.iterdir(), key=lambda path: path.name in last)
     for path in entries:
         for file in [path] if path.is_file() else sorted(path.rglob("*")):

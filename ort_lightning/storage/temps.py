@@ -1,21 +1,16 @@
 """This package's temporary files: their names, and the clean-up that touches nothing else.
 
-An interrupted write (a kill, a power cut) leaves its temporary file behind. Each is named
-``.<name>.ort-lightning-<pid>-<random>.tmp`` (and ``...tmp.data`` for ONNX Runtime's external data
-of a checkpoint over 2 GB), so that `remove_stale_temps` can tell the package's own leftovers,
-of processes that are gone, from a user's files: a hidden ``.notes.tmp`` is never touched.
+Each is named ``.<name>.ort-lightning-<pid>-<random>.tmp``, so that `remove_stale_temps` removes
+the leftovers of dead processes and never a user's hidden ``.notes.tmp``.
 
 Example::
 
     >>> import tempfile
-    >>> from pathlib import Path
     >>> folder = Path(tempfile.mkdtemp())
     >>> _ = (folder / ".notes.tmp").write_text("mine")
     >>> _ = (folder / ".last.ortckpt.ort-lightning-999999999-k2j1.tmp").write_bytes(b"partial")
     >>> [path.name for path in remove_stale_temps(folder)]
     ['.last.ortckpt.ort-lightning-999999999-k2j1.tmp']
-    >>> sorted(path.name for path in folder.iterdir())
-    ['.notes.tmp']
 """
 
 from __future__ import annotations
@@ -60,11 +55,7 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:
-    """Delete the temporary files that an interrupted `atomic_write` of a process now gone left in `folder`.
-
-    Only names of this package's pattern (``.<name>.ort-lightning-<pid>-<random>.tmp``, with its
-    companions) are touched: a user's own hidden ``*.tmp`` files stay.
-    """
+    """Delete what an interrupted `atomic_write` of a process now gone left in `folder` (the package's names only)."""
     if not folder.is_dir():
         return []
     stale = []
@@ -79,11 +70,7 @@ def remove_stale_temps(folder: Path) -> list[Path]:
 
 
 def check_writable(folder: Path) -> None:
-    """Create `folder` if needed and prove that a file can be written there, before any training step.
-
-    Raises:
-        CheckpointError: naming the folder, why it cannot be written, and what to do.
-    """
+    """Create `folder` and prove a file can be written there, before any step (`CheckpointError`)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=temp_prefix("write-probe"), suffix=TEMP_SUFFIX):

@@ -1,28 +1,10 @@
 """`ORTDDPStrategy`: distributed data parallel training of ORT artifacts on torch.distributed.
 
-Lightning's `DDPStrategy` wraps the module in `DistributedDataParallel`, whose autograd hooks
-never fire for gradients that ONNX Runtime computes. This subclass keeps everything else of
-Lightning's DDP (launchers, process group, distributed sampler, ``sync_dist``, rank-0
-checkpoints) and replaces the wrapper with two collectives on the torch views of ORT's state:
-
-- at setup, parameters and buffers are broadcast from rank 0, so every rank starts equal;
-- once per optimizer step, after the last micro-batch and before gradient clipping, the
-  gradients are averaged across ranks in place, coalesced into a few large buffers. Floating
-  point buffers (BatchNorm running statistics) are averaged in the same round, so that the
-  ranks stay identical.
-
-When another rank dies, this rank's next collective fails; the strategy turns that into one
-`DistributedError` line naming the lost rank (see `ort_lightning.strategies.peers`).
-
-Importing ``ort_lightning`` registers ``"ort_ddp"`` (processes started as subprocesses of the
-script, or by torchrun / SLURM) and ``"ort_ddp_spawn"`` in Lightning's ``StrategyRegistry``.
-
-Example::
-
-    >>> import lightning as L
-    >>> trainer = L.Trainer(strategy="ort_ddp", accelerator="cpu", devices=1, logger=False)
-    >>> type(trainer.strategy).__name__
-    'ORTDDPStrategy'
+Lightning's `DistributedDataParallel` hooks never fire for ONNX Runtime's gradients. This keeps
+the rest of Lightning's DDP and replaces the wrapper with two collectives on the views of ORT's
+state: a broadcast from rank 0 at setup, and once per optimizer step a coalesced average of the
+gradients (and floating-point buffers). Importing ``ort_lightning`` registers ``"ort_ddp"`` and
+``"ort_ddp_spawn"``.
 """
 
 from __future__ import annotations
@@ -48,17 +30,11 @@ _SPAWN_METHODS = ("spawn", "fork", "forkserver")
 class ORTDDPStrategy(DDPStrategy):
     """Lightning's DDP for `ORTLightningModule`: no DistributedDataParallel wrapper, ORT gradients averaged.
 
-    Use it by name, ``Trainer(strategy="ort_ddp", devices=N, num_nodes=M)`` (or
-    ``"ort_ddp_spawn"``), or as an instance for options. Gloo is the backend on CPU, NCCL on CUDA.
-
     Args:
         bucket_cap_mb: size of the flat buffers that carry the gradients, as torch DDP's option.
-        allow_spinning: whether ORT's idle intra-op threads spin; None (the default) turns
-            spinning off when more than one rank runs on this machine's CPU, where spinning
-            threads steal the cores the other ranks need (measured with 2 ranks on 2 cores:
-            34 ms per step spinning, 22 ms not).
-        **kwargs: what `DDPStrategy` takes (``start_method``, ``process_group_backend``,
-            ``timeout``, ...), except the DistributedDataParallel options, which do not apply.
+        allow_spinning: whether ORT's idle threads spin; None turns spinning off when several ranks
+            share this machine's CPU (spinning threads steal the other ranks' cores).
+        **kwargs: what `DDPStrategy` takes, except the DistributedDataParallel options.
 
     Attributes:
         gradient_syncs: gradient all-reduce rounds run so far, one per optimizer step.
@@ -153,11 +129,7 @@ class ORTDDPStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Average the ORT gradients across ranks right after the closure, then step as Lightning does.
-
-        The closure ran ORT's forward and backward for the last micro-batch; the averaging sits
-        inside it, so gradient clipping and ``on_before_optimizer_step`` see the averaged gradients.
-        """
+        """Average the ORT gradients across ranks inside the closure (clipping sees them averaged), then step."""
         module = model if isinstance(model, torch.nn.Module) else self.lightning_module
         assert module is not None
 
@@ -210,17 +182,7 @@ def _gradients_and_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def thread_spinning(strategy: Strategy) -> bool:
-    """Whether ORT's intra-op threads should spin under `strategy`.
-
-    Yes, except under `ORTDDPStrategy` with several ranks on one machine's CPU (or where its
-    ``allow_spinning`` says otherwise).
-
-    Example::
-
-        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
-        >>> thread_spinning(SingleDeviceStrategy("cpu")), thread_spinning(ORTDDPStrategy(allow_spinning=False))
-        (True, False)
-    """
+    """Whether ORT's threads should spin under `strategy`: not with several ranks on one CPU."""
     if not isinstance(strategy, ORTDDPStrategy):
         return True
     if strategy.allow_spinning is not None:
@@ -233,20 +195,15 @@ def trains_ort_graphs(strategy_class: type) -> bool:
 
     Example::
 
-        >>> from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-        >>> trains_ort_graphs(SingleDeviceStrategy), trains_ort_graphs(DDPStrategy), trains_ort_graphs(ORTDDPStrategy)
-        (True, False, True)
+        >>> from lightning.pytorch.strategies import DDPStrategy
+        >>> trains_ort_graphs(DDPStrategy), trains_ort_graphs(ORTDDPStrategy)
+        (False, True)
     """
     return not issubclass(strategy_class, ParallelStrategy) or issubclass(strategy_class, ORTDDPStrategy)
 
 
 def check_strategy(strategy: Strategy) -> None:
-    """Refuse a parallel strategy other than `ORTDDPStrategy`, before any step runs.
-
-    Raises:
-        ConfigurationError: for DDP, FSDP, DeepSpeed and other parallel strategies, whose
-            wrappers never see ONNX Runtime's gradients.
-    """
+    """Refuse a parallel strategy other than `ORTDDPStrategy` before any step (`ConfigurationError`)."""
     if trains_ort_graphs(type(strategy)):
         return
     spawn = getattr(strategy, "_start_method", "popen") in _SPAWN_METHODS

@@ -1,14 +1,7 @@
 """A rank that died, told by its peers in one line instead of torch's hundred-line traceback.
 
-When one rank of an ``ort_ddp`` run dies (killed, out of memory, its machine lost), the others
-meet it in their next collective: gloo raises ``Connection closed by peer`` (NCCL: the
-communicator was aborted, or the collective timed out). `lost_rank` turns such a failure into a
-`DistributedError` that says which rank is gone, where this rank noticed, and what to do;
-other failures of a collective are left as they are. `one_line_tracebacks` makes the process
-print that error as one line when nothing catches it.
-
-Set ``ORT_LIGHTNING_TRACEBACK=1`` to get the whole traceback with torch's error chained as the
-cause; the cause is also logged on the ``ort_lightning.strategies.peers`` logger at DEBUG.
+`lost_rank` turns a collective that failed on a dead peer into a `DistributedError` naming the
+rank, where it was noticed and what to do; ``ORT_LIGHTNING_TRACEBACK=1`` shows the whole chain.
 
 Example::
 
@@ -43,14 +36,7 @@ _installed = False
 
 
 def lost_rank(error: BaseException, *, rank: int, world_size: int, where: str) -> DistributedError | None:
-    """The `DistributedError` for a collective that failed because a peer rank is gone, else None.
-
-    Args:
-        error: what the collective raised.
-        rank: this process's global rank.
-        world_size: ranks in the run.
-        where: the collective and the step, for the message ("the gradient all-reduce at global_step=3").
-    """
+    """The `DistributedError` for a collective that failed because a peer rank is gone, else None."""
     cause = " ".join(str(error).split())
     found = _LOST.search(cause)
     if found is None:
@@ -68,11 +54,7 @@ def lost_rank(error: BaseException, *, rank: int, world_size: int, where: str) -
 
 
 def one_line_tracebacks() -> None:
-    """Print an uncaught `DistributedError` as one line on stderr; any other exception as before.
-
-    NOTE: torch installs its own ``sys.excepthook`` when the process group starts (it prefixes every
-    traceback line with the rank); this one goes over it and hands everything else down to it.
-    """
+    """Print an uncaught `DistributedError` as one line on stderr; hand any other to torch's own hook."""
     global _installed
     if _installed:
         return

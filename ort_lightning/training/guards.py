@@ -1,20 +1,4 @@
-"""Guards of `ORTLightningModule` against set-ups that ONNX Runtime would train on silently.
-
-Checked once, not per step (the per-batch checks live where batches go: the label range in
-`ort_lightning.bridge.LabelRange`, the NaN/inf loss decision in `ort_lightning.training.session.step`):
-
-- `label_range_of`: the cross-entropy/NLL label check of an artifacts folder, when its logits
-  have a fixed class axis (ORT 1.19.2 trains on labels outside ``[0, C)`` with a wrong loss).
-- `check_torch_parameters`: once per fit, torch parameters of a subclass that require grad but
-  that no optimizer updates (ORT gives no gradients for its graph's inputs).
-- `precision_supported`, `check_can_train`, `check_model_outputs`: what a Trainer or a call asks
-  of the artifacts.
-
-Example::
-
-    >>> precision_supported("32-true"), precision_supported("16-mixed")
-    (True, False)
-"""
+"""Guards of `ORTLightningModule` against set-ups that ONNX Runtime would train on silently, checked once per fit."""
 
 from __future__ import annotations
 
@@ -78,11 +62,7 @@ def label_range_of(artifacts: TrainingArtifacts) -> LabelRange | None:
 
 
 def check_precision(precision: Any) -> None:
-    """Refuse a Trainer precision other than ``"32-true"``.
-
-    Raises:
-        ConfigurationError: naming the precision to use.
-    """
+    """Refuse a Trainer precision other than ``"32-true"`` (`ConfigurationError`)."""
     if not precision_supported(str(precision)):
         raise ConfigurationError(
             f"ORT training graphs run in float32, but the Trainer has precision={str(precision)!r}; "
@@ -91,11 +71,7 @@ def check_precision(precision: Any) -> None:
 
 
 def check_can_train(artifacts: TrainingArtifacts) -> None:
-    """Refuse to fit artifacts without an optimizer graph (``generate_artifacts(..., optimizer=None)``).
-
-    Raises:
-        ConfigurationError: naming the folder and the two ways to train it.
-    """
+    """Refuse to fit artifacts without an optimizer graph (`ConfigurationError` naming the two ways to train)."""
     if artifacts.optimizer_model is None:
         raise ConfigurationError(
             f"{artifacts.directory} has no optimizer graph (generated with optimizer=None), so it can validate, "
@@ -105,11 +81,7 @@ def check_can_train(artifacts: TrainingArtifacts) -> None:
 
 
 def check_model_outputs(artifacts: TrainingArtifacts, fetched: int) -> None:
-    """Refuse ``forward``/``predict`` on an eval graph whose only output is the loss.
-
-    Raises:
-        ConfigurationError: naming ``additional_output_names``, which keeps the model's outputs.
-    """
+    """Refuse ``forward``/``predict`` on an eval graph whose only output is the loss (`ConfigurationError`)."""
     if fetched < 2:
         raise ConfigurationError(
             f"{artifacts.eval_model.name} outputs the loss only, so forward() and predict have no model output to "
@@ -119,24 +91,10 @@ def check_model_outputs(artifacts: TrainingArtifacts, fetched: int) -> None:
 
 
 def check_torch_parameters(module: torch.nn.Module, updated: Iterable[torch.Tensor]) -> None:
-    """Refuse parameters of `module` that require grad but are not among the `updated` ones.
-
-    A torch part in an ``ORTLightningModule`` subclass (a trunk in front of the graph) never gets
-    a gradient: ORT's artifacts give none for their inputs, so it would silently stay as it is
-    while ``ModelSummary`` counts it as trainable.
+    """Refuse parameters of `module` that require grad but no optimizer updates (ORT gives them no gradient).
 
     Raises:
         ConfigurationError: naming those parameters, with how to freeze them or train them in ORT.
-
-    Example::
-
-        >>> root = torch.nn.Module()
-        >>> root.trunk = torch.nn.Linear(2, 2)
-        >>> check_torch_parameters(root.requires_grad_(False), [])
-        >>> check_torch_parameters(root.requires_grad_(True), [])
-        Traceback (most recent call last):
-        ...
-        ort_lightning.errors.ConfigurationError: Torch parameters ['trunk.weight', 'trunk.bias'] require grad, ...
     """
     kept = {id(tensor) for tensor in updated}
     idle = [name for name, tensor in module.named_parameters() if tensor.requires_grad and id(tensor) not in kept]

@@ -1,15 +1,9 @@
 """Per-stage torchmetrics fed from the model outputs of the ORT graphs.
 
-`stage_metrics` clones the user's metrics once per stage, with the stage as prefix
-(``train_``, ``val_``, ``test_``), so that each stage accumulates its own state and logs under
-its own names: a single ``MulticlassAccuracy`` becomes ``val_MulticlassAccuracy``, a dict
-``{"acc": ...}`` becomes ``val_acc``.
-
 Example::
 
     >>> from torchmetrics.classification import MulticlassAccuracy
-    >>> metrics = stage_metrics(MulticlassAccuracy(num_classes=3))
-    >>> list(metrics["val"].keys(keep_base=False))
+    >>> list(stage_metrics(MulticlassAccuracy(num_classes=3))["val"].keys(keep_base=False))
     ['val_MulticlassAccuracy']
 """
 
@@ -29,10 +23,7 @@ STAGES = ("train", "val", "test")
 
 
 def stage_metrics(metrics: Any) -> dict[str, Any]:
-    """Clone `metrics` (a torchmetrics Metric, MetricCollection or dict name -> Metric) per stage.
-
-    Returns:
-        ``{"train": MetricCollection, "val": ..., "test": ...}`` with prefixes ``train_`` etc.
+    """Clone `metrics` (Metric, MetricCollection or dict) per stage, prefixed ``train_``, ``val_``, ``test_``.
 
     Raises:
         ConfigurationError: for anything torchmetrics cannot collect.
@@ -51,11 +42,7 @@ def stage_metrics(metrics: Any) -> dict[str, Any]:
 
 
 def stage_metrics_for(metrics: Any, manifest: Manifest) -> dict[str, Any]:
-    """`stage_metrics` for artifacts whose graphs have a model output and a label to feed them.
-
-    Raises:
-        ConfigurationError: for artifacts without outputs or labels, or metrics torchmetrics cannot collect.
-    """
+    """`stage_metrics` for artifacts whose graphs have a model output and a label (`ConfigurationError` else)."""
     if not manifest.outputs or not manifest.labels:
         raise ConfigurationError(
             f"`metrics` need a model output and a label, but the artifacts have outputs {list(manifest.outputs)} "

@@ -67,70 +67,39 @@ def _device_string(device: torch.device) -> str:
 class ORTLightningModule(CheckpointHooks, EvaluationHooks):
     """Train ONNX Runtime training artifacts with an ordinary ``lightning.Trainer``.
 
-    The ORT components (CheckpointState, Module, Optimizer) are built at once on the CPU, and
-    again in ``configure_model`` if the trainer runs on another device. ``named_parameters()``
-    yields torch tensors that share memory with ORT's state, under the torch module's names.
-
-    The Lightning hooks are short and hand their work to collaborators that the module builds with
-    declared inputs and holds: `live_session` (the running session, the one way to change it), the
-    step path (the one owner of the training step), ``evaluation``
-    (`ort_lightning.training.session.evaluation.ModuleEvaluation`: the eval graph) and ``checkpointing``
-    (`ort_lightning.training.checkpointing.connector.CheckpointConnector`: what the module writes and
-    reads, and where its run starts). No collaborator reads another's private state.
+    ``named_parameters()`` yields torch tensors that share memory with ORT's state, under the torch
+    module's names. The hooks hand their work to collaborators the module holds: `live_session` (the
+    running session), the step path, ``evaluation`` (the eval graph) and ``checkpointing``.
 
     Args:
         artifacts: `TrainingArtifacts` or the folder `export_artifacts` wrote.
         lr: peak learning rate; None means the `checkpoint`'s, else 1e-3.
-        warmup_steps: optimizer steps of linear warmup from 0 to `lr`, as a count, or as a
-            fraction of `total_steps` when a float in (0, 1); a warmup longer than the run stays in
-            the warmup. None means the `checkpoint`'s, else 0.
-        total_steps: optimizer steps until the lr decays linearly to 0; None means the
-            `checkpoint`'s, else ``trainer.estimated_stepping_batches``.
-        lr_scheduler: ``"linear"`` (linear warmup/decay, the default), ``"constant"``, a factory
-            ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` (cosine, step, one-cycle) stepped
-            per optimizer step, or Lightning's scheduler dict with such a factory under
-            ``"scheduler"`` (``interval``, ``frequency``, ``monitor``, e.g. for ``ReduceLROnPlateau``).
-            Schedules count Lightning's optimizer steps, skipped ones included; the lr reaches ORT
-            before every update. A folder from ``prepare_for_web`` computes its own rate: it takes
-            exactly its schedule's settings (``ort-lightning inspect`` prints them).
-        metrics: a torchmetrics Metric, MetricCollection or dict name -> Metric, updated with the
-            graph's first extra output (the logits) and the first label, cloned per stage and logged
-            as ``train_<name>``, ``val_<name>``, ``test_<name>`` (name: the dict key or the class name).
-        device: where to build the ORT components before a trainer says otherwise
-            (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
-        checkpoint: an ORT checkpoint file (from `ORTCheckpoint` or ``save_ort_checkpoint``) to
-            start from instead of the artifacts' initial one: weights, and the optimizer state
-            when the file has it. The run continues the file's: its schedule starts at the stored
-            step, its epochs and steps count on, and ORT's random stream keeps the stored seed. A
-            nominal checkpoint (no weights, ``export_artifacts(..., nominal_checkpoint=True)``) needs `values`.
-        values: name -> tensor for every parameter and buffer (``ort_lightning.fleet.get_values`` of a
-            module of the same artifacts), copied into ORT's state in place of the `checkpoint`'s weights
-            before anything else runs, as a device starts from a nominal checkpoint and weights it received.
-        on_nonfinite: what a NaN/inf training loss does, decided once per optimizer step by all ranks
-            together: ``"raise"`` (`NonFiniteLossError`, before the update touches the parameters) or
-            ``"skip"`` (drop that optimizer step, every micro-batch of it, reset the gradients and warn).
-        check_labels: refuse cross-entropy labels outside ``[0, classes)`` (one ``aminmax`` per batch;
-            ORT would train on them with a wrong loss).
-        custom_op_library: a shared library of custom operators to register with ONNX Runtime; nothing
-            is ever loaded from the artifacts folder unless named here.
-        optimizer: None (the default) runs the artifacts' ORT optimizer graph; a factory
-            ``params -> torch.optim.Optimizer`` (``lambda p: torch.optim.AdamW(p, lr=3e-4, fused=True)``)
-            makes ORT compute forward and backward and that torch optimizer update ORT's parameters
-            in place (hybrid training). Its lr is the factory's; `lr` is then unused.
-        labels: for a ``generate_artifacts`` folder whose loss is a custom block: the graph inputs
-            that are labels (``[]``: none); ORT's own ``labels``/``target`` are found without it. An
-            exported folder's manifest names its labels: the same list is accepted, another refused.
-        threads: ``"auto"`` (the default) makes ORT's and torch's thread pools share the cores during
-            a fit: ORT's pool sized to the cores the process may use (per rank under ``"ort_ddp"``),
-            torch's threads lowered while ORT computes (a torch optimizer's update included) and
-            restored when the fit ends, the fastest setting measured on the first steps (see
-            `ort_lightning.training.threads.policy`); a thread count the user set is never overridden.
-            ``"off"`` leaves both pools as they are.
+        warmup_steps: optimizer steps of linear warmup, or a fraction of `total_steps` when a float
+            in (0, 1); None means the `checkpoint`'s, else 0.
+        total_steps: optimizer steps until the lr decays linearly to 0; None means the `checkpoint`'s,
+            else ``trainer.estimated_stepping_batches``.
+        lr_scheduler: ``"linear"`` (the default), ``"constant"``, a factory ``optimizer -> LRScheduler``
+            stepped per optimizer step, or Lightning's scheduler dict around such a factory. A
+            ``prepare_for_web`` folder computes its own rate and takes exactly its schedule's settings.
+        metrics: a torchmetrics Metric, MetricCollection or dict of them, updated with the graph's first
+            extra output and the first label, logged as ``train_<name>``, ``val_<name>``, ``test_<name>``.
+        device: where to build the ORT components before a trainer says otherwise.
+        checkpoint: an ORT checkpoint file to start from: its weights, optimizer state, step, epochs
+            and seed. A nominal checkpoint needs `values`.
+        values: name -> tensor for every parameter and buffer, in place of the checkpoint's weights.
+        on_nonfinite: what a NaN/inf training loss does, decided by all ranks together: ``"raise"``
+            (`NonFiniteLossError`, before the update) or ``"skip"`` (drop that optimizer step and warn).
+        check_labels: refuse cross-entropy labels outside ``[0, classes)`` (ORT would train on them).
+        custom_op_library: a shared library of custom operators; nothing is loaded unless named here.
+        optimizer: None runs the artifacts' ORT optimizer graph; a factory ``params -> torch.optim.Optimizer``
+            updates ORT's parameters in place instead (hybrid training; `lr` is then unused).
+        labels: for a ``generate_artifacts`` folder with a custom loss block: the graph inputs that are labels.
+        threads: ``"auto"`` shares the cores between ORT's and torch's thread pools during a fit
+            (`ort_lightning.training.threads.policy`); ``"off"`` leaves both as they are.
 
     Raises:
         ConfigurationError: for a non-positive lr, an inconsistent schedule, an unknown `on_nonfinite`,
-            a `custom_op_library` that is missing or cannot be loaded, or a schedule other than the one
-            a ``prepare_for_web`` folder computes in its optimizer graph.
+            a `custom_op_library` that cannot be loaded, or a schedule a web folder does not compute.
         ArtifactError: for an artifacts folder that does not validate, or a manifest of another model.
         CheckpointError: for a `checkpoint` that is damaged or does not match the artifacts.
     """
@@ -197,21 +166,12 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
     # ----------------------------------------------------------------------------- the ORT session
     @property
     def ort_session(self) -> _ort.TrainingSession:
-        """The running ORT objects (``device``, ``spinning``, ``intra_op_threads``, ``get_lr()``), read-only.
-
-        Another object after every rebuild (a new device, thread setting, restored ``.ckpt`` or
-        fresh optimizer state): read it again rather than keep it.
-        """
+        """The running ORT objects, read-only: another object after every rebuild, so read it again."""
         return self._live.session
 
     @property
     def live_session(self) -> LiveSession:
-        """The running session and the one operation that changes it (`LiveSession.replace`).
-
-        Its ``settings`` say how ORT runs; ``live_session.replace(settings=dataclasses.replace(
-        live_session.settings, intra_op_threads=1))`` rebuilds ORT's objects on other settings, between
-        two optimizer steps, and the parameters, the step path and the fit's optimizers follow.
-        """
+        """The running session and the one operation that changes it (`LiveSession.replace`)."""
         return self._live
 
     @property
@@ -252,10 +212,7 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
     # ----------------------------------------------------------------------------- Lightning hooks
     @override
     def setup(self, stage: str) -> None:
-        """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters.
-
-        Also makes Lightning's ``.ckpt`` writes atomic (`ort_lightning.training.checkpointing.io`).
-        """
+        """Refuse a precision other than ``"32-true"``, a strategy other than ``"ort_ddp"``, idle torch parameters."""
         check_strategy(self.trainer.strategy)
         install_atomic_io(self.trainer.strategy)
         self._threads.register(self.trainer, self._live.use_threads)
@@ -266,12 +223,9 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
 
     @override
     def configure_model(self) -> None:
-        """Rebuild the ORT components on the trainer's root device when it is not theirs.
+        """Rebuild the ORT components on the trainer's device (or without spinning under DDP), keeping the values.
 
-        Also rebuilt when the strategy wants ORT's threads not to spin (DDP ranks sharing a
-        CPU). The module's current values are kept. Views that were replaced by copies
-        (Lightning's spawn launcher clones every parameter's ``.data`` on CPU) are attached to
-        ORT's state again.
+        Views that Lightning's spawn launcher replaced by copies are attached to ORT's state again.
         """
         if self._trainer is None:  # load_from_checkpoint calls this hook without a trainer
             return
@@ -291,11 +245,9 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
 
     @override
     def configure_optimizers(self) -> Any:
-        """Return the ORT optimizer (or the `optimizer` factory's torch one) and the `lr_scheduler` schedule.
+        """Return the ORT optimizer (or the `optimizer` factory's torch one) and the schedule.
 
-        As in torch Lightning, every ``fit`` starts a fresh optimizer (step 0, no moments), except
-        when the state was just restored (``checkpoint=`` before the first fit, or ``ckpt_path=``),
-        so that a resume continues exactly: a second ``fit`` warms up and decays again, its steps count from 0.
+        Every ``fit`` starts a fresh optimizer state, except right after a restore (an exact resume).
         """
         checkpointing = self.checkpointing
         start = checkpointing.begin_fit()
@@ -324,48 +276,32 @@ class ORTLightningModule(CheckpointHooks, EvaluationHooks):
 
     @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """Note that this micro-batch's gradients count: ORT computed them in ``training_step``.
-
-        Lightning calls it only for a ``training_step`` that returned a loss.
-        """
+        """Note that this micro-batch's gradients count: ORT computed them in ``training_step``."""
         self._steps.counted()
 
     @override
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any | None = None
     ) -> None:
-        """One optimizer step, in the order `ort_lightning.training.step.StepPath.step` spells out.
-
-        Run the closure (the last micro-batch), mark the window, scale by ``1/accumulate_grad_batches``
-        (ORT sums, Lightning averages), re-bind the gradient views, decide a NaN/inf skip on all
-        ranks, let Lightning all-reduce and clip, update, reset ORT's gradient buffers.
-        """
+        """One optimizer step, in the order `ort_lightning.training.step.StepPath.step` spells out."""
         self._steps.step(optimizer, optimizer_closure, self.trainer)
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         """Do nothing: the step path resets ORT's gradients right after each update.
 
-        Lightning calls this inside the closure after ``training_step``: right for torch, whose
-        gradients appear in ``backward``, wrong for ORT, whose gradients appear in ``training_step``
-        (a reset there would throw away the first micro-batch under accumulation).
+        Lightning calls this after ``training_step``, where ORT's gradients already are: a reset there
+        would drop the first micro-batch under accumulation.
         """
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset ORT's gradient buffers and keep ``.grad`` the views of them.
-
-        ``torch.nn.Module.zero_grad`` would set ``.grad`` to None, cutting the views: gradient
-        clipping would then see no gradients and silently do nothing.
-        """
+        """Reset ORT's gradient buffers and keep ``.grad`` the views of them (clipping needs them)."""
         self._steps.reset()
 
     @override
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTLightningModule:
         """Apply `fn` to the torch-side submodules (metrics) only; ORT's parameters stay in ORT's memory.
-
-        The ORT components follow the trainer's device in `configure_model`; a dtype conversion
-        is refused, since it would copy the parameters away from what ORT trains.
 
         Raises:
             ConfigurationError: for a conversion to a dtype other than float32.

@@ -1,12 +1,7 @@
 """What a browser or Node needs to train the device artifacts: the runner and onnxruntime-web.
 
-The package ships the device runner (``runner.js``, an ES module without dependencies; the browser
-fleet's page and its device scripts ship with `ort_lightning.fleet.engines.browser`); onnxruntime-web itself
-comes from npm (``npm install onnxruntime-web@1.19.2``) and is never copied into the package.
-`asset` is the path of a shipped file, `find_ort_web` where onnxruntime-web's ``dist/`` folder is
-(or the URL that serves it).
-
-Nothing here imports ONNX Runtime or torch: the subpackage sits just above ``errors``.
+The package ships ``runner.js``; onnxruntime-web comes from npm and is never copied into the
+package. Nothing here imports ONNX Runtime or torch.
 """
 
 from __future__ import annotations
@@ -33,21 +28,14 @@ _INSTALL = f"npm install onnxruntime-web@{ORT_WEB_VERSION}"
 def asset(name: str) -> Path:
     """Return the path of a web file this subpackage ships (``runner.js``, the device runner).
 
-    Args:
-        name: The file's name, e.g. ``"runner.js"``.
-
-    Returns:
-        The file's path inside the installed package.
-
     Raises:
         ConfigurationError: The package ships no file of that name.
 
     Example::
 
         >>> from ort_lightning.web import asset
-        >>> path = asset("runner.js")
-        >>> path.name, path.is_file()
-        ('runner.js', True)
+        >>> asset("runner.js").name
+        'runner.js'
     """
     shipped = sorted(path.name for path in _HERE.iterdir() if path.suffix in _ASSET_SUFFIXES)
     if name not in shipped:
@@ -61,26 +49,11 @@ def asset(name: str) -> Path:
 def find_ort_web(dist: str | None = None) -> str:
     """Return onnxruntime-web's ``dist/`` folder (or the URL that serves it) for the device runner.
 
-    Looked for in this order: `dist`, the environment variable ``ORT_LIGHTNING_ORT_WEB``, then
-    ``node_modules/onnxruntime-web/dist`` in the current folder or one of its parents (where
-    ``npm install onnxruntime-web@1.19.2`` puts it). A folder must hold the training build
-    (``ort.training.wasm.min.mjs``); a URL (``http://`` or ``https://``) is returned as given,
-    without its trailing slash, and not fetched.
-
-    Args:
-        dist: A ``dist/`` folder or URL; None looks in the environment and the folders above.
-
-    Returns:
-        The folder's absolute path, or the URL.
+    Looked for in `dist`, then ``ORT_LIGHTNING_ORT_WEB``, then ``node_modules/onnxruntime-web/dist``
+    here or above. A folder must hold the training build; a URL is returned as given, not fetched.
 
     Raises:
         ConfigurationError: The folder given lacks the training build, or none is found.
-
-    Example::
-
-        >>> from ort_lightning.web import find_ort_web
-        >>> find_ort_web("https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist/")
-        'https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist'
     """
     if dist is not None:
         return _checked(dist, "dist=")

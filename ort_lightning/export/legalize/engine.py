@@ -1,26 +1,17 @@
 """Legalization: rewrite the nodes ORT 1.19.2's gradient builder cannot take into exact equivalents.
 
-`RULES` is the one table: ONNX op -> rewrite, each with the reason it is needed. A rewrite
-returns the nodes that replace one node (or a `Declined` saying why it leaves the node); the graph is
-otherwise untouched, so parameters keep their torch names. The rewrites themselves live in
-`rewrites/`: `pointwise` (activations, reductions, norms), `spatial` (pooling, resizing,
-slicing), `layers` (padding, transposed convolution, bidirectional LSTM/GRU, einsum), `gather` (Gathers) and
-`recurrent` (LSTM, GRU, RNN unrolled). With the logger ``ort_lightning.export.legalize`` at DEBUG level (for instance
-``logging.getLogger("ort_lightning").setLevel(logging.DEBUG)``) each `Declined` is logged as rule, node and reason.
+`RULES` is the one table: ONNX op -> rewrite, with the reason. A rewrite replaces one node (or
+returns a `Declined` saying why not, logged at DEBUG); parameters keep their torch names.
 
 Example::
 
     >>> import onnx
     >>> from onnx import helper
-    >>> node = helper.make_node("HardSwish", ["x"], ["y"], name="/act/HardSwish")
-    >>> graph = helper.make_graph(
-    ...     [node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
-    ...     [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])])
-    >>> proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    >>> legalize(proto)
+    >>> info = helper.make_tensor_value_info
+    >>> graph = helper.make_graph([helper.make_node("HardSwish", ["x"], ["y"], name="/act/HardSwish")], "g",
+    ...     [info("x", onnx.TensorProto.FLOAT, ["batch", 4])], [info("y", onnx.TensorProto.FLOAT, ["batch", 4])])
+    >>> legalize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     ['/act/HardSwish']
-    >>> sorted({node.op_type for node in proto.graph.node})
-    ['Add', 'Clip', 'Constant', 'Mul']
 """
 
 from __future__ import annotations
@@ -128,9 +119,6 @@ def legalize(
 ) -> list[str]:
     """Rewrite, in place, every node of `proto` that `RULES` covers; return the rewritten nodes' names.
 
-    `padding_rows` maps embedding weights to their ``padding_idx`` (see `padding_rows_of`);
-    `weights_dir` is where initializers kept as external data lie (``export.external``).
-
     Raises:
         ExportError: when a covered node cannot be rewritten (the message names the node).
     """
@@ -161,9 +149,8 @@ def legalize(
 def _record_shapes(proto: onnx.ModelProto) -> None:
     """Write the shapes ONNX inference finds into the graph's value_info.
 
-    NOTE: ORT's own inference cannot see through a Reshape to a computed shape (GroupNorm's
-    ``Reshape(y, Shape(x))``); a later MaxPool's gradient then reads an unknown shape as 0 and the
-    step fails. Shapes propagated through the shape computations (``data_prop``) prevent that.
+    NOTE: ORT's own inference cannot see through a Reshape to a computed shape; a later MaxPool
+    gradient then reads 0 and the step fails.
     """
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
@@ -175,14 +162,7 @@ def _record_shapes(proto: onnx.ModelProto) -> None:
 
 
 def padding_rows_of(model: object) -> dict[str, int]:
-    """``{"<embedding>.weight": padding_idx}`` for every nn.Embedding of a torch model with a padding_idx.
-
-    Example::
-
-        >>> import torch
-        >>> padding_rows_of(torch.nn.Sequential(torch.nn.Embedding(5, 2, padding_idx=0)))
-        {'0.weight': 0}
-    """
+    """``{"<embedding>.weight": padding_idx}`` for every nn.Embedding of a torch model with a padding_idx."""
     if not isinstance(model, torch.nn.Module):
         return {}
     return {
@@ -203,20 +183,7 @@ _NO_GRADIENT_MESSAGES = (
 
 
 def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
-    """Say which node, of which torch module, ORT could not differentiate; None if `message` does not say.
-
-    The torch exporter names nodes after the module scope (``/encoder/layers.0/norm1/...``),
-    which is how the message names the torch module the op came from.
-
-    Example::
-
-        >>> from onnx import helper
-        >>> node = helper.make_node("Foo", ["x"], ["y"], name="/block/act/Foo", domain="custom")
-        >>> proto = helper.make_model(helper.make_graph([node], "g", [], []))
-        >>> print(explain_gradient_error(proto, "... gradient builder has not been registered: Foo ..."))
-        ... # doctest: +ELLIPSIS
-        ORT 1.19.2 has no gradient for the ONNX op 'Foo' (domain 'custom') at node '/block/act/Foo' ...
-    """
+    """Say which node, of which torch module, ORT could not differentiate; None if `message` does not say."""
     for pattern, lead in _NO_GRADIENT_MESSAGES:
         match = pattern.search(message)
         nodes = [node for node in proto.graph.node if match is not None and node.op_type == match.group("op")]
@@ -231,11 +198,7 @@ def explain_gradient_error(proto: onnx.ModelProto, message: str) -> str | None:
 
 
 def raise_explained(proto: onnx.ModelProto, error: ExportError) -> None:
-    """Raise a clearer `ExportError` naming the node and module, when `error` is a missing gradient.
-
-    Raises:
-        ExportError: the explained error (the original one is its cause).
-    """
+    """Raise a clearer `ExportError` naming the node and module when `error` is a missing gradient."""
     explained = explain_gradient_error(proto, str(error))
     if explained is not None:
         raise ExportError(explained) from error

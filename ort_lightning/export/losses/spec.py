@@ -1,17 +1,11 @@
 """Losses as torch users write them: a loss name or a torch loss module becomes a `LossSpec`.
 
-A `LossSpec` says what the loss is (kind and options, JSON-ready for the manifest), builds
-its ONNX subgraph (`ort_lightning.export.losses.graphs`) and keeps the equivalent torch module, so a
-torch reference computes the very same loss.
-
 Example::
 
     >>> import torch
     >>> spec = resolve_loss(torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="sum"))
     >>> spec.kind, spec.options, spec.label
     ('cross_entropy', {'reduction': 'sum', 'ignore_index': -100, 'label_smoothing': 0.0}, 'labels')
-    >>> spec.torch_module
-    CrossEntropyLoss()
 """
 
 from __future__ import annotations
@@ -56,14 +50,7 @@ _MODULES: dict[type[nn.Module], tuple[str, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A loss that `export_artifacts` builds into the graphs.
-
-    Attributes:
-        kind: ``"cross_entropy"``, ``"nll"``, ``"mse"``, ``"l1"``, ``"bce_with_logits"``,
-            ``"smooth_l1"`` or ``"huber"``.
-        options: ``reduction`` and the kind's options (tensors as lists), as the manifest records them.
-        torch_module: the equivalent torch loss module (a reference can call it on torch outputs).
-    """
+    """A loss `export_artifacts` builds into the graphs: `kind`, `options` and `torch_module`."""
 
     kind: str
     options: dict[str, Any]
@@ -75,11 +62,7 @@ class LossSpec:
         return "labels" if self.kind in CLASS_LOSSES else "target"
 
     def build(self, model: onnx.ModelProto, output: str) -> str:
-        """Append this loss over `output` to `model`'s graph; return the loss output's name.
-
-        Raises:
-            ExportError: for a graph older than the opset of the loss's operators.
-        """
+        """Append this loss over `output` to `model`'s graph; return the loss output's name."""
         opset = ai_onnx_opset(model)
         needed = self._opset()
         if opset < needed:
@@ -119,11 +102,7 @@ def _from_module(loss: nn.Module) -> LossSpec:
 
 
 def resolve_loss(loss: object) -> LossSpec:
-    """Turn a loss name or a supported torch loss module into a `LossSpec`.
-
-    Raises:
-        ExportError: for another name or module, naming the supported ones and what to do.
-    """
+    """Turn a loss name or a supported torch loss module into a `LossSpec` (`ExportError` naming the supported ones)."""
     if isinstance(loss, str) and loss in _NAMED:
         return _from_module(_NAMED[loss]())
     if isinstance(loss, nn.Module) and type(loss) in _MODULES:
@@ -158,11 +137,9 @@ def _same_positions(tokens: list[int | str], positions: list[int | str]) -> bool
 
 
 def check_class_axis(spec: LossSpec, model: onnx.ModelProto, output: str) -> None:
-    """Refuse class-index losses whose logits torch and a language model would read differently.
+    """Refuse class-index losses whose logits torch would read on another axis than meant.
 
-    Torch takes the class axis 1: ``(B, C, d1, ...)`` logits with ``(B, d1, ...)`` labels. A
-    language model's ``(B, T, V)`` logits from ``(B, T)`` token ids would train on axis T,
-    silently so when T == V; those are refused with the flattening recipe.
+    Torch takes axis 1; a language model's ``(B, T, V)`` logits over ``(B, T)`` ids would train on T.
 
     Raises:
         ExportError: for logits of rank < 2, or ``(B, T, V)`` logits over ``(B, T)`` token ids.

@@ -1,32 +1,10 @@
 """The torch reference of export-time verification, computed in a forked process and kept on disk.
 
-torch autograd's float64 reference holds a float64 copy of the model (two copies of its float32
-weights), its activations and gradients: computed in the exporting process, those copies would
-add to what the export itself holds, and a process's peak memory never comes back down. So the
-reference runs in a child forked from the exporting process (`run_forked`): the child sees the
-model's weights in the pages it shares with its parent (nothing is copied until written), builds
-its float64 copy in its own memory, writes each batch's inputs, labels and reference to the job
-folder (`save_reference`) and exits, handing its memory back. The child runs torch alone: it
-never touches ONNX Runtime, whose threads do not survive a fork (it collects no garbage cycles,
-which could hold a session of the parent's). The parent reads one reference
-gradient at a time (`load_reference`) when it compares.
-
-A fork is used where it is safe: on Linux, for a model whose tensors are all on the CPU (CUDA
-does not survive a fork). The child runs torch on one thread, as torch's own DataLoader workers
-do: an OpenMP thread pool started in the parent hangs a forked child that enters a parallel
-region with more than one thread. Elsewhere (`forkable` is False) the reference is computed in
-the exporting process, as before.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from pathlib import Path
-    >>> from ort_lightning.export.verify.reference import Reference
-    >>> job = Path(tempfile.mkdtemp())
-    >>> run_forked(lambda: save_reference(job, 2, Reference(1.5, {"w": torch.ones(2)}, noise={"w": 0.1})), job)
-    >>> with load_reference(job, 2) as reference:
-    ...     reference.loss, reference.gradients["w"].tolist(), reference.noise
-    (1.5, [1.0, 1.0], {'w': 0.1})
+The float64 reference holds copies of the model; in the exporting process they would raise its
+peak for good. A child forked from it shares the weights' pages, writes each batch's reference to
+the job folder and exits; the parent reads one gradient at a time. The child runs torch alone, on
+one thread (a forked OpenMP pool hangs); where a fork is unsafe (not Linux, a GPU) the reference
+runs in the process.
 """
 
 from __future__ import annotations
@@ -55,13 +33,7 @@ _ERROR_FILE = "reference_error.json"
 
 
 def forkable(model: torch.nn.Module | None) -> bool:
-    """Whether the reference of `model` can run in a forked child: Linux, and every tensor on the CPU.
-
-    Example::
-
-        >>> forkable(torch.nn.Linear(2, 2)) == sys.platform.startswith("linux")
-        True
-    """
+    """Whether the reference of `model` can run in a forked child: Linux, and every tensor on the CPU."""
     if model is None or not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return False
     tensors = [*model.parameters(), *model.buffers()]
@@ -69,10 +41,7 @@ def forkable(model: torch.nn.Module | None) -> bool:
 
 
 def run_forked(work: Callable[[], None], job: Path) -> None:
-    """Run `work` in a child forked from this process, wait for it, and raise what it raised.
-
-    An `ExportError` raised by `work` is raised again here with its message; any other exception
-    becomes an `ExportError` naming it. The child writes its error into the `job` folder.
+    """Run `work` in a forked child, wait for it, and raise what it raised.
 
     Raises:
         ExportError: for an error of `work`, or a child killed by a signal (the out-of-memory killer).

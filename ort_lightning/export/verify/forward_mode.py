@@ -1,25 +1,10 @@
 """How the torch reference runs its forward: dropout off everywhere, ReLU kinks under watch.
 
-`ReferenceMode` is one ``TorchFunctionMode`` for both jobs.
-
-**Dropout.** ``F.dropout*`` calls return their input, and every function that takes a
-``dropout_p`` (``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``) runs with
-``dropout_p=0``. A function mode does not see calls made *inside* a function it intercepts:
-``nn.MultiheadAttention`` calls ``F.multi_head_attention_forward``, whose own ``F.dropout`` and
-``scaled_dot_product_attention`` calls the mode never sees. That is why its ``dropout_p`` is
-zeroed at the outer call, and why `without_dropout` also zeroes every module's float
-``dropout``-like attribute (``nn.MultiheadAttention.dropout``, Hugging Face's
-``attention_dropout``) and every ``nn.Dropout``'s ``p`` on the reference copy.
-
-**ReLU kinks.** ReLU's gradient jumps at 0. Where a float64 pre-activation lies within
-float32's rounding error of 0, a float32 forward (torch's or ONNX Runtime's, whose convolutions
-round differently) may put it on either side, and that one element changes gradients upstream by
-up to several percent in a BatchNorm net at small batch. Such a gradient is not wrong; it is the
-gradient on the other side of the kink. The mode records every ReLU input of the float32 pass
-(`Kinks.record`), and in the float64 pass marks as *ambiguous* the elements whose value lies
-within `KINK_FACTOR` times the float32-vs-float64 difference of that tensor of 0. The
-backward then runs with those elements' masks as computed (``side`` 0), all off (-1) or all on
-(+1): the spread between -1 and +1 is the part of the gradient that float32 rounding decides.
+`ReferenceMode` is one ``TorchFunctionMode`` for both. It zeroes ``dropout_p`` at the outer call
+(a mode does not see calls inside the functions it intercepts; `without_dropout` zeroes the
+modules' own rates). ReLU's gradient jumps at 0: where a float64 pre-activation lies within
+float32's rounding of 0 (`KINK_FACTOR`), float32 may put it on either side, so the backward runs
+with those masks as computed, all off and all on, and the spread is what rounding decides.
 
 Example::
 
@@ -62,10 +47,7 @@ KINK_FACTOR = 32.0
 
 
 class Kinks:
-    """The ReLU inputs of the float32 pass, and the ambiguous elements of the float64 pass.
-
-    ``side`` chooses the backward mask of ambiguous elements: 0 as computed, -1 off, +1 on.
-    """
+    """The ReLU inputs of the float32 pass and the ambiguous elements of the float64 pass; ``side`` sets their mask."""
 
     def __init__(self) -> None:
         self.float32: list[torch.Tensor] = []
@@ -158,14 +140,7 @@ class ReferenceMode(TorchFunctionMode):
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Zero every ``nn.Dropout*``'s ``p`` and every float attribute named like ``*dropout*`` of `model`, in place.
-
-    Example::
-
-        >>> attention = without_dropout(torch.nn.MultiheadAttention(4, 2, dropout=0.1))
-        >>> attention.dropout
-        0.0
-    """
+    """Zero every ``nn.Dropout*``'s ``p`` and every float ``*dropout*`` attribute of `model`, in place."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0

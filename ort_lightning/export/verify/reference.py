@@ -1,20 +1,8 @@
 """The torch side of export-time verification: inputs, labels and torch autograd's loss and gradients.
 
-Inputs for a batch size are the example's own rows: the example itself at its batch size,
-its rows repeated in order at any other (``rows[i % n]``, the same rows for every input), so that
-BatchNorm and LayerNorm see the statistics of real data and ids and masks stay valid. A float
-example whose rows are all alike (``torch.zeros``) has no statistics and is replaced by random rows. Only ONNX
-sources, which come without an example, get random inputs from the graph's input specs, at
-batch sizes and symbolic sizes of `NO_EXAMPLE_BATCH`, so that no normalization runs on a
-handful of values. Labels follow the training graph: integer labels are class indices in
-``[0, C)`` with ``C`` the size of the output's axis 1, floating targets are shaped like the
-output, drawn in ``[0, 1)`` (valid for every built-in loss, BCE included).
-
-The reference runs a copy of the model in training mode (BatchNorm on batch statistics, as in
-the training graph) with dropout off everywhere (`forward_mode`); the graph's Dropout ratios
-are set to 0 on the ORT side, so both sides compute the same deterministic step. It runs twice:
-in float64, the reference, and in float32, whose distance from float64 measures the rounding
-noise of that model on that batch; ReLU kinks that float32 rounding may flip add their spread.
+Inputs are the example's own rows, repeated to any batch size, so that normalization sees real
+statistics; labels follow the training graph. The reference runs a training-mode copy with
+dropout off (`forward_mode`) in float64, and again in float32 to measure that model's rounding noise.
 
 Example::
 
@@ -57,12 +45,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Reference:
-    """Torch autograd's loss and the gradient of every trainable parameter, for one batch.
-
-    ``noise`` (per parameter) and ``loss_noise``: how far float32 torch lies from these float64
-    values on the same batch (max abs difference); ``kinks``: the spread of each gradient over
-    the ReLU elements float32 rounding may flip. Empty or 0 when unknown.
-    """
+    """Torch autograd's loss and gradients for one batch, float32's distance from them (``noise``), ReLU ``kinks``."""
 
     loss: float
     #: float64 torch tensors, or numpy arrays read back from the forked child's files (`forked`).
@@ -74,12 +57,7 @@ class Reference:
 
 
 def reference_loss(loss: object) -> LossFn | None:
-    """Return the torch loss that `loss` (an ``export_artifacts`` ``loss=``) computes, or None if unknown.
-
-    A torch loss module (``nn.CrossEntropyLoss(ignore_index=-100)``) is its own reference; a
-    custom ``onnxblock.Block`` has none. ``loss=None`` (the model returns its loss) is handled by
-    `torch_reference` itself.
-    """
+    """The torch loss that `loss` (an ``export_artifacts`` ``loss=``) computes, or None (a custom block)."""
     if isinstance(loss, str):
         return _TORCH_LOSSES.get(loss)
     if isinstance(loss, torch.nn.Module):
@@ -108,9 +86,8 @@ def _constant_rows(example: torch.Tensor) -> bool:
 def _resized(example: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The example's `rows` (its batch axis resampled); a scalar stays as it is.
 
-    NOTE: a float example whose rows are all alike (zeros, ones) makes every BatchNorm divide
-    rounding noise by sqrt(eps), and gradients meaningless on both sides; it is replaced by
-    standard normal rows, as if there were no example.
+    NOTE: a float example of identical rows makes BatchNorm divide rounding noise by sqrt(eps); it
+    is replaced by standard normal rows.
     """
     if example.dim() == 0:
         return example.clone()
@@ -122,13 +99,7 @@ def _resized(example: torch.Tensor, rows: torch.Tensor, generator: torch.Generat
 def batch_inputs(
     specs: Sequence[TensorSpec], examples: Sequence[torch.Tensor] | None, batch: int, *, seed: int
 ) -> list[torch.Tensor]:
-    """Model inputs for one step at `batch`: the examples' rows when given, else random ones from the specs.
-
-    Example::
-
-        >>> batch_inputs([], [torch.tensor([[1.0], [2.0]])], 3, seed=0)[0].flatten().tolist()
-        [1.0, 2.0, 1.0]
-    """
+    """Model inputs for one step at `batch`: the examples' rows when given, else random ones from the specs."""
     generator = torch.Generator().manual_seed(seed)
     if examples is None:
         return [_from_spec(spec, batch, generator) for spec in specs]
@@ -156,12 +127,7 @@ def labels_for(
 
 @dataclass(frozen=True)
 class Call:
-    """How the torch model is called and which of its outputs the loss reads.
-
-    ``keywords``: the forward takes keyword tensors in this order (dict example inputs).
-    ``output``: the key of a mapping output (a Hugging Face ``ModelOutput``) the loss reads; by
-    default ``"loss"`` when the model returns its loss, else ``"logits"``, else the first value.
-    """
+    """How the torch model is called (``keywords``) and which mapping ``output`` its loss reads."""
 
     keywords: tuple[str, ...] | None = None
     output: str | None = None
@@ -179,11 +145,9 @@ def _select(outputs: Any, call: Call, *, returns_loss: bool) -> torch.Tensor:
 
 
 def _training_copy(model: torch.nn.Module, trainable: Sequence[str], dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of `model` in `dtype`, training mode, dropout off, that trains `trainable` only.
+    """A copy of `model` in `dtype`, training mode, dropout off, training `trainable` only.
 
-    NOTE: its parameters are new leaves built straight in `dtype` (``deepcopy``'s memo): in the
-    model's own dtype they share the model's storage, in float64 they are the one cast. A plain
-    deepcopy would first copy every float32 weight, then cast the copy.
+    NOTE: parameters are built straight in `dtype`; a plain deepcopy would copy every float32 weight first.
     """
     memo: dict[int, Any] = {
         id(parameter): torch.nn.Parameter(
@@ -256,12 +220,7 @@ def torch_reference(
     trainable: Sequence[str],
     seed: int,
 ) -> tuple[Reference, list[torch.Tensor]]:
-    """Run one step in torch: float64 loss and gradients of `trainable`, their float32 noise, and the labels.
-
-    `loss_fn` None means the model's first output is the loss (``export_artifacts(loss=None)``).
-    The reference runs where the model lives (a CUDA model stays there); inputs, labels and
-    gradients travel on the CPU, where the verification child runs ORT.
-    """
+    """Run one step in torch: float64 loss and gradients of `trainable`, their float32 noise, and the labels."""
     single, double, kinks = _Pass(model, trainable, torch.float32), _Pass(model, trainable, torch.float64), Kinks()
     returns_loss = loss_fn is None
     with ReferenceMode(kinks):

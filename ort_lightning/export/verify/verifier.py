@@ -1,24 +1,12 @@
 """Export-time verification: one training step of new artifacts in a child process vs torch autograd.
 
-`export_artifacts` calls `verify_export` last. For the example's batch size and one other (the
-example's rows repeated), a child forked from the exporting process (`forked`) computes torch
-autograd's loss and gradients in float64 and their float32 noise (`reference`) and writes them,
-with the same inputs and labels, to a job folder; then `child` runs in a fresh interpreter, where
-ONNX Runtime runs one ``train_step`` of a copy of the training graph with its Dropout ratios at 0
-(the only difference from the graph a Trainer runs).
-A crash of that child (ORT dies with SIGFPE on some graphs), an ORT error, a non-finite value or
-a loss or gradient outside tolerance becomes an `ExportError` naming the worst parameter; the
-report goes into the manifest (``verification``) and ``ort-lightning inspect`` shows it.
-
-A model whose checkpoint exceeds `REFERENCE_LIMIT_BYTES` (1 GiB) gets no torch reference: its
-float64 copy and gradients would take about 7 more copies of the weights. Its step still runs in
-the child (without the optimizer graph, whose AdamW moments would take two more) and is checked
-for crashes, errors and non-finite values; the report says why (``reason``).
+At the example's batch size and one more, a forked child computes torch's float64 reference,
+then a fresh interpreter runs one ORT ``train_step`` (Dropout at 0). A crash, an ORT error, a
+non-finite value or a difference beyond tolerance is an `ExportError`; the report goes into the
+manifest. Over `REFERENCE_LIMIT_BYTES` there is no torch reference, only the step's own checks.
 
 Example::
 
-    >>> report_rows({"status": "skipped"})
-    [('verified', 'skipped (export_artifacts(verify=False))')]
     >>> report_rows({"status": "passed", "batches": [{"batch_size": 2, "status": "passed", "loss": 1.0}]})
     [('verified', 'passed'), ('batch 2', 'passed, loss 1')]
 """
@@ -68,13 +56,9 @@ def verify_export(
 ) -> Manifest:
     """Verify the artifacts in `folder` and return `manifest` with its ``verification`` report.
 
-    `model`, `example_inputs`, `loss` and `output` are what ``export_artifacts`` was given; a torch
-    model is the reference, an ONNX source has none. `training_graph` is the training graph as the
-    export saved it (None: read from `folder`).
-
     Raises:
-        ExportError: when the step crashes, ONNX Runtime fails, or the loss or a gradient differs
-            from torch autograd beyond tolerance (naming the worst parameter and the difference).
+        ExportError: when the step crashes, ORT fails, or the loss or a gradient differs from torch
+            autograd beyond tolerance (naming the worst parameter and the difference).
     """
     if not enabled:
         return dataclasses.replace(manifest, verification={"status": "skipped"})
@@ -145,13 +129,7 @@ def _checkpoint_bytes(folder: Path) -> int:
 
 
 def _large_model(size: int) -> str:
-    """Why a checkpoint of `size` bytes gets no torch reference and no optimizer in the child.
-
-    Example::
-
-        >>> _large_model(3 * 2**30)[:44]
-        '3.0 GiB of weights, over the 1 GiB for which'
-    """
+    """Why a checkpoint of `size` bytes gets no torch reference and no optimizer in the child."""
     return (
         f"{size / 2**30:.1f} GiB of weights, over the {REFERENCE_LIMIT_BYTES / 2**30:g} GiB for which torch's "
         "float64 reference is computed (it would hold about 7 more copies of them); crashes, errors and "
@@ -170,11 +148,7 @@ def prepare_batch(
     call: Call,
     loss_fn: Any,
 ) -> Reference | None:
-    """Write the inputs and labels of one batch size to the job; return torch's reference (None: none).
-
-    Raises:
-        ExportError: when the torch model itself fails one training step at this batch size.
-    """
+    """Write one batch size's inputs and labels to the job; return torch's reference (`ExportError` if torch fails)."""
     inputs = batch_inputs(manifest.inputs, examples, batch, seed=batch)
     graph_inputs = inputs
     if call.keywords:
@@ -210,10 +184,7 @@ def _examples(example_inputs: Any) -> tuple[list[torch.Tensor], tuple[str, ...] 
 
 
 def _batch_sizes(manifest: Manifest, examples: Sequence[torch.Tensor] | None) -> list[int]:
-    """The example's batch size and one more; only one when the graph fixes the batch dimension.
-
-    Without an example (ONNX sources), `NO_EXAMPLE_BATCH` and one more.
-    """
+    """The example's batch size and one more (one if the graph fixes it); `NO_EXAMPLE_BATCH` without an example."""
     first = manifest.inputs[0].shape[0] if manifest.inputs and manifest.inputs[0].shape else "batch"
     if isinstance(first, int) and first > 0:
         return [first]
@@ -245,15 +216,7 @@ def report_rows(report: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 
 def _status_text(report: dict[str, Any]) -> str:
-    """The ``verified`` row: the status, then what it means in words, with the report's numbers.
-
-    Example::
-
-        >>> _status_text({"status": "passed", "margin": 0.002, "rule": "R"})
-        'passed (worst margin 0.002: the largest difference is 0.2% of what float32 rounding allows; R)'
-        >>> _status_text({"status": "no torch reference", "rule": "R", "margin": 0.0})[:61]
-        'no torch reference (an ONNX source or a custom loss block has'
-    """
+    """The ``verified`` row: the status, then what it means in words, with the report's numbers."""
     status = str(report.get("status", "unknown"))
     if "reason" in report:
         return f"{status} ({report['reason']})"

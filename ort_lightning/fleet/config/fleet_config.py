@@ -21,7 +21,7 @@ from typing import Any
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.keys import build_section, merge_override, refuse_flat_keys
-from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, STARTS
+from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, RUNNERS, STARTS
 
 __all__ = [
     "ENGINES", "PARTITIONS", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection", "EngineSection", "FleetConfig",
@@ -33,8 +33,6 @@ STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"
               "fedtrimmedavg", "krum", "multikrum", "bulyan")
 #: ``local``: Flower's apps in this process; ``ray``: Flower's Ray simulation; ``browser``: pages and Node devices.
 ENGINES = ("local", "ray", "browser")
-#: What a simulated device runs: ONNX Runtime's device loop (what a real device runs), or a Lightning Trainer.
-RUNNERS = ("ort", "lightning")
 #: How the training data is cut into devices (``writers``: the bundled digits only).
 PARTITIONS = ("iid", "label", "dirichlet", "writers")
 

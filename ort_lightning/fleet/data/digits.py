@@ -1,6 +1,6 @@
 """Partitions of scikit-learn's bundled digits across simulated devices (nothing downloads).
 
-`DigitsPartitions` is the ``data`` of a `FleetClient`: device ``i`` of ``n`` gets its share
+`DigitsPartitions` is the ``data`` of a `DeviceClient`: device ``i`` of ``n`` gets its share
 of the training split, cut into ``n`` contiguous parts of one ordering of it:
 
 - ``"iid"``: a seeded shuffle.

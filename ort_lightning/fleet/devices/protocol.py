@@ -1,30 +1,24 @@
 """What a fleet's server and devices agree on, without Lightning: record keys, a device's options and data.
 
-A device imports this module and `ort_lightning.fleet.devices.ort_loop` only: no device has a ``Trainer``,
-so nothing here may import Lightning (``tests/test_fleet_device.py`` runs a device with Lightning
-absent).
-
-Example::
-
-    >>> check_client_options("keep", "nominal", 2)
-    >>> check_client_options("forever", "nominal", 2)
-    Traceback (most recent call last):
-    ...
-    ort_lightning.errors.ConfigurationError: Expected `optimizer_state` to be one of ('fresh', 'keep'), ...
+Nothing here may import Lightning: a device imports this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
+import numpy as np
+from flwr.app import ArrayRecord
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
 
 __all__ = [
-    "ARRAYS_KEY", "DEVICE_TIMEOUT", "METRICS_KEY", "OPTIMIZER_STATES", "STARTS", "WEIGHT_KEY", "ClientData", "DataFn",
-    "check_client_options",
+    "ARRAYS_KEY", "DEVICE_TIMEOUT", "METRICS_KEY", "OPTIMIZER_STATES", "RUNNERS", "STARTS", "WEIGHT_KEY", "ClientData",
+    "DataFn", "Fit", "Loop", "check_client_options",
 ]
 
 #: Record keys, as Flower's strategies name them by default.
@@ -33,6 +27,8 @@ METRICS_KEY = "metrics"
 WEIGHT_KEY = "num-examples"
 #: ``fresh``: a new ORT optimizer every round; ``keep``: each device keeps its own between rounds.
 OPTIMIZER_STATES = ("fresh", "keep")
+#: A device's local training: ONNX Runtime's device loop (what a real device runs), or a Lightning Trainer.
+RUNNERS = ("ort", "lightning")
 #: Where a device starts: its nominal checkpoint plus the server's values, or its complete checkpoint.
 STARTS = ("auto", "nominal", "complete")
 #: Seconds a device may take to answer a round by default (ten minutes: far above a device's
@@ -57,8 +53,31 @@ class ClientData:
 DataFn = Callable[[int, int], ClientData]
 
 
+@dataclass(frozen=True)
+class Fit:
+    """One device's local training: values, an epoch's examples, last epoch's mean loss, steps, times, kept state."""
+
+    values: ArrayRecord
+    examples: int
+    loss: float
+    steps: int
+    started: float
+    seconds: float
+    checkpoint: bytes | None
+
+
+class Loop(Protocol):
+    """A device's local training: ONNX Runtime's device loop (`OrtLoop`) or a Trainer's (`TrainerLoop`)."""
+
+    def train(self, arrays: ArrayRecord, loader: Any, *, epochs: int, kept: Path | None, keep: bool) -> Fit:
+        """Train the server's `arrays` on `loader`, from the device's `kept` checkpoint if any."""
+
+    def evaluate(self, arrays: ArrayRecord, loader: Any) -> Iterator[tuple[float, np.ndarray | None, np.ndarray]]:
+        """Per batch of `loader`: the eval graph's loss, its logits (or None) and the labels."""
+
+
 def check_client_options(optimizer_state: str, start: str, epochs: int) -> None:
-    """Check a device's options (`FleetClient`'s and `DeviceClient`'s).
+    """Check a device's options (`DeviceClient`'s).
 
     Raises:
         ConfigurationError: for an unknown `optimizer_state` or `start`, or a non-positive `epochs`.

@@ -1,43 +1,11 @@
 """What a fleet worker shares among the devices it runs: one module and one ``Trainer`` per artifacts and options.
 
-A worker (the in-process engine `LocalGrid`, or one Ray actor) runs many devices one after
-another, all on the same artifacts. Built from nothing, a device costs an ORT session (a
-CheckpointState, a Module with its training and eval sessions, an Optimizer) and a
-``lightning.Trainer`` (whose construction reads the entry points of every installed package):
-many times what a 1-batch device's training costs. So a worker keeps, per artifacts folder and
-options, a `Slot`: one `ORTLightningModule` and one ``Trainer``. A device's round takes a slot,
-loads the server's values into the running session and starts a fresh optimizer state or
-restores its own kept one (`ORTLightningModule.load_values`), gives the Trainer fresh loops (its
-epochs and steps count from 0, as a new Trainer's do: `fresh_loops`, from
-`ort_lightning.training.loops`, the one place that builds Lightning's private loop classes), fits
-and hands the slot back.
-
-Nothing of a device stays in a worker between its rounds: the next device's `load_values`
-replaces every value, the optimizer state and the gradients; what a device keeps
-(``optimizer_state="keep"``) stays in its own Flower ``Context``. A slot is held by one device at
-a time: a device that runs while another holds the slot (a call abandoned after the device
-timeout and still running) gets a slot of its own, which then waits idle with the other. The
-slots are process-local and the options are told apart by value, at most `MAX_KINDS` kinds at a
-time (the least recently used kind leaves), so that a worker's memory does not grow with rounds
-or devices.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from ort_lightning import export_artifacts
-    >>> from ort_lightning.fleet.devices.state_values import get_values
-    >>> folder = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False).directory
-    >>> kind = SlotKind.of(folder, start="auto", module_options={"lr": 0.1}, trainer_options={"max_epochs": 1})
-    >>> def build() -> Slot:
-    ...     return Slot(ORTLightningModule(folder, lr=0.1), pl.Trainer(max_epochs=1, logger=False))
-    >>> worker = Worker()
-    >>> with worker.slot(kind, build) as slot:
-    ...     slot.module.load_values(get_values(slot.module))
-    >>> with worker.slot(kind, build) as again:
-    ...     again is slot
-    True
-    >>> worker.built
-    1
+A worker (`LocalGrid`, or one Ray actor) runs many devices one after another. Built from nothing,
+a device costs an ORT session and a ``lightning.Trainer``: many times a 1-batch device's training.
+So a worker keeps, per artifacts and options, a `Slot` (one module, one Trainer). A device's
+round takes an idle slot, loads the server's values and its optimizer state
+(`ORTLightningModule.load_values`), fits with fresh loops and hands the slot back: nothing of a
+device stays in it. At most `MAX_KINDS` kinds are kept, so that memory does not grow.
 """
 
 from __future__ import annotations
@@ -63,15 +31,7 @@ MAX_KINDS = 4
 
 @dataclass(frozen=True)
 class SlotKind:
-    """What a slot is built from; devices of equal kinds share slots.
-
-    Attributes:
-        artifacts: the artifacts folder, resolved.
-        start: where a module starts (`ort_lightning.fleet.devices.trainer_loop.FleetClient`'s ``start``).
-        module_options: `ORTLightningModule` options, as ``(name, repr)`` pairs (a value without a
-            ``repr`` of its own, a callable or a metric, is told apart by identity).
-        trainer_options: ``lightning.Trainer`` options, as ``(name, repr)`` pairs.
-    """
+    """What a slot is built from (the resolved folder, the start, the options by ``repr``): equal kinds share slots."""
 
     artifacts: str
     start: str

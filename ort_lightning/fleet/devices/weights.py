@@ -1,21 +1,9 @@
-"""Flower's ``ArrayRecord`` to one float32 buffer and back, without ``np.load`` and ``np.save`` per tensor.
+"""`WeightOrder`: the one order of a model's flat weights, and Flower's ``ArrayRecord`` to that buffer and back.
 
-A Flower ``Array`` holds a tensor as the bytes of a ``.npy`` file (``stype`` ``"numpy.ndarray"``).
-``Array.numpy()`` parses each header with ``np.load`` (an ``ast.literal_eval``), and
-``ArrayRecord(state_dict)`` writes each tensor with ``np.save``: together about 1 ms of a simulated
-device's round for four tensors, more than its training. A device's values always have the same
-names, shapes and dtype, so `WeightLayout` writes each header once and reads the data where it
-lies. Anything else than a little-endian float32, C-ordered ``.npy`` falls back to Flower's own
-conversion, so that the numbers are the same either way.
-
-Example::
-
-    >>> layout = WeightLayout([("w", (2, 3)), ("b", (2,))])
-    >>> record = layout.record(np.arange(8, dtype=np.float32))
-    >>> record["w"].numpy().tolist(), record["b"].numpy().tolist()
-    ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [6.0, 7.0])
-    >>> layout.flat(record).tolist()
-    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+Every runtime exchanges a device's weights as one float32 buffer: the state tensors in the
+training graph's order of its inputs (neither a checkpoint's alphabetical listing nor the
+manifest's ``parameter_order``). `flat` and `record` write each ``.npy`` header once and read the
+data where it lies (Flower's ``np.load`` per tensor cost more than a small device's training).
 """
 
 from __future__ import annotations
@@ -23,47 +11,73 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.artifacts.state import state_specs
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.ort import runtime as _ort
 
-__all__ = ["WeightLayout"]
+__all__ = ["WeightOrder", "check_buffer_order"]
 
 #: Flower's ``stype`` of an ``Array`` that holds ``.npy`` bytes (``flwr.common.constant.SType.NUMPY``).
 _NUMPY_STYPE = "numpy.ndarray"
 _MAGIC = b"\x93NUMPY"
 
 
-class WeightLayout:
-    """The named tensors of one flat float32 buffer, in its order.
+class WeightOrder:
+    """The named tensors of one flat float32 buffer: ``(name, shape)`` of each, in the buffer's order."""
 
-    Args:
-        order: ``(name, shape)`` of every tensor, in the buffer's order.
-    """
-
-    def __init__(self, order: Sequence[tuple[str, tuple[int, ...]]]) -> None:
-        self.order = [(name, tuple(shape)) for name, shape in order]
+    def __init__(self, tensors: Sequence[tuple[str, Sequence[int]]]) -> None:
+        self.tensors = [(name, tuple(int(dim) for dim in shape)) for name, shape in tensors]
         self._spans: list[tuple[str, tuple[int, ...], int, int]] = []
         at = 0
-        for name, shape in self.order:
+        for name, shape in self.tensors:
             size = math.prod(shape)
             self._spans.append((name, shape, at, at + size))
             at += size
         self.size = at
-        self._headers = {shape: _header(shape) for _, shape in self.order}
+        self._headers = {shape: _header(shape) for _, shape in self.tensors}
 
-    def flat(self, arrays: ArrayRecord) -> np.ndarray:
-        """The record's tensors as one new float32 buffer in the layout's order.
+    @classmethod
+    def of(cls, artifacts: TrainingArtifacts) -> WeightOrder:
+        """The state tensors of `artifacts` in the order the training graph takes them."""
+        return cls([(spec.name, tuple(int(dim) for dim in spec.shape)) for spec in state_specs(artifacts)])
+
+    @classmethod
+    def checked(cls, artifacts: TrainingArtifacts, training_model: Path, checkpoint: Path) -> WeightOrder:
+        """`of`, checked for a flat float32 buffer: all float32, in ONNX Runtime's order over these files.
 
         Raises:
-            ConfigurationError: for a record of other names or shapes than the layout's.
+            ConfigurationError: for a tensor that is not float32, or another order than ORT's.
+        """
+        wrong = [spec.name for spec in state_specs(artifacts) if spec.dtype != "float32"]
+        if wrong:
+            raise ConfigurationError(f"A browser device exchanges float32 weights, but the state tensors {wrong} of "
+                                     f"{artifacts.directory} are not float32; train such a model in a simulated "
+                                     "fleet.")
+        order = cls.of(artifacts)
+        check_buffer_order(order.names, training_model, checkpoint)
+        return order
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors' names, in order."""
+        return [name for name, _ in self.tensors]
+
+    def flat(self, arrays: ArrayRecord) -> np.ndarray:
+        """The record's tensors as one new float32 buffer in this order.
+
+        Raises:
+            ConfigurationError: for other names or shapes than the order's.
         """
         given = {name: tuple(arrays[name].shape) for name in arrays}
-        if given != dict(self.order):
+        if given != dict(self.tensors):
             raise ConfigurationError(
-                f"The server sent the values {given}, but the device folder trains {dict(self.order)}; start the "
+                f"The server sent the values {given}, but the device folder trains {dict(self.tensors)}; start the "
                 "FleetServer from the artifacts the devices hold (one export)."
             )
         flat = np.empty(self.size, np.float32)
@@ -72,7 +86,7 @@ class WeightLayout:
         return flat
 
     def record(self, weights: np.ndarray) -> ArrayRecord:
-        """`weights` (a flat float32 buffer of the layout's size) as Flower's ``ArrayRecord``, one ``Array`` a tensor.
+        """`weights` (a flat float32 buffer of the order's size) as Flower's ``ArrayRecord``.
 
         Raises:
             ConfigurationError: for a buffer of another dtype or size.
@@ -88,6 +102,21 @@ class WeightLayout:
                         data=self._headers[shape] + weights[start:end].tobytes())
             for name, shape, start, end in self._spans
         })
+
+
+def check_buffer_order(names: Sequence[str], training_model: Path, checkpoint: Path) -> None:
+    """Check that `names` is the order of ONNX Runtime's contiguous buffer over these files.
+
+    Raises:
+        ConfigurationError: for another order (or other tensors).
+    """
+    measured = _ort.buffer_order(training_model, checkpoint)
+    if list(names) != measured:
+        raise ConfigurationError(f"The browser fleet declares its flat weights in the order {list(names)}, but ONNX "
+                                 f"Runtime's parameter buffer over {training_model.name} and {checkpoint.name} holds "
+                                 f"{measured}; a page would load each value into another tensor. Give the fleet the "
+                                 "training graph and checkpoint of one export (export_artifacts, then "
+                                 "prepare_for_web).")
 
 
 def _header(shape: tuple[int, ...]) -> bytes:

@@ -6,10 +6,13 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and d
 config: the fleet config's sections as TOML tables (``[tool.flwr.app.config.devices]``; Flower
 joins their keys with dots, ``--run-config "devices.count=3"``), with ``model.artifacts`` the
 artifacts folder every machine holds at that path. Each SuperNode is one device: its node config
-(``partition-id``, ``num-partitions``) chooses its share of the digits. The server first gives all
-``devices.count`` SuperNodes up to ``devices.timeout`` seconds to connect; before each round it
-waits for ``devices.min_nodes`` of them (by default count - 1: a round goes on after one SuperNode
-is lost), writes a complete ORT checkpoint per round and prints the round lines into the run's log.
+(``partition-id``, ``num-partitions``) chooses its share of the digits, and it trains as a device
+does (`DeviceClient`) on ``model.artifacts`` prepared once per process with ``devices.lr`` in its
+optimizer graph (`prepare_for_web`), or on that folder itself where it is such a folder already.
+The server first gives all ``devices.count`` SuperNodes up to ``devices.timeout`` seconds to
+connect; before each round it waits for ``devices.min_nodes`` of them (by default count - 1: a
+round goes on after one SuperNode is lost), writes a complete ORT checkpoint per round and prints
+the round lines into the run's log (``flwr log``, or ``flwr run --stream``).
 
 Example::
 
@@ -20,24 +23,24 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.config import unflatten_dict
 from flwr.serverapp import Grid, ServerApp
 
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
-from ort_lightning.fleet.devices.client import fleet_client
-
-if TYPE_CHECKING:
-    from ort_lightning.fleet.devices.ort_loop import DeviceClient
-    from ort_lightning.fleet.devices.trainer_loop import FleetClient
+from ort_lightning.fleet.devices.client import DeviceClient
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -77,10 +80,36 @@ def _evaluate(message: Message, context: Context) -> Message:
     return _client(config, artifacts).evaluate(message, context)
 
 
-def _client(config: FleetConfig, artifacts: Path) -> DeviceClient | FleetClient:
-    """The device of this app: its SuperNode's share of the digits."""
-    return fleet_client(config, artifacts, DigitsPartitions(split=config.data.partition,
-                                                            batch_size=config.devices.batch_size, seed=config.seed))
+def _client(config: FleetConfig, artifacts: Path) -> DeviceClient:
+    """The device of this app: its SuperNode's share of the digits, on its device folder."""
+    devices = config.devices
+    data = DigitsPartitions(split=config.data.partition, batch_size=devices.batch_size, seed=config.seed)
+    return DeviceClient(_device_folder(str(artifacts), devices.lr), data, epochs=devices.epochs, runner=devices.runner,
+                        optimizer_state=devices.optimizer_state, start=devices.start)
+
+
+@functools.lru_cache(maxsize=2)
+def _device_folder(artifacts: str, lr: float) -> Path:
+    """`artifacts` with `lr` in its optimizer graph: prepared once per process, or `artifacts` if it has that rate.
+
+    Raises:
+        ConfigurationError: for a folder prepared with another rate than the run config's `lr`.
+    """
+    loaded = TrainingArtifacts.load(artifacts)
+    schedule = loaded.manifest.lr_schedule
+    if schedule is None:
+        from ort_lightning.export import prepare_for_web  # the exporter's side, for a folder still to prepare
+
+        root = tempfile.mkdtemp(prefix="ort-lightning-device-")
+        atexit.register(shutil.rmtree, root, True)
+        return prepare_for_web(loaded, Path(root) / "device", lr=lr).directory
+    if (schedule.kind, schedule.lr) != ("constant", lr):
+        raise ConfigurationError(
+            f"The run config's lr={lr}, but the device folder {artifacts} computes its own rate "
+            f"({schedule.describe()}); pass lr={schedule.lr} in the run config, or name the exported folder, which "
+            "each SuperNode prepares with the run config's lr."
+        )
+    return loaded.directory
 
 
 # ----------------------------------------------------------------------------- the server

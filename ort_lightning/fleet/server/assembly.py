@@ -1,4 +1,4 @@
-"""What a fleet run is built from: the device folder and the server (the devices: `fleet.devices.client`).
+"""What a fleet experiment is built from: the device folder and the server (each device's client: `devices.client`).
 
 Each takes the `FleetConfig` and the artifacts; the data comes as an argument (``data`` for the
 devices, ``test`` for the server's evaluation), so that nothing here knows a data set.

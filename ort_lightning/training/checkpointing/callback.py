@@ -1,31 +1,15 @@
 """`ORTCheckpoint`: Lightning's `ModelCheckpoint`, writing ONNX Runtime checkpoint files.
 
-Everything that decides *when* and *which* files exist is Lightning's own ``ModelCheckpoint``:
-file names (``filename="{epoch}-{val_loss:.3f}"``), ``save_top_k``/``monitor``/``mode``,
-``every_n_train_steps``/``every_n_epochs``, ``save_last``, nothing under ``fast_dev_run`` or the
-sanity check, ``best_model_path``, ``state_key``. Only the file itself differs: each is what
-``onnxruntime.training.api.CheckpointState.load_checkpoint`` reads, written atomically with a
-``.sha256`` sidecar, and carries the properties ``epoch``, ``global_step``, ``lr``,
-``ort_lightning_version`` and, with `monitor`, ``monitor`` and ``monitor_value``. Steps and
-epochs in names and properties count across resumes from ``ORTLightningModule(..., checkpoint=...)``.
-With ``pretrained=True``, each file ``<name>.ortckpt`` has a folder ``<name>-pretrained`` beside it,
-what ``ort_lightning.save_pretrained`` writes (a peft adapter folder, or a transformers model
-folder), replaced and removed with its file.
-
-``ModelCheckpoint`` writes, removes and finds its files through private methods; ``ORTCheckpoint``
-defines only the public-named methods `lightning_private.ModelCheckpointAdapter` hands them to
-(``write_file``, ``remove_file``, ``resumable``, ``with_progress``, ``before_top_k``), so that no
-private member of Lightning is named here.
+When and which files exist is ``ModelCheckpoint``'s own decision (names, top-k, intervals,
+``save_last``); only the file differs: what ORT's ``CheckpointState.load_checkpoint`` reads,
+written atomically with a ``.sha256`` sidecar. Lightning's private methods are reached only
+through `lightning_private.ModelCheckpointAdapter`.
 
 Example::
 
     >>> from ort_lightning import ORTCheckpoint
-    >>> callback = ORTCheckpoint("checkpoints", monitor="val_loss", save_top_k=2)
-    >>> callback.format_name({"epoch": 3, "step": 120})
+    >>> ORTCheckpoint("checkpoints", monitor="val_loss", save_top_k=2).format_name({"epoch": 3, "step": 120})
     'epoch=3-step=120'
-    >>> ORTCheckpoint("checkpoints", filename="{val_loss}-{val_loss_ema}").format_name(
-    ...     {"val_loss": 0.5, "val_loss_ema": 0.25})
-    'val_loss=0.5-val_loss_ema=0.25'
 """
 
 from __future__ import annotations
@@ -56,30 +40,25 @@ EXTENSION = ".ortckpt"
 class ORTCheckpoint(ModelCheckpointAdapter):
     """Save ORT CheckpointState files with `ModelCheckpoint`'s rules; optionally an inference model.
 
-    Only global rank 0 writes; the other ranks wait at the strategy's barrier.
+    Only global rank 0 writes. Steps and epochs in names and properties count across resumes.
 
     Args:
-        dirpath: folder of the checkpoint files (None: as ``ModelCheckpoint``, the logger's
-            ``checkpoints`` folder, or ``default_root_dir/checkpoints``).
-        filename: name template without extension, as ``ModelCheckpoint``'s: ``{epoch}``, ``{step}``
-            and logged metrics (``{val_loss:.3f}``) become ``epoch=3``, ``step=120``, ``val_loss=0.123``.
+        dirpath: folder of the checkpoint files (None: as ``ModelCheckpoint``).
+        filename: name template without extension, as ``ModelCheckpoint``'s (``{epoch}-{val_loss:.3f}``).
         every_n_train_steps: save after every N optimizer steps.
-        every_n_epochs: save every N epochs (after validation when there is one); None means 1
-            unless `every_n_train_steps` or `train_time_interval` is given (they are exclusive).
+        every_n_epochs: save every N epochs; None means 1 unless another interval is given.
         save_last: also write ``last.ortckpt`` at each save: the file to resume from.
         monitor: logged metric that ranks the files; None keeps the latest one.
         mode: ``"min"`` or ``"max"``: which `monitor` value is best.
-        save_top_k: files kept besides ``last`` (-1: all, 0: none); more than 1 needs a `monitor`
-            (``monitor="step", mode="max"`` keeps the most recent k).
+        save_top_k: files kept besides ``last`` (-1: all, 0: none).
         include_optimizer_state: store the optimizer's step and moments (needed to resume exactly).
         inference_model: write a plain ONNX inference model there when ``fit`` ends.
-        pretrained: beside each file ``<name>.ortckpt``, write the folder ``<name>-pretrained`` that
-            transformers or peft loads (``ort_lightning.save_pretrained``: the adapter folder of a peft
-            model, the ``save_pretrained`` folder of a transformers model); for artifacts exported from one.
-        verbose: log each save, as ``ModelCheckpoint`` does.
+        pretrained: beside each ``<name>.ortckpt``, write ``<name>-pretrained``, the folder transformers
+            or peft loads (``ort_lightning.save_pretrained``).
+        verbose: log each save.
         auto_insert_metric_name: ``{val_loss}`` becomes ``val_loss=0.12`` (False: ``0.12``).
         train_time_interval: save at this wall-clock interval instead.
-        save_on_train_epoch_end: as ``ModelCheckpoint`` (None: after validation when there is one).
+        save_on_train_epoch_end: as ``ModelCheckpoint``.
         enable_version_counter: add ``-v1``, ``-v2`` to a name that exists already.
 
     Raises:
@@ -156,7 +135,7 @@ class ORTCheckpoint(ModelCheckpointAdapter):
         Raises:
             ConfigurationError: for a module other than `ORTLightningModule`, or ``pretrained=True`` on
                 artifacts that record no transformers model.
-            CheckpointError: for a `dirpath` that cannot be created or written (found before any step).
+            CheckpointError: for a `dirpath` that cannot be created or written.
         """
         if not isinstance(pl_module, Checkpointable):
             raise ConfigurationError(
@@ -175,11 +154,10 @@ class ORTCheckpoint(ModelCheckpointAdapter):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the state a ``ckpt_path=`` resume's ``.ckpt`` holds, and go on replacing its ``last`` file.
+        """Restore a ``ckpt_path=`` resume's state, and go on replacing its ``last`` file.
 
-        NOTE: Lightning's ModelCheckpoint saves the ``.ckpt`` before this callback saves the same step,
-        so a ``.ckpt`` of the first save names no ``last`` file of this callback yet; without adopting
-        it, the version counter would write ``last-v1`` from then on and leave ``last`` behind, stale.
+        NOTE: Lightning saves the ``.ckpt`` before this callback saves the same step; without adopting
+        ``last``, the version counter would write ``last-v1`` and leave ``last`` stale.
         """
         super().load_state_dict(state_dict)
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:
@@ -226,10 +204,6 @@ class ORTCheckpoint(ModelCheckpointAdapter):
     def resumable(self, trainer: pl.Trainer, last_files: set[str]) -> set[str]:
         """None: ``Trainer.fit(ckpt_path="last")`` must never take an ORT file for a Lightning ``.ckpt``.
 
-        NOTE: Lightning asks every ModelCheckpoint for its ``last`` files and loads the newest with
-        torch.load; ``last.ortckpt`` is often the newest (a kill between it and ``last.ckpt``), and
-        torch cannot read it. Lightning's own ModelCheckpoint answers for the ``.ckpt`` files.
-
         Raises:
             CheckpointError: when this callback's ``last`` file is the only one a ``"last"`` resume could use.
         """
@@ -254,9 +228,7 @@ class ORTCheckpoint(ModelCheckpointAdapter):
 
     @override
     def before_top_k(self, trainer: pl.Trainer, candidates: dict[str, torch.Tensor]) -> None:
-        """Refuse a `monitor` that was never logged.
-
-        NOTE: ModelCheckpoint only warns before the first validation and then saves nothing.
+        """Refuse a `monitor` that was never logged (ModelCheckpoint only warns, then saves nothing).
 
         Raises:
             CheckpointError: when `monitor` is not among the logged metrics.
@@ -270,23 +242,13 @@ class ORTCheckpoint(ModelCheckpointAdapter):
 
 
 def pretrained_folder(filepath: str | os.PathLike[str]) -> Path:
-    """The ``save_pretrained`` folder beside checkpoint file `filepath`.
-
-    Example::
-
-        >>> pretrained_folder("checkpoints/epoch=0-step=4.ortckpt").name
-        'epoch=0-step=4-pretrained'
-    """
+    """The ``save_pretrained`` folder beside checkpoint file `filepath` (``<name>-pretrained``)."""
     path = Path(filepath)
     return path.with_name(f"{path.stem}-pretrained")
 
 
 def _check_record(pl_module: pl.LightningModule) -> None:
-    """Refuse ``pretrained=True`` before the first step when the artifacts record no transformers model.
-
-    Raises:
-        ConfigurationError: naming the folder and what to do.
-    """
+    """Refuse ``pretrained=True`` before the first step when the artifacts record no transformers model."""
     folder = _module(pl_module).artifacts.directory
     try:
         read_record(folder)
@@ -299,12 +261,7 @@ def _check_record(pl_module: pl.LightningModule) -> None:
 
 
 def _continue_last(callback: ORTCheckpoint, pl_module: pl.LightningModule) -> None:
-    """A run resumed with ``checkpoint=`` replaces the folder's ``last`` file instead of adding ``last-v1``.
-
-    NOTE: ``ModelCheckpoint`` keeps an existing ``last`` of another run and versions its own; a
-    ``checkpoint=`` resume is the same training going on, as a ``ckpt_path=`` resume is (whose
-    restored state names the file to replace).
-    """
+    """A run resumed with ``checkpoint=`` replaces the folder's ``last`` file instead of adding ``last-v1``."""
     if _module(pl_module).start_progress["global_step"] != 0:
         _adopt_last(callback)
 

@@ -1,24 +1,17 @@
 """ORT checkpoint files, the ORT state inside Lightning ``.ckpt`` files, and where a run starts.
 
-ORT's CheckpointState (weights, optimizer step and moments) is the whole training state; a
-Lightning checkpoint carries it as the bytes of an ORT checkpoint file in a uint8 tensor, so
-that the ``.ckpt`` still loads with ``torch.load(weights_only=True)``. Resuming rebuilds the
-ORT components from those bytes in ``on_load_checkpoint``, which Lightning runs before
-``configure_optimizers``, so the optimizer is created over the restored state.
-
-The functions here take the session they work on; `ORTLightningModule` composes them with a
-`RunOrigin`, the record of where its run started (steps, epochs, schedule, seed).
+A ``.ckpt`` carries ORT's whole state as the bytes of an ORT checkpoint file in a uint8 tensor,
+so that it still loads with ``torch.load(weights_only=True)``; ``on_load_checkpoint`` rebuilds
+the ORT components from them before ``configure_optimizers`` runs.
 
 Example::
 
     >>> import tempfile, torch
-    >>> from pathlib import Path
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> folder = Path(tempfile.mkdtemp())
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a", verify=False)
     >>> module = ORTLightningModule(artifacts)
-    >>> path = module.save_ort_checkpoint(folder / "start.ortckpt")
-    >>> resumed = ORTLightningModule(folder / "a", checkpoint=path)
+    >>> resumed = ORTLightningModule(folder / "a", checkpoint=module.save_ort_checkpoint(folder / "start.ortckpt"))
     >>> bool(torch.equal(resumed.weight, module.weight))
     True
 """
@@ -124,15 +117,7 @@ class Checkpointable(Protocol):
 
 @dataclass(frozen=True)
 class RunOrigin:
-    """Where a run starts in the whole training: what the checkpoint it started from records.
-
-    Attributes:
-        step: optimizer steps done before this run.
-        epoch: epochs done before it (its first epoch is epoch `epoch` of the whole training).
-        schedule: where its schedule starts (step 0 when the file had no optimizer state).
-        seed: the seed of ORT's random stream in the run that wrote the file, if recorded.
-        properties: every property of the ORT checkpoint file (the schedule's settings among them).
-    """
+    """Where a run starts in the whole training: the step, epoch, schedule start and seed its checkpoint records."""
 
     step: int = 0
     epoch: int = 0
@@ -153,11 +138,7 @@ class RunOrigin:
 
     @classmethod
     def of_lightning(cls, record: object) -> RunOrigin:
-        """The origin kept in a Lightning checkpoint (Lightning restores the schedule itself).
-
-        Raises:
-            CheckpointError: for a record that is not a dict of integers (a damaged or edited ``.ckpt``).
-        """
+        """The origin kept in a Lightning checkpoint (`CheckpointError` for a damaged record)."""
         numbers = ("seed", "global_step", "epoch")
         if not isinstance(record, dict) or not all(isinstance(record.get(key, 0), int) for key in numbers):
             raise CheckpointError(
@@ -184,11 +165,7 @@ class RunOrigin:
 def read_checkpoint(path: Path, artifacts: TrainingArtifacts, *, weights_given: bool = False) -> dict[str, Any]:
     """Verify an ORT checkpoint file (digest, readability, parameters of `artifacts`); return its properties.
 
-    Args:
-        path: the checkpoint file.
-        artifacts: the artifacts it must belong to.
-        weights_given: accept a nominal checkpoint (names, no weights), whose weights the caller
-            gives; its names are then checked against the training graph's state tensors.
+    `weights_given` accepts a nominal checkpoint, whose names are then checked against the state.
 
     Raises:
         CheckpointError: for a damaged file, one of other artifacts, or a nominal one without weights given.
@@ -199,11 +176,7 @@ def read_checkpoint(path: Path, artifacts: TrainingArtifacts, *, weights_given: 
 def read_checkpoint_state(
     path: Path, artifacts: TrainingArtifacts, *, weights_given: bool = False
 ) -> tuple[dict[str, Any], _ort.HeldState]:
-    """`read_checkpoint`, and the state it read, for the build that starts from it (the file is read once).
-
-    Raises:
-        CheckpointError: as `read_checkpoint`.
-    """
+    """`read_checkpoint`, and the state it read, for the build that starts from it (one read)."""
     verify_digest(path)
     try:
         held = _ort.read_state(path)
@@ -233,12 +206,7 @@ def _unreadable(path: Path, error: BaseException) -> CheckpointError:
 def _read_nominal(
     path: Path, held: _ort.HeldState, artifacts: TrainingArtifacts, error: BaseException, *, weights_given: bool
 ) -> dict[str, Any]:
-    """The properties of a checkpoint ORT could not summarize: a nominal one with weights given, else an error.
-
-    Raises:
-        CheckpointError: for a file that is not a checkpoint, a nominal one without weights given, or one whose
-            names are not the training graph's state tensors.
-    """
+    """The properties of a checkpoint ORT could not summarize: a nominal one with weights given."""
     try:
         nominal = held.nominal_summary()
     except _ort.CHECKPOINT_READ_ERRORS:
@@ -278,11 +246,7 @@ def state_digest(state: torch.Tensor) -> str:
 
 @contextlib.contextmanager
 def restored_state(state: object, *, digest: object = None) -> Iterator[Path]:
-    """Yield the ORT checkpoint file that `state_bytes` turned into `state`.
-
-    Args:
-        state: what ``checkpoint[ORT_STATE_KEY]`` holds.
-        digest: the `state_digest` stored with it; None for a ``.ckpt`` written before digests (unchecked).
+    """Yield the ORT checkpoint file that `state_bytes` turned into `state`, checked against `digest`.
 
     Raises:
         CheckpointError: when `state` is not a uint8 tensor, or its bytes are not those the digest was made of.
@@ -312,11 +276,7 @@ def write_ort_checkpoint(
     include_optimizer_state: bool,
     properties: dict[str, int | float | str],
 ) -> Path:
-    """Write `session`'s state to `path` atomically, with `properties` and the package version as its only properties.
-
-    No property that the state was loaded with (another run's ``monitor_value``, a fleet's round) or that an
-    earlier save wrote goes into the file: its properties are this write's.
-    """
+    """Write `session`'s state to `path` atomically; its properties are this write's only (no earlier run's)."""
     values = {"ort_lightning_version": _version(), **properties}
     atomic_write(
         path, lambda temp: session.save(temp, include_optimizer_state=include_optimizer_state, properties=values)
@@ -327,11 +287,7 @@ def write_ort_checkpoint(
 def export_inference(
     session: _ort.TrainingSession, path: str | os.PathLike[str], names: Sequence[str]
 ) -> Path:
-    """Write the eval graph with `session`'s weights as an inference model with outputs `names`.
-
-    Raises:
-        ConfigurationError: for an output name the eval graph does not have.
-    """
+    """Write the eval graph with `session`'s weights as an inference model with outputs `names`."""
     available = session.output_names(training=False)
     unknown = [name for name in names if name not in available]
     if unknown or not names:

@@ -1,27 +1,16 @@
 """`CheckpointConnector`: what an `ORTLightningModule` writes and reads, and where its run starts.
 
-The module's hooks and public methods hand their checkpoint work to it, as Lightning's
-``Trainer`` hands its own to ``trainer/connectors/checkpoint_connector.py``. It owns the run's
-`RunState` (the origin a checkpoint gave, whether a restored state or a fresh optimizer state
-starts the next fit) and the current fit's schedule, so that no other object keeps them:
-
-- ORT checkpoint files (``save_ort_checkpoint``): the CheckpointState with the run's progress,
-  seed and schedule as properties, written atomically with a digest;
-- inference models (``export_inference_model``, ``to_onnx``): the eval graph with the current
-  weights;
-- Lightning's ``.ckpt`` (``on_save_checkpoint``, ``on_load_checkpoint``,
-  ``load_from_checkpoint``): ORT's state as bytes, the run's progress and the artifacts'
-  identity, checked on load;
-- another start of the same module (``load_values``) and the start of each fit (`CheckpointConnector.begin_fit`).
+The module's hooks hand their checkpoint work to it, as Lightning's ``Trainer`` does to its
+``checkpoint_connector``: ORT checkpoint files, inference models, Lightning's ``.ckpt`` and the
+start of each fit. It owns the run's `RunState` and the fit's schedule, so no other object keeps them.
 
 Example::
 
     >>> import tempfile, torch
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-    >>> module = ORTLightningModule(artifacts)
     >>> checkpoint = {}
-    >>> module.on_save_checkpoint(checkpoint)
+    >>> ORTLightningModule(artifacts).on_save_checkpoint(checkpoint)
     >>> sorted(checkpoint)
     ['ort_lightning_artifacts', 'ort_lightning_progress', 'ort_state']
 """
@@ -77,14 +66,7 @@ STATE_DIGEST_KEY = "ort_state_sha256"
 
 @dataclass
 class RunState:
-    """Where a module's run stands between its fits (no ORT object: it pickles with the module).
-
-    Attributes:
-        origin: where the run starts in the whole training (the checkpoint it started from).
-        restored: a state was just restored (``checkpoint=``, a ``.ckpt``, ``load_values(optimizer_state=)``):
-            the next fit keeps its optimizer state.
-        configured: a fit configured its optimizers: a later fit starts a fresh optimizer state.
-    """
+    """Where a module's run stands between its fits: its `origin`, and whether the next fit keeps a `restored` state."""
 
     origin: RunOrigin = field(default_factory=RunOrigin)
     restored: bool = False
@@ -95,17 +77,13 @@ class CheckpointConnector:
     """The checkpoint work of one `ORTLightningModule`, given what it works on.
 
     Args:
-        live: the module's running ORT session (read to write, replaced to restore).
-        steps: the module's step path (the seed of ORT's random stream in use; it continues the origin's steps).
-        artifacts: what is trained (identity, outputs).
-        hybrid: whether a torch optimizer updates (its state is in Lightning's ``.ckpt``, ORT's is unused).
+        live: the module's running ORT session.
+        steps: the module's step path (the seed of ORT's random stream).
+        artifacts: what is trained.
+        hybrid: whether a torch optimizer updates (its state is in Lightning's ``.ckpt``).
         metrics: the module's metrics by stage (a ``.ckpt`` records their names).
-        run: where the run stands (a pickled module's); None starts at the beginning of the training.
-        planned: the schedule's properties before a fit builds the schedule (`planned_schedule_properties`).
-
-    Attributes:
-        run: where the run stands (`RunState`).
-        schedule: the scheduler of the current fit (its settings go into ORT checkpoint files), or None.
+        run: where the run stands; None starts at the beginning.
+        planned: the schedule's properties before a fit builds the schedule.
     """
 
     def __init__(
@@ -125,11 +103,7 @@ class CheckpointConnector:
         self.steps.continue_run(origin.step, origin.seed)
 
     def count_from_zero(self) -> None:
-        """Count steps and epochs from 0 from here; the weights, the optimizer state and the seed stay (no rebuild).
-
-        For an owner whose files record a count of its own (a fleet server's rounds), not the steps and
-        epochs of the run that wrote the checkpoint it started from.
-        """
+        """Count steps and epochs from 0 from here, for an owner that counts its own (a fleet server's rounds)."""
         origin = self.run.origin
         self.start_from(RunOrigin(seed=self.steps.seed, properties=origin.properties))
 
@@ -139,11 +113,7 @@ class CheckpointConnector:
         return {"global_step": self.run.origin.step, "epoch": self.run.origin.epoch}
 
     def begin_fit(self) -> Progress:
-        """Start a fit's optimizer state; return where its schedule starts.
-
-        A fit after another one starts a fresh optimizer state (the weights kept, its steps and epochs
-        counted from 0), unless a state was restored since, which it continues.
-        """
+        """Start a fit's optimizer state (fresh, unless just restored); return the schedule's start."""
         run = self.run
         if run.configured and not run.restored:
             self.live.replace(include_optimizer_state=False)
@@ -152,30 +122,17 @@ class CheckpointConnector:
         return run.origin.schedule
 
     def check_parameters(self, trainer: Any) -> None:
-        """Inside a fit, stop it when the last update left NaN/inf in the parameters.
-
-        Raises:
-            NonFiniteLossError: naming the update and the parameters.
-        """
+        """Inside a fit, stop it when the last update left NaN/inf in the parameters (`NonFiniteLossError`)."""
         # NOTE: between two saves the next step's NaN loss shows an overflowed update; the steps pay nothing.
         if trainer is not None and trainer.training:
             self.steps.check_parameters(trainer)
 
     def set_values(self, values: Mapping[str, Any]) -> None:
-        """Copy `values` into the running session's memory; nothing else changes (see the module's method).
-
-        Raises:
-            ConfigurationError: for missing, unexpected or misshapen values.
-        """
+        """Copy `values` into the running session's memory (see the module's method)."""
         self.live.replace(values=values)
 
     def load_values(self, values: Any, *, optimizer_state: Path | None, evaluation: bool) -> None:
-        """Start again from `values`, with a fresh optimizer state or `optimizer_state`'s; see the module's method.
-
-        Raises:
-            ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
-            CheckpointError: for an `optimizer_state` file that is damaged or of other artifacts.
-        """
+        """Start again from `values` (see the module's method)."""
         live = self.live
         settings = dataclasses.replace(live.settings, evaluation=evaluation)
         if optimizer_state is not None:
@@ -197,11 +154,7 @@ class CheckpointConnector:
         self, path: str | os.PathLike[str], *, include_optimizer_state: bool, properties: dict[str, Any] | None,
         trainer: Any,
     ) -> Path:
-        """Write ORT's state with the run's progress, seed and schedule as properties; see the module's method.
-
-        Raises:
-            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
-        """
+        """Write ORT's state with the run's progress, seed and schedule as properties (see the module's method)."""
         self.check_parameters(trainer)
         # NOTE: under a torch optimizer (hybrid training) ORT's optimizer state is never used;
         # the file holds the weights, and the torch optimizer's state lives in Lightning's .ckpt.
@@ -218,11 +171,7 @@ class CheckpointConnector:
         return write_ort_checkpoint(session, path, include_optimizer_state=include_optimizer_state, properties=values)
 
     def _learning_rate(self, trainer: Any) -> dict[str, float]:
-        """``{"lr": ...}``: the rate of the optimizer that updates, or nothing where none is known.
-
-        NOTE: under a torch optimizer (hybrid training) ORT's optimizer never runs, and its rate is not the run's;
-        the torch optimizer's first param group is, once a fit has built it.
-        """
+        """``{"lr": ...}``: the rate of the optimizer that updates (under a torch optimizer, its own), or nothing."""
         if not self.hybrid:
             return {"lr": float(self.live.session.get_lr())}
         optimizers = getattr(trainer, "optimizers", None) or []
@@ -234,11 +183,7 @@ class CheckpointConnector:
         return export_inference(self.live.evaluator.session, path, names)
 
     def to_onnx(self, file_path: Any, options: dict[str, Any]) -> Path:
-        """Lightning's ``to_onnx``: the inference model at `file_path`; torch.onnx `options` are refused.
-
-        Raises:
-            ConfigurationError: for no file path (or a buffer), or ``torch.onnx.export`` options.
-        """
+        """Lightning's ``to_onnx``: the inference model at `file_path`; torch.onnx `options` are refused."""
         if not isinstance(file_path, (str, os.PathLike)) or options:
             given = f" and torch.onnx.export options {sorted(options)}" if options else ""
             raise ConfigurationError(
@@ -249,11 +194,7 @@ class CheckpointConnector:
         return self.export_inference_model(file_path, None)
 
     def dump(self, checkpoint: dict[str, Any], trainer: Any) -> None:
-        """Store ORT's state (weights, and the optimizer's unless hybrid), the progress since the origin, the identity.
-
-        Raises:
-            NonFiniteLossError: inside a fit, when the last update left NaN/inf in the parameters.
-        """
+        """Store ORT's state (weights, and the optimizer's unless hybrid), the progress, the identity."""
         self.check_parameters(trainer)
         origin = self.run.origin
         state = state_bytes(self.live.session, include_optimizer_state=not self.hybrid)
@@ -266,8 +207,8 @@ class CheckpointConnector:
         """Replace the running session with a ``.ckpt``'s state and continue the run it records.
 
         Raises:
-            CheckpointError: for a ``.ckpt`` without ORT state, of other artifacts, with a damaged state, digest,
-                progress or identity record, or metrics it was trained with and that are not passed again.
+            CheckpointError: for a ``.ckpt`` without ORT state, of other artifacts, with a damaged record,
+                or metrics it was trained with and that are not passed again.
         """
         artifacts, source = self.artifacts, "The Lightning checkpoint"
         state = checkpoint.get(ORT_STATE_KEY)
@@ -310,18 +251,12 @@ def _unreadable_state(source: str) -> Iterator[None]:
 
 
 def find_artifacts(checkpoint_path: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` for ``load_from_checkpoint``, with ``artifacts=`` found relative to a moved ``.ckpt``.
+    """`kwargs` for ``load_from_checkpoint``, with ``artifacts=`` found beside a moved ``.ckpt`` or above it.
 
-    The stored artifacts path is used when it exists; else the folder is looked for beside the
-    ``.ckpt`` and in its parent folders; an ``artifacts=`` the caller gave wins.
-
-    Stored hyper-parameters that name code to load or run are refused first, unless `kwargs` passes
-    them again (`ort_lightning.training.checkpointing.trust`); with ``hparams_file=`` the caller's file replaces them.
+    Stored hyper-parameters that name code to load are refused unless `kwargs` passes them again.
 
     Raises:
-        CheckpointError: for a file that is not a ``.ckpt`` torch wrote or holds no dict, artifacts found
-            nowhere (pass ``artifacts=``), or a stored hyper-parameter that names code (a custom operator
-            library, a factory) and is not passed again.
+        CheckpointError: for a file that is no ``.ckpt``, artifacts found nowhere, or stored code not passed again.
     """
     hparams = hyperparameters_of(read_lightning_checkpoint(checkpoint_path))
     if kwargs.get("hparams_file") is None:

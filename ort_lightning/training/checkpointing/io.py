@@ -1,24 +1,8 @@
 """Lightning ``.ckpt`` files written atomically: a kill or a full disk never leaves a truncated one.
 
-Lightning's ``TorchCheckpointIO`` writes a local ``.ckpt`` through an fsspec transaction whose
-temporary file lies in the system's temp folder: its commit is a copy into place when that is
-another file system, neither atomic nor flushed, so a kill or a full disk during it leaves
-``last.ckpt`` truncated, and a resume from it fails. `AtomicCheckpointIO` serializes the
-checkpoint in memory, checks the free space against its size, and writes it with
-`ort_lightning.storage.atomic.atomic_write` (a temporary file beside it, fsync, rename); a
-failure raises `StorageError` naming the path, with the previous file intact.
-
-`ORTLightningModule.setup` installs it (`install_atomic_io`) when the strategy uses Lightning's
-plain ``TorchCheckpointIO``; a checkpoint IO plugin the user chose is left alone.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from pathlib import Path
-    >>> path = Path(tempfile.mkdtemp()) / "last.ckpt"
-    >>> AtomicCheckpointIO().save_checkpoint({"step": torch.tensor(3)}, path)
-    >>> int(torch.load(path, weights_only=True)["step"])
-    3
+Lightning's ``TorchCheckpointIO`` commits through a temporary file in the system's temp folder:
+across file systems that is a copy, neither atomic nor flushed. `AtomicCheckpointIO` writes beside
+the file, fsyncs and renames; `ORTLightningModule.setup` installs it unless the user chose a plugin.
 """
 
 from __future__ import annotations
@@ -42,11 +26,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Write `checkpoint` to `path` atomically (remote URLs go through Lightning's own writer).
-
-        Raises:
-            StorageError: for too little free space or a failed write; the previous file is intact.
-        """
+        """Write `checkpoint` to `path` atomically (`StorageError` leaves the previous file intact)."""
         if storage_options is not None or "://" in os.fspath(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return

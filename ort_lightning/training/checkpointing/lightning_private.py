@@ -1,25 +1,9 @@
 """The one place that touches `ModelCheckpoint`'s private methods and fields.
 
-``ModelCheckpoint`` decides *when* and *which* files exist through public hooks, but it writes,
-removes, names and finds its files through private methods that have no public counterpart.
-`ModelCheckpointAdapter` overrides each of them in a line or two and hands over to a public-named
-method (`write_file`, `remove_file`, `resumable`, `with_progress`, `before_top_k`), so that
-``ORTCheckpoint`` is written against public names only. Nothing else in the package names a
-private member of ``ModelCheckpoint``.
-
-Read against lightning 2.6.6 (``lightning/pytorch/callbacks/model_checkpoint.py``).
-`OVERRIDDEN` and `FIELDS` list what this module relies on;
-``tests/test_lightning_private.py`` checks them against the installed lightning (names,
-signatures, and that a fit calls each override) and fails naming the one that moved.
-
-Example::
-
-    >>> from ort_lightning.training.checkpointing.lightning_private import OVERRIDDEN, ModelCheckpointAdapter
-    >>> sorted(OVERRIDDEN)[:2]
-    ['_find_last_checkpoints', '_monitor_candidates']
-    >>> ModelCheckpointAdapter(every_n_train_steps=5).rule_key(dirpath="out")
-    "ModelCheckpointAdapter{'dirpath': 'out', 'monitor': None, 'mode': 'min', 'every_n_train_steps': 5, \
-'every_n_epochs': 0, 'train_time_interval': None}"
+`ModelCheckpointAdapter` overrides each private file method in a line or two and hands over to a
+public-named one, so ``ORTCheckpoint`` is written against public names only. `OVERRIDDEN` and
+`FIELDS` list what this relies on; ``tests/test_lightning_private.py`` checks them against the
+installed lightning.
 """
 
 from __future__ import annotations
@@ -52,11 +36,7 @@ FIELDS = ("_last_global_step_saved", "_last_checkpoint_saved", "_every_n_train_s
 
 
 class ModelCheckpointAdapter(ModelCheckpoint):
-    """``ModelCheckpoint`` whose private file access calls public-named methods a subclass defines.
-
-    Every method keeps ``ModelCheckpoint``'s behaviour until a subclass overrides it, except
-    `write_file`, which a subclass must define (``ModelCheckpoint`` writes a Lightning ``.ckpt``).
-    """
+    """``ModelCheckpoint`` whose private file access calls public-named methods; a subclass defines `write_file`."""
 
     # ----------------------------------------------------------------------------- what a subclass defines
     def write_file(self, trainer: pl.Trainer, filepath: str) -> None:

@@ -1,31 +1,8 @@
 """`save_pretrained`: a trained module, or any checkpoint the package writes, back out as transformers or peft folders.
 
-The trained values are read from where they are, checked as a resume would check them, and handed
-to `ort_lightning.pretrained.writer`, which writes them through the model's own ``save_pretrained``:
-
-- an `ORTLightningModule`: its state as it is now (the eval graph's weights);
-- an ORT checkpoint file (``ORTCheckpoint``'s ``.ortckpt``, ``save_ort_checkpoint``): read by ONNX
-  Runtime, its digest and its parameters checked against the artifacts, which the file does not name
-  (``artifacts=``);
-- a Lightning ``.ckpt``: the ORT state it carries, its digest and the artifacts' identity checked; the
-  artifacts folder it names is found as ``load_from_checkpoint`` finds it (``artifacts=`` wins);
-- an artifacts folder: the weights it was exported with.
-
-Example::
-
-    >>> import tempfile, torch, transformers
-    >>> from pathlib import Path
-    >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    ...                                   num_attention_heads=2, num_key_value_heads=1)
-    >>> model = transformers.LlamaForCausalLM(config)
-    >>> ids = torch.randint(0, 32, (2, 6))
-    >>> root = Path(tempfile.mkdtemp())
-    >>> example = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    >>> artifacts = export_artifacts(model, example, root / "artifacts", loss=None, verify=False)
-    >>> folder = save_pretrained(ORTLightningModule(artifacts), root / "model")
-    >>> type(transformers.AutoModelForCausalLM.from_pretrained(folder)).__name__
-    'LlamaForCausalLM'
+The trained values are read from a module, an ORT checkpoint file, a Lightning ``.ckpt`` or an
+artifacts folder, checked as a resume checks them, and written through the model's own
+``save_pretrained`` (`ort_lightning.pretrained.writer`). docs/guide/huggingface.md shows it end to end.
 """
 
 from __future__ import annotations
@@ -73,38 +50,26 @@ def save_pretrained(
 ) -> Path:
     """Write a trained model as the folder transformers or peft loads, through the model's own ``save_pretrained``.
 
-    For artifacts exported from a peft ``PeftModel``, the folder is the adapter folder of its active
-    adapter, the one that trained (``adapter_model.safetensors`` + ``adapter_config.json``, in a subfolder
-    of its name unless it is peft's ``default``) that ``PeftModel.from_pretrained(base, folder)`` loads;
-    for a transformers model (a full fine-tune), ``model.safetensors`` + ``config.json`` that
-    ``AutoModelForCausalLM.from_pretrained(folder)`` loads. The model is rebuilt from what the export
-    recorded beside the artifacts (its config and adapter configs: random weights, no download), then
-    given the trained values.
+    A peft model writes its active adapter's folder (``PeftModel.from_pretrained(base, folder)``), a
+    transformers model ``model.safetensors`` + ``config.json``; the model is rebuilt from what the
+    export recorded (no download), then given the trained values.
 
     Args:
-        source: an `ORTLightningModule`, an ORT checkpoint file (``ORTCheckpoint``'s ``.ortckpt``), a
-            Lightning ``.ckpt`` that an `ORTLightningModule` saved, or an artifacts folder (its
-            exported weights).
-        folder: where the model writes itself; created if missing, its files replaced; written as a
-            whole (a failure leaves it as it was).
-        artifacts: the artifacts folder the checkpoint was trained on: needed for an ORT checkpoint file,
-            which does not name it; a ``.ckpt`` names its own (this one wins).
-        model: the torch model the artifacts were exported from (its parameters take the trained
-            values), for artifacts that record no transformers model: exported before the record
-            existed, or from a model class that cannot be imported where this runs.
-        merge: merge the peft adapters into the base weights (``merge_and_unload``) and write the merged
-            transformers model instead of the adapter folder.
+        source: an `ORTLightningModule`, an ORT checkpoint file, a Lightning ``.ckpt`` an
+            `ORTLightningModule` saved, or an artifacts folder (its exported weights).
+        folder: where the model writes itself, as a whole (a failure leaves it as it was).
+        artifacts: the artifacts folder an ORT checkpoint file was trained on (a ``.ckpt`` names its own).
+        model: the torch model the artifacts came from, for artifacts that record no transformers model.
+        merge: merge the peft adapters into the base weights and write the merged model.
 
     Returns:
         The folder.
 
     Raises:
-        ArtifactError: for artifacts that record no transformers model (pass `model`), or artifacts that
-            do not validate.
-        CheckpointError: for a nominal checkpoint (no weights), a damaged one, one of other artifacts, or
-            values that do not fit the model.
-        ConfigurationError: for a `source` of another kind, an ORT checkpoint file without `artifacts`, or
-            a `model` without ``save_pretrained``.
+        ArtifactError: for artifacts that record no transformers model (pass `model`) or do not validate.
+        CheckpointError: for a nominal, damaged or foreign checkpoint, or values that do not fit.
+        ConfigurationError: for a `source` of another kind, an ORT checkpoint file without `artifacts`,
+            or a `model` without ``save_pretrained``.
     """
     values, found, described = trained_values(source, artifacts=artifacts)
     return write_pretrained(values, folder, artifacts=found.directory, model=model, merge=merge, source=described)
@@ -113,11 +78,7 @@ def save_pretrained(
 def trained_values(
     source: Any, *, artifacts: Artifacts | None = None
 ) -> tuple[dict[str, torch.Tensor], TrainingArtifacts, str]:
-    """ORT's state held by `source` (name -> tensor), the artifacts it belongs to, and `source` in words.
-
-    Raises:
-        ArtifactError, CheckpointError, ConfigurationError: as `save_pretrained`.
-    """
+    """ORT's state held by `source` (name -> tensor), the artifacts it belongs to, and `source` in words."""
     held = getattr(source, "artifacts", None)
     if isinstance(source, torch.nn.Module) and isinstance(held, TrainingArtifacts):
         if artifacts is not None:
@@ -155,11 +116,7 @@ def _load(artifacts: Artifacts) -> TrainingArtifacts:
 
 
 def _file_values(path: Path, artifacts: TrainingArtifacts) -> dict[str, torch.Tensor]:
-    """The values of an ORT checkpoint file, checked against `artifacts` as a resume checks them.
-
-    Raises:
-        CheckpointError: for a damaged file, one of other artifacts, or a nominal one.
-    """
+    """The values of an ORT checkpoint file, checked against `artifacts` as a resume checks them."""
     _, held = read_checkpoint_state(path, artifacts, weights_given=True)
     if held.nominal_summary() is not None:
         raise CheckpointError(
@@ -172,12 +129,7 @@ def _file_values(path: Path, artifacts: TrainingArtifacts) -> dict[str, torch.Te
 def _lightning_values(
     path: Path, artifacts: Artifacts | None
 ) -> tuple[dict[str, torch.Tensor], TrainingArtifacts, str]:
-    """The ORT state a Lightning ``.ckpt`` carries, checked as ``on_load_checkpoint`` checks it.
-
-    Raises:
-        CheckpointError: for a ``.ckpt`` without ORT state, of other artifacts, damaged, or whose artifacts are
-            found nowhere.
-    """
+    """The ORT state a Lightning ``.ckpt`` carries, checked as ``on_load_checkpoint`` checks it."""
     checkpoint = read_lightning_checkpoint(path)
     source = f"Checkpoint {path}"
     state = None if checkpoint is None else checkpoint.get(ORT_STATE_KEY)

@@ -1,20 +1,8 @@
 """Lightning ``.ckpt`` files that travel: the artifacts' identity stored, checked, and found again.
 
-A ``.ckpt`` records the artifacts folder as it was typed (often relative) and the ORT state
-bytes. Loaded from another folder, or onto artifacts of another model, it used to fail deep in
-ONNX Runtime or, for another optimizer kind, not at all. `identity_of` is what the ``.ckpt``
-stores (graph digests, parameter names and shapes, optimizer kind); `check_identity` compares
-it with the artifacts at hand; `resolve_artifacts` finds a moved folder relative to the
-``.ckpt``; `check_metrics` says how to pass ``metrics=`` again (metrics do not pickle into
-hyper-parameters).
-
-Example::
-
-    >>> stored = {"optimizer": "adamw", "parameters": [["w", [2], True]], "graphs": {}}
-    >>> check_identity(stored, {**stored, "optimizer": "sgd"}, source="Checkpoint run.ckpt", folder="art")
-    Traceback (most recent call last):
-    ...
-    ort_lightning.errors.CheckpointError: Checkpoint run.ckpt does not match the artifacts in art: ...
+A ``.ckpt`` stores the artifacts' identity (`identity_of`: graph digests, parameters, optimizer
+kind), checked on load (`check_identity`); a moved folder is found beside the ``.ckpt``
+(`resolve_artifacts`); `check_metrics` says how to pass ``metrics=`` again.
 """
 
 from __future__ import annotations
@@ -46,12 +34,7 @@ IDENTITY_KEY = "ort_lightning_artifacts"
 
 
 def identity_of(artifacts: TrainingArtifacts) -> dict[str, Any]:
-    """The graph digests, parameters ``[name, shape, trainable]`` and optimizer kind of `artifacts`.
-
-    ``graphs`` holds the digest of each graph the artifacts train with, by role; ``graph_files`` the
-    digest of every graph file of the folder by file name, ``.onnx`` and ``.ort`` alike, so that a
-    ``.ckpt`` of a folder's ``.onnx`` graphs is known on the same export's ``.ort``-only copy.
-    """
+    """The graph digests (by role and by file), parameters ``[name, shape, trainable]`` and optimizer kind."""
     graphs, files = {}, {}
     for name in ("training_model", "eval_model", "optimizer_model"):
         path: Path | None = getattr(artifacts, name)
@@ -82,11 +65,7 @@ def _differing_graphs(stored: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 
 def _check_record(stored: object, *, source: object) -> None:
-    """Refuse an identity record whose fields have the wrong types (a damaged or hand-made ``.ckpt``).
-
-    Raises:
-        CheckpointError: naming the record and what to do.
-    """
+    """Refuse an identity record whose fields have the wrong types (a damaged or hand-made ``.ckpt``)."""
     parameters = stored.get("parameters", []) if isinstance(stored, Mapping) else None
     valid = (
         isinstance(stored, Mapping)
@@ -107,8 +86,13 @@ def _check_record(stored: object, *, source: object) -> None:
 def check_identity(stored: Mapping[str, Any], current: Mapping[str, Any], *, source: object, folder: object) -> None:
     """Refuse a ``.ckpt`` whose artifacts (`stored`) are not the ones at hand (`current`).
 
-    Raises:
-        CheckpointError: naming what differs and what to pass instead, or a `stored` record of the wrong types.
+    Example::
+
+        >>> stored = {"optimizer": "adamw", "parameters": [["w", [2], True]], "graphs": {}}
+        >>> check_identity(stored, {**stored, "optimizer": "sgd"}, source="Checkpoint run.ckpt", folder="art")
+        Traceback (most recent call last):
+        ...
+        ort_lightning.errors.CheckpointError: Checkpoint run.ckpt does not match the artifacts in art: ...
     """
     _check_record(stored, source=source)
     problems = []
@@ -134,10 +118,7 @@ def check_identity(stored: Mapping[str, Any], current: Mapping[str, Any], *, sou
 
 
 def resolve_artifacts(checkpoint_path: Any, hparams: Mapping[str, Any]) -> str | None:
-    """The artifacts folder of a ``.ckpt``: as stored if it exists, else relative to the ``.ckpt`` or a parent.
-
-    Returns:
-        None when the stored folder exists as written (nothing to change), else the folder found.
+    """A ``.ckpt``'s artifacts folder: None if it exists as stored, else the one found beside it or above.
 
     Raises:
         CheckpointError: when the folder is found nowhere; the message names ``artifacts=``.
@@ -167,11 +148,7 @@ def metric_names(metrics: Mapping[str, Any]) -> dict[str, str]:
 
 
 def check_metrics(stored: Mapping[str, str], present: bool, *, source: object) -> None:
-    """Refuse to load a ``.ckpt`` trained with metrics into a module built without them.
-
-    Raises:
-        CheckpointError: naming the metrics and how to pass them again.
-    """
+    """Refuse to load a ``.ckpt`` trained with metrics into a module built without them."""
     if stored and not present:
         listed = ", ".join(f"{name!r}: {kind}(...)" for name, kind in stored.items())
         raise CheckpointError(
@@ -181,14 +158,10 @@ def check_metrics(stored: Mapping[str, str], present: bool, *, source: object) -
 
 
 def read_lightning_checkpoint(checkpoint_path: Any) -> dict[str, Any] | None:
-    """The dict a ``.ckpt`` file holds, read with ``torch.load(weights_only=True)``, or None when it cannot tell.
-
-    None for a missing file (Lightning says so itself), a buffer torch cannot read, or a ``.ckpt`` whose
-    hyper-parameters hold arbitrary objects (left to Lightning's own loading).
+    """The dict a ``.ckpt`` holds (``weights_only=True``), or None where Lightning should tell.
 
     Raises:
-        CheckpointError: for a file that is not a ``.ckpt`` torch wrote (truncated, garbage, empty), or
-            that holds something other than a dict.
+        CheckpointError: for a file that is not a ``.ckpt`` torch wrote, or holds no dict.
     """
     if hasattr(checkpoint_path, "read") and hasattr(checkpoint_path, "seek"):
         return _read_buffer(checkpoint_path)

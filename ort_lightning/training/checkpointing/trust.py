@@ -1,22 +1,14 @@
 """Nothing named in a checkpoint is loaded or run as code unless the caller names it again.
 
-``load_from_checkpoint`` passes a ``.ckpt``'s hyper-parameters back to ``__init__``. A ``.ckpt``
-is data that travels (shared, downloaded, attached to an issue): one holding only plain types
-could still name a shared library as ``custom_op_library``, whose constructor ONNX Runtime would
-run on load. `check_code_hyperparameters` refuses, before anything is loaded, every stored value
-that names code to load or run (a custom operator library, an optimizer or scheduler factory, an
-ORT checkpoint to start from, a path to a shared library or a Python file) unless the caller
-passes that key again, which is the caller's decision to trust it.
+A ``.ckpt`` travels; one could name a shared library as ``custom_op_library``, which ONNX Runtime
+would load. Such stored values are refused unless the caller passes the key again.
 
 Example::
 
-    >>> check_code_hyperparameters({"lr": 0.1, "custom_op_library": None}, {}, source="run.ckpt")
     >>> check_code_hyperparameters({"custom_op_library": "libops.so"}, {}, source="run.ckpt")
     Traceback (most recent call last):
     ...
     ort_lightning.errors.CheckpointError: run.ckpt names custom_op_library='libops.so' ...
-    >>> check_code_hyperparameters({"custom_op_library": "libops.so"}, {"custom_op_library": "libops.so"},
-    ...                            source="run.ckpt")
 """
 
 from __future__ import annotations
@@ -53,16 +45,7 @@ def _names_code(key: str, value: Any) -> bool:
 
 
 def check_code_hyperparameters(stored: Mapping[str, Any], given: Mapping[str, Any], *, source: object) -> None:
-    """Refuse stored hyper-parameters that name code to load or run and that the caller did not pass again.
-
-    Args:
-        stored: the checkpoint's hyper-parameters.
-        given: the keyword arguments of the ``load_from_checkpoint`` call.
-        source: how to name the checkpoint in the message.
-
-    Raises:
-        CheckpointError: naming the key, its stored value and what to pass.
-    """
+    """Refuse `stored` hyper-parameters that name code and are not in `given` (`CheckpointError`)."""
     for key, value in stored.items():
         if key in given or not _names_code(key, value):
             continue

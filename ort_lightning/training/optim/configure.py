@@ -1,18 +1,4 @@
-"""What ``ORTLightningModule.configure_optimizers`` returns: the optimizer of a fit and its schedule.
-
-ORT's own optimizer graph (`ORTOptimizer`) by default, or a torch optimizer from the module's
-``optimizer=`` factory updating ORT's parameters in place (`ort_lightning.training.optim.hybrid`);
-with the ``lr_scheduler=`` schedule, started where the run's checkpoint left it.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-    >>> module = ORTLightningModule(artifacts, lr_scheduler="constant")
-    >>> type(module.configure_optimizers()).__name__
-    'ORTOptimizer'
-"""
+"""What ``ORTLightningModule.configure_optimizers`` returns: the optimizer of a fit and its schedule."""
 
 from __future__ import annotations
 
@@ -43,18 +29,10 @@ def configure(
     total_steps: Callable[[], int],
     start: Progress,
 ) -> tuple[Any, Any]:
-    """The optimizer (with its scheduler config, if any) for ``configure_optimizers``, and the scheduler.
+    """The optimizer (with its scheduler config) for ``configure_optimizers``, and the scheduler.
 
-    Args:
-        session: the running ORT session.
-        params: the trainable parameters (views of ORT's memory).
-        artifacts: what is trained (ORT's optimizer needs an optimizer graph).
-        factory: None for ORT's optimizer graph, else ``params -> torch.optim.Optimizer``.
-        lr: the peak learning rate (ORT's optimizer; a factory sets its own).
-        lr_scheduler: the module's ``lr_scheduler=`` option.
-        warmup_steps: the linear schedule's warmup, a count or a fraction of the total.
-        total_steps: returns the linear schedule's length.
-        start: where the schedule starts (the step of the checkpoint the run started from).
+    `factory` None runs ORT's optimizer graph at `lr`; else it builds a torch optimizer over `params`.
+    The schedule starts at `start`.
 
     Raises:
         ConfigurationError: for artifacts without an optimizer graph and no factory, or a factory

@@ -1,20 +1,8 @@
 """A folder whose optimizer graph computes its own learning rate: the module trains it only at that rate.
 
-``prepare_for_web`` writes folders whose optimizer graph ignores the ``learning_rate`` ONNX Runtime
-feeds and computes the rate from the optimizer step (``Manifest.lr_schedule``). The module's
-scheduler still sets a rate (for ``LearningRateMonitor``, checkpoints, clipping), which the graph
-would silently ignore: `check_graph_schedule` accepts only the settings that report the rate the
-graph trains at, and refuses others by name.
-
-Example::
-
-    >>> from ort_lightning.artifacts.schedule import GraphSchedule
-    >>> from ort_lightning.training.optim.schedules import Schedule
-    >>> baked = GraphSchedule("linear", 0.05, warmup_steps=3, total_steps=8)
-    >>> agrees(baked, Schedule(lr=0.05, warmup_steps=3, total_steps=8), "linear")
-    True
-    >>> agrees(baked, Schedule(lr=0.05, warmup_steps=0, total_steps=None), "linear")
-    False
+The module's scheduler still reports a rate (to ``LearningRateMonitor``, checkpoints), which the
+graph would silently ignore; `check_graph_schedule` accepts only the settings that report the
+rate the graph trains at.
 """
 
 from __future__ import annotations
@@ -47,9 +35,7 @@ def check_graph_schedule(
     baked: GraphSchedule | None, schedule: Schedule, lr_scheduler: Any, *, folder: Path, on_nonfinite: str,
     hybrid: bool,
 ) -> None:
-    """Refuse settings under which the module would report another rate than `folder`'s graph trains at.
-
-    A hybrid module (``optimizer=`` a torch factory) does not run the optimizer graph: anything goes.
+    """Refuse settings whose rate is not `folder`'s graph's (a hybrid module, which runs no graph, passes).
 
     Raises:
         ConfigurationError: naming the folder's schedule and the arguments that train at it.
@@ -78,11 +64,7 @@ def module_schedule(
     artifacts: TrainingArtifacts, *, lr: float | None, warmup_steps: int | float | None, total_steps: int | None,
     stored: dict[str, Any], lr_scheduler: Any, on_nonfinite: str, hybrid: bool,
 ) -> Schedule:
-    """The module's schedule: the arguments given, else the `stored` checkpoint's, else the defaults; checked.
-
-    Raises:
-        ConfigurationError: for an inconsistent schedule, or one other than `artifacts`' optimizer graph computes.
-    """
+    """The module's schedule (arguments, else the `stored` checkpoint's, else defaults), checked."""
     schedule = resolve_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps, stored=stored)
     check_schedule(schedule.lr, schedule.warmup_steps, schedule.total_steps)
     check_graph_schedule(artifacts.manifest.lr_schedule, schedule, lr_scheduler, folder=artifacts.directory,

@@ -1,18 +1,9 @@
 """Hybrid training: ONNX Runtime computes forward and backward, a torch optimizer updates.
 
-``ORTLightningModule(optimizer=factory)`` takes a factory ``params -> torch.optim.Optimizer``
-(``lambda params: torch.optim.AdamW(params, lr=3e-4, fused=True)``, SGD with momentum and
-Nesterov, any third-party torch optimizer). The parameters it receives are the module's torch
-parameters: views of ORT's CheckpointState whose ``.grad`` are views of ORT's gradient buffers
-(DLPack, no copy). The torch optimizer's in-place update therefore writes ORT's weights
-directly, and the next ``train_step`` sees it. `TorchOverORT` wraps that optimizer so that
-Lightning drives it like the ORT one: it is the update of the module's one step path
-(`ort_lightning.training.step.StepPath`), which runs the closure (ORT's forward and backward), skips the
-update when the closure returns None, and resets ORT's gradient buffers after each update.
-
-ORT's own optimizer graph stays the default (``optimizer=None``): it is what ships for
-on-device training. The torch optimizer pays where ORT's update is slow (AdamW over millions of
-parameters) or missing (SGD with momentum, Nesterov, weight decay).
+``ORTLightningModule(optimizer=factory)`` builds the torch optimizer over the module's parameters,
+views of ORT's state whose ``.grad`` are views of ORT's gradient buffers, so its in-place update
+writes ORT's weights directly. It pays where ORT's update is slow or missing (SGD with momentum);
+ORT's own optimizer graph stays the default, as it is what ships for on-device training.
 
 Example::
 
@@ -20,10 +11,9 @@ Example::
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
-    >>> module = ORTLightningModule(artifacts, optimizer=sgd, lr_scheduler="constant")
-    >>> optimizer = module.configure_optimizers()
-    >>> type(optimizer.optimizer).__name__, optimizer.param_groups[0]["momentum"]
-    ('SGD', 0.9)
+    >>> optimizer = ORTLightningModule(artifacts, optimizer=sgd, lr_scheduler="constant").configure_optimizers()
+    >>> type(optimizer.optimizer).__name__
+    'SGD'
 """
 
 from __future__ import annotations
@@ -47,11 +37,7 @@ _EXAMPLE = "optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4, fused=Tr
 
 
 def check_optimizer(optimizer: object) -> None:
-    """Refuse an `optimizer` option that is neither None nor a callable.
-
-    Raises:
-        ConfigurationError: naming what is accepted.
-    """
+    """Refuse an `optimizer` option that is neither None nor a callable (`ConfigurationError`)."""
     if optimizer is None or (callable(optimizer) and not isinstance(optimizer, (str, torch.optim.Optimizer))):
         return
     raise ConfigurationError(
@@ -71,13 +57,8 @@ def describe_optimizer(optimizer: OptimizerFactory | None) -> str:
 class TorchOverORT(torch.optim.Optimizer):
     """A torch optimizer updating ORT's parameters from ORT's gradients, driven by Lightning.
 
-    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own objects, so
-    gradient clipping, torch schedulers and ``LearningRateMonitor`` work on it as on the torch
-    optimizer; ``state_dict`` is the torch optimizer's, which Lightning stores in the ``.ckpt``.
-
-    Args:
-        session: the assembled ORT objects (for the gradient reset).
-        optimizer: the torch optimizer, built over the module's ORT-backed parameters.
+    ``param_groups``, ``state``, ``defaults`` and ``state_dict`` are the wrapped optimizer's own, so
+    clipping, torch schedulers and ``LearningRateMonitor`` work on it as on the torch optimizer.
     """
 
     def __init__(self, session: TrainingSession, optimizer: torch.optim.Optimizer) -> None:
@@ -89,11 +70,7 @@ class TorchOverORT(torch.optim.Optimizer):
         self._alias()
 
     def follow(self, session: TrainingSession) -> None:
-        """Work with `session` from now on: a rebuild of the running session (`ort_lightning.training.session.live`).
-
-        The torch optimizer's parameters are the module's, which a rebuild re-points at the new memory:
-        the same objects, so its ``param_groups``, its state keyed by them and its schedulers stay valid.
-        """
+        """Work with `session` from now on; the parameters stay the same objects."""
         self.session = session
         device = torch.device(session.device)
         self._cuda_device = device if device.type == "cuda" else None
@@ -105,11 +82,7 @@ class TorchOverORT(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run `closure`, then the torch optimizer's update: step 7 of `ort_lightning.training.step.StepPath`.
-
-        A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf loss
-        is skipped) skips the update. The gradient reset after it belongs to the step path.
-        """
+        """Run `closure`, then the torch optimizer's update; a closure that returns None skips it."""
         ran, loss = run_closure(closure)
         if not ran:
             return None
@@ -119,11 +92,7 @@ class TorchOverORT(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them.
-
-        The torch optimizer's own ``zero_grad`` would set ``.grad`` to None, cutting the views. In a
-        fit the module's step path resets after each update instead (see `ORTOptimizer.zero_grad`).
-        """
+        """Reset ORT's gradient buffers; ``.grad`` stays the views of them (torch's would set None)."""
         self.session.lazy_reset_grad()
 
     def state_dict(self) -> dict[str, Any]:
@@ -131,12 +100,7 @@ class TorchOverORT(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the torch optimizer's state, keeping the objects others hold.
-
-        ``torch.optim.Optimizer.load_state_dict`` replaces ``param_groups`` and ``state`` with new
-        objects; Lightning's optimizer wrapper and the schedulers keep the old ones, so the new
-        contents are moved into them.
-        """
+        """Restore the torch optimizer's state into the objects Lightning and the schedulers hold."""
         groups, state = self.optimizer.param_groups, self.optimizer.state
         self.optimizer.load_state_dict(state_dict)
         groups[:] = self.optimizer.param_groups
@@ -150,8 +114,8 @@ def build(factory: OptimizerFactory, session: TrainingSession, params: Sequence[
     """Call `factory` over the trainable ORT-backed `params` and wrap what it returns.
 
     Raises:
-        ConfigurationError: when the factory returns no torch optimizer, or one holding tensors
-            that are not the module's trainable parameters (they would never see ORT's gradients).
+        ConfigurationError: when the factory returns no torch optimizer, or one holding tensors that
+            are not the module's trainable parameters.
     """
     optimizer = factory(list(params))
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -184,11 +148,7 @@ def _facade_class(kind: type[torch.optim.Optimizer]) -> type[TorchOverORT]:
 def linear_schedule(
     optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The linear warmup/decay of `LinearLRSchedule` as a torch scheduler over a torch optimizer.
-
-    Each param group keeps its own peak lr (the factory's); a warmup longer than the run stays
-    in the warmup, as with ORT's optimizer.
-    """
+    """The linear warmup/decay of `LinearLRSchedule` as a torch scheduler, each group at its own peak lr."""
 
     def factor(step: int) -> float:
         return linear_lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps)

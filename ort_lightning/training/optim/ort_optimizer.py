@@ -1,17 +1,4 @@
-"""Torch-shaped facades over ONNX Runtime's optimizer and linear LR scheduler.
-
-Lightning only drives what looks like a torch optimizer: `ORTOptimizer` is a
-``torch.optim.Optimizer`` whose ``param_groups`` hold the torch views of ORT's parameters
-(their ``.grad`` are views of ORT's gradient buffers) and whose ``lr`` is ORT's learning
-rate. `LinearLRSchedule` is the linear warmup/decay schedule with ``step``/``state_dict``.
-
-Example::
-
-    >>> # inside an ORTLightningModule: configure_optimizers() returns these
-    >>> # {"optimizer": ORTOptimizer(session, params, lr=1e-3),
-    >>> #  "lr_scheduler": {"scheduler": LinearLRSchedule(optimizer, warmup_steps=10, total_steps=100),
-    >>> #                   "interval": "step"}}
-"""
+"""Torch-shaped facades over ONNX Runtime's optimizer and linear LR scheduler, for Lightning to drive."""
 
 from __future__ import annotations
 
@@ -28,13 +15,7 @@ __all__ = ["LinearLRSchedule", "ORTOptimizer", "linear_lr_factor", "run_closure"
 
 
 def run_closure(closure: Callable[[], Any] | None) -> tuple[bool, Any]:
-    """Run an optimizer's `closure` with autograd on; ``(False, None)`` when it returned None (skip the update).
-
-    Example::
-
-        >>> run_closure(None), run_closure(lambda: None), run_closure(lambda: 1.5)
-        ((True, None), (False, None), (True, 1.5))
-    """
+    """Run an optimizer's `closure` with autograd on; ``(False, None)`` when it returned None (skip the update)."""
     if closure is None:
         return True, None
     with torch.enable_grad():
@@ -45,15 +26,8 @@ def run_closure(closure: Callable[[], Any] | None) -> tuple[bool, Any]:
 class ORTOptimizer(torch.optim.Optimizer):
     """The ORT optimizer (AdamW or SGD graph) seen as a ``torch.optim.Optimizer``.
 
-    ``step(closure)`` runs the closure (ORT forward and backward inside ``training_step``), sends
-    ``param_groups[0]["lr"]`` to ORT and runs ORT's update. Moments and the step count live in
-    ORT's CheckpointState, not in ``state``. The gradient reset after the update belongs to the
-    module's step path (`ort_lightning.training.step.StepPath`).
-
-    Args:
-        session: the assembled ORT objects.
-        params: torch views of the trainable ORT parameters.
-        lr: initial learning rate.
+    ``param_groups`` hold the torch views of ORT's parameters; moments and step live in ORT's
+    CheckpointState. ``step`` sends ``param_groups[0]["lr"]`` to ORT and runs its update.
     """
 
     def __init__(self, session: TrainingSession, params: Iterable[torch.nn.Parameter], *, lr: float) -> None:
@@ -68,23 +42,14 @@ class ORTOptimizer(torch.optim.Optimizer):
         self._cuda_device = device if device.type == "cuda" else None
 
     def follow(self, session: TrainingSession) -> None:
-        """Update `session` from now on: a rebuild of the running session (`ort_lightning.training.session.live`).
-
-        ``param_groups`` hold the module's parameters, which a rebuild re-points at the new memory
-        (the same objects), and ORT keeps the moments and the step; a scheduler holds this object. The
-        lr reaches the new session at the next `step`, as it does every step.
-        """
+        """Update `session` from now on (a rebuild); the parameters are the same objects, re-pointed."""
         self.session = session
         device = torch.device(session.device)
         self._cuda_device = device if device.type == "cuda" else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run `closure`, then ORT's optimizer update with the lr of ``param_groups[0]``.
-
-        A closure that returns None (no micro-batch of the step returned a loss, or a NaN/inf
-        loss is skipped) skips the update.
-        """
+        """Run `closure`, then ORT's update at ``param_groups[0]``'s lr; a closure that returns None skips it."""
         ran, loss = run_closure(closure)
         if not ran:
             return None
@@ -95,12 +60,7 @@ class ORTOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them.
-
-        In a fit the module's step path resets after each update instead, and Lightning's own
-        ``optimizer_zero_grad`` (which runs after ``training_step``, where ORT has already
-        computed the gradients) is a no-op.
-        """
+        """Reset ORT's gradient buffers (at the next ``train_step``); ``.grad`` stays the views of them."""
         self.session.lazy_reset_grad()
 
 
@@ -120,17 +80,8 @@ def linear_lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float
 class LinearLRSchedule:
     """Linear warmup from 0 to `lr`, then linear decay to 0, as a Lightning scheduler over `ORTOptimizer`.
 
-    ``lr(s) = lr * linear_lr_factor(s)`` where `s` counts the scheduler's steps, which Lightning
-    takes once per optimizer step, a skipped (NaN/inf) one included, so `s` follows
-    ``trainer.global_step`` as a torch scheduler does. A warmup longer than the run stays in the
-    warmup (``fast_dev_run``, short ``max_steps``). ``param_groups`` carry the lr for
-    ``LearningRateMonitor``, and ORT gets it before every update.
-
-    Args:
-        optimizer: the `ORTOptimizer` (or a torch optimizer over ORT's parameters) whose lr it drives.
-        warmup_steps: optimizer steps of the warmup.
-        total_steps: optimizer steps until the lr reaches 0.
-        step: the step to start at (the optimizer steps of a run resumed from an ORT checkpoint).
+    It counts Lightning's optimizer steps (skipped ones included), as a torch scheduler does; a
+    warmup longer than the run stays in the warmup. `step` is where a resumed run starts.
 
     Raises:
         ConfigurationError: for ``total_steps < 1`` or a negative warmup or step.
@@ -179,12 +130,7 @@ class LinearLRSchedule:
                 "step": self.last_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the step and the peak lr, and recompute the lr (``ckpt_path=`` resume).
-
-        The shape of the schedule (`warmup_steps`, `total_steps`) stays as this fit configured
-        it, as torch's ``LambdaLR`` keeps its lambda: a resumed fit with a larger ``max_steps``
-        extends the decay instead of staying at lr 0.
-        """
+        """Restore the step and the peak lr (``ckpt_path=`` resume); the shape stays as this fit configured it."""
         self.base_lr = float(state_dict["base_lr"])
         self.last_step = int(state_dict.get("step", self.last_step))
         self._sync()

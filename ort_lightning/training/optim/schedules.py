@@ -1,21 +1,13 @@
 """Which learning-rate schedule drives the ORT optimizer: the linear one, none, or a torch one.
 
-``ORTLightningModule(lr_scheduler=...)`` takes ``"linear"`` (linear warmup and decay, the
-default), ``"constant"``, a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``
-(stepped per optimizer step), or Lightning's scheduler dict with such a factory under
-``"scheduler"`` (``interval``, ``frequency``, ``monitor`` as Lightning reads them). A scheduler
-writes ``param_groups[0]["lr"]``, which `ORTOptimizer.step` hands to ORT before every update.
-
-Resuming with ``checkpoint=``: the linear schedule's lr, warmup and total that are not given
-come from the checkpoint, and every schedule starts at the checkpoint's optimizer step (or
-epoch), so that the run goes on as if it had not stopped.
+A scheduler writes ``param_groups[0]["lr"]``, which reaches ORT before every update. A run resumed
+with ``checkpoint=`` takes the linear schedule's missing settings from the checkpoint and starts
+every schedule at its step, as if it had not stopped.
 
 Example::
 
     >>> resolve_warmup(0.1, total_steps=50)
     5
-    >>> describe(lambda opt: None)
-    '<lambda>'
 """
 
 from __future__ import annotations
@@ -58,11 +50,7 @@ _INTERVALS = ("step", "epoch")
 
 
 def check_lr_scheduler(lr_scheduler: object) -> None:
-    """Refuse an `lr_scheduler` option that is neither a known name, a callable nor Lightning's dict.
-
-    Raises:
-        ConfigurationError: naming what is accepted.
-    """
+    """Refuse an `lr_scheduler` that is neither a known name, a callable nor Lightning's dict (`ConfigurationError`)."""
     if isinstance(lr_scheduler, dict):
         _check_config(lr_scheduler)
         return
@@ -91,11 +79,7 @@ def _check_config(config: dict[str, Any]) -> None:
 
 
 def torch_schedule(optimizer: torch.optim.Optimizer, factory: SchedulerFactory) -> torch.optim.lr_scheduler.LRScheduler:
-    """Build a torch scheduler over `optimizer` with `factory`; its lr reaches ORT before every update.
-
-    Raises:
-        ConfigurationError: when `factory` returns something other than an ``LRScheduler`` of `optimizer`.
-    """
+    """Build a torch scheduler over `optimizer` with `factory` (`ConfigurationError` if it returns another thing)."""
     scheduler = factory(optimizer)
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) or scheduler.optimizer is not optimizer:
         raise ConfigurationError(
@@ -131,19 +115,8 @@ def lr_scheduler_config(
 ) -> dict[str, Any] | None:
     """The ``lr_scheduler`` entry of ``configure_optimizers`` (None for a constant lr).
 
-    ``"linear"`` and a bare factory are stepped per optimizer step; a dict is Lightning's own
-    config with the factory's scheduler in place of the factory (Lightning's defaults: interval
-    ``"epoch"``, frequency 1). A run that starts from an ORT checkpoint starts its schedule
-    where the checkpoint's run stopped: the linear schedule at `start.step`, a torch scheduler
-    stepped forward to `start.step` (interval ``"step"``) or `start.epoch` (``"epoch"``);
-    ``ReduceLROnPlateau`` depends on metrics it has not seen and starts afresh.
-
-    Args:
-        optimizer: the ORT optimizer facade, or the torch optimizer of hybrid training.
-        lr_scheduler: ``"linear"``, ``"constant"``, a torch scheduler factory or Lightning's dict.
-        warmup_steps: the linear schedule's warmup, a count or a fraction of the total.
-        total_steps: returns the linear schedule's length (asked only for ``"linear"``).
-        start: the progress the run starts from.
+    A run that starts from a checkpoint starts its schedule at `start` (a torch scheduler stepped
+    forward to it); ``ReduceLROnPlateau`` starts afresh. `total_steps` is asked only for ``"linear"``.
     """
     if lr_scheduler == "constant":
         return None
@@ -180,11 +153,7 @@ def _fast_forward(scheduler: torch.optim.lr_scheduler.LRScheduler, count: int) -
 
 
 def check_not_finished(scheduler: object) -> None:
-    """Refuse a fit whose linear schedule is over before its first step (it would train at lr 0).
-
-    Raises:
-        ConfigurationError: saying where the schedule stands and how to go on.
-    """
+    """Refuse a fit whose linear schedule is over before its first step (it would train at lr 0)."""
     if not isinstance(scheduler, LinearLRSchedule) or not scheduler.finished:
         return
     step, total = scheduler.last_step, scheduler.total_steps
@@ -208,11 +177,7 @@ def describe(lr_scheduler: str | SchedulerFactory | dict[str, Any]) -> str:
 
 
 def check_schedule(lr: float, warmup_steps: int | float, total_steps: int | None) -> None:
-    """Refuse a non-positive lr, a non-positive total or a negative/ill-formed warmup.
-
-    Raises:
-        ConfigurationError: naming the argument and what it accepts.
-    """
+    """Refuse a non-positive lr, a non-positive total or an ill-formed warmup (`ConfigurationError`)."""
     if not isinstance(lr, (int, float)) or not lr > 0:
         raise ConfigurationError(
             f"Expected argument `lr` to be a positive float, but got {lr!r}; pass the peak learning rate, e.g. lr=1e-3."
@@ -253,14 +218,7 @@ class Schedule:
 def resolve_schedule(
     *, lr: float | None, warmup_steps: int | float | None, total_steps: int | None, stored: dict[str, Any]
 ) -> Schedule:
-    """The schedule a run uses: each argument given, else the checkpoint's value, else the default.
-
-    Example::
-
-        >>> resolve_schedule(lr=None, warmup_steps=5, total_steps=None, stored={"schedule_lr": "0.1",
-        ...                  "schedule_warmup_steps": 10, "schedule_total_steps": 40})
-        Schedule(lr=0.1, warmup_steps=5, total_steps=40)
-    """
+    """The schedule a run uses: each argument given, else the checkpoint's `stored` value, else the default."""
     given = {"lr": lr, "warmup_steps": warmup_steps, "total_steps": total_steps}
     defaults: dict[str, Any] = {"lr": DEFAULT_LR, "warmup_steps": DEFAULT_WARMUP, "total_steps": None}
     values: dict[str, Any] = {}
@@ -285,11 +243,7 @@ def schedule_properties(scheduler: object) -> dict[str, int | float | str]:
 def planned_schedule_properties(
     *, lr: float, warmup_steps: int | float, total_steps: int | None, lr_scheduler: object, hybrid: bool,
 ) -> dict[str, int | float | str]:
-    """`schedule_properties` of the linear schedule a module will run, known before a fit builds it; else empty.
-
-    What a file saved outside a fit records: the schedule the module resolved (its arguments, else the
-    file it started from). Empty where a fit decides it (a fraction of warmup, an estimated total), for
-    another schedule, and under a torch optimizer, whose schedule ORT's optimizer does not run.
+    """The linear schedule's properties known before a fit builds it (empty where the fit decides them).
 
     Example::
 
@@ -303,11 +257,7 @@ def planned_schedule_properties(
 
 
 def total_steps_of(trainer: Any, total_steps: int | None) -> int:
-    """`total_steps` if given, else the Trainer's estimate of the optimizer steps of the run.
-
-    Raises:
-        ConfigurationError: when neither exists (an infinite dataloader without ``max_steps``).
-    """
+    """`total_steps` if given, else the Trainer's estimate (`ConfigurationError` when neither exists)."""
     if total_steps is not None:
         return int(total_steps)
     estimated = trainer.estimated_stepping_batches

@@ -1,22 +1,7 @@
 """The eval graph's part of `ORTLightningModule`: `ModuleEvaluation` does the work, `EvaluationHooks` are the hooks.
 
-`ModuleEvaluation` is a collaborator with declared inputs (the running session, the label range,
-the metrics by stage, where the labels sit in a batch): it runs ORT's eval graph through
-`ort_lightning.training.session.live.LiveSession.evaluator` (a session built for training alone
-is rebuilt with the eval graph once) and updates the stage's metrics. `EvaluationHooks` is the
-group of Lightning hooks that hand their batch to it and log what it returns (``forward``,
-``validation_step``, ``test_step``, ``predict_step``, `EvaluationHooks.evaluate_batch`), as
-Lightning's ``LightningModule`` takes its hook groups from ``core/hooks.py``: the hooks stay
-methods of the LightningModule, and the only state they reach is the one public collaborator.
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from ort_lightning import ORTLightningModule, export_artifacts
-    >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-    >>> module = ORTLightningModule(artifacts)
-    >>> isinstance(module.evaluation, ModuleEvaluation), module(torch.zeros(5, 4)).shape
-    (True, torch.Size([5, 3]))
+The hooks (``forward``, ``validation_step``, ``test_step``, ``predict_step``, ``evaluate_batch``)
+hand their batch to the one collaborator, which runs ORT's eval graph and updates the stage's metrics.
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ class ModuleEvaluation:
     Args:
         live: the module's running ORT session.
         labels: the label range checked per batch, or None.
-        metrics: stage -> metric collection (``train``, ``val``, ``test``), empty without metrics.
+        metrics: stage -> metric collection, empty without metrics.
         label_index: where the first label sits in a batch (after the model inputs).
     """
 
@@ -79,20 +64,13 @@ class ModuleEvaluation:
 
 
 class EvaluationHooks(pl.LightningModule):
-    """The eval graph's hooks of an `ORTLightningModule`: each hands its batch to `evaluation` and logs.
-
-    Attributes:
-        evaluation: the collaborator that runs the eval graph (`ModuleEvaluation`), built by the module.
-    """
+    """The eval graph's hooks of an `ORTLightningModule`: each hands its batch to `evaluation` and logs."""
 
     evaluation: ModuleEvaluation
 
     @override
     def forward(self, *inputs: torch.Tensor) -> Any:
-        """Run the eval graph on model inputs; return its model outputs as torch tensors.
-
-        Labels are not needed: placeholders fill the label inputs (the loss is discarded).
-        """
+        """Run the eval graph on model inputs (placeholders fill the labels); return the model outputs."""
         return self.evaluation.forward(inputs)
 
     @override
@@ -114,17 +92,12 @@ class EvaluationHooks(pl.LightningModule):
     def evaluate_batch(self, batch: Any) -> tuple[torch.Tensor, ...]:
         """Run the eval graph on one labelled batch, outside any Trainer; return ``(loss, *model_outputs)``.
 
-        Args:
-            batch: a tuple/list in the order of the graph's inputs (model inputs, then labels), or a
-                dict keyed by input name, as for ``validation_step``.
-
         Example::
 
             >>> import tempfile, torch
             >>> from ort_lightning import ORTLightningModule, export_artifacts
             >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
-            >>> module = ORTLightningModule(artifacts)
-            >>> loss, logits = module.evaluate_batch((torch.zeros(2, 4), torch.tensor([0, 2])))
+            >>> loss, logits = ORTLightningModule(artifacts).evaluate_batch((torch.zeros(2, 4), torch.tensor([0, 2])))
             >>> tuple(loss.shape), tuple(logits.shape)
             ((), (2, 3))
         """

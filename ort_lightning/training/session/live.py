@@ -1,29 +1,9 @@
 """`LiveSession`: a module's running ORT session, and the one way to change it.
 
-An `ORTLightningModule` builds its ORT session once and changes it later for five reasons: the
-trainer's device (``configure_model``), the thread policy's candidates between two steps, a
-Lightning ``.ckpt`` restored (``on_load_checkpoint``), a fresh optimizer state for a new fit
-(``configure_optimizers``) and new values (a fleet client, an unpickled module). Every one of them
-goes through `LiveSession.replace`, which keeps what the session's followers see in step: the
-module's parameters (the same ``Parameter`` objects, re-pointed at the new memory), the step path
-(`ort_lightning.training.session.step.StepPath`) and every optimizer of the fit (ORT's facade,
-a hybrid torch optimizer and, through them, their LR schedulers).
-
-What rebuilds and what does not:
-
-- a new device or thread setting, the eval graph added or left out (``evaluation``), a
-  `checkpoint` to start from, or a fresh optimizer state (``include_optimizer_state=False``): ORT's
-  objects are rebuilt, then `values` (if given) are copied in. On the same device, with the
-  optimizer state kept and no values, ORT's CheckpointState itself goes to the new Module and
-  Optimizer (`ort_lightning.ort.runtime.HeldState`: no file, nothing copied); otherwise from a
-  snapshot of the running session, or from the checkpoint;
-- `values` alone: copied into ORT's memory through the module's views, nothing rebuilt (exact:
-  the views are ORT's memory);
-- a rebuild from the running state (handed over or a snapshot) closes the running session before
-  it builds the next (one session's memory at a time); from a given `checkpoint`, after (a refused
-  file leaves the module as it was);
-- nothing: the module's views are attached again if something replaced them with copies
-  (Lightning's spawn launcher), with the copies' values; else nothing happens.
+A device, thread setting, restored ``.ckpt``, fresh optimizer state or new values all go through
+`LiveSession.replace`, which keeps the module's parameters, the step path and the fit's optimizers
+in step with the new session. Values alone are copied in place; anything else rebuilds ORT's
+objects, one session's memory at a time (the running one closed first).
 
 Example::
 
@@ -31,16 +11,13 @@ Example::
     >>> from ort_lightning import ORTLightningModule, export_artifacts
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), tempfile.mkdtemp(), verify=False)
     >>> module = ORTLightningModule(artifacts)
-    >>> live = module.live_session
-    >>> weight = module.weight
-    >>> live.replace(settings=dataclasses.replace(live.settings, spinning=False))  # rebuilt: another thread setting
+    >>> live, weight = module.live_session, module.weight
+    >>> live.replace(settings=dataclasses.replace(live.settings, spinning=False))  # rebuilt
     True
-    >>> module.ort_session.spinning, module.weight is weight
-    (False, True)
     >>> live.replace(values={"weight": torch.ones(3, 4), "bias": torch.zeros(3)})  # copied in place
     False
-    >>> bool(module.weight.sum() == 12)
-    True
+    >>> module.ort_session.spinning, module.weight is weight, bool(module.weight.sum() == 12)
+    (False, True, True)
 """
 
 from __future__ import annotations
@@ -77,18 +54,10 @@ class LiveSession:
         module: the module the ORT parameters are registered on.
         artifacts: what to build from.
         steps: the module's step path; it follows every build.
-        optimizers: returns the trainer's optimizers (none without a trainer); those with a
-            ``follow(session)`` method (`SessionFollower`) follow every rebuild. A finished fit's
-            optimizers may follow too: harmless, the next fit configures new ones.
+        optimizers: returns the trainer's optimizers; those with ``follow(session)`` follow every rebuild.
         settings: how the session runs (device, threads, the eval graph, custom operators).
-        checkpoint: the ORT checkpoint to start from (a file, or one already read:
-            `ort_lightning.ort.runtime.read_state`); None means the artifacts' own.
-        values: name -> tensor for every state tensor, in place of the checkpoint's weights
-            (see `ort_lightning.training.session.session_views.SessionViews`).
-
-    Attributes:
-        views: the session and the torch views of its memory (replaced by every rebuild).
-        steps: the step path, the one owner of the training step: every build points it at the new session.
+        checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
+        values: name -> tensor for every state tensor, in place of the checkpoint's weights.
     """
 
     def __init__(
@@ -114,32 +83,19 @@ class LiveSession:
         self, *, settings: SessionSettings | None = None, values: Mapping[str, Any] | None = None,
         checkpoint: Path | _ort.HeldState | None = None, include_optimizer_state: bool = True,
     ) -> bool:
-        """Change the running session; the module, the step path and the fit's optimizers follow.
-
-        Between two optimizer steps only (gradients summed over an accumulation window are not kept).
+        """Change the running session between two optimizer steps; the module, step path and optimizers follow.
 
         Args:
-            settings: how to run from now on (another device, thread setting, the eval graph added
-                or left out: `evaluator` builds it again when asked); None keeps the running ones.
-            values: name -> tensor for every state tensor, copied in last (without a rebuild when
-                nothing else changes).
-            checkpoint: an ORT checkpoint to rebuild from instead of the running state (a file, or one read
-                already with `ort_lightning.ort.runtime.read_state`).
-            include_optimizer_state: False starts a fresh optimizer state (step 0, no moments), as
-                a new ``fit`` does; the weights are kept.
+            settings: how to run from now on; None keeps the running ones.
+            values: name -> tensor for every state tensor, copied in last (no rebuild if nothing else changes).
+            checkpoint: an ORT checkpoint to rebuild from instead of the running state.
+            include_optimizer_state: False starts a fresh optimizer state, as a new ``fit`` does.
 
         Returns:
             Whether ORT's objects were rebuilt.
 
         Raises:
             ConfigurationError: for `values` with missing, unexpected or misshapen tensors.
-
-        Example::
-
-            >>> # between two steps of a fit: the same state on one ORT thread, the optimizers follow
-            >>> # live.replace(settings=dataclasses.replace(live.settings, intra_op_threads=1))
-            >>> # a new fit: the weights kept, a fresh optimizer state
-            >>> # live.replace(include_optimizer_state=False)
         """
         session = self.session
         current = session.settings
@@ -190,7 +146,7 @@ class LiveSession:
 
     @torch.no_grad()
     def load(self, values: Mapping[str, Any]) -> None:
-        """Copy `values` (name -> tensor, every state tensor) into ORT's memory through the views; nothing rebuilt.
+        """Copy `values` into ORT's memory through the views; nothing rebuilt.
 
         Raises:
             ConfigurationError: for missing, unexpected or misshapen values.
@@ -209,12 +165,9 @@ class LiveSession:
         self, saved: Path | _ort.HeldState, wanted: SessionSettings, current: SessionSettings,
         values: Mapping[str, Any] | None,
     ) -> None:
-        """Build from `saved` (a snapshot, or the handed-over state) with the `wanted` settings, one session at a time.
+        """Build from `saved` with the `wanted` settings, the running session closed first.
 
-        The running session is closed first, so that ORT frees it before it builds the new one (the peak
-        holds one session, not two); should the build fail, the running state comes back from `saved`
-        (without its optimizer state when a fresh one was asked for) with the `current` settings and
-        the error is raised.
+        Should the build fail, the running state comes back from `saved` with the `current` settings.
         """
         self.session.close()
         try:

@@ -1,20 +1,8 @@
 """Torch parameters that stay views of ONNX Runtime's memory.
 
-`bind_views` registers the ORT parameters (and buffers) on a module under the torch model's
-own names; each trainable parameter's ``.grad`` is a view of ORT's gradient buffer. Lightning
-and torch both reach for ``.grad = None`` and ``module._apply`` at times: the step path
-(`ort_lightning.training.session.step`) re-binds the `GradientViews` after each step, and
-`check_conversion` refuses a dtype conversion that would copy the parameters away from the
-memory ORT trains.
-
-Example::
-
-    >>> import torch
-    >>> check_conversion(lambda t: t.to("cpu"), torch.device("cpu"))
-    >>> check_conversion(lambda t: t.half(), torch.device("cpu"))
-    Traceback (most recent call last):
-    ...
-    ort_lightning.errors.ConfigurationError: ONNX Runtime trains this module in float32, ...
+`bind_views` registers ORT's parameters on a module under the torch model's names, each
+``.grad`` a view of ORT's gradient buffer; the step path re-binds them after each step, and
+`check_conversion` refuses a dtype conversion that would copy them away.
 """
 
 from __future__ import annotations
@@ -44,10 +32,7 @@ class ParameterView:
 
 
 def parameter_views(session: TrainingSession) -> list[ParameterView]:
-    """Return torch tensors sharing memory with every parameter (and gradient) of the ORT state.
-
-    Writing into a view writes into ORT's state; ORT's updates are visible in the view at once.
-    """
+    """Torch tensors sharing memory with every parameter (and gradient) of the ORT state."""
     return [
         ParameterView(name, to_torch(data), None if grad is None else to_torch(grad), trainable)
         for name, data, grad, trainable in session.parameters()
@@ -55,19 +40,11 @@ def parameter_views(session: TrainingSession) -> list[ParameterView]:
 
 
 class ORTParameters(torch.nn.Module):
-    """A submodule of the torch model whose parameters and buffers live in ONNX Runtime's state.
-
-    It has no forward: the ORT graph computes. Lightning's ModelSummary lists it under the torch
-    submodule's name with its parameter count (its FLOPs show 0: torch never runs it).
-    """
+    """A submodule of the torch model whose parameters and buffers live in ONNX Runtime's state (no forward)."""
 
 
 class GradientViews:
-    """The pairs (parameter, view of ORT's gradient buffer) of the trainable parameters.
-
-    Args:
-        pairs: each trainable parameter with the gradient view it must keep as ``.grad``.
-    """
+    """The pairs (parameter, view of ORT's gradient buffer) of the trainable parameters."""
 
     def __init__(self, pairs: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         self.pairs = tuple(pairs)
@@ -75,11 +52,7 @@ class GradientViews:
 
 
 def owner_of(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
-    """Return the (created on demand) submodule of `root` holding `name`, and the leaf name.
-
-    Raises:
-        ConfigurationError: when a path component clashes with an attribute of `root`.
-    """
+    """The (created on demand) submodule of `root` holding `name`, and the leaf name."""
     *path, leaf = name.split(".")
     owner = root
     for part in path:
@@ -97,11 +70,7 @@ def owner_of(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 
 def bind_views(root: torch.nn.Module, views: Sequence[ParameterView], buffers: Collection[str]) -> GradientViews:
-    """Register `views` on `root` (buffers for names in `buffers`), re-pointing existing ones.
-
-    Returns:
-        The gradient views of the trainable parameters.
-    """
+    """Register `views` on `root` (buffers for names in `buffers`), re-pointed; return the gradient views."""
     pairs = []
     for view in views:
         owner, leaf = owner_of(root, view.name)
@@ -123,8 +92,13 @@ def bind_views(root: torch.nn.Module, views: Sequence[ParameterView], buffers: C
 def check_conversion(fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
     """Refuse a tensor conversion `fn` (from ``module._apply``) that changes the dtype.
 
-    Raises:
-        ConfigurationError: when `fn` turns a float32 tensor into another dtype.
+    Example::
+
+        >>> import torch
+        >>> check_conversion(lambda t: t.half(), torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ort_lightning.errors.ConfigurationError: ONNX Runtime trains this module in float32, ...
     """
     converted = fn(torch.empty(0, device=device))
     if converted.dtype != torch.float32:

@@ -1,14 +1,9 @@
 """`SessionViews`: one module's ORT session and the torch views of its memory, built together.
 
-`ORTLightningModule` holds one `SessionViews`. Building it assembles ONNX Runtime's
-CheckpointState, Module and Optimizer, registers the ORT parameters (and buffers) on the module
-as torch tensors that share ORT's memory, and prepares the batch binders of both graphs. The
-same object answers the questions that follow the module through Lightning: is it still
-attached to ORT's memory (Lightning's spawn launcher replaces ``.data`` with copies), and what
-of it pickles (nothing: ONNX Runtime's objects do not pickle, so a module is pickled without
-it, with the device to rebuild it on, and its values are copied back by name, `state_values`).
-It is built in one place only, `ort_lightning.training.session.live.LiveSession`, which also
-changes a running session.
+Building it assembles ORT's CheckpointState, Module and Optimizer, registers ORT's parameters on
+the module as torch tensors over ORT's memory, and prepares both graphs' batch binders. ORT's
+objects do not pickle: a module pickles without them and copies its values back by name.
+Only `ort_lightning.training.session.live.LiveSession` builds it.
 
 Example::
 
@@ -55,11 +50,7 @@ DEVICE_KEY = "_ort_device"
 def start_checkpoint(
     artifacts: TrainingArtifacts, checkpoint: Path | _ort.HeldState | None, *, weights_given: bool
 ) -> Path | _ort.HeldState:
-    """The ORT checkpoint a session starts from: `checkpoint`, else the artifacts' own (a `weightless` one's nominal).
-
-    Raises:
-        ConfigurationError: for a `weightless` folder without `checkpoint` and without weights given.
-    """
+    """The ORT checkpoint a session starts from: `checkpoint`, else the artifacts' own."""
     if checkpoint is not None:
         return checkpoint
     if not artifacts.weightless:
@@ -82,10 +73,7 @@ def snapshot(
     session: _ort.TrainingSession, *, include_optimizer_state: bool,
     properties: Mapping[str, int | float | str] | None = None,
 ) -> Iterator[Path]:
-    """Yield a temporary ORT checkpoint file of `session` (to rebuild it elsewhere, or afresh).
-
-    `properties` are the file's, exactly; None keeps those the state holds.
-    """
+    """Yield a temporary ORT checkpoint file of `session`, with exactly `properties` (None: the state's)."""
     with tempfile.TemporaryDirectory(prefix="ort-lightning-") as folder:
         path = Path(folder) / "state"
         session.save(path, include_optimizer_state=include_optimizer_state, properties=properties)
@@ -98,17 +86,14 @@ class SessionViews:
     Args:
         module: the module the ORT parameters are registered on, under the torch model's names.
         artifacts: what to build from.
-        settings: how the session runs (device, threads, the eval graph or not, custom operators);
-            without the eval graph (training alone: one session fewer to build and hold), `infer`,
-            `predict` and `evaluate` need a rebuild with it.
+        settings: how the session runs; without the eval graph, `infer`, `predict` and `evaluate`
+            need a rebuild with it.
         checkpoint: the ORT checkpoint to start from; None means the artifacts' own.
-        values: name -> tensor for every state tensor (`ort_lightning.artifacts.state.state_specs`),
-            copied into ORT's state before the views are bound, in place of the checkpoint's
-            weights; with a nominal `checkpoint` (no weights) they are the only weights there are.
+        values: name -> tensor for every state tensor, copied in place of the checkpoint's weights.
 
     Raises:
-        ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors, or
-            none for a `weightless` folder without a `checkpoint`.
+        ConfigurationError: for `values` with missing, unexpected, misshapen or non-float32 tensors,
+            or none for a `weightless` folder without a `checkpoint`.
     """
 
     def __init__(
@@ -161,12 +146,7 @@ class SessionViews:
         )
 
     def infer(self, batch: Any, *, entry: str, labels_allowed: bool) -> Any:
-        """Run the eval graph on the model inputs of `batch` (labels filled in); return the fetches.
-
-        Raises:
-            BatchError: for a batch the eval graph cannot take, in one line (see
-                `ort_lightning.bridge.BatchBinder.model_inputs`).
-        """
+        """Run the eval graph on the model inputs of `batch` (labels filled in); return the fetches (`BatchError`)."""
         count = len(self.artifacts.manifest.inputs)
         tensors = self.eval_inputs.model_inputs(batch, count, entry=entry, labels_allowed=labels_allowed)
         rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
@@ -192,20 +172,12 @@ class SessionViews:
         return self.eval_inputs.step(self.eval_step, batch, labels)
 
     def outputs(self, fetches: Any) -> tuple[torch.Tensor, ...]:
-        """The model outputs of an eval step (its first output is the loss), as torch tensors.
-
-        Raises:
-            ConfigurationError: for an eval graph whose only output is the loss.
-        """
+        """The model outputs of an eval step as torch tensors (`ConfigurationError` if the loss is all)."""
         check_model_outputs(self.artifacts, len(fetches))
         return tuple(to_torch(fetches[i]) for i in range(1, len(fetches)))
 
     def apply_beside(self, module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool) -> None:
-        """``module._apply(fn)`` on the torch-side children only (metrics): ORT's parameters stay in ORT's memory.
-
-        Raises:
-            ConfigurationError: for a conversion to a dtype other than float32.
-        """
+        """``module._apply(fn)`` on the torch-side children only (`ConfigurationError` for a dtype but float32)."""
         device = self.device
         try:
             check_conversion(fn, device)
@@ -233,11 +205,7 @@ class SessionViews:
 
 
 def optimizer_kind(artifacts: TrainingArtifacts) -> str | None:
-    """What the optimizer graph runs, from the facts the folder check read (None: `assemble` reads an ``.ort`` graph).
-
-    Raises:
-        ArtifactError: for an optimizer graph with neither optimizer node.
-    """
+    """What the optimizer graph runs, from the folder check's facts (None: `assemble` reads an ``.ort`` graph)."""
     path = artifacts.optimizer_model
     if path is None:
         return "none"
@@ -255,11 +223,7 @@ def state_values(module: torch.nn.Module, artifacts: TrainingArtifacts) -> dict[
 
 
 def label_placeholder(spec: TensorSpec, batch: int, device: torch.device) -> torch.Tensor:
-    """Zeros standing in for label `spec` when the eval graph runs on model inputs alone.
-
-    Raises:
-        BatchError: when a label dimension past the batch is symbolic (its size cannot be guessed).
-    """
+    """Zeros standing in for label `spec` on model inputs alone (`BatchError` for a symbolic dimension)."""
     symbolic = [dim for dim in spec.shape[1:] if isinstance(dim, str) or dim <= 0]
     if symbolic:
         raise BatchError(

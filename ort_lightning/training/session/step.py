@@ -1,36 +1,13 @@
 """One optimizer step of ORT training, read top to bottom in `StepPath.step`.
 
-Lightning drives a step through ``LightningModule.optimizer_step``; `ORTLightningModule`
-hands it to `StepPath.step`, which runs, in order:
-
-1. **run**: the optimizer calls the closure, and Lightning's closure runs ``training_step``
-   (ORT's forward and backward) for the window's last micro-batch;
-2. **mark the window**: whether any micro-batch of the accumulation window returned a loss
-   (a torch optimizer steps on the earlier micro-batches' gradients too);
-3. **scale**: ORT sums gradients over micro-batches, Lightning expects their mean (``1/N``);
-4. **re-bind**: every ``.grad`` is the view of ORT's gradient buffer again;
-5. **decide skip, collectively**: a NaN/inf loss on any rank skips (or raises) on every rank,
-   through ``trainer.strategy.reduce_boolean_decision``;
-6. **all-reduce, clip**: Lightning's strategy (``ort_ddp`` averages the gradients) and precision
-   plugin (``on_before_optimizer_step``, gradient clipping) run right after the closure returns;
-7. **update**: ``optimizer.step`` itself, the one place where parameters change: ORT's
-   optimizer graph for `ORTOptimizer`, or any torch optimizer over the same views;
-8. **reset**: ORT's gradient buffers restart at the next micro-batch.
-
-Per micro-batch, `StepPath.train` seeds ORT's random stream (dropout) from the run's seed and
-the micro-batch's place in training, so that a resumed run draws what the uninterrupted one
-would have drawn, runs the training graph (`ort_lightning.bridge.BatchBinder.step`) and lets
-`NonFiniteGuard` look at the loss (one ``math.isfinite`` on the 0-d loss; once per optimizer
-step, decided by all ranks together, ``"raise"`` stops before the update, ``"skip"`` drops the
-whole step and warns). An update that overflowed (finite loss, NaN parameters: inputs near 1e38)
-stops the fit under either policy (`ort_lightning.training.session.finite`): the parameters are looked at
-only where a NaN/inf loss was seen (the next step's loss is NaN) and at the end of each epoch and
-before a checkpoint is written, so that the steps in between pay nothing for it.
+In order: run the closure (ORT's forward and backward for the last micro-batch), mark the
+window, scale (ORT sums, Lightning averages), re-bind the gradient views, decide a NaN/inf skip
+on all ranks together, let Lightning all-reduce and clip, update, reset ORT's gradients. Per
+micro-batch, `StepPath.train` seeds ORT's random stream from the run's seed and the micro-batch's
+place, so that a resumed run draws what the uninterrupted one would have.
 
 Example::
 
-    >>> seed_of(7, step=3, micro_batch=0) == seed_of(7, step=3, micro_batch=0)
-    True
     >>> seed_of(7, step=3, micro_batch=0) != seed_of(7, step=4, micro_batch=0)
     True
 """
@@ -90,15 +67,8 @@ _ADVICE = (
 class NonFiniteGuard:
     """Watch each training loss; refuse or drop the optimizer step that a NaN/inf loss would poison.
 
-    The decision is made once per optimizer step, after the window's last micro-batch and
-    before the gradients are averaged across ranks or the update runs, and it is shared by all
-    ranks (``trainer.strategy.reduce_boolean_decision``): under ``ort_ddp`` every rank skips
-    together or every rank raises, so no rank waits in a collective the others left and no
-    rank's NaN gradients reach the others' parameters.
-
-    Args:
-        policy: ``"raise"`` raises `NonFiniteLossError` before ORT's update; ``"skip"`` drops the
-            optimizer update (every micro-batch of it; the gradients are reset) and warns.
+    Decided once per optimizer step and shared by all ranks, before the all-reduce and the update.
+    `policy` is ``"raise"`` (`NonFiniteLossError`) or ``"skip"`` (drop the step and warn).
 
     Raises:
         ConfigurationError: for another policy.
@@ -125,13 +95,9 @@ class NonFiniteGuard:
     def decide(self, trainer: Any, *, parameters_finite: Callable[[], bool] = lambda: True) -> bool:
         """Whether this optimizer step is skipped; every rank gets the same answer.
 
-        Args:
-            trainer: the trainer (its progress names the step; its strategy shares the decision).
-            parameters_finite: asked only when a loss was NaN/inf: whether the parameters still are.
-
         Raises:
-            NonFiniteLossError: under ``"raise"``, on every rank, when any rank saw a NaN/inf loss; under
-                either policy when an earlier update left NaN/inf in the parameters (skipping cannot help).
+            NonFiniteLossError: under ``"raise"`` when any rank saw a NaN/inf loss, or under either
+                policy when an earlier update left NaN/inf in the parameters.
         """
         pending, self._pending = self._pending, None
         bad = pending is not None
@@ -164,13 +130,7 @@ def _where(trainer: Any, batch_idx: int) -> str:
 
 
 class _Window:
-    """The micro-batches of one accumulation window.
-
-    `counted` is set when any micro-batch returned a loss. When a ``training_step`` may run
-    ORT's graph and still return None (an overridden ``training_step`` under accumulation),
-    each micro-batch's gradients are kept apart in `sum` until it is known to count, so that a
-    dropped micro-batch leaves no trace, as with torch (where its ``backward`` never runs).
-    """
+    """The micro-batches of one accumulation window; kept apart, gradients wait in `sum` until they count."""
 
     def __init__(self) -> None:
         self.counted = False  # a micro-batch of this window returned a loss
@@ -208,8 +168,7 @@ class StepPath:
 
     Args:
         nonfinite: the NaN/inf loss policy.
-        keep_apart: keep each micro-batch's gradients apart under accumulation (a subclass's
-            ``training_step`` may run the graph, then return None).
+        keep_apart: keep each micro-batch's gradients apart under accumulation.
         seed: the run's seed when Lightning's ``seed_everything`` did not set one.
     """
 
@@ -245,11 +204,7 @@ class StepPath:
         return self.seed if base is None else base
 
     def attach(self, session: _ort.TrainingSession, gradients: GradientViews, binder: BatchBinder) -> None:
-        """Work on a (re)built session: its training step, its gradient views and its training graph's binder.
-
-        The one place the step path is pointed at ORT's objects, called by the one place that builds
-        them (`ort_lightning.training.session.live.LiveSession`).
-        """
+        """Work on a (re)built session: its training step, gradient views and binder (called by `LiveSession`)."""
         self._session, self._gradients, self._binder = session, gradients, binder
         self._train_step = session.train_step
         self._window = _Window()
@@ -259,10 +214,7 @@ class StepPath:
     def train(
         self, batch: Any, trainer: Any, batch_idx: int, labels: LabelRange | None
     ) -> tuple[Sequence[torch.Tensor], Any, torch.Tensor]:
-        """ORT's forward and backward on one micro-batch; return its tensors, fetches and loss.
-
-        The gradients land in ORT's buffers (summed over the window's micro-batches).
-        """
+        """ORT's forward and backward on one micro-batch; return its tensors, fetches and loss."""
         self.before_graph(trainer, batch_idx)
         assert self._train_step is not None, "attach() a session first"
         assert self._binder is not None, "attach() a session first"
@@ -313,11 +265,7 @@ class StepPath:
         return result
 
     def check_parameters(self, trainer: Any) -> None:
-        """Stop the fit if the last update left NaN/inf in the trained parameters (at an epoch's end, a save).
-
-        Raises:
-            NonFiniteLossError: naming the update and the parameters.
-        """
+        """Stop the fit if the last update left NaN/inf in the parameters (`NonFiniteLossError`)."""
         if trainer.global_step > 0 and not self._finite.holds():
             raise nonfinite_parameters(trainer, update=trainer.global_step - 1)
 

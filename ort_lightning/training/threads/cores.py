@@ -1,11 +1,4 @@
-"""How many cores a fit may use, and whether the user already chose torch's thread count.
-
-Example::
-
-    >>> available_cores() >= 1
-    True
-    >>> check_threads("auto")
-"""
+"""How many cores a fit may use, and whether the user already chose torch's thread count."""
 
 from __future__ import annotations
 
@@ -29,11 +22,7 @@ _TORCH_DEFAULT_THREADS = torch.get_num_threads()
 
 
 def check_threads(threads: object) -> None:
-    """Refuse a `threads` option other than ``"auto"``, ``"off"`` or ``"single"``.
-
-    Raises:
-        ConfigurationError: naming what is accepted.
-    """
+    """Refuse a `threads` option other than ``"auto"``, ``"off"`` or ``"single"`` (`ConfigurationError`)."""
     if threads not in THREAD_MODES:
         raise ConfigurationError(
             f"Expected argument `threads` to be one of {THREAD_MODES}, but got {threads!r}; pass \"auto\" (the "
@@ -43,13 +32,7 @@ def check_threads(threads: object) -> None:
 
 
 def available_cores() -> int:
-    """The number of cores this process may run on (its CPU affinity, else the machine's count).
-
-    Example::
-
-        >>> available_cores() >= 1
-        True
-    """
+    """The number of cores this process may run on (its CPU affinity, else the machine's count)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
@@ -57,13 +40,7 @@ def available_cores() -> int:
 
 
 def user_torch_threads() -> tuple[bool, str]:
-    """Whether the user chose torch's thread count, and why the answer is what it is.
-
-    Example::
-
-        >>> isinstance(user_torch_threads()[0], bool)
-        True
-    """
+    """Whether the user chose torch's thread count, and why the answer is what it is."""
     for name in _THREAD_VARIABLES:
         if os.environ.get(name):
             return True, f"{name}={os.environ[name]} is set"

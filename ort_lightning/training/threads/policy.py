@@ -1,47 +1,15 @@
 """`ThreadPolicy`: ONNX Runtime's and torch's thread pools sharing the cores of an ORT fit.
 
-ORT computes forward, backward and (by default) the update on its own intra-op pool; torch
-runs Lightning's per-step work (logging, collation) and, in hybrid training, the optimizer
-update on OpenMP threads. Both pools spin after their last kernel, so on a machine with few
-cores each one's spinning threads take the cores the other one needs. During a fit the policy:
-
-- sizes ORT's intra-op pool to the cores this process may use (``os.sched_getaffinity``),
-  divided among the ranks that share the machine's CPU under ``"ort_ddp"``;
-- lowers torch's intra-op threads to 1 while ORT computes, a torch optimizer's update (hybrid
-  training) included: ORT's workers keep spinning, and a one-thread fused update beside them
-  was faster on every benchmark model than an update on all cores, with ORT's spinning off
-  (which waits for torch's threads to wake, then for ORT's) or on (torch's threads then wait
-  for the cores ORT's spinning workers hold);
-- where no setting wins on every model, measures the candidates on the first steps of the fit
-  (a few steps each, applied between steps, the choice logged once, the same on every rank)
-  and keeps the fastest, also for the module's later fits; ``fast_dev_run`` and short fits
-  keep the first candidate (or the one an earlier fit measured). Besides torch's thread
-  counts, a single-process fit without gradient accumulation also measures ORT's own pool on
-  one thread (a session rebuilt between two optimizer steps from a snapshot of its exact
-  state: weights, moments, step): a sub-millisecond step loses more to waking ORT's worker
-  than it gains from it, a bigger one the other way round. ORT's spinning is not a
-  candidate: off, it lost on every benchmark model (by 0.1-10 ms per step) or tied;
-- once it has decided, takes itself out of Lightning's per-batch hook dispatch (Lightning wraps
-  every hook of every callback in a profiler context, about 3-4 µs each, six times a step) but for
-  a watch on the step time: a window of steps timed with one clock read, and when the recent
-  windows' median exceeds the chosen setting's trial time by `revisit_factor` (a stall that the
-  pick now suffers from, say ORT's two-thread steps slowed down 1.8x), the candidates are measured
-  again, once per fit, in a single-process fit;
-- restores torch's thread count when the fit ends, also after an exception.
-
-It never overrides a choice the user made: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set, or
-``torch.set_num_threads`` called with another count than torch's default, leave torch's threads
-alone; ``ORTDDPStrategy(allow_spinning=...)`` keeps its say on spinning. ``threads="off"``
-turns the policy off. Numerics do not change: thread counts and spinning move no reduction in
-ORT's kernels or in torch's element-wise update.
+Both pools spin after their last kernel, so on few cores each takes the cores the other needs.
+During a fit the policy sizes ORT's pool to the cores this process may use (per rank under
+``"ort_ddp"``), lowers torch to one thread while ORT computes, measures the candidate settings on
+the first steps of a long fit and keeps the fastest, watches for a stall, and restores torch's
+threads when the fit ends. A thread count the user chose is never overridden, and numerics do not
+change. Measured in BENCHMARKS.md, section "The thread policy".
 
 Example::
 
     >>> policy = ThreadPolicy("auto")
-    >>> policy.spinning(None), policy.session_threads(None) == available_cores()
-    (True, True)
-    >>> ThreadPolicy("off").spinning(None), ThreadPolicy("off").session_threads(None)
-    (True, 0)
     >>> [setting.name for setting in policy.candidates(4, session=True)]
     ['torch 1 thread', 'torch 4 threads', 'ORT on 1 thread, torch 1 thread']
 """
@@ -76,13 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ThreadSetting:
-    """One way to share the cores during a fit, applied between two steps.
-
-    Attributes:
-        name: how the choice is logged.
-        torch_threads: torch's intra-op threads during the fit (a torch optimizer's update included).
-        ort_threads: the size of ORT's intra-op pool; None: the policy's default (the cores).
-    """
+    """One way to share the cores during a fit (torch's threads, ORT's pool size), applied between two steps."""
 
     name: str
     torch_threads: int
@@ -109,16 +71,14 @@ class ThreadPolicy(pl.Callback):
 
     Args:
         mode: ``"auto"`` (share the cores, tuned on the first steps), ``"off"`` (change nothing) or
-            ``"single"`` (ORT on one thread that does not spin, torch untouched: many small fits in one
-            process, as a fleet worker runs them, where building a spinning pool costs more than a fit).
+            ``"single"`` (ORT on one thread that does not spin: many small fits, as a fleet worker runs).
         warmup: batches before the first candidate is timed.
         block: batches per candidate and round (the first of each is not timed).
         rounds: times each candidate is visited, interleaved.
         min_fit_steps: optimizer steps a fit needs for the candidates to be measured at all.
-        margin: how much faster (a fraction of its step) another candidate must be than the first,
-            the designed default, to replace it.
-        revisit_factor: how much slower than in the trial the chosen setting's recent steps must be
-            for the candidates to be measured again (once per fit; 0: never).
+        margin: how much faster another candidate must be than the first to replace it.
+        revisit_factor: how much slower than in the trial recent steps must be for a new measurement
+            (once per fit; 0: never).
         watch: steps per clock read of the step-time watch, and windows in its median.
 
     Attributes:
@@ -156,23 +116,13 @@ class ThreadPolicy(pl.Callback):
 
     # ----------------------------------------------------------------------------- ORT's session
     def spinning(self, strategy: Any) -> bool:
-        """Whether ORT's intra-op threads should spin: yes, except where ranks share the CPU.
-
-        NOTE: under a torch optimizer too. Measured (benchmarks, 5 interleaved rounds, idle):
-        hybrid / Lightning + ORT throughput with spinning on and a one-thread update 0.98-1.37x
-        on mlp-small, cnn-small, mlp-compute, resnet-tiny and bert-tiny, against 0.68-0.96x with
-        spinning off and the update on every core. ``ORTDDPStrategy(allow_spinning=...)`` wins.
-        """
+        """Whether ORT's intra-op threads should spin: yes, except where ranks share the CPU."""
         if self.mode == "single":
             return False
         return True if strategy is None else thread_spinning(strategy)
 
     def session_threads(self, strategy: Any) -> int:
-        """ORT's intra-op pool size: the available cores over the ranks sharing them; 0 (ORT's default) when off.
-
-        A pool size an earlier fit measured fastest is what the session is built with, so that a
-        later fit does not build it twice (the cores, then the measured size).
-        """
+        """ORT's intra-op pool size: the cores over the ranks sharing them (or an earlier fit's pick); 0 when off."""
         if self.mode != "auto":
             return 0 if self.mode == "off" else 1
         kept = self._kept
@@ -184,12 +134,7 @@ class ThreadPolicy(pl.Callback):
         return max(1, available_cores() // _local_ranks(strategy))
 
     def candidates(self, cores: int, *, session: bool = False) -> list[ThreadSetting]:
-        """The settings worth measuring, the first one the guess kept when nothing is measured.
-
-        Args:
-            cores: the cores ORT's pool gets by default.
-            session: also ORT's pool on one thread (a session rebuild).
-        """
+        """The settings worth measuring on `cores`, the default first; `session` adds ORT's pool on one thread."""
         lowered = ThreadSetting("torch 1 thread", 1)
         unchanged = ThreadSetting(f"torch {cores} threads", cores)
         if cores == 1:
@@ -207,14 +152,7 @@ class ThreadPolicy(pl.Callback):
         return settings
 
     def register(self, trainer: Any, rethread: Callable[[bool, int], None] | None = None) -> None:
-        """Be this trainer's policy (once; another module's policy leaves).
-
-        Args:
-            trainer: the trainer of the fit to come.
-            rethread: ``(spinning, intra_op_threads) -> None``, the module's route to run its ORT session
-                with these settings from the next step on
-                (`ort_lightning.training.session.live.LiveSession.use_threads`); None: ORT's pool is not tuned.
-        """
+        """Be this trainer's policy; `rethread` is the module's route to rerun ORT on other thread settings."""
         self._route = rethread
         others = [c for c in trainer.callbacks if not isinstance(c, ThreadPolicy)]
         trainer.callbacks = [*others, self]

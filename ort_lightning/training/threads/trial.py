@@ -1,17 +1,9 @@
 """The thread policy's trial: which candidate each batch times, when a fit is worth measuring, which wins.
 
-`ort_lightning.training.threads.ThreadPolicy` applies the candidates; this module decides the
-plan and reads the result, apart from any thread pool.
-
 Example::
 
     >>> [timed for timed, _ in Trial.of(2, warmup=1, block=2, rounds=1).plan]
     [None, 0, 0, 1, 1]
-    >>> fastest([10.0, 9.0, 12.0], margin=0.05)
-    1
-    >>> watch = StepWatch(limit=60.0, window=2, windows=1)
-    >>> watch.stalled(), watch.stalled()  # two steps far under a minute each
-    (False, False)
 """
 
 from __future__ import annotations
@@ -45,10 +37,9 @@ class Trial:
 
 
 def fastest(medians: list[float], *, margin: float) -> int:
-    """The index of the fastest candidate, or 0 (the designed default) unless one beats it by `margin`.
+    """The index of the fastest candidate, or 0 (the default) unless one beats it by `margin`.
 
-    NOTE: a few timed steps per candidate carry a few percent of noise; a setting that is only
-    that much faster is as likely to be slower, and a session rebuild is not free.
+    NOTE: a few timed steps carry a few percent of noise, and a session rebuild is not free.
 
     Example::
 
@@ -60,12 +51,9 @@ def fastest(medians: list[float], *, margin: float) -> int:
 
 
 def session_tunable(trainer: Any, rebuildable: bool) -> bool:
-    """Whether ORT's session may be rebuilt between two steps of this fit: one process, no accumulation.
+    """Whether ORT's session may be rebuilt between two steps: one process, no accumulation, a route given.
 
-    `rebuildable` says whether the module gave the policy a route to rebuild it.
-
-    NOTE: a rebuild keeps the weights and the optimizer's state, not gradients summed across the
-    micro-batches of an accumulation window; ranks of a DDP fit keep the strategy's settings.
+    NOTE: a rebuild keeps the weights and optimizer state, not gradients summed over an accumulation window.
     """
     return rebuildable and trainer.world_size == 1 and trainer.accumulate_grad_batches == 1
 
@@ -84,17 +72,7 @@ def should_skip_tuning(trainer: Any, min_fit_steps: int) -> tuple[bool, str]:
 
 
 class StepWatch:
-    """The step time of the setting in use, read once per window of steps: has it stalled?
-
-    A step only counts; every `window` steps the clock is read, and the median of the last
-    `windows` windows' mean step times is compared with `limit` (seconds). A median of windows
-    leaves a lone slow window (a checkpoint written, a collection) out.
-
-    Args:
-        limit: the step time above which the setting counts as stalled.
-        window: steps per clock read.
-        windows: windows in the median.
-    """
+    """The step time of the setting in use, read every `window` steps: has the median of `windows` passed `limit`?"""
 
     def __init__(self, limit: float, *, window: int = 16, windows: int = 5) -> None:
         self.limit, self.window = limit, window

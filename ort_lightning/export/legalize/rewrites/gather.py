@@ -1,31 +1,8 @@
 """Gathers as ops whose CPU gradients are fast: the `Gather` rule of `_legalize.RULES`, and `take`.
 
-ORT 1.19.2's CPU GatherGrad takes a mutex for every element of the incoming gradient (about
-0.2 µs each on two threads): the embeddings of a BERT-tiny step and MultiheadAttention's split of
-its packed q/k/v projection took more than half of the step. The same values come from ops whose
-gradients do not lock:
-
-- a constant index that is one position or an ascending run: Slice (and Squeeze), whose gradient
-  copies;
-- any other index along axis 0 (nn.Embedding, ``x[idx]``): GatherND, whose gradient adds rows in one
-  plain loop;
-- a constant 1-d index along another axis (flip, reflect padding, ``x[:, [3, 1]]``): the axis moved
-  to the front, GatherND, and moved back.
-
-Other Gathers (a computed index along an inner axis) are left to ORT. The rewrites that emit
-Gathers of their own (padding, flips, RNNs) emit them through `take`.
-
-Example::
-
-    >>> import onnx
-    >>> from onnx import helper, numpy_helper
-    >>> from ort_lightning.export.legalize.graph import Graph
-    >>> weight = numpy_helper.from_array(np.ones((5, 3), np.float32), "embed.weight")
-    >>> node = helper.make_node("Gather", ["embed.weight", "ids"], ["y"], name="/embed/Gather")
-    >>> graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2])],
-    ...                           [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])], [weight])
-    >>> [n.op_type for n in gather(Graph(helper.make_model(graph)), node)]
-    ['Cast', 'Constant', 'Unsqueeze', 'GatherND']
+ORT 1.19.2's CPU GatherGrad takes a mutex for every element of the incoming gradient. A constant
+position or ascending run becomes Slice; any other index along axis 0 (embeddings) GatherND; a
+constant 1-d index along another axis GatherND on a transposed tensor. Other Gathers stay ORT's.
 """
 
 from __future__ import annotations
@@ -43,10 +20,7 @@ _END = np.iinfo(np.int64).max
 
 
 def gather(graph: Graph, node: onnx.NodeProto) -> Replacement:
-    """A Gather on the gradient path as Slice or GatherND; `Declined` for one left to ORT.
-
-    With ``padding_idx`` the padding row of an embedding also gets no gradient (`_padded_lookup`).
-    """
+    """A Gather on the gradient path as Slice or GatherND (padding rows kept); else `Declined`."""
     data, indices = node.input[0], node.input[1]
     weight = graph.is_weight(data)
     if not weight and not graph.is_float(data):
@@ -70,11 +44,7 @@ def gather(graph: Graph, node: onnx.NodeProto) -> Replacement:
 
 def take(graph: Graph, node: onnx.NodeProto, data: str, index: np.ndarray, axis: int, rank: int,
          output: str | None = None) -> str:
-    """Emit ``Gather(data, index, axis)`` for a constant `index` without ORT's GatherGrad; return its output.
-
-    `axis` is non-negative, `rank` is the rank of `data`, and an `index` of two or more
-    dimensions is taken along axis 0 only.
-    """
+    """Emit ``Gather(data, index, axis)`` for a constant `index` without ORT's GatherGrad; return its output."""
     flat = index.reshape(-1).astype(_I64)
     ascending_run = index.ndim == 1 and flat.size > 0 and flat.min() >= 0 and bool((np.diff(flat) == 1).all())
     if index.ndim == 0 or ascending_run:
@@ -109,10 +79,8 @@ def _nd_positions(graph: Graph, node: onnx.NodeProto, indices: str) -> str:
 def _padded_lookup(graph: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """nn.Embedding(padding_idx=p): the padding row gets no gradient, as in torch.
 
-    The exporter writes a plain Gather, which would train the padding row. Here the looked-up rows
-    are kept where the index is not ``p``, and the padding row's value at export is used where it is.
-    NOTE: torch's AdamW still decays the padding row; the row stays as exported here, which is the
-    same for the usual all-zero padding row.
+    NOTE: torch's AdamW still decays the padding row; here it stays as exported (the same for the
+    usual all-zero row).
     """
     weight, row = node.input[0], graph.padding_rows[node.input[0]]
     positions = _nd_positions(graph, node, node.input[1])

@@ -16,7 +16,7 @@
 
 import {pathToFileURL} from 'node:url';
 
-import {openDevice} from '../../web/runner.js';
+import {openDevice} from '../../../web/runner.js';
 import {FINAL_CLOSES, FleetDevice} from './device.js';
 
 /**

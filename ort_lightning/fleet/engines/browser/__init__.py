@@ -20,7 +20,7 @@ given. A browser that fails a check, closes its tab, or does not answer within
 ``device_timeout`` is dropped and named (the log, `BrowserFleet.refusals`); the round completes
 with the other browsers.
 
-Data, the contract of ``data(partition, partitions) -> ClientData`` (the one `FleetClient`
+Data, the contract of ``data(partition, partitions) -> ClientData`` (the one `DeviceClient`
 takes): the server calls it for a device's partition every round and iterates
 ``ClientData.train`` once per local epoch, in this process; each batch is a tuple of tensors in
 the training graph's input order (model inputs, then labels) or a dict keyed by input name,
@@ -52,7 +52,7 @@ makes a seeded toy set (mulberry32, seed ``1000 + partition``) in about 50 lines
 What a browser cannot do, and how the fleet covers it: onnxruntime-web cannot set a learning
 rate (a folder from ``prepare_for_web`` computes its own in the optimizer graph; a plain folder
 trains at ORT's default 1e-3) nor save a checkpoint (only the weights come back, so each round
-starts the device's optimizer anew, as ``FleetClient(optimizer_state="fresh")`` does; the server
+starts the device's optimizer anew, as ``DeviceClient(optimizer_state="fresh")`` does; the server
 writes the complete ORT checkpoint of each round).
 
 Example::

@@ -20,9 +20,10 @@ from flwr.app import Context, RecordDict
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.devices.device_files import device_files, ordered, weight_order
+from ort_lightning.fleet.devices.device_files import device_files, ordered
 from ort_lightning.fleet.devices.frames import HEADER_LIMIT
 from ort_lightning.fleet.devices.protocol import DataFn
+from ort_lightning.fleet.devices.weights import WeightOrder
 from ort_lightning.fleet.engines.browser.grid import BrowserGrid, Epochs, PageData, strategy_floor
 from ort_lightning.fleet.engines.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
 from ort_lightning.fleet.engines.browser.site import web_app
@@ -63,7 +64,7 @@ class BrowserFleet:
     Args:
         artifacts: the device folder the pages load (graphs, ``nominal_checkpoint``; a folder from
             ``prepare_for_web`` trains at its own learning rate, a plain one at ORT's default 1e-3).
-        data: ``(partition, partitions) -> ClientData``, as `FleetClient` takes it: each round, a
+        data: ``(partition, partitions) -> ClientData``, as `DeviceClient` takes it: each round, a
             device gets the batches of ``data(its partition, devices).train``, iterated once per epoch.
             None with `page_data`.
         page_data: an ES module (``.js`` or ``.mjs`` file) that the pages import to make their own
@@ -133,8 +134,8 @@ class BrowserFleet:
         self.host = host
         self.token = token or secrets.token_urlsafe(16)
         files = device_files(self.artifacts)
-        self.hub = Hub(partitions=devices, specs=weight_order(self.artifacts, files), device_timeout=device_timeout,
-                       on_event=on_event)
+        order = WeightOrder.checked(self.artifacts, files.training, files.checkpoint)
+        self.hub = Hub(partitions=devices, weight_order=order, device_timeout=device_timeout, on_event=on_event)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
         self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
@@ -231,7 +232,7 @@ class BrowserFleet:
 
     def _check(self, server: FleetServer) -> None:
         theirs = {name: tuple(array.shape) for name, array in server.model.arrays().items()}
-        ours = dict(self.hub.specs)
+        ours = dict(self.hub.weight_order.tensors)
         if theirs != ours:
             raise ConfigurationError(f"The FleetServer's model has the state {theirs}, but the browsers' folder "
                                      f"{self.artifacts.directory} trains {ours}; build both from the same export.")
@@ -240,7 +241,7 @@ class BrowserFleet:
         names = [spec.name for spec in self.artifacts.manifest.graph_inputs]
         assert self.data is not None, "a fleet without data has page_data, whose grid never asks for batches"
         loader = self.data(partition, self.devices).train
-        # NOTE: a fresh loader each round, iterated once per epoch, as FleetClient's Trainer iterates it:
+        # NOTE: a fresh loader each round, iterated once per epoch, as DeviceClient's ORT loop iterates it:
         # the same seeds give the same batches in the same order.
         return [[ordered(batch, names) for batch in loader] for _ in range(self.epochs)]
 

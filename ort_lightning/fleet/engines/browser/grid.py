@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from flwr.app import Message, MessageType
 
-from ort_lightning.errors import ConfigurationError, FleetError
+from ort_lightning.errors import FleetError
 from ort_lightning.fleet.devices.frames import train_frame
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY
 from ort_lightning.fleet.engines.browser.hub import Hub
@@ -130,13 +130,8 @@ class BrowserGrid(ServerGrid):
         return message, frame, given, len(epochs[-1]), server_round
 
     def _flat(self, message: Message) -> np.ndarray:
-        """The message's arrays as one float32 buffer in the order of the hub's specs."""
-        arrays = message.content.array_records[ARRAYS_KEY]
-        names = [name for name, _ in self._hub.specs]
-        if sorted(arrays.keys()) != sorted(names):
-            raise ConfigurationError(f"The strategy sent arrays {list(arrays.keys())}, but the browsers train "
-                                     f"{names}; start the FleetServer from the artifacts the browsers load.")
-        return np.concatenate([arrays[name].numpy().astype(np.float32, copy=False).ravel() for name in names])
+        """The message's arrays as one float32 buffer in the hub's `WeightOrder`."""
+        return self._hub.weight_order.flat(message.content.array_records[ARRAYS_KEY])
 
 
 def _clipping_norm(message: Message) -> float | None:

@@ -11,7 +11,7 @@ are (identities kept by the pages, partitions, who joined, left and came back) i
 
 Example::
 
-    >>> hub = Hub(partitions=2, specs=[("weight", (3, 4)), ("bias", (3,))], device_timeout=60.0)
+    >>> hub = Hub(partitions=2, weight_order=WeightOrder([("weight", (3, 4)), ("bias", (3,))]), device_timeout=60.0)
     >>> hub.parameters, hub.node_ids()
     (15, [])
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -33,6 +32,7 @@ from flwr.app import Error, Message, RecordDict
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result, read_result, unpack
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, METRICS_KEY
+from ort_lightning.fleet.devices.weights import WeightOrder
 from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.engines.browser.reply import reply_records
@@ -103,7 +103,7 @@ class Hub:
 
     Args:
         partitions: how many devices the fleet has (each takes one partition).
-        specs: ``(name, shape)`` of every state tensor, in the order of the flat weights.
+        weight_order: the order of the flat weights.
         device_timeout: seconds a device may take to answer a train message.
     """
 
@@ -111,7 +111,7 @@ class Hub:
         self,
         *,
         partitions: int,
-        specs: Sequence[tuple[str, tuple[int, ...]]],
+        weight_order: WeightOrder,
         device_timeout: float,
         on_event: OnEvent | None = None,
     ) -> None:
@@ -122,8 +122,8 @@ class Hub:
         self._on_event = on_event
         #: The latest round the server has sent (0 before the first).
         self.server_round = 0
-        self.specs = list(specs)
-        self.parameters = sum(math.prod(shape) for _, shape in self.specs)
+        self.weight_order = weight_order
+        self.parameters = weight_order.size
         self.device_timeout = device_timeout
         self.refusals: list[Refusal] = []
         #: What became of every reply that reached the server (used, refused, dropped).
@@ -251,7 +251,7 @@ class Hub:
 
     def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
         """The checked result as Flower's reply to the message it answers."""
-        arrays, metrics = reply_records(result, header, self.specs, last_epoch=owed.last_epoch)
+        arrays, metrics = reply_records(result, header, self.weight_order, last_epoch=owed.last_epoch)
         return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
 
     def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:

@@ -4,8 +4,9 @@ Example::
 
     >>> import numpy as np
     >>> from ort_lightning.fleet.devices.frames import Result
+    >>> from ort_lightning.fleet.devices.weights import WeightOrder
     >>> result = Result(np.arange(3, dtype=np.float32), examples=8, steps=2, losses=[0.9, 0.5])
-    >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, [("w", (3,))], last_epoch=1)
+    >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, WeightOrder([("w", (3,))]), last_epoch=1)
     >>> arrays["w"].numpy().tolist(), metrics["num-examples"], metrics["train_loss"], metrics["steps_per_second"]
     ([0.0, 1.0, 2.0], 8, 0.5, 4.0)
 """
@@ -13,15 +14,14 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from ort_lightning.fleet.devices.frames import Result
 from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.weights import WeightOrder
 
 __all__ = ["reply_records"]
 
@@ -36,19 +36,10 @@ def _timings(header: dict[str, Any]) -> dict[str, float]:
     return timings
 
 
-def _named(weights: np.ndarray, specs: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    named, at = {}, 0
-    for name, shape in specs:
-        size = math.prod(shape)
-        named[name] = torch.from_numpy(weights[at : at + size].reshape(shape))
-        at += size
-    return named
-
-
 def reply_records(
-    result: Result, header: dict[str, Any], specs: Sequence[tuple[str, tuple[int, ...]]], *, last_epoch: int | None
+    result: Result, header: dict[str, Any], weight_order: WeightOrder, *, last_epoch: int | None
 ) -> tuple[ArrayRecord, MetricRecord]:
-    """The reply's arrays (by the names of `specs`) and metrics; `last_epoch`: its steps, else the device's count."""
+    """The reply's arrays (named by `weight_order`) and metrics; `last_epoch`: its steps, else the device's count."""
     steps = last_epoch if last_epoch is not None else result.last_epoch_steps
     last = result.losses[-steps:] if steps else []
     timings = _timings(header)
@@ -57,4 +48,4 @@ def reply_records(
         WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
         "steps": result.steps, "steps_per_second": rate, **timings,
     }
-    return ArrayRecord(_named(result.weights, specs)), MetricRecord(metrics)
+    return weight_order.record(result.weights), MetricRecord(metrics)

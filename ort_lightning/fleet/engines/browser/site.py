@@ -130,7 +130,7 @@ class _Site:
         await socket.send_text(json.dumps({"type": "welcome", "fleet": self.fleet, "device": device.name,
                                            "ort": self.ort_module,
                                            "files": files, "parameters": self.hub.parameters, "data": data,
-                                           "order": [name for name, _ in self.hub.specs]}))
+                                           "order": self.hub.weight_order.names}))
         reason = await self._listen(socket, device)
         self.hub.lost(device, f"{device.name} {reason}")
 
