@@ -121,7 +121,8 @@ def rated(folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path_factory
 
     def folder(lr: float) -> Path:
         if lr not in made:
-            config = FleetConfig.from_dict({"lr": lr, "out": str(tmp_path_factory.mktemp(f"lr-{lr}"))})
+            folder = str(tmp_path_factory.mktemp(f"lr-{lr}"))
+            config = FleetConfig.from_dict({"devices": {"lr": lr}, "output": {"folder": folder}})
             made[lr] = device_folder(config, folders[0].directory).directory
         return made[lr]
 
