@@ -302,7 +302,8 @@ def test_a_supernode_trains_at_the_run_configs_rate(folders: tuple[TrainingArtif
     start = _values(exported.checkpoint)
 
     def reply(artifacts: Path, lr: float) -> Message:
-        run_config = {"artifacts": str(artifacts), "devices": DEVICES, "lr": lr, "batch_size": 32, "seed": 0}
+        run_config = {"model.artifacts": str(artifacts), "devices.count": DEVICES, "devices.lr": lr,
+                      "devices.batch_size": 32, "seed": 0}
         return client(_message(start), Context(1, 1, {"partition-id": 1, "num-partitions": DEVICES}, RecordDict(),
                                                 run_config))
 
@@ -310,8 +311,8 @@ def test_a_supernode_trains_at_the_run_configs_rate(folders: tuple[TrainingArtif
     assert not trained.has_error(), trained.error
     expected = ort_device_loop(device.directory, _epochs(1, 1), lr=None, graphs="ort", values=start)
     _assert_close({n: a.numpy() for n, a in trained.content.array_records["arrays"].items()}, expected, atol=1e-6)
-    with pytest.raises(ConfigurationError, match=r"The run config's lr=0.05, but the device folder .* computes its own "
-                                                 r"rate \(constant 0.01, .*pass lr=0.01 in the run config"):
+    with pytest.raises(ConfigurationError, match=r"The run config's devices.lr=0.05, but the device folder .* computes "
+                                                 r"its own rate \(constant 0.01, .*pass devices.lr=0.01 in the run "):
         reply(device.directory, 0.05)
 
 
@@ -373,7 +374,8 @@ LocalGrid(ClientApp(), nodes=1)  # the task identity Flower stamps on a Message
 arrays = ArrayRecord({name: torch.from_numpy(values[name]) for name in values.files})
 message = Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}), dst_node_id=1,
                   message_type="train")
-run_config = {"artifacts": folder, "devices": partitions, "epochs": 1, "lr": 0.01, "batch_size": 32, "seed": 0}
+run_config = {"model.artifacts": folder, "devices.count": partitions, "devices.epochs": 1, "devices.lr": 0.01,
+              "devices.batch_size": 32, "seed": 0}
 context = Context(1, 1, {"partition-id": 1, "num-partitions": partitions}, RecordDict(), run_config)
 reply = client(message, context)
 assert not reply.has_error(), reply.error

@@ -105,9 +105,9 @@ def _device_folder(artifacts: str, lr: float) -> Path:
         return prepare_for_web(loaded, Path(root) / "device", lr=lr).directory
     if (schedule.kind, schedule.lr) != ("constant", lr):
         raise ConfigurationError(
-            f"The run config's lr={lr}, but the device folder {artifacts} computes its own rate "
-            f"({schedule.describe()}); pass lr={schedule.lr} in the run config, or name the exported folder, which "
-            "each SuperNode prepares with the run config's lr."
+            f"The run config's devices.lr={lr}, but the device folder {artifacts} computes its own rate "
+            f"({schedule.describe()}); pass devices.lr={schedule.lr} in the run config, or name the exported folder, "
+            "which each SuperNode prepares with the run config's devices.lr."
         )
     return loaded.directory
 
