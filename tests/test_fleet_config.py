@@ -93,6 +93,24 @@ def test_partitions_cover_every_row_once_and_skew_as_alpha_says() -> None:
                                                   partition_rows(labels, 4, scheme="dirichlet", seed=3), strict=True))
 
 
+class NoHeldOut(BreastCancer):
+    """A data module without the server's batches."""
+
+    val_dataloader = None  # type: ignore[assignment]
+
+
+def test_partitions_refuse_what_cannot_be_cut(tmp_path: Path) -> None:
+    labels = torch.arange(10) % 2
+    with pytest.raises(ConfigurationError, match=r"Expected at most 10 devices for 10 training examples, but got 11"):
+        partition_rows(labels, 11)
+    with pytest.raises(ConfigurationError, match=r"Dirichlet\(0.01\) left a device without examples in 100 draws"):
+        partition_rows(labels, 5, scheme="dirichlet", alpha=0.01)
+    config = {**_own(tmp_path, seed=0), "data": {"class_path": f"{__name__}:NoHeldOut"}}
+    with pytest.raises(ConfigurationError, match=r"Expected `data.class_path` .*NoHeldOut to define "
+                                                 r"val_dataloader\(\) or test_dataloader\(\), the batches the global"):
+        run_fleet(config, echo=False)
+
+
 # ----------------------------------------------------------------------------- the config's refusals
 @pytest.mark.parametrize(
     ("values", "message"),

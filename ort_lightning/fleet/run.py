@@ -28,7 +28,6 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import ENGINES, STRATEGIES, FleetConfig
-from ort_lightning.fleet.data.partitions import Partitions
 from ort_lightning.fleet.data.sources import fleet_data
 from ort_lightning.fleet.devices.client import DeviceClient
 from ort_lightning.fleet.devices.protocol import RUNNERS, DataFn
@@ -122,7 +121,7 @@ def run_fleet(
         config = FleetConfig.from_dict(config)
     with _quiet(flower_log):
         data, test = fleet_data(config, search=search)
-        example = data.train.tensors[0][0] if isinstance(data, Partitions) else None
+        example = next(iter(data(0, config.devices.count).train))[0][0]
         artifacts = fleet_artifacts(config, example, search=search)
         run_experiment(config, artifacts, None if config.engine.page_data else data, test=test, echo=echo)
     return json.loads((Path(config.output.folder) / "history.json").read_text(encoding="utf-8"))
