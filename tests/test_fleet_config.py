@@ -214,3 +214,16 @@ def test_the_own_model_trains_on_node_devices_as_in_process(tmp_path: Path) -> N
     assert [r["devices"] for r in nodes["rounds"]] == [2]
     assert nodes["rounds"][0]["loss"] == pytest.approx(local["rounds"][0]["loss"], rel=1e-3)
     assert nodes["rounds"][0]["accuracy"] == pytest.approx(local["rounds"][0]["accuracy"], abs=1.01 / 114)
+
+
+def test_the_ray_engine_calls_flowers_deprecated_run_simulation() -> None:
+    """`engine.name: ray` runs on ``flwr.simulation.run_simulation`` (CONTRIBUTING.md says why not ``flwr run``)."""
+    import inspect
+
+    from flwr.simulation import run_simulation
+
+    import ort_lightning.fleet.run as run
+
+    taken = set(inspect.signature(run_simulation).parameters)
+    assert {"server_app", "client_app", "num_supernodes", "backend_config"} <= taken, taken
+    assert "run_simulation(" in inspect.getsource(run)
