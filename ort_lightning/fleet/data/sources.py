@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader
 
+from ort_lightning.demo_data import split_digits
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.data.partitions import Partitions, tensor_dataset
@@ -52,9 +53,12 @@ def import_path(path: str, *, key: str, search: Sequence[str | os.PathLike[str]]
 def fleet_data(config: FleetConfig, *, search: Sequence[str | os.PathLike[str]] = ()) -> tuple[DataFn, DataLoader]:
     """Each device's data and the batches the global model is measured on, as the ``data`` section says."""
     data, devices = config.data, config.devices
-    if data.class_path is None:
+    if data.class_path is None and data.partition != "dirichlet":
         return (DigitsPartitions(split=data.partition, batch_size=devices.batch_size, seed=config.seed),
                 digits_test_loader(config.seed))
+    if data.class_path is None:  # the digits' training split, drawn per label
+        return (Partitions(split_digits(seed=config.seed)[0], scheme="dirichlet", alpha=data.alpha,
+                           batch_size=devices.batch_size, seed=config.seed), digits_test_loader(config.seed))
     module = import_path(data.class_path, key="data.class_path", search=search)(**data.init_args)
     for hook in ("prepare_data", "setup"):
         if hasattr(module, hook):
