@@ -151,7 +151,7 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
     # still send it a message, which the device timeout then gives up on. The timeout leaves room for a
     # ClientApp process to start and fit on a busy 2-core machine (20 s was too short there).
     run = _replace(_replace(commands["flwr"], "/srv/fleet", str(folder)), "rounds=5",
-                   f"rounds=2 device_timeout={LOST_NODE_TIMEOUT}")
+                   f"rounds=2 devices.timeout={LOST_NODE_TIMEOUT}")
     first = folder / "run" / "rounds" / "round-0001.ortckpt"
     with ExitStack() as stack:
         link = stack.enter_context(_started(shlex.split(superlink), tmp_path / "superlink.log", env))
