@@ -227,3 +227,11 @@ def test_the_ray_engine_calls_flowers_deprecated_run_simulation() -> None:
     taken = set(inspect.signature(run_simulation).parameters)
     assert {"server_app", "client_app", "num_supernodes", "backend_config"} <= taken, taken
     assert "run_simulation(" in inspect.getsource(run)
+
+
+def test_the_config_names_the_strategies_the_server_builds() -> None:
+    from ort_lightning.fleet.config.fleet_config import STRATEGIES
+    from ort_lightning.fleet.server import strategies
+
+    assert set(STRATEGIES) == set(strategies.STRATEGIES)
+    assert {"fixed", "adaptive"} == {clipping for _, clipping in strategies.PRIVACY}

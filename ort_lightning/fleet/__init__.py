@@ -5,9 +5,10 @@ Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which install
 history (docs/fleets.md). A `DeviceClient` is what each device runs on every engine: ONNX Runtime's
 device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`),
 or a Lightning ``Trainer`` over an `ORTLightningModule` for those who ask for it
-(``runner="lightning"``): no device has a Trainer. The server runs Flower's own
-strategies, wrapped by `CheckpointEachRound` so that each round's global values become a
-complete ORT checkpoint. `LocalGrid` runs the same apps in this process, without Ray.
+(``runner="lightning"``): no device has a Trainer. The server runs Flower's own strategies
+(`strategy_from`: any of them by name, with the fleet's defaults and checks), wrapped by
+`CheckpointEachRound` so that each round's global values become a complete ORT checkpoint.
+`LocalGrid` runs the same apps in this process, without Ray.
 
 The subpackage sits above ``training``: nothing below it imports it. Its names are imported on
 first use, so that a device (`DeviceClient`, the deployment's ``client``) imports no Lightning.
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from ort_lightning.fleet.run import run_fleet
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
+    from ort_lightning.fleet.server.strategies import strategy_from
 
 #: Each public name and the module it comes from.
 _HOMES = {
@@ -60,6 +62,7 @@ _HOMES = {
     "run_fleet": "ort_lightning.fleet.run",
     "run_local": "ort_lightning.fleet.engines.local",
     "set_values": "ort_lightning.fleet.devices.state_values",
+    "strategy_from": "ort_lightning.fleet.server.strategies",
 }
 
 __all__ = [
@@ -82,6 +85,7 @@ __all__ = [
     "run_fleet",
     "run_local",
     "set_values",
+    "strategy_from",
 ]
 
 

@@ -28,6 +28,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from ort_lightning.errors import ConfigurationError
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 from ort_lightning.fleet.devices.ort_loop import OrtLoop
 from ort_lightning.fleet.devices.protocol import (
     ARRAYS_KEY,
@@ -92,8 +93,8 @@ class DeviceClient:
             )
 
     def client_app(self, *, mods: list[Any] | None = None) -> ClientApp:
-        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers, under `mods` (the client's, then these)."""
-        app = ClientApp(mods=[*self.mods, *(mods or [])])
+        """A Flower ``ClientApp`` with ``train`` and ``evaluate`` handlers under `clip_when_asked`, then `mods`."""
+        app = ClientApp(mods=[clip_when_asked, *self.mods, *(mods or [])])
         app.train()(self.train)
         app.evaluate()(self.evaluate)
         return app

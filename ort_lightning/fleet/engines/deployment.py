@@ -41,6 +41,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
 from ort_lightning.fleet.devices.client import DeviceClient
+from ort_lightning.fleet.devices.clipping import clip_when_asked
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -65,7 +66,7 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
 
 
 # ----------------------------------------------------------------------------- the device
-client = ClientApp()
+client = ClientApp(mods=[clip_when_asked])
 
 
 @client.train()
@@ -126,10 +127,7 @@ def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    nodes = config.nodes_to_wait_for
-    waiting = {"min_available_nodes": nodes, "min_train_nodes": nodes}
-    config = config.replace(strategy={"options": {**waiting, **config.strategy.options}})
-    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed))
+    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed), min_nodes=config.nodes_to_wait_for)
     _wait_for_nodes(grid, config.devices.count, config.devices.timeout)
     started = time.perf_counter()
     fleet.main(grid, context)

@@ -8,39 +8,28 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.server.global_model import GlobalModel
 from ort_lightning.fleet.server.server_app import FleetServer
+from ort_lightning.fleet.server.strategies import strategy_from
 
 __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 
 
-def strategy_from(strategy: Mapping[str, Any], privacy: Mapping[str, Any] | None, devices: int) -> Strategy:
-    """The Flower strategy of the ``strategy`` section with the fleet's defaults (``privacy``: none yet)."""
-    import flwr.serverapp.strategy as flower
-
-    if privacy is not None:
-        raise ConfigurationError(f"`privacy.side: {privacy['side']}` is not served yet; set privacy.side: null.")
-    kind = {name.lower(): getattr(flower, name) for name in flower.__all__}[strategy["name"]]
-    options = {"fraction_evaluate": 0.0, "min_available_nodes": min(2, devices), "min_train_nodes": min(2, devices),
-               **strategy["options"]}
-    if strategy["name"] == "fedprox":
-        options.setdefault("proximal_mu", 0.0)
-    return kind(**options)
+def _strategy(config: FleetConfig, min_nodes: int | None) -> Strategy:
+    return strategy_from(dataclasses.asdict(config.strategy), config.privacy.wrapper(), config.devices.count,
+                         min_nodes=min_nodes, lr=config.devices.lr)
 
 
 def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> TrainingArtifacts:
-    """The folder every device of the experiment trains: ``out/device``, whose optimizer graph computes ``lr``.
+    """The folder every device trains: ``output.folder/device``, whose optimizer graph computes ``devices.lr``.
 
     Written by `prepare_for_web` from `artifacts` (constant rate, ``.ort`` graphs, the nominal
     checkpoint): the files a browser loads, and the ones a simulated device opens.
@@ -49,16 +38,17 @@ def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> Tra
 
 
 def fleet_server(
-    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None
+    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None, *,
+    min_nodes: int | None = None,
 ) -> FleetServer:
-    """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``.
+    """The experiment's server: its strategy and rounds, a checkpoint per round in ``output.folder/rounds``.
 
-    `test` holds the batches the global model is evaluated on after every round (None: no evaluation).
+    `test` holds the batches the global model is evaluated on after every round (None: no evaluation);
+    `min_nodes`, the devices each round waits for (`strategy_from`'s).
     """
     model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
-    strategy = strategy_from(dataclasses.asdict(config.strategy), config.privacy.wrapper(), config.devices.count)
-    return FleetServer(model, strategy, rounds=config.rounds, directory=Path(config.output.folder) / "rounds",
-                       test=test, device_timeout=config.devices.timeout)
+    return FleetServer(model, _strategy(config, min_nodes), rounds=config.rounds, test=test,
+                       directory=Path(config.output.folder) / "rounds", device_timeout=config.devices.timeout)
 
 
 def quiet_ray() -> None:

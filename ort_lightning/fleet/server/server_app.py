@@ -10,17 +10,16 @@ Example::
 
     >>> import tempfile, torch
     >>> from pathlib import Path
-    >>> from flwr.serverapp.strategy import FedAvg
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> from ort_lightning import export_artifacts
-    >>> from ort_lightning.fleet import ClientData, DeviceClient, GlobalModel, run_local
+    >>> from ort_lightning.fleet import ClientData, DeviceClient, GlobalModel, run_local, strategy_from
     >>> folder = Path(tempfile.mkdtemp())
     >>> artifacts = export_artifacts(torch.nn.Linear(4, 3), torch.zeros(2, 4), folder / "a", verify=False)
     >>> def data(partition: int, partitions: int) -> ClientData:
     ...     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(partition))
     ...     return ClientData(train=DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4))
-    >>> server = FleetServer(GlobalModel(artifacts), FedAvg(fraction_evaluate=0.0), rounds=2,
-    ...                      directory=folder / "rounds")
+    >>> fedavg = strategy_from({"name": "fedavg"}, None, devices=2)
+    >>> server = FleetServer(GlobalModel(artifacts), fedavg, rounds=2, directory=folder / "rounds")
     >>> run_local(server.server_app(), DeviceClient(artifacts.directory, data).client_app(), nodes=2)
     >>> [round.server_round for round in server.history], sorted(p.name for p in (folder / "rounds").glob("*.ortckpt"))
     ([1, 2], ['last.ortckpt', 'round-0001.ortckpt', 'round-0002.ortckpt'])

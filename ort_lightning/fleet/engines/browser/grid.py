@@ -24,6 +24,7 @@ from ort_lightning.errors import FleetError
 from ort_lightning.fleet.devices.frames import train_frame
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY
 from ort_lightning.fleet.engines.browser.hub import Hub
+from ort_lightning.fleet.engines.browser.reply import clipping_norm
 from ort_lightning.fleet.engines.local import ServerGrid
 
 __all__ = ["BrowserGrid", "Epochs", "PageData", "strategy_floor"]
@@ -121,25 +122,17 @@ class BrowserGrid(ServerGrid):
         if isinstance(self._batches, PageData):
             local = {"partition": device.partition, "partitions": self._hub.partitions, "epochs": self._batches.epochs}
             frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local,
-                                clip=_clipping_norm(message))
+                                clip=clipping_norm(message))
             return message, frame, self._batches.max_examples, None, server_round
         epochs = self._batches(device.partition)
         frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs,
-                            clip=_clipping_norm(message))
+                            clip=clipping_norm(message))
         given = sum(int(batch[0].shape[0]) for batch in epochs[0])
         return message, frame, given, len(epochs[-1]), server_round
 
     def _flat(self, message: Message) -> np.ndarray:
         """The message's arrays as one float32 buffer in the hub's `WeightOrder`."""
         return self._hub.weight_order.flat(message.content.array_records[ARRAYS_KEY])
-
-
-def _clipping_norm(message: Message) -> float | None:
-    """The norm a device clips its update to: Flower's client-side fixed clipping puts it in the train config."""
-    config = message.content.config_records.get("config")
-    # NOTE: "clipping_norm" is Flower's key (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM).
-    value = None if config is None else config.get("clipping_norm")
-    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def _round(message: Message) -> int:
@@ -152,5 +145,8 @@ def _round(message: Message) -> int:
 
 def strategy_floor(strategy: object) -> int:
     """The fewest devices a round of `strategy` needs: its ``min_available_nodes`` and ``min_train_nodes`` (else 1)."""
+    # NOTE: Flower's DP wrappers and the fleet's checkpointing hold the strategy that samples as `.strategy`.
+    while not hasattr(strategy, "min_train_nodes") and hasattr(strategy, "strategy"):
+        strategy = strategy.strategy
     minimums = [getattr(strategy, key, 1) for key in ("min_available_nodes", "min_train_nodes")]
     return max(1, *(int(value) for value in minimums if isinstance(value, int)))

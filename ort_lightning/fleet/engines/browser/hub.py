@@ -35,7 +35,7 @@ from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, METRICS_KEY
 from ort_lightning.fleet.devices.weights import WeightOrder
 from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
-from ort_lightning.fleet.engines.browser.reply import reply_records
+from ort_lightning.fleet.engines.browser.reply import clipping_norm, reply_records
 from ort_lightning.fleet.engines.local import CLIENT_ERROR_CODE
 
 __all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
@@ -238,10 +238,10 @@ class Hub:
                                        f"{frame.get('message', 'no reason given')}")
             result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given,
                                  stated=owed.last_epoch is None)
+            reply = self._reply(owed, header, result)
         except DeviceReplyError as error:
             self._refused(device, owed.server_round, str(error))
             return
-        reply = self._reply(owed, header, result)
         with self._changed:
             if self._owed.pop(message_id, None) is not None:
                 self._replies[message_id] = reply
@@ -251,7 +251,8 @@ class Hub:
 
     def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
         """The checked result as Flower's reply to the message it answers."""
-        arrays, metrics = reply_records(result, header, self.weight_order, last_epoch=owed.last_epoch)
+        arrays, metrics = reply_records(result, header, self.weight_order, last_epoch=owed.last_epoch,
+                                        clip=clipping_norm(owed.message), device=owed.device.name)
         return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
 
     def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:

@@ -17,13 +17,14 @@ import math
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 
+from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result
 from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
 from ort_lightning.fleet.devices.weights import WeightOrder
 
-__all__ = ["reply_records"]
+__all__ = ["clipping_norm", "reply_records"]
 
 
 def _timings(header: dict[str, Any]) -> dict[str, float]:
@@ -36,10 +37,34 @@ def _timings(header: dict[str, Any]) -> dict[str, float]:
     return timings
 
 
+def clipping_norm(message: Message) -> float | None:
+    """The norm a device clips its update to: Flower's client-side DP wrappers put it in the train config."""
+    config = message.content.config_records.get("config")
+    # NOTE: "clipping_norm" is Flower's key (flwr.supercore.differential_privacy.KEY_CLIPPING_NORM).
+    value = None if config is None else config.get("clipping_norm")
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def _norm_bit(header: dict[str, Any], clip: float, device: str) -> int:
+    """Flower's ``norm_bit`` (adaptive clipping): 1 where the device's update was above the norm and clipped."""
+    norm = header.get("update_norm")
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm):
+        raise DeviceReplyError(f"{device} was asked to clip its update to norm {clip:g} but sent update_norm={norm!r}, "
+                               "not the norm it clipped; the device is refused (use the fleet's page).")
+    return int(norm > clip)
+
+
 def reply_records(
-    result: Result, header: dict[str, Any], weight_order: WeightOrder, *, last_epoch: int | None
+    result: Result, header: dict[str, Any], weight_order: WeightOrder, *, last_epoch: int | None,
+    clip: float | None = None, device: str = "the device",
 ) -> tuple[ArrayRecord, MetricRecord]:
-    """The reply's arrays (named by `weight_order`) and metrics; `last_epoch`: its steps, else the device's count."""
+    """The reply's arrays (named by `weight_order`) and metrics; `last_epoch`: its steps, else the device's count.
+
+    With `clip` (client-side DP), the metrics hold Flower's ``norm_bit`` from the device's ``update_norm``.
+
+    Raises:
+        DeviceReplyError: a device asked to clip that sent no update norm.
+    """
     steps = last_epoch if last_epoch is not None else result.last_epoch_steps
     last = result.losses[-steps:] if steps else []
     timings = _timings(header)
@@ -48,4 +73,6 @@ def reply_records(
         WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
         "steps": result.steps, "steps_per_second": rate, **timings,
     }
+    if clip is not None:
+        metrics["norm_bit"] = _norm_bit(header, clip, device)
     return weight_order.record(result.weights), MetricRecord(metrics)
