@@ -118,6 +118,7 @@ def test_partitions_refuse_what_cannot_be_cut(tmp_path: Path) -> None:
         ({"hidden": 32}, r"`hidden` in the fleet config is a key of the flat fleet config, which has sections now; "
                          r"write `model.hidden` \(model: \{hidden: 32\}\)"),
         ({"devices": 3}, r"`devices` .* write `devices.count` \(devices: \{count: 3\}\)"),
+        ({"engine": "simulation"}, r"`engine` .* write `engine.name` \(engine: \{name: 'ray'\}\)"),
         ({"strategy": {"optons": {}}}, r"Unknown key `strategy.optons` in the fleet config; did you mean "
                                        r"`strategy.options`\? Valid keys: \['name', 'options'\]"),
         ({"devices": {"lr": "fast"}}, r"Expected `devices.lr` to be float, but got 'fast' \(str\)"),
@@ -128,8 +129,8 @@ def test_partitions_refuse_what_cannot_be_cut(tmp_path: Path) -> None:
         ({"data": {"alpha": 0}}, r"Expected `data.alpha` > 0, but got 0"),
         ({"rounds": 0}, r"Expected `rounds` >= 1, but got 0"),
     ],
-    ids=["flat-key", "flat-section", "typo-in-section", "type-in-section", "section-no-mapping", "choice",
-         "factory-and-artifacts", "writers-need-digits", "alpha", "rounds"],
+    ids=["flat-key", "flat-section", "flat-engine", "typo-in-section", "type-in-section", "section-no-mapping",
+         "choice", "factory-and-artifacts", "writers-need-digits", "alpha", "rounds"],
 )
 def test_config_mistakes_are_named_in_one_line(values: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message) as raised:

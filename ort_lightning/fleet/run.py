@@ -1,15 +1,7 @@
-"""The one entry point of a fleet run: sections in, the engine's rounds, the history out.
+"""The one entry point of a fleet run: sections in, the engine's rounds, the history out (docs/fleets.md).
 
-`run_fleet` takes a `FleetConfig` (or its mapping, the YAML's shape), builds what its ``model``
-and ``data`` sections name, runs the rounds on its engine, prints the round lines and returns
-what ``history.json`` holds. `run_experiment` is the same run over artifacts and data the caller
-already holds (``data(partition, partitions) -> ClientData``, ``test`` the server's batches).
-
-Every engine's devices run `DeviceClient` on the device folder ``output.folder/device`` that
-`prepare_for_web` writes (its optimizer graph computes ``devices.lr``): ONNX Runtime's loop, what a
-real device runs (``devices.runner: ort``), or a Trainer per device (``runner: lightning``).
-``engine.name: local`` runs Flower's apps in this process, ``ray`` on Flower's Ray simulation,
-``browser`` on the pages that open the fleet's URL.
+`run_experiment` is the same run over artifacts and data the caller already holds. Every engine's
+devices run `DeviceClient` on the device folder that `prepare_for_web` writes at ``devices.lr``.
 """
 
 from __future__ import annotations
@@ -104,18 +96,10 @@ def run_fleet(
     flower_log: bool = False,
     search: Sequence[str | os.PathLike[str]] = (),
 ) -> dict[str, Any]:
-    """Run the fleet a config describes; print its round lines (when `echo`); return its history.
+    """Run the fleet a config (or the mapping of its sections) describes; return what history.json holds.
 
-    Args:
-        config: a `FleetConfig`, or the mapping of its sections (what the YAML holds).
-        echo: print the round lines (``round 1: accuracy ...``), as ``ort-lightning fleet`` does.
-        flower_log: keep Flower's own log (INFO lines per round); by default only its errors show.
-        search: folders searched first for the import paths of ``model.factory`` and ``data.class_path``.
-
-    Returns:
-        What ``output.folder/history.json`` holds: ``config``, ``initial``, ``rounds`` (one record per
-        round: ``accuracy``, ``loss``, ``devices``, ``examples``, ``failures``, ``train``, ``checkpoint``...)
-        and ``seconds``.
+    `echo` prints the round lines as ``ort-lightning fleet`` does; `flower_log` keeps Flower's own log;
+    `search` holds folders searched first for ``model.factory`` and ``data.class_path``.
     """
     if not isinstance(config, FleetConfig):
         config = FleetConfig.from_dict(config)

@@ -85,9 +85,10 @@ def refuse_flat_keys(values: Mapping[str, Any], *, where: str) -> None:
         new = FLAT_KEYS.get(key) or (_SECTION_SCALARS.get(key) if not isinstance(values[key], Mapping) else None)
         if new:
             section, name = new.split(".", 1)
+            value = "ray" if (key, values[key]) == ("engine", "simulation") else values[key]
             raise ConfigurationError(
                 f"`{key}` in {where} is a key of the flat fleet config, which has sections now; write `{new}` "
-                f"({section}: {{{name}: {values[key]!r}}}); docs/fleets.md maps every flat key to its section."
+                f"({section}: {{{name}: {value!r}}}); docs/fleets.md maps every flat key to its section."
             )
 
 

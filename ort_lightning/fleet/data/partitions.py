@@ -1,7 +1,4 @@
-"""Any training set cut into devices: IID, by label (shards) or Dirichlet(alpha) over the labels, seeded.
-
-`Partitions` is a device's ``data`` (``(partition, partitions) -> ClientData``) over a
-`TensorDataset` whose last tensor holds the labels; it is picklable, for Flower's Ray engine.
+"""Any training set cut into devices, seeded: IID, by label (shards) or Dirichlet(alpha) over the labels.
 
 Example::
 
@@ -29,10 +26,7 @@ _DRAWS = 100
 
 
 def tensor_dataset(dataset: Dataset) -> TensorDataset:
-    """`dataset`'s examples (tuples of tensors or numbers) stacked into a `TensorDataset`, labels last.
-
-    Devices then hold plain tensors: no class of the user's module travels to a Ray actor or a page.
-    """
+    """`dataset`'s ``(inputs..., label)`` examples stacked: no class of the user's travels to a device."""
     examples = [dataset[i] for i in range(len(dataset))]  # type: ignore[arg-type]
     if not examples or not isinstance(examples[0], tuple | list):
         raise ConfigurationError("Expected the data module's training set to yield (inputs..., label) tuples, but "
@@ -43,14 +37,7 @@ def tensor_dataset(dataset: Dataset) -> TensorDataset:
 
 def partition_rows(labels: torch.Tensor, partitions: int, *, scheme: str = "iid", alpha: float = 0.5,
                    seed: int = 0) -> list[torch.Tensor]:
-    """The rows of each of `partitions` devices, as `scheme` cuts them.
-
-    ``iid``: contiguous parts of a seeded shuffle; ``label``: of the rows sorted by label (shards);
-    ``dirichlet``: each label's rows cut by proportions drawn from Dirichlet(`alpha`).
-
-    Raises:
-        ConfigurationError: for more devices than rows, or when 100 Dirichlet draws all leave a device empty.
-    """
+    """Each device's rows: ``iid`` a seeded shuffle's, ``label`` by sorted label, ``dirichlet`` drawn per label."""
     if partitions > len(labels):
         raise ConfigurationError(f"Expected at most {len(labels)} devices for {len(labels)} training examples, but "
                                  f"got {partitions}; lower devices.count.")
@@ -79,11 +66,7 @@ def _dirichlet(labels: torch.Tensor, partitions: int, alpha: float, seed: int) -
 
 @dataclass(frozen=True)
 class Partitions:
-    """``(partition, partitions) -> ClientData``: device `partition`'s rows of `train`, shuffled each epoch.
-
-    The rows depend on `seed` alone; each device shuffles its batches with a generator seeded by
-    ``seed + partition``, so a rerun with the same seed trains on the same batches.
-    """
+    """A device's ``data``: its rows of `train` (labels last), shuffled by a generator seeded ``seed + partition``."""
 
     train: TensorDataset
     scheme: str = "iid"
