@@ -6,7 +6,7 @@ names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and d
 config: the fleet config's sections as TOML tables (``[tool.flwr.app.config.devices]``; Flower
 joins their keys with dots, ``--run-config "devices.count=3"``), with ``model.artifacts`` the
 artifacts folder every machine holds at that path. Each SuperNode is one device: its node config
-(``partition-id``, ``num-partitions``) chooses its share of the digits, and it trains as a device
+(``partition-id``, ``num-partitions``) chooses its share of the data section's set, and it trains as a device
 does (`DeviceClient`) on ``model.artifacts`` prepared once per process with ``devices.lr`` in its
 optimizer graph (`prepare_for_web`), or on that folder itself where it is such a folder already.
 The server first gives all ``devices.count`` SuperNodes up to ``devices.timeout`` seconds to
@@ -39,7 +39,7 @@ from flwr.serverapp import Grid, ServerApp
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
-from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
+from ort_lightning.fleet.data.sources import fleet_data
 from ort_lightning.fleet.devices.client import DeviceClient
 from ort_lightning.fleet.devices.clipping import clip_when_asked
 
@@ -84,7 +84,7 @@ def _evaluate(message: Message, context: Context) -> Message:
 def _client(config: FleetConfig, artifacts: Path) -> DeviceClient:
     """The device of this app: its SuperNode's share of the digits, on its device folder."""
     devices = config.devices
-    data = DigitsPartitions(split=config.data.partition, batch_size=devices.batch_size, seed=config.seed)
+    data, _ = fleet_data(config)  # the digits by default; a data module must be importable on the SuperNode
     return DeviceClient(_device_folder(str(artifacts), devices.lr), data, epochs=devices.epochs, runner=devices.runner,
                         optimizer_state=devices.optimizer_state, start=devices.start)
 
@@ -127,7 +127,7 @@ def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed), min_nodes=config.nodes_to_wait_for)
+    fleet = fleet_server(config, artifacts, fleet_data(config)[1], min_nodes=config.nodes_to_wait_for)
     _wait_for_nodes(grid, config.devices.count, config.devices.timeout)
     started = time.perf_counter()
     fleet.main(grid, context)
