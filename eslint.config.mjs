@@ -10,19 +10,19 @@ export default [
     // Shipped: the device runner and the fleet's device protocol run in a page and in Node (which has the
     // browser globals they use: fetch, performance, TextEncoder, URL).
     files: ['ort_lightning/**/*.js'],
-    languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.browser}},
+    languageOptions: {ecmaVersion: 2025, sourceType: 'module', globals: {...globals.browser}},
   },
   {
     // Shipped for Node: the fleet's Node devices.
     files: ['ort_lightning/**/*.mjs'],
-    languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.node}},
+    languageOptions: {ecmaVersion: 2025, sourceType: 'module', globals: {...globals.node}},
   },
   {
     files: ['examples/**/*.js'],
-    languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.browser}},
+    languageOptions: {ecmaVersion: 2025, sourceType: 'module', globals: {...globals.browser}},
   },
   {
     files: ['tests/**/*.mjs', 'tests/**/*.js', 'benchmarks/**/*.mjs', 'tools/**/*.mjs', 'eslint.config.mjs'],
-    languageOptions: {ecmaVersion: 2022, sourceType: 'module', globals: {...globals.node}},
+    languageOptions: {ecmaVersion: 2025, sourceType: 'module', globals: {...globals.node}},
   },
 ];

@@ -202,7 +202,9 @@ def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_
     with _chromium({n: f"{url}&name={n}" for n in ("a", "b", "c")}):
         output = "".join(lines) + command.stdout.read()
         assert command.wait(timeout=240) == 0, output
-    assert re.search(r"a joined \(127\.0\.0\.1:\d+\): partition \d of 3", output)
+    # one line per event: each join once
+    assert len(re.findall(r"round 0: a joined from 127\.0\.0\.1:\d+ \(partition \d of 3\)", output)) == 1, output
+    assert output.count(" joined") == 3, output
     assert re.search(r"round  2: accuracy [\d.]+%", output)
     # ONNX Runtime's own loop on the device folder the browsers loaded, from the server's initial weights
     data = DigitsPartitions(split=written["data"]["partition"], batch_size=written["devices"]["batch_size"],

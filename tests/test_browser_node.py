@@ -1,8 +1,8 @@
 """Node devices in a browser fleet (``node_device.mjs``: the page's FleetDevice and runner.js, in Node).
 
-Two Node devices join a fleet of at most 2; ``b`` leaves while it owes round 2 and joins again
-0.5 s later, under another name, with the identity it kept. Round 2 is then ``a``'s alone, round 3
-waits for the strategy's two devices and has ``b`` back as itself (same name, node id and
+Two Node devices join a fleet of at most 2; ``b`` leaves (a departure, not a failure) while it owes
+round 2 and joins again 0.5 s later, under another name, with the identity it kept. Round 2 is
+then ``a``'s alone, round 3 waits for the strategy's two devices and has ``b`` back as itself (same name, node id and
 partition). Each round equals the example-weighted float64 FedAvg of ONNX Runtime's documented
 Python loop over the devices whose replies it used (``tests/test_browser_fleet.py``'s reference).
 """
@@ -61,8 +61,10 @@ def test_node_devices_leave_and_come_back_as_themselves(
     partitions = {e.device: e.detail for e in fleet.hub.events if e.kind in ("joined", "came back")}
     assert partitions["b"] == next(e.detail for e in fleet.hub.events if e.kind == "joined" and e.device == "b")
     assert [(r.server_round, r.devices) for r in server.history] == [(1, 2), (2, 1), (3, 2)]
-    [refusal] = fleet.refusals
-    assert (refusal.device, refusal.server_round) == ("b", 2)
+    # b left on purpose: round 2 records it as a device that left, not one that failed
+    assert fleet.refusals == []
+    assert [(r.failures, list(r.left.values())) for r in server.history] == [
+        ({}, []), ({}, ["b pressed its leave button"]), ({}, [])]
     a_partition = int(partitions["a"].split()[1])
     expected = _reference(web.directory, _initial(exported), [[0, 1], [a_partition], [0, 1]], partitions=2)
     for record, average in zip(server.history, expected, strict=True):

@@ -7,26 +7,37 @@ The whole loop with pages (rounds that equal ONNX Runtime's Python loop) is in
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import logging
 import re
 import subprocess
+from collections.abc import Coroutine
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
+from flwr.app import Message, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from ort_lightning import export_artifacts  # noqa: E402
 from ort_lightning.errors import ConfigurationError, FleetError  # noqa: E402
 from ort_lightning.fleet import BrowserDevice, BrowserFleet  # noqa: E402
+from ort_lightning.fleet.config.fleet_config import FleetConfig  # noqa: E402
 from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.grid import BrowserGrid, PageData, strategy_floor  # noqa: E402
 from ort_lightning.fleet.engines.browser.hub import Hub  # noqa: E402
 from ort_lightning.fleet.engines.browser.population import Population  # noqa: E402
 from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files  # noqa: E402
+from ort_lightning.fleet.server.global_model import _failures  # noqa: E402
+from ort_lightning.fleet.server.report import report  # noqa: E402
+from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord  # noqa: E402
 
 CDN = "https://cdn.jsdelivr.net/npm/onnxruntime-web@1.19.2/dist"
 SPECS = WeightOrder([("weight", (2, 3)), ("bias", (2,))])
@@ -56,7 +67,7 @@ def test_a_device_that_comes_back_is_the_same_device() -> None:
     assert (reloaded.name, reloaded.partition, reloaded.node_id) == ("laptop", 0, 1)
     assert [(e.device, e.kind) for e in events] == [("laptop", "joined"), ("phone", "joined"), ("laptop", "left"),
                                                    ("laptop", "came back")]
-    assert events[-1].describe() == "round 0: laptop came back (partition 0 of 2)"
+    assert events[-1].describe() == "round 0: laptop came back from 127.0.0.1:1 (partition 0 of 2)"
 
 
 @pytest.mark.parametrize(("identity", "message"), [
@@ -104,6 +115,55 @@ def test_too_few_devices_for_longer_than_the_wait_stop_the_run() -> None:
         short.get_node_ids()
     assert strategy_floor(FedAvg(min_available_nodes=3, min_train_nodes=2)) == 3
     assert strategy_floor(object()) == 1
+
+
+def _owing(hub: Hub, device: BrowserDevice, server_round: int) -> Message:
+    """A train message `device` owes (its frame goes nowhere: the test stands for the page)."""
+
+    async def nowhere(frame: bytes | str) -> None:
+        del frame
+
+    def schedule(coroutine: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        future.set_result(asyncio.run(coroutine))
+        return future
+
+    device.send = nowhere
+    hub.bind(schedule)
+    message = Message(RecordDict(), dst_node_id=device.node_id, message_type="train")
+    message.metadata.__dict__["_message_id"] = f"{device.name}-{server_round}"
+    hub.send(message, b"", 1, 1, server_round)
+    return message
+
+
+def test_a_device_that_leaves_mid_round_is_recorded_as_left_not_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub, events = _hub(partitions=3)
+    _page(hub, "a", "identity-a")
+    b, _ = _page(hub, "b", "identity-b")
+    c, _ = _page(hub, "c", "identity-c")
+    leaving, crashing = _owing(hub, b, 2), _owing(hub, c, 2)
+    hub.lost(b, "b pressed its leave button", left=True)
+    hub.lost(c, "c closed its page or lost its connection (WebSocket close code 1006)")
+    replies = hub.collect([leaving.metadata.message_id, crashing.metadata.message_id], wait=1.0)
+    assert [(r.device, r.server_round) for r in hub.refusals] == [("c", 2)]
+    assert [e.describe() for e in events[-2:]] == [
+        "round 2: b left: pressed its leave button",
+        "round 2: c was dropped: closed its page or lost its connection (WebSocket close code 1006)"]
+    failures, left = _failures([leaving, crashing], replies, None)
+    assert left == {b.node_id: "b pressed its leave button"}
+    assert failures == {c.node_id: "c closed its page or lost its connection (WebSocket close code 1006)"}
+    # what the CLI prints and writes: one line each, leaving apart from failing in history.json
+    record = RoundRecord(2, 1.0, {"accuracy": 0.5, "loss": 1.0}, failures=failures, left=left)
+    report(cast(FleetServer, SimpleNamespace(initial={}, history=[record])), FleetConfig(out=str(tmp_path)), 1.0)
+    printed = capsys.readouterr().out
+    assert f"node {b.node_id} left: b pressed its leave button" in printed
+    assert printed.count("b pressed its leave button") == 1
+    assert printed.count("failed") == 1
+    [written] = json.loads((tmp_path / "history.json").read_text())["rounds"]
+    assert (written["left"], written["failures"]) == ({str(b.node_id): left[b.node_id]},
+                                                      {str(c.node_id): failures[c.node_id]})
 
 
 # ----------------------------------------------------------------------------- TLS

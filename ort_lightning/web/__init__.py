@@ -1,17 +1,21 @@
-"""What a browser or Node needs to train the device artifacts: the runner and onnxruntime-web.
+"""What a browser or Node needs to train the device artifacts: the runner, its wire, and onnxruntime-web.
 
-The package ships ``runner.js``; onnxruntime-web comes from npm and is never copied into the
-package. Nothing here imports ONNX Runtime or torch.
+`asset` is the path of a shipped file (``runner.js``, ``wire.js``, ``wire.json``), `wire` what a web device
+and the fleet's server agree on, `find_ort_web` where npm's onnxruntime-web is. Nothing here imports ONNX
+Runtime or torch.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
+from typing import Any, cast
 
 from ort_lightning.errors import ConfigurationError
 
-__all__ = ["ENVIRONMENT_VARIABLE", "ORT_WEB_VERSION", "TRAINING_BUILD", "asset", "find_ort_web"]
+__all__ = ["ENVIRONMENT_VARIABLE", "ORT_WEB_VERSION", "TRAINING_BUILD", "asset", "find_ort_web", "wire"]
 
 #: The onnxruntime-web release the runner is written and tested against (its last one with training).
 ORT_WEB_VERSION = "1.19.2"
@@ -21,21 +25,15 @@ TRAINING_BUILD = "ort.training.wasm.min.mjs"
 ENVIRONMENT_VARIABLE = "ORT_LIGHTNING_ORT_WEB"
 
 _HERE = Path(__file__).resolve().parent
-_ASSET_SUFFIXES = (".js",)
+_ASSET_SUFFIXES = (".js", ".json")
 _INSTALL = f"npm install onnxruntime-web@{ORT_WEB_VERSION}"
 
 
 def asset(name: str) -> Path:
-    """Return the path of a web file this subpackage ships (``runner.js``, the device runner).
+    """Return the path of a web file this subpackage ships, e.g. ``"runner.js"``.
 
     Raises:
         ConfigurationError: The package ships no file of that name.
-
-    Example::
-
-        >>> from ort_lightning.web import asset
-        >>> asset("runner.js").name
-        'runner.js'
     """
     shipped = sorted(path.name for path in _HERE.iterdir() if path.suffix in _ASSET_SUFFIXES)
     if name not in shipped:
@@ -46,8 +44,14 @@ def asset(name: str) -> Path:
     return _HERE / name
 
 
+@functools.cache
+def wire() -> dict[str, Any]:
+    """``wire.json``, which ``wire.js`` imports: each side's message types and the WebSocket close codes by name."""
+    return cast(dict[str, Any], json.loads((_HERE / "wire.json").read_text(encoding="utf-8")))
+
+
 def find_ort_web(dist: str | None = None) -> str:
-    """Return onnxruntime-web's ``dist/`` folder (or the URL that serves it) for the device runner.
+    """Return onnxruntime-web's ``dist/`` folder (absolute), or the URL that serves it (as given, unfetched).
 
     Looked for in `dist`, then ``ORT_LIGHTNING_ORT_WEB``, then ``node_modules/onnxruntime-web/dist``
     here or above. A folder must hold the training build; a URL is returned as given, not fetched.

@@ -16,8 +16,7 @@
 // the folder was prepared for the web) and save a checkpoint (only the weights come back, so a
 // device's optimizer state starts fresh each round).
 
-/** The element type a tensor's `data` must have, by tensor type. */
-const ARRAYS = {float32: Float32Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array};
+import {ARRAYS} from './wire.js';
 
 /** The files a device needs, under the names `openDevice` takes, and what each one is. */
 const FILES = {

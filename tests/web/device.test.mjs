@@ -3,7 +3,9 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-const { FINAL_CLOSES, FleetDevice, RUN_FINISHED } = await import(new URL('../../ort_lightning/fleet/devices/web/device.js', import.meta.url).href);
+const { FleetDevice } = await import(new URL('../../ort_lightning/fleet/devices/web/device.js', import.meta.url).href);
+const { CLOSE, FINAL_CLOSES } = await import(new URL('../../ort_lightning/web/wire.js', import.meta.url).href);
+const RUN_FINISHED = CLOSE.run_finished;
 const { pack } = await import(new URL('../../ort_lightning/fleet/devices/web/frames.js', import.meta.url).href);
 
 const WELCOME = JSON.stringify({ type: 'welcome', fleet: 'digits', device: 'browser-1', ort: 'ort.mjs',
@@ -106,4 +108,14 @@ test('the run\'s end is a phase of its own and a final close; a server gone away
   assert.equal(shown.at(-1).message, '4000: the fleet\'s run finished');
   assert.deepEqual([...FINAL_CLOSES].sort(), [1000, 1008, 4000]);
   assert.ok(!FINAL_CLOSES.includes(1012) && !FINAL_CLOSES.includes(1006) && !FINAL_CLOSES.includes(1001));
+});
+
+test('a message of a type no handler knows is answered with an error naming the types a device handles', async () => {
+  const { host: fake, sent, shown } = host(memoryStorage());
+  await new FleetDevice(fake).receive(JSON.stringify({ type: 'kick' }));
+  const error = JSON.parse(sent[0]);
+  assert.equal(error.type, 'error');
+  assert.equal(error.message, 'the server sent a message of type "kick", but a device handles [welcome, admitted, ' +
+    'notice, train]; the server and the page are of different releases');
+  assert.equal(shown.at(-1).phase, 'failed');
 });

@@ -5,8 +5,9 @@ import assert from 'node:assert/strict';
 import { readFile } from 'node:fs/promises';
 import { test } from 'node:test';
 
-const { ARRAYS, pack, readTrain, resultFrame, unpack } = await import(
+const { pack, readTrain, resultFrame, unpack } = await import(
   new URL('../../ort_lightning/fleet/devices/web/frames.js', import.meta.url).href);
+const { ARRAYS } = await import(new URL('../../ort_lightning/web/wire.js', import.meta.url).href);
 const VECTORS = JSON.parse(await readFile(new URL('frame_vectors.json', import.meta.url), 'utf8'));
 
 /** The bytes of a vector's frame, in an ArrayBuffer of their own (as a WebSocket delivers them). */

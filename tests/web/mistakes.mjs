@@ -4,9 +4,9 @@ import { readFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 
-const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array };
 const [jobPath, mistake] = process.argv.slice(2);
 const job = JSON.parse(await readFile(jobPath, 'utf8'));
+const { ARRAYS } = await import(new URL('wire.js', pathToFileURL(job.runner)).href); // beside runner.js
 const load = async (file, type) => new ARRAYS[type](new Uint8Array(await readFile(join(dirname(jobPath), file))).buffer);
 const batches = await Promise.all(job.batches.map((batch) => Promise.all(
   batch.map(async ({ file, type, dims }) => ({ type, data: await load(file, type), dims })))));

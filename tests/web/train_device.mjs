@@ -8,12 +8,12 @@ import { readFile, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 
-const ARRAYS = { float32: Float32Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array };
 const jobPath = process.argv[2];
 const job = JSON.parse(await readFile(jobPath, 'utf8'));
 const here = dirname(jobPath);
-const load = async (file, type) => new ARRAYS[type](new Uint8Array(await readFile(join(here, file))).buffer);
 const { dist, runner, folder, format, epochs } = job;
+const { ARRAYS } = await import(new URL('wire.js', pathToFileURL(runner)).href); // beside runner.js
+const load = async (file, type) => new ARRAYS[type](new Uint8Array(await readFile(join(here, file))).buffer);
 const weights = await load(job.weights, 'float32');
 const batches = await Promise.all(job.batches.map((batch) => Promise.all(
   batch.map(async ({ file, type, dims }) => ({ type, data: await load(file, type), dims })))));

@@ -1,37 +1,9 @@
-"""The frames a browser device and the fleet's server exchange over the page's one WebSocket.
+"""The frames a web device and the fleet's server exchange over the page's one WebSocket.
 
-Text frames are JSON objects with a ``"type"``; binary frames carry tensors::
-
-    uint32 little-endian H | H bytes of UTF-8 JSON header | zero padding to a multiple of 8 | payload
-
-Server to page: ``welcome`` (text: the device's name and partition, where onnxruntime-web and
-the device files are, the parameter count, ``"order"``: the state tensors' names in the order of
-the flat weights, and ``"data"``: the URL of the fleet's data module or null) and ``train``
-(binary: the header lists each tensor as ``{"type", "dims", "blob"}``, and ``"blobs"`` gives
-each blob's ``[offset, nbytes]`` in the payload, offsets multiples of 8 so that a
-``Float32Array`` or ``BigInt64Array`` views them in place; ``"weights"`` is the blob of the
-round's weights, ``"epochs"`` a list of epochs, each a list of batches, each a list of tensors
-in the training graph's input order; with a data module, ``"epochs"`` is empty and ``"local"``
-is ``{"partition", "partitions", "epochs"}``).
-
-Page to server: ``ready`` (text, ``{"parameters": P}`` once the device has loaded the files),
-``result`` (binary: header ``{"id", "examples", "steps", "losses", "last_epoch_steps"}``, and
-``"update_norm"`` when the train frame asked for clipping (``"clip"``),
-payload the trained weights as float32) and ``error`` (text, ``{"id", "message"}``).
-`read_result` checks a result before it becomes a reply to the strategy.
-
-Example::
-
-    >>> import numpy as np, torch
-    >>> frame = train_frame("m1", 1, np.zeros(3, np.float32), [[(torch.ones(2, 2), torch.tensor([0, 1]))]])
-    >>> header, payload = unpack(frame)
-    >>> header["type"], header["epochs"][0][0][1], header["examples"]
-    ('train', {'type': 'int64', 'dims': [2], 'blob': 2}, 2)
-    >>> reply = pack({"type": "result", "id": "m1", "examples": 2, "steps": 1, "losses": [0.5]},
-    ...              [np.full(3, 0.25, np.float32)])
-    >>> result = read_result(*unpack(reply), device="laptop", parameters=3, given=2)
-    >>> result.weights.tolist(), result.examples, result.losses
-    ([0.25, 0.25, 0.25], 2, [0.5])
+Text frames are JSON objects; binary frames (``train``, ``result``) are a JSON header and aligned blobs of
+tensors. The message types are ``ort_lightning/web/wire.json``'s; the layout and each frame's keys are in
+docs/browsers.md ("The wire"), and ``frames.js`` is the device's side. `read_result` checks a result before
+it becomes a reply to the strategy.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from ort_lightning.errors import ConfigurationError
 
 __all__ = [
-    "ARRAYS_KEY", "DEVICE_TIMEOUT", "METRICS_KEY", "OPTIMIZER_STATES", "RUNNERS", "STARTS", "WEIGHT_KEY", "ClientData",
-    "DataFn", "Fit", "Loop", "check_client_options",
+    "ARRAYS_KEY", "DEVICE_TIMEOUT", "LEFT_ERROR_CODE", "METRICS_KEY", "OPTIMIZER_STATES", "RUNNERS", "STARTS",
+    "WEIGHT_KEY", "ClientData", "DataFn", "Fit", "Loop", "check_client_options",
 ]
 
 #: Record keys, as Flower's strategies name them by default.
@@ -34,6 +34,9 @@ STARTS = ("auto", "nominal", "complete")
 #: Seconds a device may take to answer a round by default (ten minutes: far above a device's
 #: local fit in these experiments, which is seconds, and far below "for ever").
 DEVICE_TIMEOUT = 600.0
+#: Error code of the reply owed by a device that left the fleet on purpose: a departure, not a failure
+#: (Flower's own codes, ``flwr.common.constant.ErrorCode``, stop below 100).
+LEFT_ERROR_CODE = 100
 
 
 @dataclass(frozen=True)

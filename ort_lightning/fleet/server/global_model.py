@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import Strategy
 from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
-from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.protocol import LEFT_ERROR_CODE, WEIGHT_KEY
 from ort_lightning.fleet.devices.state_values import get_values, set_values
 from ort_lightning.fleet.devices.trainer_loop import evaluate_module
 from ort_lightning.training.module import ORTLightningModule
@@ -113,23 +113,26 @@ def _answers(replies: list[Message]) -> tuple[int, int]:
     return len(valid), examples
 
 
-def _failures(sent: list[Message], replies: list[Message], timeout: float | None) -> dict[int, str]:
-    """Node id -> why it failed the round: its error reply's reason, or no reply before the round's timeout."""
+def _failures(
+    sent: list[Message], replies: list[Message], timeout: float | None
+) -> tuple[dict[int, str], dict[int, str]]:
+    """Node id -> why it failed the round (an error reply, or none in time); node id -> why it left the fleet."""
     # NOTE: a reply is matched to the node it was sent to: an error reply written by the SuperLink for a
     # node it lost (Flower's "Node Unavailable") comes from the SuperLink, not from that node.
     nodes = {message.metadata.message_id: message.metadata.dst_node_id for message in sent}
     failures: dict[int, str] = {}
+    left: dict[int, str] = {}
     answered = set()
     for reply in replies:
         node = nodes.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         answered.add(node)
         if reply.has_error():
-            failures[node] = str(reply.error.reason)
+            (left if reply.error.code == LEFT_ERROR_CODE else failures)[node] = str(reply.error.reason)
     limit = "" if timeout is None else f" of {timeout:g} s"
     for node in nodes.values():
         if node not in answered:
             failures[node] = f"no reply within the device timeout{limit}; the round went on without it"
-    return failures
+    return failures, left
 
 
 class CheckpointEachRound(Strategy):
@@ -157,6 +160,8 @@ class CheckpointEachRound(Strategy):
         self.answers: dict[int, tuple[int, int]] = {}
         #: Per round: node id -> why it failed its training (an error reply, or none before the timeout).
         self.failures: dict[int, dict[int, str]] = {}
+        #: Per round: node id -> why it left the fleet while it owed the round (on purpose: no failure).
+        self.left: dict[int, dict[int, str]] = {}
         self._sent: dict[int, list[Message]] = {}
         #: Per round: (seconds aggregating, seconds writing the checkpoints).
         self.seconds: dict[int, tuple[float, float]] = {}
@@ -180,7 +185,8 @@ class CheckpointEachRound(Strategy):
         server_round += self.round_offset
         replies = list(replies)
         self.answers[server_round] = _answers(replies)
-        self.failures[server_round] = _failures(self._sent.pop(server_round, []), replies, self.device_timeout)
+        self.failures[server_round], self.left[server_round] = _failures(self._sent.pop(server_round, []), replies,
+                                                                         self.device_timeout)
         started = time.perf_counter()
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         aggregated = time.perf_counter()

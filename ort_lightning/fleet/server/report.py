@@ -14,16 +14,18 @@ __all__ = ["report"]
 
 
 def report(
-    server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = ""
+    server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "",
+    departures: bool = True,
 ) -> dict[str, Any]:
     """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png``; return the history.
 
-    `engine` names where the rounds ran in the printed header (the config's engine when empty).
+    `engine` names where the rounds ran in the printed header (the config's engine when empty); `departures`
+    False leaves out the devices that failed or left each round, for a run that printed them as they happened.
     """
     out = Path(config.output.folder)
     out.mkdir(parents=True, exist_ok=True)
     if echo:
-        _print(server, config, total, engine or f"{config.engine.name} engine")
+        _print(server, config, total, engine or f"{config.engine.name} engine", departures)
     payload = _history(server, config, total)
     (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
     plot = _plot(server, config, out) if config.output.plot else None
@@ -40,7 +42,7 @@ def _title(config: FleetConfig) -> str:
     return f"{config.devices.count} devices, {config.data.partition} split, {config.strategy.name}{privacy}"
 
 
-def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) -> None:
+def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, departures: bool) -> None:
     print(f"{_title(config)}, {engine}")
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
@@ -49,8 +51,11 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str) 
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
               f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
               f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
-        for node, reason in sorted(record.failures.items()):
-            print(f"          node {node} failed: {reason}")
+        if departures:
+            for node, reason in sorted(record.failures.items()):
+                print(f"          node {node} failed: {reason}")
+            for node, reason in sorted(record.left.items()):
+                print(f"          node {node} left: {reason}")
     print(f"total: {total:.1f} s")
 
 
@@ -66,6 +71,7 @@ def _history(server: FleetServer, config: FleetConfig, total: float) -> dict[str
     rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
                "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
                "failures": {str(node): reason for node, reason in r.failures.items()},
+               "left": {str(node): reason for node, reason in r.left.items()},
                **r.evaluation, "train": r.train_metrics,
                "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
     return {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}

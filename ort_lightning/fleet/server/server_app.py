@@ -58,6 +58,7 @@ class RoundRecord:
         devices: clients whose training replies arrived without error.
         failures: node id -> why that client failed its training this round (its error reply's
             reason, or no reply within the device timeout); the round aggregated the others.
+        left: node id -> why that device left the fleet on purpose while it owed this round (not a failure).
         examples: their training examples, together (FedAvg's total weight).
         aggregate_seconds: the strategy's aggregation.
         checkpoint_seconds: writing the round's checkpoint files.
@@ -73,6 +74,7 @@ class RoundRecord:
     aggregate_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
     failures: dict[int, str] = field(default_factory=dict)
+    left: dict[int, str] = field(default_factory=dict)
 
 
 class FleetServer:
@@ -159,6 +161,7 @@ class FleetServer:
             self.history.append(RoundRecord(number, now - self._clock, evaluation, checkpoint=written,
                                             devices=devices, examples=examples, aggregate_seconds=aggregate,
                                             checkpoint_seconds=save,
-                                            failures=self.strategy.failures.get(number, {})))
+                                            failures=self.strategy.failures.get(number, {}),
+                                            left=self.strategy.left.get(number, {})))
         self._clock = now
         return MetricRecord(evaluation) if evaluation else None

@@ -17,12 +17,8 @@
 // where to show the device's status, and runner.js's `openDevice` (a page imports it from the fleet's
 // server, Node from the package's files).
 
+import {CLOSE, MESSAGE} from '../../../web/wire.js';
 import {readTrain, resultFrame, unpack} from './frames.js';
-
-/** Close code of the server when the fleet's run is over (an application code, RFC 6455's 4000-4999). */
-export const RUN_FINISHED = 4000;
-/** Close codes after which a device does not join again: leaving (1000), a refusal (1008), the run's end. */
-export const FINAL_CLOSES = Object.freeze([1000, 1008, RUN_FINISHED]);
 
 /** Seconds since `start` (a performance.now() value). */
 const since = (start) => (performance.now() - start) / 1000;
@@ -60,18 +56,17 @@ export class FleetDevice {
     this.queue = this.queue.then(async () => {
       let id = null;
       try {
-        if (typeof data === 'string') {
-          const message = JSON.parse(data);
-          if (message.type === 'admitted') this.admitted(message);
-          else if (message.type === 'notice') this.update({notice: message.message});
-          else await this.welcome(message);
-        } else {
-          id = unpack(data).header.id;
-          await this.train(data);
+        const message = typeof data === 'string' ? JSON.parse(data) : unpack(data).header;
+        id = typeof data === 'string' ? null : message.id;
+        const handle = HANDLERS[message.type];
+        if (handle === undefined) {
+          throw new Error(`the server sent a message of type ${JSON.stringify(message.type)}, but a device handles ` +
+            `[${Object.keys(HANDLERS).join(', ')}]; the server and the page are of different releases`);
         }
+        await handle(this, message, data);
       } catch (error) {
         this.update({phase: 'failed', message: String(error?.message ?? error)});
-        this.host.send(JSON.stringify({type: 'error', id, message: String(error?.message ?? error)}));
+        this.host.send(JSON.stringify({type: MESSAGE.error, id, message: String(error?.message ?? error)}));
       }
     });
     return this.queue;
@@ -79,7 +74,7 @@ export class FleetDevice {
 
   /** The connection closed, with the server's code and reason. */
   closed(code, reason) {
-    this.update({phase: code === RUN_FINISHED ? 'finished' : 'disconnected',
+    this.update({phase: code === CLOSE.run_finished ? 'finished' : 'disconnected',
       message: `${code}${reason ? ': ' + reason : ''}`});
   }
 
@@ -91,7 +86,6 @@ export class FleetDevice {
 
   /** The server's welcome: load onnxruntime-web, the files and the data module; report `ready`. */
   async welcome(message) {
-    if (message.type !== 'welcome') throw new Error(`expected the server's welcome, but got ${message.type}`);
     this.update({device: message.device, phase: 'loading'});
     this.ort = await this.host.importModule(message.ort);
     const entries = await Promise.all(Object.entries(message.files).map(
@@ -109,7 +103,7 @@ export class FleetDevice {
       this.host.storage?.setItem(key, identity);
     }
     this.update({fleet: message.fleet, parameters});
-    this.host.send(JSON.stringify({type: 'ready', parameters, identity}));
+    this.host.send(JSON.stringify({type: MESSAGE.ready, parameters, identity}));
   }
 
   /** The server admitted the device: its name (a device that comes back has its own again) and partition. */
@@ -130,7 +124,7 @@ export class FleetDevice {
       const run = await this.epochs(header, decoded, epochs, device);
       const seconds = since(started);
       const trained = await device.getWeights();
-      const reply = {type: 'result', id: header.id, round: header.round, examples: run.examples, steps: run.losses.length,
+      const reply = {type: MESSAGE.result, id: header.id, round: header.round, examples: run.examples, steps: run.losses.length,
         losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
         open_seconds: (started - opened) / 1000};
       if (typeof header.clip === 'number') reply.update_norm = clip(trained, weights, header.clip);
@@ -172,6 +166,14 @@ export class FleetDevice {
     return {losses, examples, firstStep, lastEpochSteps};
   }
 }
+
+/** What a device does with each of the server's messages (wire.json's server messages, each handled once). */
+export const HANDLERS = Object.freeze({
+  [MESSAGE.welcome]: (device, message) => device.welcome(message),
+  [MESSAGE.admitted]: (device, message) => device.admitted(message),
+  [MESSAGE.notice]: (device, message) => device.update({notice: message.message}),
+  [MESSAGE.train]: (device, header, buffer) => device.train(buffer),
+});
 
 /**
  * Flower's client-side fixed clipping, on the device: scales the update (trained - sent) in place so that its L2

@@ -8,8 +8,8 @@
 // tensor as {type, dims, blob}; a result frame is the header and the trained weights as float32.
 // tests/web/frame_vectors.json holds frames written by each side, which both sides' tests decode.
 
-/** The typed array of each tensor type a frame carries. */
-export const ARRAYS = {float32: Float32Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array};
+import {ARRAYS} from '../../../web/wire.js';
+
 const ALIGN = 8;
 
 /**

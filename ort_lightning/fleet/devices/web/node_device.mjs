@@ -17,7 +17,8 @@
 import {pathToFileURL} from 'node:url';
 
 import {openDevice} from '../../../web/runner.js';
-import {FINAL_CLOSES, FleetDevice} from './device.js';
+import {CLOSE, fetchBytes, joinUrl, stay} from '../../../web/wire.js';
+import {FleetDevice} from './device.js';
 
 /**
  * A storage in memory, as a page's localStorage.
@@ -42,29 +43,20 @@ export function memoryStorage() {
  *     leave: function(): void}>} Once the server admitted the device (rejects if it refused it).
  */
 export function joinFleet(url, {ort, name = '', storage = memoryStorage(), show} = {}) {
-  const base = new URL(url);
-  const join = new URL('join', base);
-  join.protocol = base.protocol === 'https:' ? 'wss:' : 'ws:';
-  join.search = base.search;
-  if (name) join.searchParams.set('name', name);
-  const socket = new WebSocket(join);
+  const socket = new WebSocket(joinUrl(url, name));
   socket.binaryType = 'arraybuffer';
-  const fetchBytes = async (path) => {
-    const response = await fetch(new URL(path, base));
-    if (!response.ok) throw new Error(`GET ${path} answered ${response.status} ${response.statusText}`);
-    return new Uint8Array(await response.arrayBuffer());
-  };
+  const fetchFile = (path) => fetchBytes(path, url);
   // NOTE: the server names its own onnxruntime-web; a Node device uses the one it was given. A data module
   // comes as source and is imported from a data: URL, since Node imports no http: URL.
   const importModule = async (specifier) => {
     if (specifier.endsWith('ort.training.wasm.min.mjs')) return ort;
-    const source = new TextDecoder().decode(await fetchBytes(specifier));
+    const source = new TextDecoder().decode(await fetchFile(specifier));
     return import(`data:text/javascript;base64,${Buffer.from(source).toString('base64')}`);
   };
   let admitted;
   // NOTE: a device that left may still finish a round; what it would send then goes nowhere, as in a closed tab.
   const send = (frame) => (socket.readyState === WebSocket.OPEN ? socket.send(frame) : undefined);
-  const device = new FleetDevice({send, importModule, fetchBytes, openDevice, storage,
+  const device = new FleetDevice({send, importModule, fetchBytes: fetchFile, openDevice, storage,
     show: (status) => {
       if (status.phase === 'waiting') admitted?.();
       show?.(status);
@@ -82,39 +74,33 @@ export function joinFleet(url, {ort, name = '', storage = memoryStorage(), show}
   return new Promise((resolve, reject) => {
     admitted = () => {
       admitted = null;
-      resolve({device, socket, storage, closed, leave: () => socket.close(1000, 'left the fleet')});
+      resolve({device, socket, storage, closed, leave: () => socket.close(CLOSE.left, 'left the fleet')});
     };
-    closed.then(({code, reason}) => reject(new Error(`the fleet closed the connection (${code}: ${reason})`)));
+    closed.then(({code, reason}) => reject(Object.assign(
+      new Error(`the fleet closed the connection (${code}: ${reason})`), {code})));
   });
 }
 
 /**
- * Keeps one device in the fleet at `url` across server restarts: joins, and whenever the connection closes for any
- * reason but leaving (1000), a refusal (1008) or the end of the fleet's run (4000), joins again every `every` ms
- * with the identity it kept, as the fleet's page does, until it is back or `patience` ms have passed without a
- * connection.
+ * Keeps one device in the fleet at `url` across server restarts, as the fleet's page does (wire.js's `stay`): joins,
+ * and joins again with the identity it kept, every `every` ms, after any close but a final one (leaving, a refusal,
+ * the run's end), until `patience` ms have passed without a connection.
  *
  * @param {string} url The fleet's URL (with its token: a server restarted with the same token takes it back).
  * @param {object} options joinFleet's options, and `every` and `patience` (ms).
- * @returns {Promise<?number>} The close code that ended it (1000, 1008 or 4000), or null once patience ran out.
+ * @returns {Promise<?number>} The final close code, or null once patience ran out.
  */
-export async function stayInFleet(url, {every = 1000, patience = 60000, ...options} = {}) {
+export function stayInFleet(url, {every = 1000, patience = 60000, ...options} = {}) {
   const storage = options.storage ?? memoryStorage();
-  let since = null;
-  for (;;) {
-    let code;
+  const connect = async () => {
     try {
       const joined = await joinFleet(url, {...options, storage});
-      since = null;
-      ({code} = await joined.closed);
+      return {opened: true, code: (await joined.closed).code};
     } catch (error) {
-      code = /\(1008: /.test(error.message) ? 1008 : null;
+      return {opened: false, code: error.code ?? null};
     }
-    if (FINAL_CLOSES.includes(code)) return code;
-    since ??= Date.now();
-    if (Date.now() - since > patience) return null;
-    await new Promise((resolve) => setTimeout(resolve, every));
-  }
+  };
+  return stay(connect, {every, patience});
 }
 
 async function main([url, ...args]) {

@@ -4,20 +4,9 @@
 // and hands every message to a `FleetDevice` (device.js: the protocol, shared with Node devices), which
 // trains the rounds with runner.js; this script only shows the device's status.
 
-import {FINAL_CLOSES, FleetDevice} from './device.js';
-import {openDevice} from './runner.js';
-
-/**
- * Reads a file of the fleet's server.
- *
- * @param {string} url Its URL.
- * @returns {Promise<Uint8Array>} Its bytes.
- */
-async function fetchBytes(url) {
-  const response = await fetch(url);
-  if (!response.ok) throw new Error(`GET ${url} answered ${response.status} ${response.statusText}`);
-  return new Uint8Array(await response.arrayBuffer());
-}
+import {openDevice} from '../../../web/runner.js';
+import {CLOSE, fetchBytes, joinUrl, stay} from '../../../web/wire.js';
+import {FleetDevice} from './device.js';
 
 /**
  * One line of the device's status, for the page.
@@ -35,8 +24,8 @@ function describe(status) {
     case 'waiting':
       return `ready (${status.parameters} parameters); waiting for a round`;
     case 'disconnected':
-      // NOTE: 1000 is the leave button's normal closure; any other code is the server's or the network's.
-      return status.message.startsWith('1000') ? 'left this fleet; reload the page to join again as this device'
+      // NOTE: the leave button's normal closure; any other code is the server's or the network's.
+      return status.message.startsWith(String(CLOSE.left)) ? 'left this fleet; reload the page to join again as this device'
         : `${status.phase}: ${status.message}`;
     case 'finished':
       return `the fleet's run finished; this device took part in ${status.rounds} round(s)`;
@@ -60,37 +49,37 @@ const RETRY_SECONDS = 3;
 const PATIENCE_SECONDS = 600;
 
 /**
- * Opens the fleet's WebSocket for `device`. When it closes for any reason but leaving (1000), a refusal (1008) or
- * the end of the fleet's run (4000), as when the server restarts, it tries again every RETRY_SECONDS for up to
- * PATIENCE_SECONDS: a server restarted with the same token takes the device back (its identity is in localStorage).
+ * One connection of `device` to the fleet (the page's own URL, with its token and name), until it closes.
+ *
+ * @returns {Promise<{opened: boolean, code: number}>} Whether it opened, and its close code.
  */
-function connect(device, link, since = null) {
-  const url = new URL('join', location.href);
-  url.protocol = location.protocol === 'https:' ? 'wss:' : 'ws:';
-  url.search = location.search;
-  const socket = new WebSocket(url);
-  socket.binaryType = 'arraybuffer';
-  link.socket = socket;
-  socket.onopen = () => { since = null; };
-  socket.onmessage = (event) => device.receive(event.data);
-  socket.onclose = (event) => {
-    device.closed(event.code, event.reason);
-    const start = since ?? performance.now();
-    if (FINAL_CLOSES.includes(event.code) || performance.now() - start > PATIENCE_SECONDS * 1000) return;
-    device.update({message: `${event.code}: the fleet is out of reach; trying again every ${RETRY_SECONDS} s`});
-    setTimeout(() => connect(device, link, start), RETRY_SECONDS * 1000);
-  };
+function connect(device, link) {
+  return new Promise((resolve) => {
+    const socket = new WebSocket(joinUrl(location.href));
+    socket.binaryType = 'arraybuffer';
+    link.socket = socket;
+    let opened = false;
+    socket.onopen = () => { opened = true; };
+    socket.onmessage = (event) => device.receive(event.data);
+    socket.onclose = (event) => {
+      device.closed(event.code, event.reason);
+      resolve({opened, code: event.code});
+    };
+  });
 }
 
 function main() {
   const link = {socket: null};
   const device = new FleetDevice({
-    send: (frame) => link.socket.send(frame), importModule: (specifier) => import(specifier), fetchBytes, openDevice,
-    show, storage: localStorage,
+    send: (frame) => link.socket.send(frame), importModule: (specifier) => import(specifier),
+    fetchBytes: (url) => fetchBytes(url, location.href), openDevice, show, storage: localStorage,
   });
-  // NOTE: 1000, a normal closure: the server logs the device as one that left, not one that failed.
-  document.getElementById('leave').onclick = () => link.socket.close(1000, 'left the fleet');
-  connect(device, link);
+  // NOTE: a normal closure: the server logs the device as one that left, not one that failed.
+  document.getElementById('leave').onclick = () => link.socket.close(CLOSE.left, 'left the fleet');
+  // NOTE: a server restarted with the same token takes the device back (its identity is in localStorage).
+  stay(() => connect(device, link), {every: RETRY_SECONDS * 1000, patience: PATIENCE_SECONDS * 1000,
+    retrying: (code) => device.update({message: `${code}: the fleet is out of reach; trying again every ` +
+      `${RETRY_SECONDS} s`})});
 }
 
 main();

@@ -1,8 +1,4 @@
-"""`BrowserFleet`: a web server whose visitors are the devices of a Flower fleet.
-
-See the package docstring (`ort_lightning.fleet.engines.browser`) for what a page does and what a
-user's ``data`` must be.
-"""
+"""`BrowserFleet`: a web server whose visitors are the devices of a Flower fleet (docs/browsers.md)."""
 
 from __future__ import annotations
 
@@ -68,7 +64,7 @@ class BrowserFleet:
             device gets the batches of ``data(its partition, devices).train``, iterated once per epoch.
             None with `page_data`.
         page_data: an ES module (``.js`` or ``.mjs`` file) that the pages import to make their own
-            batches, instead of `data` (the contract is in the package docstring): only the
+            batches, instead of `data` (the contract is in docs/browsers.md): only the
             weights travel, the data never leaves the device.
         max_examples: with `page_data`, the most examples per epoch a device may claim (the server
             cannot count them); a device that claims more, or none, is refused.

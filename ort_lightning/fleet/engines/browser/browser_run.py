@@ -1,11 +1,7 @@
 """A fleet experiment with browsers as its devices (``engine: browser``, ``ort-lightning fleet --browsers``).
 
-The server's folder is the exported artifacts; the browsers load the experiment's device folder
-(`device_folder`, ``out/device``: the optimizer graph computes the config's ``lr``, constant,
-since a browser cannot set one), the files a simulated device opens too. Each browser that opens
-the printed URL trains the partition of ``data`` a simulated device of the same config would,
-through the same loop, so the accuracy per round is the simulated fleet's; with ``page_data``,
-each page makes its own batches with that module instead, and ``data`` is None.
+The browsers load the experiment's device folder (``out/device``, the files a simulated device opens) and
+train the partitions a simulated fleet of the same config would (docs/browsers.md).
 """
 
 from __future__ import annotations
@@ -26,17 +22,9 @@ __all__ = ["run_browser_experiment"]
 
 
 def _announce(fleet: BrowserFleet, devices: int) -> None:
-    """Print the URL, then each browser as it joins, until `devices` have."""
+    """Print the URL (``on_event`` prints each browser as it joins)."""
     print(f"open this URL in {devices} browsers (tabs or machines that reach this address), one per device:")
     print(f"  {fleet.url}", flush=True)
-    seen: set[int] = set()
-    while len(seen) < devices:
-        fleet.wait_for_devices(1.0)
-        for device in fleet.connected:
-            if device.node_id not in seen:
-                seen.add(device.node_id)
-                print(f"  {device.name} joined ({device.address}): partition {device.partition} of {fleet.devices}",
-                      flush=True)
 
 
 #: ``device_timeout: null`` in the config: a week, no limit in practice (a finite number, as waits need one).
@@ -51,7 +39,7 @@ def run_browser_experiment(
     test: DataLoader | None = None,
     echo: bool = True,
 ) -> FleetServer:
-    """Serve the fleet's page, wait for ``config.devices`` browsers, run the rounds; print and write as the others do.
+    """Serve the fleet's page, wait for ``devices.count`` browsers, run the rounds; print and write as the others do.
 
     Args:
         config: the experiment (``engine.name: browser`` and the engine section's page options).
@@ -80,8 +68,6 @@ def run_browser_experiment(
         started = time.perf_counter()
         fleet.run(server)
         total = time.perf_counter() - started
-    report(server, config, total, echo=echo, engine=f"{devices.count} browsers")
-    if echo and fleet.refusals:
-        for refusal in fleet.refusals:
-            print(f"dropped in round {refusal.server_round}: {refusal.reason}")
+    # NOTE: each device that failed or left a round was printed as it happened (on_event): one line per event.
+    report(server, config, total, echo=echo, engine=f"{devices.count} browsers", departures=False)
     return server

@@ -1,13 +1,9 @@
 """The browsers of a fleet and the replies they owe, shared by the web server's event loop and Flower's thread.
 
-The event loop side calls `Hub.join` when a page's WebSocket opens, `Hub.ready` when its device
-has loaded the files, `Hub.receive` for each frame and `Hub.lost` when the socket closes. Flower's
-side (`BrowserGrid`) calls `Hub.send` for each train message and `Hub.collect` for the replies.
-Every failure of a device (closed, refused, silent past its deadline) becomes an error reply to
-the message it owed, and a `Refusal` naming the device; the device leaves the fleet. Who the devices
-are (identities kept by the pages, partitions, who joined, left and came back) is the
-`Population`'s business; each change is a `PopulationEvent` in `Hub.events`, logged and handed to
-``on_event``.
+The event loop calls `join`, `ready`, `receive` and `lost`; Flower's side (`BrowserGrid`) calls `send`
+and `collect`. A device that fails (closed, refused, silent past its deadline) owes an error reply and
+leaves a `Refusal`; one that leaves on purpose owes an error of code `LEFT_ERROR_CODE`, a departure, not a
+failure. Who the devices are is the `Population`'s business; each change is a `PopulationEvent`.
 
 Example::
 
@@ -31,24 +27,23 @@ from flwr.app import Error, Message, RecordDict
 
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result, read_result, unpack
-from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, METRICS_KEY
+from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, LEFT_ERROR_CODE, METRICS_KEY
 from ort_lightning.fleet.devices.weights import WeightOrder
 from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.engines.browser.reply import clipping_norm, reply_records
 from ort_lightning.fleet.engines.local import CLIENT_ERROR_CODE
+from ort_lightning.web import wire
 
 __all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
 _LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
-#: WebSocket close code for a policy violation (RFC 6455): a refused device.
-POLICY_VIOLATION = 1008
-#: WebSocket close code of a frame over the size limit (RFC 6455).
-TOO_BIG = 1009
-
-#: WebSocket close code once the fleet's run is over (an application code, RFC 6455's 4000-4999): the page stops
-#: and does not join again (device.js's RUN_FINISHED).
-RUN_FINISHED = 4000
+_CLOSES: dict[str, int] = wire()["closes"]
+#: WebSocket close codes (wire.json, which the page's scripts read too): a refused device, a frame over the size
+#: limit, and the fleet's run being over (an application code: the page stops and does not join again).
+POLICY_VIOLATION = _CLOSES["refused"]
+TOO_BIG = _CLOSES["too_big"]
+RUN_FINISHED = _CLOSES["run_finished"]
 
 #: Sends a coroutine to the web server's event loop (a socket's send or close); its future, to wait for it.
 Schedule = Callable[[Coroutine[Any, Any, None]], concurrent.futures.Future[None]]
@@ -179,7 +174,8 @@ class Hub:
             reason, kind = self._admit(device, parameters, identity)
             if reason is not None:
                 self.refusals.append(Refusal(device.name, 0, reason))
-            event = self._event(device.name, kind, reason or f"partition {device.partition} of {self.partitions}")
+            event = self._event(device.name, kind, reason or f"partition {device.partition} of {self.partitions}",
+                                address="" if reason else device.address)
             self._changed.notify_all()
         if reason is not None:
             _LOG.warning("%s refused: %s", device.name, reason)
@@ -204,9 +200,9 @@ class Hub:
         self._devices[device.node_id] = device
         return None, "came back" if admission.came_back else "joined"
 
-    def _event(self, name: str, kind: str, detail: str) -> PopulationEvent:
+    def _event(self, name: str, kind: str, detail: str, *, address: str = "") -> PopulationEvent:
         # NOTE: called with the condition held.
-        event = PopulationEvent(self.server_round, name, kind, detail)
+        event = PopulationEvent(self.server_round, name, kind, detail, address)
         self.events.append(event)
         return event
 
@@ -277,11 +273,11 @@ class Hub:
         if device.send is not None and self._schedule is not None:
             self._schedule(device.send(json.dumps({"type": "notice", "message": reason})))
 
-    def lost(self, device: BrowserDevice, reason: str) -> None:
-        """`device`'s socket closed: each reply it owed becomes an error reply."""
+    def lost(self, device: BrowserDevice, reason: str, *, left: bool = False) -> None:
+        """`device`'s socket closed (`left`: on purpose): each reply it owed becomes an error reply."""
         with self._changed:
             self._open.pop(id(device), None)
-        self._drop(device, reason, close=False)
+        self._drop(device, reason, close=False, left=left)
 
     def refuse(self, device: BrowserDevice, reason: str) -> None:
         """Drop `device` from the fleet, close its socket, and fail what it owed."""
@@ -363,7 +359,7 @@ class Hub:
                                      f"device timeout of {self.device_timeout:g} s; raise device_timeout for slow "
                                      "devices or larger partitions")
 
-    def _drop(self, device: BrowserDevice, reason: str, *, close: bool) -> None:
+    def _drop(self, device: BrowserDevice, reason: str, *, close: bool, left: bool = False) -> None:
         with self._changed:
             member = self._devices.get(device.node_id) is device
             if member:
@@ -372,25 +368,27 @@ class Hub:
             for message_id, entry in owed:
                 del self._owed[message_id]
                 self.ledger.closed(message_id, entry.server_round)
-                self._fail(entry.message, reason)
+                self._fail(entry.message, reason, LEFT_ERROR_CODE if left else CLIENT_ERROR_CODE)
             server_round = owed[0][1].server_round if owed else 0
-            # NOTE: a page closed between rounds has simply left; one that owed a round, or was refused, failed.
-            failed = member and not self._closing and (close or bool(owed))
+            departed = member and not self._closing
+            # NOTE: a page that leaves on purpose, or closes between rounds, has left; one that owed a round, or was
+            # refused, failed.
+            failed = departed and not left and (close or bool(owed))
             if failed:
                 self.refusals.append(Refusal(device.name, server_round, reason))
-            event = self._event(device.name, "left", reason) if member and not self._closing else None
+            event = self._event(device.name, "was dropped" if failed else "left", reason) if departed else None
             self._changed.notify_all()
         if failed:
-            _LOG.warning("%s left the fleet%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
-        elif member and not self._closing:
-            _LOG.info("%s left the fleet between rounds: %s", device.name, reason)
+            _LOG.warning("%s was dropped%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
+        elif departed:
+            _LOG.info("%s left the fleet%s: %s", device.name, f" in round {server_round}" if owed else "", reason)
         elif close and not member:
             _LOG.warning("%s refused: %s", device.name, reason)
         self._tell(event)
         if close and device.close is not None and self._schedule is not None:
             self._schedule(device.close(POLICY_VIOLATION, reason[:120]))
 
-    def _fail(self, message: Message, reason: str) -> None:
+    def _fail(self, message: Message, reason: str, code: int = CLIENT_ERROR_CODE) -> None:
         # NOTE: called with the condition held; an error reply is what Flower's runtimes send for a failed node.
-        self._replies[message.metadata.message_id] = Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message)
+        self._replies[message.metadata.message_id] = Message(Error(code, reason), reply_to=message)
         self._changed.notify_all()

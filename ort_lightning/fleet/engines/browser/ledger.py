@@ -1,11 +1,8 @@
 """What became of every reply that reached a browser fleet's server: used in its round, refused, or dropped.
 
-A reply is **used** once the hub hands it to Flower's strategy (`Hub.collect`), **refused** when it
-fails a check (the device is dropped and named), and **dropped** when it answers a message that is
-no longer owed (its round closed for that device: it answered already, failed, or the round ended
-without it). Nothing else can happen to a reply: a test that counts the frames its devices sent
-finds each one here. The ledger also remembers the round of the last `remember` messages that
-closed, so that a late reply is told which round it missed.
+Used: handed to the strategy; refused: it failed a check (its device is dropped); dropped: it answers a
+message no longer owed. Nothing else can happen to a reply. The last `remember` closed messages keep their
+round, so that a late reply is told which round it missed.
 
 Example::
 

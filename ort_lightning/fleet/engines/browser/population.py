@@ -1,23 +1,16 @@
 """Who the devices of a browser fleet are: identities, partitions, and who joined, left and came back.
 
-A page keeps a random identity in the browser's storage (``localStorage``; a Node device in
-memory or a file) and sends it when it is ready. `Population` admits it: an identity seen before
-comes back as the same device (its name, node id and, while no other device holds it, its
-partition); a new one takes the lowest partition that no connected device holds, preferring one
-that no absent device held. A fleet has at most ``partitions`` devices connected at once; a page
-beyond that is refused and told so. The `Population` holds no lock: the hub calls it under its own.
+An identity seen before comes back as the same device (name, node id and, while free, partition); a new
+one takes the lowest free partition, preferring one no absent device held. No lock: the hub holds its own.
 
 Example::
 
     >>> population = Population(partitions=2)
-    >>> first = population.admit("a1b2c3d4e5", "laptop", connected={})
-    >>> first.member.partition, first.came_back
-    (0, False)
-    >>> population.admit("a1b2c3d4e5", "tab", connected={"a1b2c3d4e5": "laptop"}).reason[:50]
-    'tab claims the identity of laptop, which is connec'
+    >>> population.admit("a1b2c3d4e5", "laptop", connected={}).member.partition
+    0
     >>> again = population.admit("a1b2c3d4e5", "reloaded", connected={})
-    >>> again.member.name, again.member.partition, again.came_back
-    ('laptop', 0, True)
+    >>> again.member.name, again.came_back
+    ('laptop', True)
 """
 
 from __future__ import annotations
@@ -52,16 +45,22 @@ class Admission:
 
 @dataclass(frozen=True)
 class PopulationEvent:
-    """A device that joined, came back, left or was refused, in (or after) `server_round`."""
+    """A device that joined, came back, left, was dropped or was refused, in (or after) `server_round`."""
 
     server_round: int
     device: str
     kind: str
     detail: str = ""
+    address: str = ""
 
     def describe(self) -> str:
-        """One line for the server's output, e.g. ``round 2: tab-3 came back (partition 1)``."""
-        return f"round {self.server_round}: {self.device} {self.kind}" + (f" ({self.detail})" if self.detail else "")
+        """The event's one line, e.g. ``round 2: tab-3 came back from 10.0.0.7:5123 (partition 1 of 3)``."""
+        where = f" from {self.address}" if self.address else ""
+        if not self.detail:
+            return f"round {self.server_round}: {self.device} {self.kind}{where}"
+        said = self.detail.removeprefix(f"{self.device} ")
+        tail = f" ({said})" if self.kind in ("joined", "came back") else f": {said}"
+        return f"round {self.server_round}: {self.device} {self.kind}{where}{tail}"
 
 
 class Population:

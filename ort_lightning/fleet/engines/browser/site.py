@@ -3,8 +3,8 @@
 Routes of `web_app` (Starlette, served by uvicorn in `BrowserFleet`):
 
 - ``GET /?token=T``: the page (``page.html`` of the devices' ``web/`` folder); a missing or wrong token is a 403.
-- ``GET /page.js``, ``/device.js``, ``/frames.js`` (the devices' ``web/`` folder: the page, the device's protocol,
-  the frame codec) and ``GET /runner.js`` (``ort_lightning/web``: the device runner), shipped with the package.
+- ``GET /fleet/devices/web/<script>`` and ``GET /web/<script>``: the page's scripts (`SCRIPTS`) at their paths in
+  the package, so that their relative imports resolve alike in a page and in Node.
 - ``GET /device/<role>?token=T``: the device files (``training``, ``eval``, ``optimizer``, ``checkpoint``).
 - ``GET /data.js?token=T``: the user's data module, when the fleet has one (``page_data``).
 - ``GET /ort/...``: onnxruntime-web's ``dist/`` folder, when `find_ort_web` found one on disk (a
@@ -32,18 +32,20 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ort_lightning.fleet.engines.browser.hub import POLICY_VIOLATION, RUN_FINISHED, TOO_BIG, BrowserDevice, Hub
-from ort_lightning.web import TRAINING_BUILD, asset
+from ort_lightning.web import TRAINING_BUILD, asset, wire
 
 __all__ = ["ROLES", "SCRIPTS", "web_app"]
 
 #: The device files by the names runner.js's openDevice takes.
 ROLES = ("training", "eval", "optimizer", "checkpoint")
-#: The page's scripts that ship beside this module (runner.js comes from `ort_lightning.web`).
-SCRIPTS = ("page.js", "device.js", "frames.js")
+#: The page's scripts by their folder in the package: the devices' room, and `ort_lightning.web` (runner and wire).
+SCRIPTS = {"fleet/devices/web": ("page.js", "device.js", "frames.js"), "web": ("runner.js", "wire.js", "wire.json")}
 #: Where the device's scripts and page lie: the devices' room (`ort_lightning.fleet.devices`), beside their frames.
 _SCRIPTS = Path(__file__).resolve().parents[2] / "devices" / "web"
-#: WebSocket close code of a page that leaves on purpose (RFC 6455): its leave button.
-NORMAL_CLOSURE = 1000
+#: WebSocket close code of a page that leaves on purpose (its leave button; wire.json's ``left``).
+NORMAL_CLOSURE: int = wire()["closes"]["left"]
+#: Why a page that closed with NORMAL_CLOSURE is gone: it left on purpose, which fails nothing.
+_LEAVING = "pressed its leave button"
 _WRONG_TOKEN = ("This fleet's join token is missing or wrong (a page of another fleet, or of a run started with "
                 "another token, has another): open the URL the fleet printed (http://HOST:PORT/?token=...), with its "
                 "token.")
@@ -65,7 +67,7 @@ def _close_reason(code: int | None, frame_limit: int) -> str:
     if code == TOO_BIG:
         return f"sent a frame over the size limit of {frame_limit} bytes, so its connection was closed"
     if code == NORMAL_CLOSURE:
-        return "left the fleet (its leave button)"
+        return _LEAVING
     return f"closed its page or lost its connection (WebSocket close code {code})"
 
 
@@ -91,8 +93,9 @@ class _Site:
         return FileResponse(_SCRIPTS / "page.html", media_type="text/html")
 
     async def script(self, request: Request) -> Response:
-        name = request.url.path.lstrip("/")
-        return FileResponse(_SCRIPTS / name if name in SCRIPTS else asset(name), media_type="text/javascript")
+        folder, _, name = request.url.path.strip("/").rpartition("/")
+        path = asset(name) if folder == "web" else _SCRIPTS / name
+        return FileResponse(path, media_type="application/json" if name.endswith(".json") else "text/javascript")
 
     async def device_file(self, request: Request) -> Response:
         if not self.admitted(request.query_params.get("token")):
@@ -132,7 +135,7 @@ class _Site:
                                            "files": files, "parameters": self.hub.parameters, "data": data,
                                            "order": self.hub.weight_order.names}))
         reason = await self._listen(socket, device)
-        self.hub.lost(device, f"{device.name} {reason}")
+        self.hub.lost(device, f"{device.name} {reason}", left=reason == _LEAVING)
 
     async def _listen(self, socket: WebSocket, device: BrowserDevice) -> str:
         """Hand the device's frames to the hub until its socket closes; why it closed."""
@@ -147,7 +150,7 @@ class _Site:
                 self.hub.receive(device, event["bytes"])
                 continue
             message = _json(event.get("text"))
-            if message.get("type") not in ("ready", "error"):
+            if message.get("type") not in _TEXT:
                 reason = f"{device.name} sent a text frame that is not the fleet's wire format: {message['problem']}"
                 self.hub.refuse(device, reason)
                 # NOTE: closed here, before the handler returns: a handler that returns first drops the socket unsaid.
@@ -164,6 +167,10 @@ class _Site:
                 self.hub.receive(device, message)
 
 
+#: The device's messages this site handles (wire.json's device messages): text frames here, the binary result in
+#: `Hub.receive`.
+HANDLED = {"ready": "text", "error": "text", "result": "binary"}
+_TEXT = tuple(kind for kind, frame in HANDLED.items() if frame == "text")
 #: What a device's text frame must be: a JSON object of these types (results travel as binary frames).
 _EXPECTED = "a JSON object of type 'ready' or 'error' (results travel as binary frames); use the fleet's page"
 
@@ -174,7 +181,7 @@ def _json(text: str | None) -> dict[str, Any]:
         value = json.loads(text or "")
     except json.JSONDecodeError:
         return {"problem": f"{(text or '')[:40]!r} is not JSON, but {_EXPECTED}"}
-    if not isinstance(value, dict) or value.get("type") not in ("ready", "error"):
+    if not isinstance(value, dict) or value.get("type") not in _TEXT:
         what = f"type {value.get('type')!r}" if isinstance(value, dict) else f"a JSON {type(value).__name__}"
         return {"problem": f"it is {what}, but {_EXPECTED}"}
     return value
@@ -219,7 +226,8 @@ def web_app(
         yield
 
     routes: list[Any] = [
-        Route("/", site.page), *(Route(f"/{name}", site.script) for name in (*SCRIPTS, "runner.js")),
+        Route("/", site.page),
+        *(Route(f"/{folder}/{name}", site.script) for folder, names in SCRIPTS.items() for name in names),
         Route("/device/{role}", site.device_file), Route("/data.js", site.data_module),
         WebSocketRoute("/join", site.join),
     ]
