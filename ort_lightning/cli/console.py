@@ -9,9 +9,9 @@ Subcommands:
 - ``inspect DIR | CHECKPOINT``: what a set of artifacts or an ORT checkpoint holds.
 - ``save-pretrained CHECKPOINT --out FOLDER``: a trained checkpoint (``.ortckpt`` with ``--artifacts``, ``.ckpt``)
   as the folder peft or transformers loads (an adapter folder; ``--merge``: the merged model).
-- ``fleet --config fleet.yaml [--set KEY=VALUE ...]``: federated training of the digits artifacts on simulated
-  devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per round.
-  ``--browsers``: the devices are browsers that open the URL it prints (``engine: browser``).
+- ``fleet --config fleet.yaml [--set KEY=VALUE ...]``: federated training of a model on its data module's
+  partitions, on simulated devices with Flower (needs the ``fleet`` extra); accuracy per round, a checkpoint per
+  round. ``--browsers``: the devices are browsers that open the URL it prints (``engine.name: browser``).
 
 Errors print one line, without a traceback, and exit with status 2: the last line on stderr, the only
 one that starts with ``ort-lightning: error:``. A line a library prints as it is imported (torch's
@@ -154,11 +154,11 @@ def _parser() -> argparse.ArgumentParser:
 
     fleet = commands.add_parser("fleet", help="federated training on simulated devices or browsers")
     fleet.add_argument("--config", type=Path, required=True,
-                       help="YAML of FleetConfig keys (examples/fleet_digits.yaml)")
+                       help="YAML of the fleet config's sections (examples/fleet_digits.yaml)")
     fleet.add_argument("--browsers", action="store_true",
-                       help="the devices are browsers that open the printed URL (engine: browser)")
+                       help="the devices are browsers that open the printed URL (engine.name: browser)")
     fleet.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                       help="override one key of the config, e.g. --set rounds=3 --set lr=0.05 (repeat per key)")
+                       help="override one key, e.g. --set rounds=3 --set devices.lr=0.05 (repeat per key)")
     fleet.set_defaults(handler=_fleet)
     for name, text in _LIGHTNING_HELP.items():
         # NOTE: listed for --help and for the invalid-choice message; main() hands them to LightningCLI.
@@ -272,40 +272,13 @@ def _save_pretrained(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- fleet
 def _fleet(args: argparse.Namespace) -> None:
-    import dataclasses
-    import logging
-    import warnings
-
-    from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
-    from ort_lightning.fleet.run import FleetConfig, run_experiment
+    from ort_lightning.fleet.run import FleetConfig, run_fleet
 
     config = FleetConfig.from_yaml(args.config, overrides=args.overrides)
     if args.browsers:
-        config = dataclasses.replace(config, engine="browser")
-    # NOTE: one Trainer per device and round; their start-up lines, their warning that devices do not
-    # validate, and Flower's round log would bury the accuracy per round.
-    for name in ("lightning.pytorch", "lightning.fabric", "flwr"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    artifacts = _digits_artifacts(Path(config.out) / "artifacts", hidden=config.hidden, seed=config.seed)
-    with warnings.catch_warnings():
-        # NOTE: a device's fit has no validation data by design; the known Lightning lines go in main's filter.
-        warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
-        # The digits are the example's data set: each device's share, and the held-out digits for the accuracy.
-        data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-        run_experiment(config, artifacts, None if config.page_data else data, test=digits_test_loader(config.seed))
-
-
-def _digits_artifacts(folder: Path, *, hidden: int, seed: int) -> Path:
-    """The digits MLP's artifacts in `folder`, with the nominal checkpoint devices start from; exported once."""
-    import torch
-
-    from ort_lightning import TrainingArtifacts, export_artifacts
-    from ort_lightning.demo import FEATURES, digits_mlp
-
-    if (folder / "ort_lightning.json").exists():
-        return TrainingArtifacts.load(folder).directory
-    model = digits_mlp(hidden, seed=seed)
-    return export_artifacts(model, torch.zeros(2, FEATURES), folder, nominal_checkpoint=True).directory
+        config = config.replace(engine={"name": "browser"})
+    # NOTE: a module the config names by import path is found beside the config file first.
+    run_fleet(config, search=[args.config.resolve().parent])
 
 
 # ----------------------------------------------------------------------------- LightningCLI

@@ -1,7 +1,8 @@
 """Fleet experiments: federated training of the very artifacts that ship, on Flower.
 
 Needs the ``fleet`` extra (``pip install "ort-lightning[fleet]"``, which installs
-``flwr[simulation]``). A `DeviceClient` is what each device runs on every engine: ONNX Runtime's
+``flwr[simulation]``). `run_fleet` runs a fleet from a `FleetConfig`'s sections and returns its
+history (docs/fleets.md). A `DeviceClient` is what each device runs on every engine: ONNX Runtime's
 device loop on the device folder, what a phone or a browser runs (`ort_lightning.ort.on_device`),
 or a Lightning ``Trainer`` over an `ORTLightningModule` for those who ask for it
 (``runner="lightning"``): no device has a Trainer. The server runs Flower's own strategies
@@ -27,6 +28,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from ort_lightning._lazy import lazy_names
 
 if TYPE_CHECKING:
+    from ort_lightning.fleet.config.fleet_config import FleetConfig
     from ort_lightning.fleet.devices.client import DeviceClient
     from ort_lightning.fleet.devices.protocol import ClientData
     from ort_lightning.fleet.devices.state_values import get_values, set_values
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from ort_lightning.fleet.devices.weights import WeightOrder
     from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
+    from ort_lightning.fleet.run import run_fleet
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
     from ort_lightning.fleet.server.strategies import strategy_from
@@ -47,6 +50,7 @@ _HOMES = {
     "CheckpointEachRound": "ort_lightning.fleet.server.global_model",
     "ClientData": "ort_lightning.fleet.devices.protocol",
     "DeviceClient": "ort_lightning.fleet.devices.client",
+    "FleetConfig": "ort_lightning.fleet.config.fleet_config",
     "FleetServer": "ort_lightning.fleet.server.server_app",
     "GlobalModel": "ort_lightning.fleet.server.global_model",
     "LocalGrid": "ort_lightning.fleet.engines.local",
@@ -55,6 +59,7 @@ _HOMES = {
     "evaluate_module": "ort_lightning.fleet.devices.trainer_loop",
     "get_values": "ort_lightning.fleet.devices.state_values",
     "round_path": "ort_lightning.fleet.server.global_model",
+    "run_fleet": "ort_lightning.fleet.run",
     "run_local": "ort_lightning.fleet.engines.local",
     "set_values": "ort_lightning.fleet.devices.state_values",
     "strategy_from": "ort_lightning.fleet.server.strategies",
@@ -67,6 +72,7 @@ __all__ = [
     "CheckpointEachRound",
     "ClientData",
     "DeviceClient",
+    "FleetConfig",
     "FleetServer",
     "GlobalModel",
     "LocalGrid",
@@ -76,6 +82,7 @@ __all__ = [
     "evaluate_module",
     "get_values",
     "round_path",
+    "run_fleet",
     "run_local",
     "set_values",
     "strategy_from",

@@ -1,34 +1,18 @@
-"""The fleet experiment people run: N devices, R rounds of a Flower strategy, accuracy per round.
+"""The one entry point of a fleet run: sections in, the engine's rounds, the history out (docs/fleets.md).
 
-`run_experiment` trains the artifacts on `devices` devices for `rounds` rounds, prints the global
-accuracy after each round, and writes each round's ORT checkpoint, ``history.json`` and (with
-matplotlib) ``accuracy.png`` under `out`. The data is an argument: ``data(partition, partitions)
--> ClientData`` for the devices (the contract of `DeviceClient`) and ``test``, the batches the
-global model is evaluated on; ``ort-lightning fleet`` passes the digits (`ort_lightning.fleet.data.digits`),
-the example's data set.
-
-Every engine's devices run `DeviceClient` on the device folder ``out/device`` that
-`prepare_for_web` writes from the artifacts (its optimizer graph computes the config's ``lr``),
-the very files a browser loads: ``runner: ort`` runs ONNX Runtime's loop, what a real device
-runs, so that a simulated round equals a browser's round; ``runner: lightning`` runs a
-``lightning.Trainer`` over an `ORTLightningModule` at the folder's rate instead.
-
-``engine: local`` runs Flower's apps in this process (`run_local`: exact and fast on a few
-cores); ``engine: simulation`` runs them on Flower's Ray simulation engine, the one that scales
-to many machines; ``engine: browser`` serves a page whose visitors are the devices
-(`ort_lightning.fleet.engines.browser`: ``host``, ``port``, ``device_timeout``, ``ort_web``).
-
-Example::
-
-    >>> config = FleetConfig.from_dict({"devices": 3, "rounds": 1, "out": "runs/fleet"})
-    >>> config.devices, config.strategy, config.split
-    (3, 'fedavg', 'iid')
+`run_experiment` is the same run over artifacts and data the caller already holds. Every engine's
+devices run `DeviceClient` on the device folder that `prepare_for_web` writes at ``devices.lr``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +20,32 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import ENGINES, STRATEGIES, FleetConfig
+from ort_lightning.fleet.data.sources import fleet_data
 from ort_lightning.fleet.devices.client import DeviceClient
 from ort_lightning.fleet.devices.protocol import RUNNERS, DataFn
 from ort_lightning.fleet.engines.browser.browser_run import run_browser_experiment
 from ort_lightning.fleet.engines.local import run_local
 from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
+from ort_lightning.fleet.server.model_artifacts import fleet_artifacts
 from ort_lightning.fleet.server.report import report
 from ort_lightning.fleet.server.server_app import FleetServer
 
-__all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment"]
+__all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment", "run_fleet"]
 
 
 def _run(server: FleetServer, client: DeviceClient, config: FleetConfig) -> None:
-    if config.engine == "local":
-        run_local(server.server_app(), client.client_app(), nodes=config.devices)
+    if config.engine.name == "local":
+        run_local(server.server_app(), client.client_app(), nodes=config.devices.count)
         return
     from flwr.simulation import run_simulation
 
     quiet_ray()
     # NOTE: the actors' own log lines (Flower's "Manually terminating ClientAppActor" at the end of each run) stay in
     # the actors: a device's failure reaches the server as its error reply, which the round line names.
-    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.cpus_per_device, "num_gpus": 0.0},
+    backend: dict[str, Any] = {"client_resources": {"num_cpus": config.devices.cpus, "num_gpus": 0.0},
                                "init_args": {"log_to_driver": False}}
-    run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices, backend_config=backend)
+    run_simulation(server.server_app(), client.client_app(), num_supernodes=config.devices.count,
+                   backend_config=backend)
 
 
 def run_experiment(
@@ -85,17 +72,59 @@ def run_experiment(
     Raises:
         ConfigurationError: without `data` where the devices need it.
     """
-    Path(config.out).mkdir(parents=True, exist_ok=True)
-    if config.engine == "browser":
+    Path(config.output.folder).mkdir(parents=True, exist_ok=True)
+    if config.engine.name == "browser":
         return run_browser_experiment(config, artifacts, data, test=test, echo=echo)
     if data is None:
         raise ConfigurationError(f"Expected `data`, each device's (partition, partitions) -> ClientData, for engine "
-                                 f"{config.engine!r}, but got None; pass the devices' data (only browser pages with "
-                                 "page_data make their own).")
+                                 f"{config.engine.name!r}, but got None; pass the devices' data (only browser pages "
+                                 "with page_data make their own).")
     server = fleet_server(config, artifacts, test)
-    client = DeviceClient(device_folder(config, artifacts).directory, data, epochs=config.epochs, runner=config.runner,
-                          optimizer_state=config.optimizer_state, start=config.start)
+    devices = config.devices
+    client = DeviceClient(device_folder(config, artifacts).directory, data, epochs=devices.epochs,
+                          runner=devices.runner, optimizer_state=devices.optimizer_state, start=devices.start)
     started = time.perf_counter()
     _run(server, client, config)
     report(server, config, time.perf_counter() - started, echo=echo)
     return server
+
+
+def run_fleet(
+    config: FleetConfig | Mapping[str, Any],
+    *,
+    echo: bool = True,
+    flower_log: bool = False,
+    search: Sequence[str | os.PathLike[str]] = (),
+) -> dict[str, Any]:
+    """Run the fleet a config (or the mapping of its sections) describes; return what history.json holds.
+
+    `echo` prints the round lines as ``ort-lightning fleet`` does; `flower_log` keeps Flower's own log;
+    `search` holds folders searched first for ``model.factory`` and ``data.class_path``.
+    """
+    if not isinstance(config, FleetConfig):
+        config = FleetConfig.from_dict(config)
+    with _quiet(flower_log):
+        data, test = fleet_data(config, search=search)
+        example = next(iter(data(0, config.devices.count).train))[0][0]
+        artifacts = fleet_artifacts(config, example, search=search)
+        run_experiment(config, artifacts, None if config.engine.page_data else data, test=test, echo=echo)
+    return json.loads((Path(config.output.folder) / "history.json").read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def _quiet(flower_log: bool) -> Iterator[None]:
+    """Flower's log at ERROR (unless asked for) and Lightning's per-device lines off, for the run only."""
+    # NOTE: Flower logs ~100 INFO lines per run, coloured even when redirected, and warns about
+    # fraction_evaluate=0.0, a default here (the server measures the global model itself).
+    names = ["lightning.pytorch", "lightning.fabric"] + ([] if flower_log else ["flwr"])
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            # NOTE: a device's fit has no validation data by design.
+            warnings.filterwarnings("ignore", message=".*but have no `val_dataloader`.*")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -276,7 +276,8 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
     from tests.cli.script import run_script
 
     config = tmp_path / "fleet.yaml"
-    config.write_text(f"out: {tmp_path / 'run'}\ndevices: 3\nrounds: 2\nhidden: 16\nepochs: 1\n", encoding="utf-8")
+    config.write_text(f"output: {{folder: {tmp_path / 'run'}}}\ndevices: {{count: 3, epochs: 1}}\nrounds: 2\n"
+                      "model: {hidden: 16}\n", encoding="utf-8")
     shown = run_script("fleet", "--config", config, cwd=tmp_path).stdout
     accuracies = [float(a) for a in re.findall(r"^round +\d: accuracy ([\d.]+)%", shown, re.MULTILINE)]
     assert len(accuracies) == 3, shown
@@ -289,11 +290,12 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"split": "dirichlet"}, r"Expected `split` to be one of \['iid', 'label', 'writers'\], but got 'dirichlet'"),
-        ({"strategy": "fedsgd"}, r"Expected `strategy` to be one of \['fedavg'.*but got 'fedsgd'"),
-        ({"devices": 0}, r"Expected devices, rounds and epochs >= 1, but got 0, 5, 1"),
-        ({"device": 10}, r"Unknown key `device` in the fleet config; did you mean `devices`\?"),
-        ({"runner": "trainer"}, r"Expected `runner` to be one of \['ort', 'lightning'\], but got 'trainer'"),
+        ({"data": {"partition": "shards"}}, r"Expected `data.partition` to be one of \['iid', 'label', 'dirichlet', "
+         r"'writers'\], but got 'shards'"),
+        ({"strategy": {"name": "fedsgd"}}, r"Expected `strategy.name` to be one of \['fedavg'.*but got 'fedsgd'"),
+        ({"devices": {"count": 0}}, r"Expected devices.count, devices.epochs and devices.batch_size >= 1, but got 0, "),
+        ({"device": {}}, r"Unknown key `device` in the fleet config; did you mean `devices`\?"),
+        ({"devices": {"runner": "trainer"}}, r"Expected `devices.runner` to be one of \['ort', 'lightning'\], but "),
     ],
     ids=["split", "strategy", "devices", "unknown-key", "runner"],
 )

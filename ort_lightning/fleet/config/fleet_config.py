@@ -1,9 +1,12 @@
-"""`FleetConfig`: one fleet experiment, the keys of its YAML file (``ort-lightning fleet --config fleet.yaml``).
+"""`FleetConfig`: one fleet run in sections: model, data, devices, strategy, privacy, engine, output.
+
+The YAML of ``ort-lightning fleet --config``, the mapping `ort_lightning.fleet.run_fleet` takes and
+Flower's run config of the deployment app are this one shape; docs/fleets.md lists every key.
 
 Example::
 
-    >>> config = FleetConfig.from_dict({"devices": 3, "rounds": 1, "out": "runs/fleet"})
-    >>> config.devices, config.strategy, config.split
+    >>> config = FleetConfig.from_dict({"devices": {"count": 3}, "rounds": 1, "output": {"folder": "runs/fleet"}})
+    >>> config.devices.count, config.strategy.name, config.data.partition
     (3, 'fedavg', 'iid')
 """
 
@@ -11,99 +14,159 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
-
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.config.keys import check_keys, check_types, parse_override
-from ort_lightning.fleet.data.digits import SPLITS
+from ort_lightning.fleet.config.keys import build_section, merge_override, refuse_flat_keys
 from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, RUNNERS, STARTS
 
-__all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig"]
+__all__ = [
+    "ENGINES", "PARTITIONS", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection", "EngineSection", "FleetConfig",
+    "ModelSection", "OutputSection", "PrivacySection", "StrategySection",
+]
 
-#: Flower strategies by name (any other works through the Python API).
-STRATEGIES: dict[str, type[Strategy]] = {
-    "fedavg": FedAvg, "fedavgm": FedAvgM, "fedprox": FedProx, "fedadam": FedAdam, "fedyogi": FedYogi,
-    "fedadagrad": FedAdagrad,
-}
-ENGINES = ("local", "simulation", "browser")
+#: Flower strategies the config names (lower-case class names of ``flwr.serverapp.strategy``).
+STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "qfedavg", "fedmedian",
+              "fedtrimmedavg", "krum", "multikrum", "bulyan")
+#: ``local``: Flower's apps in this process; ``ray``: Flower's Ray simulation; ``browser``: pages and Node devices.
+ENGINES = ("local", "ray", "browser")
+#: How the training data is cut into devices (``writers``: the bundled digits only).
+PARTITIONS = ("iid", "label", "dirichlet", "writers")
+
+
+def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
+    if value not in allowed:
+        raise ConfigurationError(f"Expected `{key}` to be one of {list(allowed)}, but got {value!r}; fix that key "
+                                 "of the fleet config.")
 
 
 @dataclass(frozen=True)
-class FleetConfig:
-    """One fleet experiment (the keys of the YAML file).
+class ModelSection:
+    """What the fleet trains: the bundled digits MLP (``hidden`` wide), a torch module ``factory``, or ``artifacts``.
 
-    Attributes:
-        out: output folder (round checkpoints, history.json, accuracy.png; the console script's artifacts).
-        devices: simulated devices (each one partition of the digits' training split).
-        rounds: federated rounds.
-        epochs: local epochs per round.
-        lr: devices' learning rate (AdamW, constant).
-        batch_size: devices' batch size.
-        split: ``"iid"``, ``"label"`` (non-IID: each device holds one or two digits) or ``"writers"``
-            (non-IID: each device holds the digits of one writer-like group; `DigitsPartitions`).
-        strategy: a key of `STRATEGIES`.
-        strategy_options: keyword arguments of that Flower strategy (``fraction_train``, ``eta``...).
-        optimizer_state: ``"fresh"`` or ``"keep"`` (see `DeviceClient`).
-        start: where each device starts, ``"auto"``, ``"nominal"`` (the nominal checkpoint plus the
-            server's values, as ONNX Runtime runs a device) or ``"complete"`` (see `DeviceClient`).
-        engine: ``"local"``, ``"simulation"`` (Flower's Ray engine) or ``"browser"`` (browsers that open the
-            fleet's page are the devices, `ort_lightning.fleet.engines.browser`).
-        runner: what a simulated device runs: ``"ort"`` (ONNX Runtime's device loop on the device folder,
-            what a phone or a page runs) or ``"lightning"`` (a ``lightning.Trainer`` over an
-            `ORTLightningModule`: not what a device runs); see `DeviceClient`.
-        cpus_per_device: Ray CPUs per simulated device (``engine: simulation``).
-        hidden: hidden units of the digits MLP (when the console script exports it).
-        seed: seed of the model, the split and the shuffles.
-        resume: a round checkpoint to continue from (its round number continues too).
-        host: ``engine: browser``: the address the fleet's page is served on (loopback by default).
-        port: ``engine: browser``: its port (0: a free one).
-        device_timeout: seconds a device may take to answer a round; one that takes longer fails
-            the round, which aggregates the others (``null``: no limit but Flower's hour).
-        min_nodes: devices the server waits for before a round (the deployment runtime); 0 or
-            ``null`` (the default) means ``devices - 1``, at least 1, so that a round goes on after
-            one device is lost (0 is for Flower's run config, which has no null).
-        ort_web: ``engine: browser``: onnxruntime-web's ``dist/`` folder or a URL (None: found as
-            `ort_lightning.web.find_ort_web` finds it).
-        page_data: ``engine: browser``: an ES module the pages import to make their own batches (the
-            contract is in `ort_lightning.fleet.engines.browser`), instead of the digits partitions; None: the
-            server ships each page its digits partition.
-        max_examples: ``engine: browser`` with ``page_data``: the most examples per epoch a page may claim.
-        min_devices: ``engine: browser``: the pages the first round waits for (None: ``devices``, which is
-            the most connected at once); later rounds sample among the pages connected then.
-        wait_timeout: ``engine: browser``: seconds to wait while fewer pages than the strategy's minimum
-            are connected before the run stops (null: no limit).
-        certfile: ``engine: browser``: a PEM certificate to serve HTTPS and WSS with (with ``keyfile``).
-        keyfile: ``engine: browser``: the certificate's PEM private key.
-        token: ``engine: browser``: the join token (None: a random one); a run restarted with ``resume`` and the
-            token it printed takes its pages back as they reconnect.
+    ``factory`` is ``package.module:function`` called with ``init_args``; it is exported once with an
+    example input of ``input_shape`` (float32; None: two rows shaped like the data's first example)
+    and ``loss``, one step checked against torch in a child process unless ``verify`` is false.
+    ``artifacts`` is a folder `export_artifacts` wrote with ``nominal_checkpoint=True``.
     """
 
-    out: str = "fleet-digits"
-    devices: int = 10
-    rounds: int = 5
+    hidden: int = 64
+    factory: str | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)
+    input_shape: list[int] | None = None
+    loss: str = "cross_entropy"
+    verify: bool = True
+    artifacts: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.factory and self.artifacts:
+            raise ConfigurationError(f"Expected one of `model.factory` and `model.artifacts`, but got both "
+                                     f"({self.factory!r}, {self.artifacts!r}); keep the one the fleet trains.")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """The devices' data: a LightningDataModule by import path (None: the bundled digits), cut per device.
+
+    ``class_path`` (``package.module:Class`` or ``package.module.Class``) is built with ``init_args``;
+    its training set is cut into ``partition`` parts (Dirichlet with ``alpha``) and its validation
+    set (else its test set) measures the global model after each round.
+    """
+
+    class_path: str | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)
+    partition: str = "iid"
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        _one_of("data.partition", self.partition, PARTITIONS)
+        if self.partition == "writers" and self.class_path:
+            raise ConfigurationError("Expected `data.partition: writers` with the bundled digits only, but got a "
+                                     f"data module ({self.class_path}); use iid, label or dirichlet.")
+        if not self.alpha > 0:
+            raise ConfigurationError(f"Expected `data.alpha` > 0, but got {self.alpha}; smaller is more skewed.")
+
+
+@dataclass(frozen=True)
+class DevicesSection:
+    """The devices: how many, what each runs, its local training and how long it may take."""
+
+    count: int = 10
+    runner: str = "ort"
     epochs: int = 1
     lr: float = 0.01
     batch_size: int = 16
-    split: str = "iid"
-    strategy: str = "fedavg"
-    strategy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     optimizer_state: str = "fresh"
     start: str = "auto"
-    engine: str = "local"
-    runner: str = "ort"
-    cpus_per_device: float = 1.0
-    hidden: int = 64
-    seed: int = 0
-    resume: str | None = None
+    timeout: float | None = DEVICE_TIMEOUT
+    min_nodes: int | None = None
+    cpus: float = 1.0
+
+    def __post_init__(self) -> None:
+        _one_of("devices.runner", self.runner, RUNNERS)
+        _one_of("devices.optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
+        _one_of("devices.start", self.start, STARTS)
+        if self.count < 1 or self.epochs < 1 or self.batch_size < 1:
+            raise ConfigurationError(f"Expected devices.count, devices.epochs and devices.batch_size >= 1, but got "
+                                     f"{self.count}, {self.epochs}, {self.batch_size}; fix those keys.")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ConfigurationError(f"Expected `devices.timeout` > 0 seconds or null (no limit), but got "
+                                     f"{self.timeout}; fix that key of the fleet config.")
+        if self.min_nodes is not None and not 0 <= self.min_nodes <= self.count:
+            raise ConfigurationError(f"Expected `devices.min_nodes` between 1 and devices.count ({self.count}), or 0 "
+                                     f"or null for count - 1, but got {self.min_nodes}; fix it or leave it out.")
+
+
+@dataclass(frozen=True)
+class StrategySection:
+    """A Flower strategy by name and its keyword arguments."""
+
+    name: str = "fedavg"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _one_of("strategy.name", self.name, STRATEGIES)
+
+
+@dataclass(frozen=True)
+class PrivacySection:
+    """Flower's differential privacy around the strategy, clipped on the ``client`` or ``server`` side (null: off).
+
+    The other keys are the arguments of Flower's DP wrapper for that side and clipping (null: its
+    default): ``clipping_norm`` for fixed clipping, ``initial_clipping_norm`` and the rest for adaptive.
+    """
+
+    side: str | None = None
+    clipping: str = "fixed"
+    noise_multiplier: float | None = None
+    clipping_norm: float | None = None
+    initial_clipping_norm: float | None = None
+    target_clipped_quantile: float | None = None
+    clip_norm_lr: float | None = None
+    clipped_count_stddev: float | None = None
+    num_sampled_clients: int | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("privacy.side", self.side, (None, "client", "server"))
+        _one_of("privacy.clipping", self.clipping, ("fixed", "adaptive"))
+
+    def wrapper(self) -> dict[str, Any] | None:
+        """The keys set, as the strategies take them (None: no differential privacy)."""
+        if self.side is None:
+            return None
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """Where the rounds run; the rest are the browser engine's page, TLS and join options."""
+
+    name: str = "local"
     host: str = "127.0.0.1"
     port: int = 8000
-    device_timeout: float | None = DEVICE_TIMEOUT
-    min_nodes: int | None = None
     ort_web: str | None = None
     page_data: str | None = None
     max_examples: int | None = None
@@ -114,73 +177,80 @@ class FleetConfig:
     token: str | None = None
 
     def __post_init__(self) -> None:
-        checks = [("split", self.split, SPLITS), ("strategy", self.strategy, tuple(STRATEGIES)),
-                  ("engine", self.engine, ENGINES), ("optimizer_state", self.optimizer_state, OPTIMIZER_STATES),
-                  ("start", self.start, STARTS), ("runner", self.runner, RUNNERS)]
-        for key, value, allowed in checks:
-            if value not in allowed:
-                raise ConfigurationError(
-                    f"Expected `{key}` to be one of {list(allowed)}, but got {value!r}; fix that key of the fleet "
-                    "config."
-                )
-        if self.engine == "browser" and self.optimizer_state == "keep":
+        _one_of("engine.name", self.name, ENGINES)
+        if self.page_data is not None and self.name != "browser":
+            raise ConfigurationError(f"Expected `engine.name: browser` with `engine.page_data`, but got engine "
+                                     f"{self.name!r}: only browser pages import a data module; set engine.name: "
+                                     "browser (or --browsers), or drop page_data.")
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """Where the run writes (artifacts, round checkpoints, history.json, the plot) and what it resumes from."""
+
+    folder: str = "fleet-digits"
+    resume: str | None = None
+    plot: bool = True
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One fleet run: ``rounds`` of the strategy, ``seed`` of the model, the partition and the shuffles."""
+
+    rounds: int = 5
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    devices: DevicesSection = field(default_factory=DevicesSection)
+    strategy: StrategySection = field(default_factory=StrategySection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigurationError(f"Expected `rounds` >= 1, but got {self.rounds}; fix that key.")
+        if self.engine.name == "browser" and self.devices.optimizer_state == "keep":
             raise ConfigurationError(
-                "Expected `optimizer_state: fresh` with `engine: browser`, but got \"keep\": a browser returns its "
-                "weights only (onnxruntime-web saves no optimizer state); use engine: local or simulation to keep it."
-            )
-        if self.page_data is not None and self.engine != "browser":
-            raise ConfigurationError(
-                f"Expected `engine: browser` with `page_data`, but got engine {self.engine!r}: only browser pages "
-                "import a data module; set engine: browser (or --browsers), or drop page_data."
-            )
-        if self.devices < 1 or self.rounds < 1 or self.epochs < 1:
-            raise ConfigurationError(
-                f"Expected devices, rounds and epochs >= 1, but got {self.devices}, {self.rounds}, {self.epochs}; "
-                "fix those keys of the fleet config."
-            )
-        if self.device_timeout is not None and not self.device_timeout > 0:
-            raise ConfigurationError(
-                f"Expected `device_timeout` > 0 seconds or null (no limit), but got {self.device_timeout}; fix that "
-                "key of the fleet config."
-            )
-        if self.min_nodes is not None and not 0 <= self.min_nodes <= self.devices:
-            raise ConfigurationError(
-                f"Expected `min_nodes` between 1 and devices ({self.devices}), or 0 or null for devices - 1, but got "
-                f"{self.min_nodes}; fix that key of the fleet config, or leave it out (devices - 1, so that a round "
-                "survives one lost device)."
+                "Expected `devices.optimizer_state: fresh` with `engine.name: browser`, but got \"keep\": a browser "
+                "returns its weights only (onnxruntime-web saves no optimizer state); use engine local or ray to keep "
+                "it."
             )
 
     @property
     def nodes_to_wait_for(self) -> int:
-        """Devices a deployment's server waits for before a round: `min_nodes`, or one fewer than `devices`."""
-        return self.min_nodes if self.min_nodes else max(1, self.devices - 1)
+        """Devices a deployment's server waits for before a round: ``min_nodes``, or one fewer than ``count``."""
+        return self.devices.min_nodes or max(1, self.devices.count - 1)
+
+    def replace(self, **changes: Any) -> FleetConfig:
+        """A copy with keys changed, a section's mapping merged into it (``config.replace(engine={"name": "ray"})``)."""
+        values = dataclasses.asdict(self)
+        for key, change in changes.items():
+            values[key] = {**values[key], **change} if isinstance(change, Mapping) else change
+        return FleetConfig.from_dict(values)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, where: str = "the fleet config") -> FleetConfig:
-        """Build from a mapping (the parsed YAML), its keys and their types checked.
+    def from_dict(cls, values: Mapping[str, Any], *, where: str = "the fleet config") -> FleetConfig:
+        """Build from a mapping of sections, every key and type checked at any depth.
 
         Raises:
-            ConfigurationError: for a key that is not a `FleetConfig` field (with the closest one), or a
-                value of the wrong type.
+            ConfigurationError: for a key of the flat form (naming its new key), an unknown key (with the
+                choices) or a value of the wrong type.
         """
-        check_keys(values, cls, where=where)
-        check_types(values, cls, where=where)
-        return cls(**values)
+        if not isinstance(values, Mapping):
+            raise ConfigurationError(f"Expected {where} to be a mapping of sections, but got {type(values).__name__}.")
+        refuse_flat_keys(values, where=where)
+        return build_section(cls, values, where=where)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], *, overrides: Sequence[str] = ()) -> FleetConfig:
-        """Read a YAML file of `FleetConfig` keys, then apply ``KEY=VALUE`` `overrides` (``--set``) over it.
-
-        Raises:
-            ConfigurationError: for a file that is not a mapping, an unknown key or a value of the wrong
-                type, in the file or in an override (which is named as such).
-        """
+        """Read a YAML file of sections, then apply ``KEY=VALUE`` `overrides` (``--set devices.count=3``)."""
         import yaml
 
         values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         if not isinstance(values, dict):
             raise ConfigurationError(f"Fleet config {path} must be a mapping of keys to values, got {type(values)}.")
-        check_keys(values, cls, where=f"the fleet config {path}")
-        check_types(values, cls, where=f"the fleet config {path}")
-        changed = dict(parse_override(text) for text in overrides)
-        return cls.from_dict({**values, **changed}, where="--set" if changed else f"the fleet config {path}")
+        cls.from_dict(values, where=f"the fleet config {path}")
+        for text in overrides:
+            values = merge_override(values, text)
+        return cls.from_dict(values, where="--set")

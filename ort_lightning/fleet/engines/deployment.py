@@ -2,26 +2,23 @@
 
 `client` (a ``ClientApp``) and `server` (a ``ServerApp``) are the apps that a Flower app project
 names in its ``pyproject.toml``; ``examples/fleet_app`` is such a project, and docs/fleets.md
-("From the simulation to Flower's deployment runtime") gives the commands. Both read Flower's run config: the keys of a
-`FleetConfig` (``devices``, ``rounds``, ``epochs``, ``lr``, ``split``, ``strategy``, ``out``, ...)
-plus ``artifacts``, the artifacts folder, which every machine holds at that path. Each SuperNode
-is one device: its node config (``partition-id``, ``num-partitions``) chooses its share of the
-digits, and it trains as a device does (`DeviceClient`, from its nominal checkpoint plus the
-server's values) on its device folder: the ``artifacts`` folder prepared once per SuperNode
-process with ``lr`` in its optimizer graph (`prepare_for_web`), or ``artifacts`` itself where it
-is such a folder already, at that rate.
-The server first gives all ``devices`` SuperNodes up to ``device_timeout`` seconds to connect;
-before each round it then waits for ``min_nodes`` of them (by default ``devices - 1``, at least
-1: a round goes on after one SuperNode is lost), trains on every SuperNode connected then, gives
-each ``device_timeout`` seconds to answer, writes a complete ORT checkpoint per round under
-``out/rounds`` and prints the accuracy per round, with the nodes that failed it, into the run's
-log (``flwr log``, or``flwr run --stream``).
+("From the simulation to Flower's deployment runtime") gives the commands. Both read Flower's run
+config: the fleet config's sections as TOML tables (``[tool.flwr.app.config.devices]``; Flower
+joins their keys with dots, ``--run-config "devices.count=3"``), with ``model.artifacts`` the
+artifacts folder every machine holds at that path. Each SuperNode is one device: its node config
+(``partition-id``, ``num-partitions``) chooses its share of the data section's set, and it trains as a device
+does (`DeviceClient`) on ``model.artifacts`` prepared once per process with ``devices.lr`` in its
+optimizer graph (`prepare_for_web`), or on that folder itself where it is such a folder already.
+The server first gives all ``devices.count`` SuperNodes up to ``devices.timeout`` seconds to
+connect; before each round it waits for ``devices.min_nodes`` of them (by default count - 1: a
+round goes on after one SuperNode is lost), writes a complete ORT checkpoint per round and prints
+the round lines into the run's log (``flwr log``, or ``flwr run --stream``).
 
 Example::
 
-    >>> config, artifacts = read_run_config({"artifacts": "/srv/fleet/artifacts", "devices": 2, "rounds": 1})
-    >>> config.devices, config.rounds, artifacts.name
-    (2, 1, 'artifacts')
+    >>> config, artifacts = read_run_config({"model.artifacts": "/srv/fleet/artifacts", "devices.count": 2})
+    >>> config.devices.count, artifacts.name
+    (2, 'artifacts')
 """
 
 from __future__ import annotations
@@ -36,12 +33,13 @@ from pathlib import Path
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.config import unflatten_dict
 from flwr.serverapp import Grid, ServerApp
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.config.fleet_config import FleetConfig
-from ort_lightning.fleet.data.digits import DigitsPartitions, digits_test_loader
+from ort_lightning.fleet.data.sources import fleet_data
 from ort_lightning.fleet.devices.client import DeviceClient
 from ort_lightning.fleet.devices.clipping import clip_when_asked
 
@@ -52,20 +50,19 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
     """The experiment and the artifacts folder that a run config names.
 
     Args:
-        run_config: Flower's run config (``[tool.flwr.app.config]``, with ``flwr run --run-config`` overrides).
+        run_config: Flower's run config (``[tool.flwr.app.config]``'s tables, their keys joined with dots).
 
     Raises:
-        ConfigurationError: without an ``artifacts`` key, or for keys `FleetConfig` refuses.
+        ConfigurationError: without ``model.artifacts``, or for keys `FleetConfig` refuses.
     """
-    values = dict(run_config)
-    artifacts = values.pop("artifacts", None)
-    if not artifacts:
+    config = FleetConfig.from_dict(unflatten_dict(dict(run_config)), where="the run config")
+    if not config.model.artifacts:
         raise ConfigurationError(
-            "The run config has no `artifacts` key; add artifacts = \"/path/to/artifacts\" under "
-            "[tool.flwr.app.config] of the app's pyproject.toml, or pass flwr run ... --run-config "
-            "\"artifacts='/path/to/artifacts'\" (a folder that every machine holds at that path)."
+            "The run config has no `model.artifacts` key; add artifacts = \"/path/to/artifacts\" under "
+            "[tool.flwr.app.config.model] of the app's pyproject.toml, or pass flwr run ... --run-config "
+            "\"model.artifacts='/path/to/artifacts'\" (a folder that every machine holds at that path)."
         )
-    return FleetConfig.from_dict(values), Path(str(artifacts))
+    return config, Path(config.model.artifacts)
 
 
 # ----------------------------------------------------------------------------- the device
@@ -86,9 +83,10 @@ def _evaluate(message: Message, context: Context) -> Message:
 
 def _client(config: FleetConfig, artifacts: Path) -> DeviceClient:
     """The device of this app: its SuperNode's share of the digits, on its device folder."""
-    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    return DeviceClient(_device_folder(str(artifacts), config.lr), data, epochs=config.epochs, runner=config.runner,
-                        optimizer_state=config.optimizer_state, start=config.start)
+    devices = config.devices
+    data, _ = fleet_data(config)  # the digits by default; a data module must be importable on the SuperNode
+    return DeviceClient(_device_folder(str(artifacts), devices.lr), data, epochs=devices.epochs, runner=devices.runner,
+                        optimizer_state=devices.optimizer_state, start=devices.start)
 
 
 @functools.lru_cache(maxsize=2)
@@ -108,9 +106,9 @@ def _device_folder(artifacts: str, lr: float) -> Path:
         return prepare_for_web(loaded, Path(root) / "device", lr=lr).directory
     if (schedule.kind, schedule.lr) != ("constant", lr):
         raise ConfigurationError(
-            f"The run config's lr={lr}, but the device folder {artifacts} computes its own rate "
-            f"({schedule.describe()}); pass lr={schedule.lr} in the run config, or name the exported folder, which "
-            "each SuperNode prepares with the run config's lr."
+            f"The run config's devices.lr={lr}, but the device folder {artifacts} computes its own rate "
+            f"({schedule.describe()}); pass devices.lr={schedule.lr} in the run config, or name the exported folder, "
+            "which each SuperNode prepares with the run config's devices.lr."
         )
     return loaded.directory
 
@@ -129,8 +127,8 @@ def _main(grid: Grid, context: Context) -> None:
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    fleet = fleet_server(config, artifacts, digits_test_loader(config.seed), min_nodes=config.nodes_to_wait_for)
-    _wait_for_nodes(grid, config.devices, config.device_timeout)
+    fleet = fleet_server(config, artifacts, fleet_data(config)[1], min_nodes=config.nodes_to_wait_for)
+    _wait_for_nodes(grid, config.devices.count, config.devices.timeout)
     started = time.perf_counter()
     fleet.main(grid, context)
     report(fleet, config, time.perf_counter() - started, engine="Flower deployment runtime")

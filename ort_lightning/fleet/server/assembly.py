@@ -6,6 +6,7 @@ devices, ``test`` for the server's evaluation), so that nothing here knows a dat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -23,31 +24,31 @@ __all__ = ["device_folder", "fleet_server", "quiet_ray"]
 
 
 def _strategy(config: FleetConfig, min_nodes: int | None) -> Strategy:
-    return strategy_from({"name": config.strategy, "options": config.strategy_options}, None, config.devices,
-                         min_nodes=min_nodes, lr=config.lr)
+    return strategy_from(dataclasses.asdict(config.strategy), config.privacy.wrapper(), config.devices.count,
+                         min_nodes=min_nodes, lr=config.devices.lr)
 
 
 def device_folder(config: FleetConfig, artifacts: str | os.PathLike[str]) -> TrainingArtifacts:
-    """The folder every device of the experiment trains: ``out/device``, whose optimizer graph computes ``lr``.
+    """The folder every device trains: ``output.folder/device``, whose optimizer graph computes ``devices.lr``.
 
     Written by `prepare_for_web` from `artifacts` (constant rate, ``.ort`` graphs, the nominal
     checkpoint): the files a browser loads, and the ones a simulated device opens.
     """
-    return prepare_for_web(artifacts, Path(config.out) / "device", lr=config.lr)
+    return prepare_for_web(artifacts, Path(config.output.folder) / "device", lr=config.devices.lr)
 
 
 def fleet_server(
     config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None, *,
     min_nodes: int | None = None,
 ) -> FleetServer:
-    """The experiment's server: its strategy and rounds, a checkpoint per round in ``out/rounds``.
+    """The experiment's server: its strategy and rounds, a checkpoint per round in ``output.folder/rounds``.
 
     `test` holds the batches the global model is evaluated on after every round (None: no evaluation);
     `min_nodes`, the devices each round waits for (`strategy_from`'s).
     """
-    model = GlobalModel(Path(artifacts), checkpoint=config.resume)
-    return FleetServer(model, _strategy(config, min_nodes), rounds=config.rounds, directory=Path(config.out) / "rounds",
-                       test=test, device_timeout=config.device_timeout)
+    model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
+    return FleetServer(model, _strategy(config, min_nodes), rounds=config.rounds, test=test,
+                       directory=Path(config.output.folder) / "rounds", device_timeout=config.devices.timeout)
 
 
 def quiet_ray() -> None:

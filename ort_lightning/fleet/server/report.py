@@ -16,26 +16,34 @@ __all__ = ["report"]
 def report(
     server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "",
     departures: bool = True,
-) -> None:
-    """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png`` under ``out``.
+) -> dict[str, Any]:
+    """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png``; return the history.
 
     `engine` names where the rounds ran in the printed header (the config's engine when empty); `departures`
     False leaves out the devices that failed or left each round, for a run that printed them as they happened.
     """
-    out = Path(config.out)
+    out = Path(config.output.folder)
     out.mkdir(parents=True, exist_ok=True)
     if echo:
-        _print(server, config, total, engine or f"{config.engine} engine", departures)
-    _write_history(server, config, out, total)
-    plot = _plot(server, config, out)
+        _print(server, config, total, engine or f"{config.engine.name} engine", departures)
+    payload = _history(server, config, total)
+    (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    plot = _plot(server, config, out) if config.output.plot else None
     if echo:
         print(f"round checkpoints: {out / 'rounds'}")
         print(f"history:           {out / 'history.json'}")
-        print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
+        if config.output.plot:
+            print(f"plot:              {plot if plot else 'not written (pip install matplotlib)'}")
+    return payload
+
+
+def _title(config: FleetConfig) -> str:
+    privacy = f", DP {config.privacy.side}-side" if config.privacy.side else ""
+    return f"{config.devices.count} devices, {config.data.partition} split, {config.strategy.name}{privacy}"
 
 
 def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, departures: bool) -> None:
-    print(f"{config.devices} devices, {config.split} split, {config.strategy}, {engine}")
+    print(f"{_title(config)}, {engine}")
     if server.initial:
         print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
     for record in server.history:
@@ -59,15 +67,14 @@ def _device_times(metrics: dict[str, Any]) -> str:
             f"{metrics.get('steps_per_second', nan):.0f} steps/s")
 
 
-def _write_history(server: FleetServer, config: FleetConfig, out: Path, total: float) -> None:
+def _history(server: FleetServer, config: FleetConfig, total: float) -> dict[str, Any]:
     rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
                "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
                "failures": {str(node): reason for node, reason in r.failures.items()},
                "left": {str(node): reason for node, reason in r.left.items()},
                **r.evaluation, "train": r.train_metrics,
                "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
-    payload = {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
-    (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    return {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
 
 
 def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
@@ -83,8 +90,8 @@ def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
     figure = Figure(figsize=(5, 3.5))
     axes = figure.subplots()
     axes.plot(xs, ys, marker="o")
-    axes.set(xlabel="round", ylabel="global accuracy (held-out digits)", ylim=(0, 1),
-             title=f"{config.devices} devices, {config.split}, {config.strategy}")
+    axes.set(xlabel="round", ylabel="global accuracy (held-out data)", ylim=(0, 1),
+             title=_title(config))
     axes.grid(alpha=0.3)
     figure.tight_layout()
     path = out / "accuracy.png"

@@ -122,7 +122,8 @@ def rated(folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path_factory
 
     def folder(lr: float) -> Path:
         if lr not in made:
-            config = FleetConfig.from_dict({"lr": lr, "out": str(tmp_path_factory.mktemp(f"lr-{lr}"))})
+            folder = str(tmp_path_factory.mktemp(f"lr-{lr}"))
+            config = FleetConfig.from_dict({"devices": {"lr": lr}, "output": {"folder": folder}})
             made[lr] = device_folder(config, folders[0].directory).directory
         return made[lr]
 
@@ -231,8 +232,8 @@ def test_the_experiment_prints_and_records_the_devices_timings(
     folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     exported, _ = folders
-    config = FleetConfig.from_dict({"devices": DEVICES, "rounds": 1, "epochs": 1, "lr": LR, "batch_size": 32,
-                                    "hidden": HIDDEN, "out": str(tmp_path)})
+    config = FleetConfig.from_dict({"devices": {"count": DEVICES, "epochs": 1, "lr": LR, "batch_size": 32},
+                                    "rounds": 1, "model": {"hidden": HIDDEN}, "output": {"folder": str(tmp_path)}})
     run_experiment(config, exported.directory, DATA, test=digits_test_loader(0))
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("round  1"))
     assert re.search(r"[\d.]+ ms mean local fit, [\d.]+ ms set-up, \d+ steps/s", line), line
@@ -259,7 +260,7 @@ def test_a_device_evaluates_through_its_eval_graph_as_torch_computes(
 # ----------------------------------------------------------------------------- bad input
 def test_the_experiment_needs_the_devices_data(folders: tuple[TrainingArtifacts, TrainingArtifacts],
                                                tmp_path: Path) -> None:
-    config = FleetConfig.from_dict({"devices": 2, "rounds": 1, "out": str(tmp_path)})
+    config = FleetConfig.from_dict({"devices": {"count": 2}, "rounds": 1, "output": {"folder": str(tmp_path)}})
     message = r"Expected `data`, each device's \(partition, partitions\) -> ClientData, for engine 'local'"
     with pytest.raises(ConfigurationError, match=message + ", but got None; pass the devices' data"):
         run_experiment(config, folders[0].directory, None)
@@ -302,7 +303,8 @@ def test_a_supernode_trains_at_the_run_configs_rate(folders: tuple[TrainingArtif
     start = _values(exported.checkpoint)
 
     def reply(artifacts: Path, lr: float) -> Message:
-        run_config = {"artifacts": str(artifacts), "devices": DEVICES, "lr": lr, "batch_size": 32, "seed": 0}
+        run_config = {"model.artifacts": str(artifacts), "devices.count": DEVICES, "devices.lr": lr,
+                      "devices.batch_size": 32, "seed": 0}
         return client(_message(start), Context(1, 1, {"partition-id": 1, "num-partitions": DEVICES}, RecordDict(),
                                                 run_config))
 
@@ -310,8 +312,8 @@ def test_a_supernode_trains_at_the_run_configs_rate(folders: tuple[TrainingArtif
     assert not trained.has_error(), trained.error
     expected = ort_device_loop(device.directory, _epochs(1, 1), lr=None, graphs="ort", values=start)
     _assert_close({n: a.numpy() for n, a in trained.content.array_records["arrays"].items()}, expected, atol=1e-6)
-    with pytest.raises(ConfigurationError, match=r"The run config's lr=0.05, but the device folder .* computes its own "
-                                                 r"rate \(constant 0.01, .*pass lr=0.01 in the run config"):
+    with pytest.raises(ConfigurationError, match=r"The run config's devices.lr=0.05, but the device folder .* computes "
+                                                 r"its own rate \(constant 0.01, .*pass devices.lr=0.01 in the run "):
         reply(device.directory, 0.05)
 
 
@@ -373,7 +375,8 @@ LocalGrid(ClientApp(), nodes=1)  # the task identity Flower stamps on a Message
 arrays = ArrayRecord({name: torch.from_numpy(values[name]) for name in values.files})
 message = Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}), dst_node_id=1,
                   message_type="train")
-run_config = {"artifacts": folder, "devices": partitions, "epochs": 1, "lr": 0.01, "batch_size": 32, "seed": 0}
+run_config = {"model.artifacts": folder, "devices.count": partitions, "devices.epochs": 1, "devices.lr": 0.01,
+              "devices.batch_size": 32, "seed": 0}
 context = Context(1, 1, {"partition-id": 1, "num-partitions": partitions}, RecordDict(), run_config)
 reply = client(message, context)
 assert not reply.has_error(), reply.error
@@ -443,17 +446,18 @@ PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|
 def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
     from tests.cli.script import run_script
 
-    config = {"devices": 2, "rounds": 1, "epochs": 2, "hidden": HIDDEN, "batch_size": 32}
+    config = {"devices": {"count": 2, "epochs": 2, "batch_size": 32}, "rounds": 1, "model": {"hidden": HIDDEN}}
     shown = {}
-    for engine in ("simulation", "local"):
+    for engine in ("ray", "local"):
         path = tmp_path / f"{engine}.yaml"
-        path.write_text(json.dumps({**config, "engine": engine, "out": str(tmp_path / engine)}), encoding="utf-8")
+        sections = {**config, "engine": {"name": engine}, "output": {"folder": str(tmp_path / engine)}}
+        path.write_text(json.dumps(sections), encoding="utf-8")
         result = run_script("fleet", "--config", path, cwd=tmp_path)
         shown[engine] = result.stdout + result.stderr
         noise = [line for line in shown[engine].splitlines() if line.strip() and not PRINTED.fullmatch(line)]
         assert not noise, shown[engine]
     accuracy = [re.findall(r"accuracy ([\d.]+)%", text) for text in shown.values()]
     assert accuracy[0] == accuracy[1], shown
-    _assert_close(_values(round_path(tmp_path / "simulation" / "rounds", 1)),
+    _assert_close(_values(round_path(tmp_path / "ray" / "rounds", 1)),
                   {n: v.astype(np.float64) for n, v in _values(round_path(tmp_path / "local" / "rounds", 1)).items()},
                   atol=1e-6)

@@ -150,7 +150,7 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
     # still send it a message, which the device timeout then gives up on. The timeout leaves room for a
     # ClientApp process to start and fit on a busy 2-core machine (20 s was too short there).
     run = _replace(_replace(commands["flwr"], "/srv/fleet", str(folder)), "rounds=5",
-                   f"rounds=2 device_timeout={LOST_NODE_TIMEOUT}")
+                   f"rounds=2 devices.timeout={LOST_NODE_TIMEOUT}")
     first = folder / "run" / "rounds" / "round-0001.ortckpt"
     with ExitStack() as stack:
         link = stack.enter_context(_started(shlex.split(superlink), tmp_path / "superlink.log", env))
@@ -195,5 +195,5 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
 def test_run_config_without_artifacts_is_named() -> None:
     from ort_lightning.fleet.engines.deployment import read_run_config
 
-    with pytest.raises(ValueError, match=r"The run config has no `artifacts` key; add artifacts = "):
-        read_run_config({"devices": 2, "rounds": 1})
+    with pytest.raises(ValueError, match=r"The run config has no `model.artifacts` key; add artifacts = "):
+        read_run_config({"devices.count": 2, "rounds": 1})

@@ -8,7 +8,6 @@ computed here by hand.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from pathlib import Path
@@ -84,11 +83,11 @@ def test_writers_split_is_label_skewed_where_an_iid_split_is_not() -> None:
 
 
 def test_the_1000_device_config_trains_only_the_sampled_fraction(digits_artifacts: Path, tmp_path: Path) -> None:
-    config = FleetConfig.from_yaml(EXAMPLE, overrides=["rounds=1", "strategy_options={fraction_train: 0.005}"])
-    assert (config.devices, config.split) == (DEVICES, "writers")
-    data = DigitsPartitions(split=config.split, batch_size=config.batch_size, seed=config.seed)
-    server = run_experiment(dataclasses.replace(config, out=str(tmp_path)), digits_artifacts, data,
-                            test=digits_test_loader(config.seed), echo=False)
+    config = FleetConfig.from_yaml(EXAMPLE, overrides=["rounds=1", "strategy.options={fraction_train: 0.005}",
+                                                       f"output.folder={tmp_path}"])
+    assert (config.devices.count, config.data.partition) == (DEVICES, "writers")
+    data = DigitsPartitions(split=config.data.partition, batch_size=config.devices.batch_size, seed=config.seed)
+    server = run_experiment(config, digits_artifacts, data, test=digits_test_loader(config.seed), echo=False)
     record = server.history[0]
     sizes = [len(DigitsPartitions(split="writers")(i, DEVICES).train.dataset) for i in range(DEVICES)]  # type: ignore[arg-type]
     assert record.devices == 5

@@ -100,8 +100,8 @@ def test_a_hung_device_fails_its_round_and_the_round_averages_the_other_two(
 def test_device_timeout_must_be_positive(mlp_adamw: Exported, tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=r"Expected `device_timeout` > 0 seconds .*, but got 0"):
         FleetServer(GlobalModel(mlp_adamw.artifacts), FedAvg(), rounds=1, directory=tmp_path, device_timeout=0)
-    with pytest.raises(ConfigurationError, match=r"Expected `device_timeout` > 0 seconds or null .*, but got -1"):
-        FleetConfig(device_timeout=-1)
+    with pytest.raises(ConfigurationError, match=r"Expected `devices.timeout` > 0 seconds or null .*, but got -1"):
+        FleetConfig.from_dict({"devices": {"timeout": -1}})
 
 
 # ----------------------------------------------------------------------------- config keys and --set
@@ -112,28 +112,35 @@ def _yaml(tmp_path: Path, text: str) -> Path:
 
 
 def test_set_overrides_keys_of_the_file_with_their_types(tmp_path: Path) -> None:
-    path = _yaml(tmp_path, "devices: 4\nrounds: 5\nlr: 0.01\n")
-    config = FleetConfig.from_yaml(path, overrides=["rounds=3", "lr=0.05", "strategy_options={eta: 0.1}",
-                                                    "device_timeout=null"])
-    assert (config.devices, config.rounds, config.lr, config.device_timeout) == (4, 3, 0.05, None)
-    assert config.strategy_options == {"eta": 0.1}
+    path = _yaml(tmp_path, "devices: {count: 4, lr: 0.01}\nrounds: 5\n")
+    config = FleetConfig.from_yaml(path, overrides=["rounds=3", "devices.lr=0.05", "strategy.options={eta: 0.1}",
+                                                    "devices.timeout=null"])
+    assert (config.devices.count, config.rounds, config.devices.lr, config.devices.timeout) == (4, 3, 0.05, None)
+    assert config.strategy.options == {"eta": 0.1}
     assert FleetConfig.from_yaml(path).rounds == 5
-    assert (FleetConfig(devices=4).nodes_to_wait_for, FleetConfig(devices=1).nodes_to_wait_for) == (3, 1)
-    assert [FleetConfig(devices=4, min_nodes=n).nodes_to_wait_for for n in (4, 0)] == [4, 3]
+
+    def waits(**devices: int) -> int:
+        return FleetConfig.from_dict({"devices": devices}).nodes_to_wait_for
+
+    assert (waits(count=4), waits(count=1)) == (3, 1)
+    assert [waits(count=4, min_nodes=n) for n in (4, 0)] == [4, 3]
 
 
 @pytest.mark.parametrize(
     ("text", "overrides", "message"),
     [
         ("round: 3\n", [], r"Unknown key `round` in the fleet config .*fleet\.yaml; did you mean `rounds`\?"),
-        ("rounds: 3\n", ["ecochs=2"], r"Unknown key `ecochs` in --set; did you mean `epochs`\?"),
-        ("rounds: 3\n", ["colour=red"], r"Unknown key `colour` in --set; valid keys: \['batch_size', "),
+        ("rounds: 3\n", ["devices.ecochs=2"], r"Unknown key `devices.ecochs` in --set; did you mean "
+         r"`devices.epochs`\?"),
+        ("rounds: 3\n", ["colour=red"], r"Unknown key `colour` in --set; valid keys: \['data', 'devices', "),
         ("rounds: 3\n", ["rounds=three"], r"Expected `rounds` to be int, but got 'three' \(str\); fix that key"),
-        ("lr: fast\n", [], r"Expected `lr` to be float, but got 'fast' \(str\); fix that key in the fleet config"),
-        ("rounds: 3\n", ["device_timeout=yes"], r"Expected `device_timeout` to be float or null, but got True"),
-        ("rounds: 3\n", ["rounds"], r"Expected --set KEY=VALUE, but got 'rounds'; write e\.g\. --set rounds=3"),
-        ("rounds: 3\n", ["strategy_options={eta"], r"The value of --set 'strategy_options=\{eta' is not a YAML"),
-        ("devices: 3\n", ["min_nodes=4"], r"`min_nodes` between 1 and devices \(3\), or 0 or null .*, but got 4"),
+        ("devices: {lr: fast}\n", [], r"Expected `devices.lr` to be float, but got 'fast' \(str\); fix that key in "
+         r"the fleet config"),
+        ("rounds: 3\n", ["devices.timeout=yes"], r"Expected `devices.timeout` to be float or null, but got True"),
+        ("rounds: 3\n", ["rounds"], r"Expected --set KEY=VALUE, but got 'rounds'; write e\.g\. --set devices.count=3"),
+        ("rounds: 3\n", ["strategy.options={eta"], r"The value of --set 'strategy.options=\{eta' is not a YAML"),
+        ("devices: {count: 3}\n", ["devices.min_nodes=4"],
+         r"`devices.min_nodes` between 1 and devices.count \(3\), or 0 or null .*, but got 4"),
     ],
     ids=["unknown-in-file", "unknown-override", "nothing-close", "override-type", "file-type", "bool-is-no-number",
          "no-equals", "bad-yaml", "min-nodes"],
@@ -147,8 +154,10 @@ def test_fleet_command_takes_set_and_names_a_misspelt_key(tmp_path: Path, capsys
     from ort_lightning.cli import main
     from tests.cli.script import run_script
 
-    path = _yaml(tmp_path, f"out: {tmp_path / 'run'}\ndevices: 2\nrounds: 5\nhidden: 8\nepochs: 1\n")
-    shown = run_script("fleet", "--config", path, "--set", "rounds=1", "--set", "batch_size=64", cwd=tmp_path).stdout
+    path = _yaml(tmp_path, f"output: {{folder: {tmp_path / 'run'}}}\ndevices: {{count: 2, epochs: 1}}\nrounds: 5\n"
+                           "model: {hidden: 8}\n")
+    shown = run_script("fleet", "--config", path, "--set", "rounds=1", "--set", "devices.batch_size=64",
+                       cwd=tmp_path).stdout
     assert re.findall(r"^round +(\d+): accuracy", shown, re.MULTILINE) == ["0", "1"], shown
     # the refusal from the entry point in this process (tests/cli/test_cli.py runs the script's errors as children)
     assert main(["fleet", "--config", str(path), "--set", "round=1"]) == 2

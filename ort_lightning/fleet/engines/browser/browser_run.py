@@ -39,10 +39,10 @@ def run_browser_experiment(
     test: DataLoader | None = None,
     echo: bool = True,
 ) -> FleetServer:
-    """Serve the fleet's page, wait for ``config.devices`` browsers, run the rounds; print and write as the others do.
+    """Serve the fleet's page, wait for ``devices.count`` browsers, run the rounds; print and write as the others do.
 
     Args:
-        config: the experiment (``engine: browser``; ``host``, ``port``, ``device_timeout``, ``ort_web``).
+        config: the experiment (``engine.name: browser`` and the engine section's page options).
         artifacts: the exported artifacts (the server's folder).
         data: ``(partition, partitions) -> ClientData``, whose batches the server ships to the pages; None
             with ``page_data``.
@@ -54,19 +54,20 @@ def run_browser_experiment(
     """
     web = device_folder(config, artifacts)
     server = fleet_server(config, artifacts, test)
-    shipped = None if config.page_data else data
+    engine, devices = config.engine, config.devices
+    shipped = None if engine.page_data else data
     on_event = (lambda event: print(f"  {event.describe()}", flush=True)) if echo else None
-    with BrowserFleet(web, shipped, page_data=config.page_data, max_examples=config.max_examples, host=config.host,
-                      port=config.port, devices=config.devices, epochs=config.epochs,
-                      device_timeout=_NO_LIMIT if config.device_timeout is None else config.device_timeout,
-                      ort_web=config.ort_web, on_event=on_event, min_devices=config.min_devices,
-                      wait_timeout=config.wait_timeout, certfile=config.certfile, keyfile=config.keyfile,
-                      token=config.token) as fleet:
+    with BrowserFleet(web, shipped, page_data=engine.page_data, max_examples=engine.max_examples, host=engine.host,
+                      port=engine.port, devices=devices.count, epochs=devices.epochs,
+                      device_timeout=_NO_LIMIT if devices.timeout is None else devices.timeout,
+                      ort_web=engine.ort_web, on_event=on_event, min_devices=engine.min_devices,
+                      wait_timeout=engine.wait_timeout, certfile=engine.certfile, keyfile=engine.keyfile,
+                      token=engine.token) as fleet:
         if echo:
             _announce(fleet, fleet.min_devices)
         started = time.perf_counter()
         fleet.run(server)
         total = time.perf_counter() - started
     # NOTE: each device that failed or left a round was printed as it happened (on_event): one line per event.
-    report(server, config, total, echo=echo, engine=f"{config.devices} browsers", departures=False)
+    report(server, config, total, echo=echo, engine=f"{devices.count} browsers", departures=False)
     return server

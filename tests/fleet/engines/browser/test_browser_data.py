@@ -175,8 +175,8 @@ def test_a_claim_over_max_examples_is_refused_with_the_stated_bound() -> None:
 def test_page_data_in_a_fleet_config_needs_browsers() -> None:
     from ort_lightning.fleet.run import FleetConfig
 
-    config = FleetConfig.from_dict({"engine": "browser", "page_data": str(DATA_MODULE), "max_examples": 40})
-    assert (config.page_data, config.max_examples) == (str(DATA_MODULE), 40)
-    with pytest.raises(ConfigurationError, match=r"Expected `engine: browser` with `page_data`, but got engine "
-                                                 r"'local': only browser pages import a data module"):
-        FleetConfig.from_dict({"page_data": str(DATA_MODULE), "max_examples": 40})
+    config = FleetConfig.from_dict({"engine": {"name": "browser", "page_data": str(DATA_MODULE), "max_examples": 40}})
+    assert (config.engine.page_data, config.engine.max_examples) == (str(DATA_MODULE), 40)
+    with pytest.raises(ConfigurationError, match=r"Expected `engine.name: browser` with `engine.page_data`, but got "
+                                                 r"engine 'local': only browser pages import a data module"):
+        FleetConfig.from_dict({"engine": {"page_data": str(DATA_MODULE), "max_examples": 40}})

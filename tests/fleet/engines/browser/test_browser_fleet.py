@@ -66,7 +66,7 @@ def _fleet(web: TrainingArtifacts, *, devices: int = DEVICES, device_timeout: fl
 def _fleet_command(config: dict[str, object], folder: Path, *extra: str) -> list[str]:
     """``ort-lightning fleet --config <folder>/fleet.yaml ...`` as a user runs it, on this checkout."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "fleet.yaml").write_text(yaml.safe_dump({**config, "out": str(folder)}))
+    (folder / "fleet.yaml").write_text(yaml.safe_dump({**config, "output": {"folder": str(folder)}}))
     return [sys.executable, "-c", "import sys; from ort_lightning.cli import main; sys.exit(main())",
             "fleet", "--config", str(folder / "fleet.yaml"), *extra]
 
@@ -75,18 +75,19 @@ def _accuracies(folder: Path) -> list[float]:
     return [record["accuracy"] for record in json.loads((folder / "history.json").read_text())["rounds"]]
 
 
-#: The README's browser command, `ort-lightning fleet --config examples/fleet_digits.yaml --browsers --set devices=3
-#: --set rounds=2`, on the example config as written (epochs: 2) and at 1 local epoch: two counts, each equal to ORT's
-#: loop at that count, show that the browsers run the epochs they are told; runner.js at 1, 2 and 3 epochs is
-#: tests/fleet/devices/test_fleet_device.py's Node test.
+#: The README's browser command, `ort-lightning fleet --config examples/fleet_digits.yaml --browsers --set
+#: devices.count=3 --set rounds=2`, on the example config as written (epochs: 2) and at 1 local epoch: two counts,
+#: each equal to ORT's loop at that count, show that the browsers run the epochs they are told; runner.js at 1, 2
+#: and 3 epochs is tests/fleet/devices/test_fleet_device.py's Node test.
 EXAMPLE = ROOT / "examples" / "fleet_digits.yaml"
 
 
 @RunIf(chromium=True)
 @pytest.mark.parametrize("epochs", [2, 1], ids=["as-written", "1-epoch"])
 def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_path: Path, epochs: int) -> None:
-    config = {**yaml.safe_load(EXAMPLE.read_text()), "devices": DEVICES, "rounds": ROUNDS, "epochs": epochs,
-              "port": 0, "ort_web": ort_web_dist()}
+    written = yaml.safe_load(EXAMPLE.read_text())
+    config = {**written, "devices": {**written["devices"], "count": DEVICES, "epochs": epochs}, "rounds": ROUNDS,
+              "engine": {"port": 0, "ort_web": ort_web_dist()}}
     browsers = tmp_path / "browsers"
     command = subprocess.Popen(_fleet_command(config, browsers, "--browsers"), cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -105,11 +106,13 @@ def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_
     assert output.count(" joined") == 3, output
     assert re.search(r"round  2: accuracy [\d.]+%", output)
     # ONNX Runtime's own loop on the device folder the browsers loaded, from the server's initial weights
-    data = DigitsPartitions(split=config["split"], batch_size=config["batch_size"], seed=config["seed"])
+    data = DigitsPartitions(split=written["data"]["partition"], batch_size=written["devices"]["batch_size"],
+                            seed=written["seed"])
     expected = reference_rounds(browsers / "device", checkpoint_values(browsers / "artifacts" / "checkpoint"),
                           [[0, 1, 2]] * ROUNDS, epochs=epochs, data=data)
     # the simulated fleet of the same config (ONNX Runtime's device loop on the same device folder)
-    local = FleetConfig.from_dict({**config, "engine": "local", "out": str(tmp_path / "simulated")})
+    local = FleetConfig.from_dict({**config, "engine": {"name": "local"},
+                                   "output": {"folder": str(tmp_path / "simulated")}})
     simulated = run_experiment(local, browsers / "artifacts", data, test=digits_test_loader(local.seed), echo=False)
     for number, average in enumerate(expected, start=1):
         browser_round = browsers / "rounds" / f"round-{number:04d}.ortckpt"
@@ -307,6 +310,6 @@ def test_a_folder_without_an_optimizer_graph_and_keep_with_browsers_are_refused(
         (folder / name).unlink()
     with pytest.raises(ConfigurationError, match=r"no-optimizer has no optimizer graph, but a device trains with one"):
         BrowserFleet(folder, DATA, port=0, ort_web=CDN)
-    with pytest.raises(ConfigurationError, match=r"Expected `optimizer_state: fresh` with `engine: browser`, but got "
-                                                 r"\"keep\": a browser returns its weights only"):
-        FleetConfig.from_dict({"engine": "browser", "optimizer_state": "keep"})
+    with pytest.raises(ConfigurationError, match=r"Expected `devices.optimizer_state: fresh` with `engine.name: "
+                                                 r"browser`, but got \"keep\": a browser returns its weights only"):
+        FleetConfig.from_dict({"engine": {"name": "browser"}, "devices": {"optimizer_state": "keep"}})

@@ -156,7 +156,8 @@ def test_a_device_that_leaves_mid_round_is_recorded_as_left_not_failed(
     assert failures == {c.node_id: "c closed its page or lost its connection (WebSocket close code 1006)"}
     # what the CLI prints and writes: one line each, leaving apart from failing in history.json
     record = RoundRecord(2, 1.0, {"accuracy": 0.5, "loss": 1.0}, failures=failures, left=left)
-    report(cast(FleetServer, SimpleNamespace(initial={}, history=[record])), FleetConfig(out=str(tmp_path)), 1.0)
+    config = FleetConfig.from_dict({"output": {"folder": str(tmp_path), "plot": False}})
+    report(cast(FleetServer, SimpleNamespace(initial={}, history=[record])), config, 1.0)
     printed = capsys.readouterr().out
     assert f"node {b.node_id} left: b pressed its leave button" in printed
     assert printed.count("b pressed its leave button") == 1

@@ -1,0 +1,46 @@
+"""What the ``model`` section names, built: the artifacts folder the fleet trains (exported once)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ort_lightning.artifacts import TrainingArtifacts
+from ort_lightning.errors import ConfigurationError
+from ort_lightning.export import export_artifacts
+from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.data.sources import import_path
+
+__all__ = ["fleet_artifacts"]
+
+
+def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
+                    search: Sequence[str | os.PathLike[str]] = ()) -> Path:
+    """The artifacts folder the fleet trains: the ``model`` section's folder, or its model exported once.
+
+    `example` is one training input (its shape with a batch of 2 is the export's example input when
+    ``model.input_shape`` is null). The model is built under ``torch.manual_seed(seed)``.
+    """
+    from ort_lightning.demo import FEATURES, digits_mlp
+
+    model = config.model
+    if model.artifacts:
+        return TrainingArtifacts.load(model.artifacts).directory
+    folder = Path(config.output.folder) / "artifacts"
+    if (folder / "ort_lightning.json").exists():
+        return TrainingArtifacts.load(folder).directory
+    if model.factory is None:
+        module, inputs = digits_mlp(model.hidden, seed=config.seed), torch.zeros(2, FEATURES)
+    else:
+        torch.manual_seed(config.seed)
+        module = import_path(model.factory, key="model.factory", search=search)(**model.init_args)
+        shape = model.input_shape or ([2, *example.shape] if example is not None else None)
+        if shape is None:
+            raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
+                                     f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
+        inputs = torch.zeros(*shape)
+    return export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True,
+                            verify=model.verify).directory
