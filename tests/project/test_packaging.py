@@ -166,6 +166,7 @@ def test_public_names() -> None:
 def test_fleet_public_names() -> None:
     pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]"')
     import ort_lightning.fleet as fleet
+    from ort_lightning.fleet.config.fleet_config import FleetConfig
     from ort_lightning.fleet.devices.client import DeviceClient
     from ort_lightning.fleet.devices.protocol import ClientData
     from ort_lightning.fleet.devices.state_values import get_values, set_values
@@ -173,10 +174,9 @@ def test_fleet_public_names() -> None:
     from ort_lightning.fleet.devices.weights import WeightOrder
     from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
+    from ort_lightning.fleet.run import run_fleet
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
-    from ort_lightning.fleet.config.fleet_config import FleetConfig
-    from ort_lightning.fleet.run import run_fleet
     from ort_lightning.fleet.server.strategies import strategy_from
 
     public = [BrowserDevice, BrowserFleet, BrowserGrid, CheckpointEachRound, ClientData, DeviceClient, FleetConfig,
