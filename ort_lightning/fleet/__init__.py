@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ort_lightning.fleet.devices.protocol import ClientData
     from ort_lightning.fleet.devices.state_values import get_values, set_values
     from ort_lightning.fleet.devices.trainer_loop import evaluate_module
-    from ort_lightning.fleet.devices.weights import WeightOrder
+    from ort_lightning.fleet.devices.weight_order import WeightOrder
     from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.run import run_fleet
@@ -55,7 +55,7 @@ _HOMES = {
     "GlobalModel": "ort_lightning.fleet.server.global_model",
     "LocalGrid": "ort_lightning.fleet.engines.local",
     "RoundRecord": "ort_lightning.fleet.server.server_app",
-    "WeightOrder": "ort_lightning.fleet.devices.weights",
+    "WeightOrder": "ort_lightning.fleet.devices.weight_order",
     "evaluate_module": "ort_lightning.fleet.devices.trainer_loop",
     "get_values": "ort_lightning.fleet.devices.state_values",
     "round_path": "ort_lightning.fleet.server.global_model",

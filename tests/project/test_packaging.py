@@ -171,7 +171,7 @@ def test_fleet_public_names() -> None:
     from ort_lightning.fleet.devices.protocol import ClientData
     from ort_lightning.fleet.devices.state_values import get_values, set_values
     from ort_lightning.fleet.devices.trainer_loop import evaluate_module
-    from ort_lightning.fleet.devices.weights import WeightOrder
+    from ort_lightning.fleet.devices.weight_order import WeightOrder
     from ort_lightning.fleet.engines.browser import BrowserDevice, BrowserFleet, BrowserGrid, Refusal
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.run import run_fleet

@@ -24,7 +24,7 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError, NonFiniteLossError
 from ort_lightning.fleet.devices.device_files import device_files, ordered
 from ort_lightning.fleet.devices.protocol import Fit
-from ort_lightning.fleet.devices.weights import WeightOrder
+from ort_lightning.fleet.devices.weight_order import WeightOrder
 from ort_lightning.ort.on_device import DeviceFiles, OrtDevice
 
 __all__ = ["OrtLoop"]

@@ -13,7 +13,7 @@ import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.devices.weights import WeightOrder
+from ort_lightning.fleet.devices.weight_order import WeightOrder
 
 if TYPE_CHECKING:
     from ort_lightning.training.module import ORTLightningModule

@@ -15,7 +15,7 @@ flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install 
 
 from flwr.app import Array, ArrayRecord  # noqa: E402
 
-from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
+from ort_lightning.fleet.devices.weight_order import WeightOrder  # noqa: E402
 
 ORDER = [("fc1.weight", (16, 64)), ("fc1.bias", (16,)), ("fc2.weight", (10, 16)), ("fc2.bias", (10,)), ("s", ())]
 SIZE = 16 * 64 + 16 + 10 * 16 + 10 + 1

@@ -41,7 +41,7 @@ from scipy.stats import trim_mean  # noqa: E402
 
 from ort_lightning.fleet import ClientData, DeviceClient, FleetServer, GlobalModel, run_local  # noqa: E402
 from ort_lightning.fleet.devices.frames import Result  # noqa: E402
-from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
+from ort_lightning.fleet.devices.weight_order import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.reply import reply_records  # noqa: E402
 from ort_lightning.fleet.server.strategies import PRIVACY, STRATEGIES, strategy_from  # noqa: E402
 

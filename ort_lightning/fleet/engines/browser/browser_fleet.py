@@ -19,7 +19,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.devices.device_files import device_files, ordered
 from ort_lightning.fleet.devices.frames import HEADER_LIMIT
 from ort_lightning.fleet.devices.protocol import DataFn
-from ort_lightning.fleet.devices.weights import WeightOrder
+from ort_lightning.fleet.devices.weight_order import WeightOrder
 from ort_lightning.fleet.engines.browser.grid import BrowserGrid, Epochs, PageData, strategy_floor
 from ort_lightning.fleet.engines.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
 from ort_lightning.fleet.engines.browser.site import web_app

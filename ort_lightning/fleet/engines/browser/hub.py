@@ -28,7 +28,7 @@ from flwr.app import Error, Message, RecordDict
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result, read_result, unpack
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, LEFT_ERROR_CODE, METRICS_KEY
-from ort_lightning.fleet.devices.weights import WeightOrder
+from ort_lightning.fleet.devices.weight_order import WeightOrder
 from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
 from ort_lightning.fleet.engines.browser.reply import clipping_norm, reply_records

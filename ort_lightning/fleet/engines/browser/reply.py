@@ -4,7 +4,7 @@ Example::
 
     >>> import numpy as np
     >>> from ort_lightning.fleet.devices.frames import Result
-    >>> from ort_lightning.fleet.devices.weights import WeightOrder
+    >>> from ort_lightning.fleet.devices.weight_order import WeightOrder
     >>> result = Result(np.arange(3, dtype=np.float32), examples=8, steps=2, losses=[0.9, 0.5])
     >>> arrays, metrics = reply_records(result, {"seconds": 0.5}, WeightOrder([("w", (3,))]), last_epoch=1)
     >>> arrays["w"].numpy().tolist(), metrics["num-examples"], metrics["train_loss"], metrics["steps_per_second"]
@@ -22,7 +22,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from ort_lightning.errors import DeviceReplyError
 from ort_lightning.fleet.devices.frames import Result
 from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
-from ort_lightning.fleet.devices.weights import WeightOrder
+from ort_lightning.fleet.devices.weight_order import WeightOrder
 
 __all__ = ["clipping_norm", "reply_records"]
 

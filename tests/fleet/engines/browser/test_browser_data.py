@@ -27,7 +27,7 @@ flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install 
 from ort_lightning.fleet import BrowserFleet  # noqa: E402
 from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.devices.frames import pack, read_result, unpack  # noqa: E402
-from ort_lightning.fleet.devices.weights import check_buffer_order  # noqa: E402
+from ort_lightning.fleet.devices.weight_order import check_buffer_order  # noqa: E402
 from tests.fleet.engines.browser.chromium import chromium  # noqa: E402
 from tests.fleet.engines.browser.digits_rounds import assert_round, fedavg_server  # noqa: E402
 

@@ -30,7 +30,7 @@ from ort_lightning import export_artifacts  # noqa: E402
 from ort_lightning.errors import ConfigurationError, FleetError  # noqa: E402
 from ort_lightning.fleet import BrowserDevice, BrowserFleet  # noqa: E402
 from ort_lightning.fleet.config.fleet_config import FleetConfig  # noqa: E402
-from ort_lightning.fleet.devices.weights import WeightOrder  # noqa: E402
+from ort_lightning.fleet.devices.weight_order import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.grid import BrowserGrid, PageData, strategy_floor  # noqa: E402
 from ort_lightning.fleet.engines.browser.hub import Hub  # noqa: E402
 from ort_lightning.fleet.engines.browser.population import Population  # noqa: E402
