@@ -1,4 +1,4 @@
-"""The tests' own layout: a folder per part of the package, and no test module imported by another.
+"""The layout: tests in a folder per part of the package, no test module imported by another, no twin file names.
 
 Shared fixtures live in a folder's ``conftest.py``, shared checks and data in helper modules (any name
 but ``test_*.py``). A test module imported by another ties the two files together (one's private helper
@@ -63,3 +63,12 @@ def test_each_folder_is_a_package() -> None:
     bare = sorted(str(folder.relative_to(ROOT)) for folder in {path.parent for path in PYTHON}
                   if not (folder / "__init__.py").is_file())
     assert not bare, f"{bare} need an __init__.py"
+
+
+def test_no_two_modules_of_the_package_share_a_file_name() -> None:
+    # A file name says what the module is wherever it stands: two `state.py` send a reader to the wrong room.
+    names: dict[str, list[str]] = {}
+    for path in (ROOT / "ort_lightning").rglob("*.py"):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
