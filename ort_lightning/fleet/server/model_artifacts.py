@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +17,26 @@ from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.sources import import_path
 
 __all__ = ["fleet_artifacts"]
+
+#: Beside the exported folder: the ``model`` section and seed it was exported from.
+_RECORD = "fleet_model.json"
+
+
+def _exported_from(config: FleetConfig) -> dict[str, object]:
+    return {"model": dataclasses.asdict(config.model), "seed": config.seed}
+
+
+def _reuse(folder: Path, config: FleetConfig) -> bool:
+    """Whether `folder` holds this config's export; one of another ``model`` section is refused, never reused."""
+    if not (folder / "ort_lightning.json").exists():
+        return False
+    record = folder.parent / _RECORD
+    # NOTE: a folder from before the record was written is taken as it is, as it always was.
+    if record.exists() and json.loads(record.read_text(encoding="utf-8")) != _exported_from(config):
+        raise ConfigurationError(
+            f"{folder} was exported from another `model` section or seed ({record} says which); "
+            "pass another `output.folder`, or delete that folder to export this model.")
+    return True
 
 
 def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
@@ -30,7 +52,7 @@ def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
     if model.artifacts:
         return TrainingArtifacts.load(model.artifacts).directory
     folder = Path(config.output.folder) / "artifacts"
-    if (folder / "ort_lightning.json").exists():
+    if _reuse(folder, config):
         return TrainingArtifacts.load(folder).directory
     if model.factory is None:
         module, inputs = digits_mlp(model.hidden, seed=config.seed), torch.zeros(2, FEATURES)
@@ -42,5 +64,7 @@ def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
             raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
                                      f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
         inputs = torch.zeros(*shape)
-    return export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True,
-                            verify=model.verify).directory
+    exported = export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True,
+                                verify=model.verify).directory
+    (folder.parent / _RECORD).write_text(json.dumps(_exported_from(config), indent=1), encoding="utf-8")
+    return exported

@@ -166,6 +166,10 @@ def test_run_fleet_returns_the_history_quietly_and_a_seed_gives_the_same_run(
     # Flower's own log (INFO lines, colour codes, its warning about fraction_evaluate=0.0) stays out
     assert "\x1b[" not in shown.out + shown.err, shown
     assert not re.search(r"WARNING|INFO", shown.err), shown.err
+    changed = _own(tmp_path / "a", seed=0)
+    changed["model"]["init_args"] = {"hidden": 16}  # the folder's export is of hidden 8: refused, not reused
+    with pytest.raises(ConfigurationError, match=r"a/artifacts was exported from another `model` section or seed"):
+        run_fleet(changed, echo=False)
     again = run_fleet(FleetConfig.from_dict(_own(tmp_path / "b", seed=0)), echo=False)
     other = run_fleet(_own(tmp_path / "c", seed=1), echo=False)
     assert [r["loss"] for r in again["rounds"]] == [r["loss"] for r in first["rounds"]]
