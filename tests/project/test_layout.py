@@ -34,7 +34,7 @@ def _imported(path: Path) -> list[tuple[int, str]]:
             if node.level:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parent, base] if base else parent)
-            # `from tests.x import test_y` imports the module test_y too
+            # a name imported from a package may be a test module of it: counted as an import of that module
             found += [(node.lineno, base), *((node.lineno, f"{base}.{alias.name}") for alias in node.names)]
     return found
 
