@@ -277,7 +277,7 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
 
     config = tmp_path / "fleet.yaml"
     config.write_text(f"output: {{folder: {tmp_path / 'run'}}}\ndevices: {{count: 3, epochs: 1}}\nrounds: 2\n"
-                      "model: {hidden: 16}\n", encoding="utf-8")
+                      "model: {hidden: 16, verify: false}\n", encoding="utf-8")
     shown = run_script("fleet", "--config", config, cwd=tmp_path).stdout
     accuracies = [float(a) for a in re.findall(r"^round +\d: accuracy ([\d.]+)%", shown, re.MULTILINE)]
     assert len(accuracies) == 3, shown
