@@ -70,17 +70,20 @@ def _release(_: CheckpointState) -> None:
     """Nothing: the call only ends the finalizer's hold on its argument."""
 
 
-def copy_parameters(module: Any, parameters: np.ndarray) -> None:
+def copy_parameters(module: Any, parameters: np.ndarray, *, trainable_only: bool = False) -> None:
     """Copy one float32 buffer into every parameter of `module`'s state (a nominal one too), in the graph's order.
+
+    `trainable_only` fills the trainable parameters alone (ORT refuses that on a nominal state).
 
     Raises:
         ConfigurationError: for a buffer that is not float32 or not the size of the state.
     """
-    expected = module.get_parameters_size(False)
+    expected = module.get_parameters_size(trainable_only)
     if parameters.dtype != np.float32 or parameters.ndim != 1 or parameters.size != expected:
+        which = "trainable parameter" if trainable_only else "state tensor"
         raise ConfigurationError(
             f"Expected the parameters as one float32 buffer of {expected} values, but got {parameters.dtype} of shape "
-            f"{parameters.shape}; pass a value for every state tensor of these artifacts."
+            f"{parameters.shape}; pass a value for every {which} of these artifacts."
         )
     # NOTE: the C-level OrtValue shares the array's memory without keeping it alive: `values` stays referenced
     # until the copy is done (a strided `parameters` is copied into it first).
@@ -88,7 +91,7 @@ def copy_parameters(module: Any, parameters: np.ndarray) -> None:
     buffer = _C.OrtValue.ortvalue_from_numpy(values, _CPU)
     # NOTE: the 1.19.2 wrapper (Module.copy_buffer_to_parameters) hands the binding its Python
     # OrtValue, which the binding refuses; the binding itself takes the C-level one.
-    bound_module(module).copy_buffer_to_parameters(buffer, False)
+    bound_module(module).copy_buffer_to_parameters(buffer, trainable_only)
 
 
 def buffer_order(training_model: os.PathLike[str] | str, checkpoint: os.PathLike[str] | str) -> list[str]:

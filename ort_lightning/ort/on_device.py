@@ -22,7 +22,9 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,7 +87,7 @@ class OrtDevice:
     @classmethod
     def open(
         cls, files: DeviceFiles, *, weights: np.ndarray | None = None, checkpoint: Path | None = None,
-        evaluation: bool = False, lr: float | None = None, intra_op_threads: int = 1,
+        evaluation: bool = False, lr: float | None = None, intra_op_threads: int = 1, trainable_only: bool = False,
     ) -> OrtDevice:
         """Open a device on `files`, as ONNX Runtime documents a device that receives its weights.
 
@@ -98,6 +100,7 @@ class OrtDevice:
             evaluation: also load the eval graph.
             lr: the learning rate to set; None leaves the rate the optimizer graph computes or holds.
             intra_op_threads: ONNX Runtime's intra-op threads; 0 for ORT's default pool.
+            trainable_only: `weights` hold the trainable parameters alone (the frozen ones stay the checkpoint's).
 
         Raises:
             ArtifactError: for a file ONNX Runtime cannot load.
@@ -115,20 +118,20 @@ class OrtDevice:
                             session_options=session_options(spinning=False, intra_op_threads=intra_op_threads))
         state_outlives(module, state)
         if weights is not None:
-            copy_parameters(module, weights)
+            copy_parameters(module, weights, trainable_only=trainable_only)
         with refused(f"the optimizer graph {files.optimizer}", "it is damaged, truncated or another model's"):
             optimizer = Optimizer(os.fspath(files.optimizer), module)
         if lr is not None:
             optimizer.set_learning_rate(lr)
         return cls(state, module, optimizer)
 
-    def set_weights(self, weights: np.ndarray) -> None:
-        """Replace every parameter's value (one float32 buffer in the training graph's order).
+    def set_weights(self, weights: np.ndarray, *, trainable_only: bool = False) -> None:
+        """Replace every (or every trainable) parameter's value, one float32 buffer in the training graph's order.
 
         Raises:
             ConfigurationError: for a buffer of another dtype or size.
         """
-        copy_parameters(self._module, weights)
+        copy_parameters(self._module, weights, trainable_only=trainable_only)
 
     def train(self, batches: Sequence[Sequence[Any]], *, epochs: int = 1) -> Trained:
         """Per epoch, per batch: one train step, one optimizer step and a gradient reset.
@@ -162,9 +165,9 @@ class OrtDevice:
                             outputs[1].numpy() if len(outputs) > 1 else None))
         return results
 
-    def get_weights(self) -> np.ndarray:
-        """Every parameter's value, one float32 buffer in the order `set_weights` takes (a copy)."""
-        return self._module.get_contiguous_parameters(False).numpy().copy()
+    def get_weights(self, *, trainable_only: bool = False) -> np.ndarray:
+        """Every (or every trainable) parameter's value, in the order `set_weights` takes (a copy)."""
+        return self._module.get_contiguous_parameters(trainable_only).numpy().copy()
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the device's checkpoint with its optimizer state (step and moments), as a device keeps it."""
@@ -172,9 +175,34 @@ class OrtDevice:
         return Path(path)
 
     def release(self) -> None:
-        """Free ONNX Runtime's objects, the optimizer and the module before their state."""
+        """Free ONNX Runtime's objects, the optimizer and the module before their state, and give the memory back."""
         self._optimizer = self._module = None
         self._state = None
+        _trim_heap()
+
+
+def _glibc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # another C library (musl): nothing to trim
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
+
+
+def _trim_heap() -> None:
+    """Return the freed heap to the system (glibc's ``malloc_trim``).
+
+    NOTE: devices that open one after another in one process each load the frozen base (a LoRA
+    model's); glibc keeps the freed copies in its arenas, and the process grew by about three of them
+    over 100 devices before this (tests/fleet/devices/test_lora_exchange.py).
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def _feeds(batches: Sequence[Sequence[Any]], epochs: int) -> list[list[Any]]:

@@ -6,6 +6,7 @@
 //
 //   const device = await openDevice(ort, {training, eval, optimizer, checkpoint});
 //   await device.setWeights(weights);              // Float32Array, all parameters, flat
+//   await device.setWeights(adapters, {trainableOnly: true});   // or the trainable ones alone (LoRA)
 //   const {losses, examples} = await device.train(batches, {epochs: 2});
 //   const {loss} = await device.evaluate(batches);
 //   const trained = await device.getWeights();
@@ -58,7 +59,7 @@ export async function openDevice(ort, files) {
       `training backend (TrainingSession.create: ${error.message}); import dist/ort.training.wasm.min.mjs, not ` +
       'ort.min.mjs or ort.wasm.min.mjs, of onnxruntime-web 1.19.2 and pass that module', {cause: error});
   }
-  return new Device(ort, session, await session.getParametersSize(false));
+  return new Device(ort, session, await session.getParametersSize(false), await session.getParametersSize(true));
 }
 
 /**
@@ -88,12 +89,15 @@ export class Device {
    * @param {object} ort onnxruntime-web's namespace.
    * @param {object} session Its TrainingSession.
    * @param {number} parameterCount Float32 values of all parameters.
+   * @param {number} [trainableCount] Float32 values of the trainable parameters.
    */
-  constructor(ort, session, parameterCount) {
+  constructor(ort, session, parameterCount, trainableCount = parameterCount) {
     this.ort = ort;
     this.session = session;
     /** Number of float32 values of all parameters (trainable and frozen). */
     this.parameterCount = parameterCount;
+    /** Number of float32 values of the trainable parameters (a LoRA model's adapters). */
+    this.trainableCount = trainableCount;
   }
 
   /** The training graph's input names, in the order a batch holds its tensors (model inputs, then labels). */
@@ -102,21 +106,23 @@ export class Device {
   }
 
   /**
-   * Replaces every parameter's value.
+   * Replaces every parameter's value, or every trainable one's.
    *
    * @param {Float32Array} weights All parameters, flat, in the order of ONNX Runtime's parameter buffer:
    *     the training graph's order of its state inputs (not the manifest's parameter_order, which
    *     lists a model's buffers, such as BatchNorm's running statistics, after all its parameters).
+   * @param {{trainableOnly?: boolean}} [options] `trainableOnly`: the trainable parameters alone, in that
+   *     order; the frozen ones keep the checkpoint's values (a complete checkpoint: a nominal one refuses it).
    */
-  async setWeights(weights) {
-    if (!(weights instanceof Float32Array) || weights.length !== this.parameterCount) {
-      throw new Error(`setWeights expects a Float32Array of ${this.parameterCount} values (all parameters, ` +
-        `flat, in the training graph's order of its state inputs), but got ${describe(weights)}; send the weights of the ` +
-        'artifacts this device opened');
+  async setWeights(weights, {trainableOnly = false} = {}) {
+    const count = trainableOnly ? this.trainableCount : this.parameterCount;
+    if (!(weights instanceof Float32Array) || weights.length !== count) {
+      throw new Error(`setWeights expects a Float32Array of ${count} values (all ${trainableOnly ? 'trainable ' : ''}` +
+        `parameters, flat, in the training graph's order of its state inputs), but got ${describe(weights)}; send ` +
+        'the weights of the artifacts this device opened');
     }
-    // NOTE: `false`: a nominal checkpoint refuses a load of the trainable parameters alone.
     const bytes = new Uint8Array(weights.buffer, weights.byteOffset, weights.byteLength);
-    await this.session.loadParametersBuffer(bytes, false);
+    await this.session.loadParametersBuffer(bytes, trainableOnly);
   }
 
   /**
@@ -189,12 +195,13 @@ export class Device {
   }
 
   /**
-   * Reads every parameter's value.
+   * Reads every parameter's value, or every trainable one's.
    *
-   * @returns {Promise<Float32Array>} All parameters, flat, in the order `setWeights` takes; a copy.
+   * @param {{trainableOnly?: boolean}} [options] `trainableOnly`: the trainable parameters alone.
+   * @returns {Promise<Float32Array>} The parameters, flat, in the order `setWeights` takes; a copy.
    */
-  async getWeights() {
-    const parameters = await this.session.getContiguousParameters(false);
+  async getWeights({trainableOnly = false} = {}) {
+    const parameters = await this.session.getContiguousParameters(trainableOnly);
     return new Float32Array(parameters.data);
   }
 

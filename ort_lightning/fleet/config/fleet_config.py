@@ -24,7 +24,8 @@ from ort_lightning.fleet.config.keys import build_section, merge_override, refus
 from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, RUNNERS, STARTS
 
 __all__ = [
-    "ENGINES", "PARTITIONS", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection", "EngineSection", "FleetConfig",
+    "ENGINES", "LORA_AGGREGATIONS", "PARTITIONS", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection",
+    "EngineSection", "FleetConfig",
     "ModelSection", "OutputSection", "PrivacySection", "StrategySection",
 ]
 
@@ -33,6 +34,8 @@ STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"
               "fedtrimmedavg", "krum", "multikrum", "bulyan")
 #: ``local``: Flower's apps in this process; ``ray``: Flower's Ray simulation; ``browser``: pages and Node devices.
 ENGINES = ("local", "ray", "browser")
+#: How a fleet aggregates LoRA adapters: A and B apart, or A frozen and B alone (ort_lightning.fleet.server.lora).
+LORA_AGGREGATIONS = ("separate", "ffa")
 #: How the training data is cut into devices (``writers``: the bundled digits only).
 PARTITIONS = ("iid", "label", "dirichlet", "writers")
 
@@ -50,7 +53,8 @@ class ModelSection:
     ``factory`` is ``package.module:function`` called with ``init_args``; it is exported once with an
     example input of ``input_shape`` (float32; None: two rows shaped like the data's first example)
     and ``loss``, one step checked against torch in a child process unless ``verify`` is false.
-    ``artifacts`` is a folder `export_artifacts` wrote with ``nominal_checkpoint=True``.
+    ``artifacts`` is a folder `export_artifacts` wrote with ``nominal_checkpoint=True``. ``lora`` is
+    how a peft LoRA model's adapters are aggregated: ``separate`` or ``ffa`` (A frozen, exact).
     """
 
     hidden: int = 64
@@ -60,8 +64,10 @@ class ModelSection:
     loss: str = "cross_entropy"
     verify: bool = True
     artifacts: str | None = None
+    lora: str = "separate"
 
     def __post_init__(self) -> None:
+        _one_of("model.lora", self.lora, LORA_AGGREGATIONS)
         if self.factory and self.artifacts:
             raise ConfigurationError(f"Expected one of `model.factory` and `model.artifacts`, but got both "
                                      f"({self.factory!r}, {self.artifacts!r}); keep the one the fleet trains.")

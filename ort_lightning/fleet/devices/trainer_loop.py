@@ -27,7 +27,7 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.fleet.devices.client import evaluation
 from ort_lightning.fleet.devices.ort_loop import complete_start
 from ort_lightning.fleet.devices.protocol import Fit
-from ort_lightning.fleet.devices.state_values import get_values, set_values
+from ort_lightning.fleet.devices.state_values import sent_values, whole_values
 from ort_lightning.fleet.devices.trainer_slots import WORKER, Slot, SlotKind
 from ort_lightning.training.module import ORTLightningModule
 
@@ -57,12 +57,12 @@ class TrainerLoop:
         values = arrays.to_torch_state_dict()
         with self._slot(values) as slot:
             # NOTE: a round trains and replies: ORT's objects, where rebuilt, are built without the eval graph.
-            slot.module.load_values(values, optimizer_state=kept, evaluation=False)
+            slot.module.load_values(whole_values(slot.module, values), optimizer_state=kept, evaluation=False)
             started = time.perf_counter()
             slot.fit(train_dataloaders=loader)
             seconds = time.perf_counter() - started
             loss = slot.trainer.callback_metrics.get("train_loss")
-            return Fit(ArrayRecord(get_values(slot.module)), len(loader.dataset),
+            return Fit(ArrayRecord(sent_values(slot.module)), len(loader.dataset),
                        float("nan") if loss is None else float(loss), int(slot.trainer.global_step), started, seconds,
                        _saved(slot.module) if keep else None)
 
@@ -71,7 +71,7 @@ class TrainerLoop:
         values = arrays.to_torch_state_dict()
         with self._slot(values) as slot:
             # NOTE: the eval graph reads the values only; the next device's load starts a fresh optimizer anyway.
-            set_values(slot.module, values)
+            slot.module.set_values(whole_values(slot.module, values))
             yield from _batches(slot.module, loader)
 
     def _module_options(self, artifacts: TrainingArtifacts) -> dict[str, Any]:
@@ -84,8 +84,11 @@ class TrainerLoop:
         kind = SlotKind.of(self.artifacts, start=self.start, module_options=options, trainer_options=trainer_options)
 
         def build() -> Slot:
-            checkpoint = None if complete_start(artifacts, self.start) else artifacts.nominal_checkpoint
-            module = ORTLightningModule(artifacts, checkpoint=checkpoint, values=values, **options)
+            complete = complete_start(artifacts, self.start)
+            # NOTE: a folder with frozen parameters starts from the complete checkpoint; the values sent are a part.
+            whole = None if artifacts.manifest.frozen else values
+            module = ORTLightningModule(artifacts, checkpoint=None if complete else artifacts.nominal_checkpoint,
+                                        values=whole, **options)
             return Slot(module, pl.Trainer(**trainer_options))
 
         return WORKER.slot(kind, build)

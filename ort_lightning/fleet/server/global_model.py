@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.fleet.devices.protocol import LEFT_ERROR_CODE, WEIGHT_KEY
-from ort_lightning.fleet.devices.state_values import get_values, set_values
+from ort_lightning.fleet.devices.state_values import load_sent, sent_values
 from ort_lightning.fleet.devices.trainer_loop import evaluate_module
 from ort_lightning.training.module import ORTLightningModule
 
@@ -74,12 +74,12 @@ class GlobalModel:
             self.module.checkpointing.count_from_zero()
 
     def arrays(self) -> ArrayRecord:
-        """The global values as Flower's ``ArrayRecord`` (name -> array, in the training graph's order)."""
-        return ArrayRecord(get_values(self.module))
+        """The global values a fleet sends as Flower's ``ArrayRecord`` (all but the frozen parameters, in order)."""
+        return ArrayRecord(sent_values(self.module))
 
     def load(self, arrays: ArrayRecord, *, server_round: int) -> None:
-        """Copy aggregated values into the ORT state (in place, through the module's views)."""
-        set_values(self.module, arrays.to_torch_state_dict())
+        """Copy aggregated values into the ORT state (in place; frozen parameters keep their first values)."""
+        load_sent(self.module, arrays.to_torch_state_dict())
         self.server_round = server_round
 
     def save(self, path: str | os.PathLike[str], *, server_round: int | None = None) -> Path:
@@ -97,7 +97,7 @@ class GlobalModel:
         """A centralized evaluation for ``Strategy.start(evaluate_fn=...)`` on `loader`."""
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-            set_values(self.module, arrays.to_torch_state_dict())
+            load_sent(self.module, arrays.to_torch_state_dict())
             result = self.evaluate(loader)
             return MetricRecord({"loss": result["loss"], "accuracy": result["accuracy"]})
 
@@ -111,6 +111,21 @@ def _answers(replies: list[Message]) -> tuple[int, int]:
         for record in reply.content.metric_records.values():
             examples += int(cast(float, record.get(WEIGHT_KEY, 0)))
     return len(valid), examples
+
+
+def message_bytes(message: Message) -> int:
+    """The bytes of a message's arrays (their ``.npy`` data, header included): what its weights weigh on the wire."""
+    if message.has_error():
+        return 0
+    return sum(len(array.data) for record in message.content.array_records.values() for array in record.values())
+
+
+def _traffic(sent: list[Message], replies: list[Message]) -> tuple[int, int]:
+    """Per device: the bytes of the arrays it was sent, and of those it replied (the mean over the answers)."""
+    answered = [reply for reply in replies if not reply.has_error()]
+    out = max((message_bytes(message) for message in sent), default=0)
+    back = sum(map(message_bytes, answered)) // len(answered) if answered else 0
+    return out, back
 
 
 def _failures(
@@ -163,6 +178,8 @@ class CheckpointEachRound(Strategy):
         #: Per round: node id -> why it left the fleet while it owed the round (on purpose: no failure).
         self.left: dict[int, dict[int, str]] = {}
         self._sent: dict[int, list[Message]] = {}
+        #: Per round: the bytes of the arrays sent to each device, and of those each answer held (mean).
+        self.traffic: dict[int, tuple[int, int]] = {}
         #: Per round: (seconds aggregating, seconds writing the checkpoints).
         self.seconds: dict[int, tuple[float, float]] = {}
 
@@ -185,8 +202,9 @@ class CheckpointEachRound(Strategy):
         server_round += self.round_offset
         replies = list(replies)
         self.answers[server_round] = _answers(replies)
-        self.failures[server_round], self.left[server_round] = _failures(self._sent.pop(server_round, []), replies,
-                                                                         self.device_timeout)
+        sent = self._sent.pop(server_round, [])
+        self.traffic[server_round] = _traffic(sent, replies)
+        self.failures[server_round], self.left[server_round] = _failures(sent, replies, self.device_timeout)
         started = time.perf_counter()
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         aggregated = time.perf_counter()

@@ -15,6 +15,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import export_artifacts
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.sources import import_path
+from ort_lightning.fleet.server.lora import check_ffa, freeze_lora_a
 
 __all__ = ["fleet_artifacts"]
 
@@ -50,7 +51,10 @@ def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
 
     model = config.model
     if model.artifacts:
-        return TrainingArtifacts.load(model.artifacts).directory
+        given = TrainingArtifacts.load(model.artifacts)
+        if model.lora == "ffa":
+            check_ffa(given)
+        return given.directory
     folder = Path(config.output.folder) / "artifacts"
     if _reuse(folder, config):
         return TrainingArtifacts.load(folder).directory
@@ -64,6 +68,8 @@ def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
             raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
                                      f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
         inputs = torch.zeros(*shape)
+    if model.lora == "ffa":
+        freeze_lora_a(module)
     exported = export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True,
                                 verify=model.verify).directory
     (folder.parent / _RECORD).write_text(json.dumps(_exported_from(config), indent=1), encoding="utf-8")

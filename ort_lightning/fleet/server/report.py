@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.fleet.config.fleet_config import FleetConfig
-from ort_lightning.fleet.server.server_app import FleetServer
+from ort_lightning.fleet.devices.device_files import device_files
+from ort_lightning.fleet.devices.ort_loop import complete_start
+from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
 
 __all__ = ["report"]
 
@@ -24,9 +27,12 @@ def report(
     """
     out = Path(config.output.folder)
     out.mkdir(parents=True, exist_ok=True)
+    download = download_bytes(out / "device", config.devices.start)
     if echo:
         _print(server, config, total, engine or f"{config.engine.name} engine", departures)
-    payload = _history(server, config, total)
+        if download is not None:
+            print(f"device folder:     {_size(download)} once per device (graphs and checkpoint)")
+    payload = {**_history(server, config, total), "download_bytes": download}
     (out / "history.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
     plot = _plot(server, config, out) if config.output.plot else None
     if echo:
@@ -50,13 +56,33 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, 
         print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
               f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
-              f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
+              f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint; {_traffic(record)})")
         if departures:
             for node, reason in sorted(record.failures.items()):
                 print(f"          node {node} failed: {reason}")
             for node, reason in sorted(record.left.items()):
                 print(f"          node {node} left: {reason}")
     print(f"total: {total:.1f} s")
+
+
+def download_bytes(folder: Path, start: str) -> int | None:
+    """The bytes of the device folder's files a device loads once (None where the run wrote no device folder)."""
+    if not (folder / "ort_lightning.json").exists():
+        return None
+    artifacts = TrainingArtifacts.load(folder)
+    files = device_files(artifacts, complete=complete_start(artifacts, start))
+    return sum(path.stat().st_size for path in (files.training, files.optimizer, files.eval, files.checkpoint)
+               if path is not None)
+
+
+def _size(count: int) -> str:
+    if count < 1000:
+        return f"{count} bytes"
+    return f"{count / 1e3:.1f} kB" if count < 10**6 else f"{count / 1e6:.1f} MB"
+
+
+def _traffic(record: RoundRecord) -> str:
+    return f"{_size(record.sent_bytes)} out and {_size(record.received_bytes)} back per device"
 
 
 def _device_times(metrics: dict[str, Any]) -> str:
@@ -70,6 +96,7 @@ def _device_times(metrics: dict[str, Any]) -> str:
 def _history(server: FleetServer, config: FleetConfig, total: float) -> dict[str, Any]:
     rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
                "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
+               "sent_bytes": r.sent_bytes, "received_bytes": r.received_bytes,
                "failures": {str(node): reason for node, reason in r.failures.items()},
                "left": {str(node): reason for node, reason in r.left.items()},
                **r.evaluation, "train": r.train_metrics,

@@ -62,6 +62,8 @@ class RoundRecord:
         examples: their training examples, together (FedAvg's total weight).
         aggregate_seconds: the strategy's aggregation.
         checkpoint_seconds: writing the round's checkpoint files.
+        sent_bytes: the bytes of the values sent to each device (Flower's arrays, ``.npy`` headers included).
+        received_bytes: the bytes of the values each device sent back (the mean over the answers).
     """
 
     server_round: int
@@ -75,6 +77,8 @@ class RoundRecord:
     checkpoint_seconds: float = 0.0
     failures: dict[int, str] = field(default_factory=dict)
     left: dict[int, str] = field(default_factory=dict)
+    sent_bytes: int = 0
+    received_bytes: int = 0
 
 
 class FleetServer:
@@ -158,10 +162,12 @@ class FleetServer:
             written = next((p for p in self.strategy.written if p == round_path(p.parent, number)), None)
             devices, examples = self.strategy.answers.get(number, (0, 0))
             aggregate, save = self.strategy.seconds.get(number, (0.0, 0.0))
+            sent, received = self.strategy.traffic.get(number, (0, 0))
             self.history.append(RoundRecord(number, now - self._clock, evaluation, checkpoint=written,
                                             devices=devices, examples=examples, aggregate_seconds=aggregate,
                                             checkpoint_seconds=save,
                                             failures=self.strategy.failures.get(number, {}),
-                                            left=self.strategy.left.get(number, {})))
+                                            left=self.strategy.left.get(number, {}), sent_bytes=sent,
+                                            received_bytes=received))
         self._clock = now
         return MetricRecord(evaluation) if evaluation else None

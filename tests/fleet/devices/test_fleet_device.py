@@ -423,7 +423,7 @@ def test_node_runs_a_devices_round_as_the_python_device_does(
     reply = DeviceClient(device, DATA, epochs=epochs).train(_message(start), _context(1))
     python = reply.content.array_records["arrays"].to_numpy_ndarrays()
     # the page's loop: each epoch's batches in turn (one `train` each), here as one list of every epoch's batches
-    order = DeviceClient(device, DATA).loop().weight_order.names  # type: ignore[attr-defined]
+    order = DeviceClient(device, DATA).loop().exchange.full.names  # type: ignore[attr-defined]
     weights = np.concatenate([start[name].ravel() for name in order])
     batches = [tuple(tensor.numpy() for tensor in batch) for batch in _epochs(1, epochs)]
     job = write_job(tmp_path, device, "ort", weights, batches)

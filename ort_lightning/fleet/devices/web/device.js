@@ -8,6 +8,11 @@
 // anew, as the simulated fleet's devices do; the result frame carries the weights, one epoch's example
 // count, the losses and timings. A failure is sent as an `error` frame.
 //
+// Only what trains travels: the welcome's `exchange` says which values a round carries (Exchange in
+// ort_lightning/fleet/devices/exchange.py). A LoRA folder's frozen base comes once, in the complete checkpoint,
+// which the device keeps across rounds, rejoins and (with a host `fileStore`, a page's Cache Storage) reloads,
+// under its digest.
+//
 // A fleet with a data module (`BrowserFleet(page_data=...)`) names it in the welcome: the device imports
 // it, and its train frames carry no batches but `local: {partition, partitions, epochs}`; the device then
 // calls the module's `batches({partition, partitions, round, epoch, inputNames})` once per local epoch
@@ -33,6 +38,8 @@ export class FleetDevice {
    * @param {function(object): void} [host.show] Receives each change of `status` (for a page's view).
    * @param {{getItem: function(string): ?string, setItem: function(string, string): void}} [host.storage] Where
    *     the device keeps its identity (a page's localStorage); without it, every connection is a new device.
+   * @param {{get: function(string): Promise<?Uint8Array>, put: function(string, Uint8Array): Promise<void>}}
+   *     [host.fileStore] Where the device keeps the files it downloaded, by digest, across reloads.
    */
   constructor(host) {
     this.host = host;
@@ -41,6 +48,10 @@ export class FleetDevice {
       loss: NaN, rounds: 0, parameters: 0, message: '', notice: ''};
     this.ort = null;
     this.files = null;
+    this.digests = {};
+    this.exchange = null;
+    /** Bytes of device files this device downloaded (none for a file it already held). */
+    this.downloaded = 0;
     this.data = null;
     // NOTE: one frame at a time, in order: a train frame must wait for the files the welcome fetches.
     this.queue = Promise.resolve();
@@ -88,12 +99,11 @@ export class FleetDevice {
   async welcome(message) {
     this.update({device: message.device, phase: 'loading'});
     this.ort = await this.host.importModule(message.ort);
-    const entries = await Promise.all(Object.entries(message.files).map(
-      async ([role, url]) => [role, await this.host.fetchBytes(url)]));
-    this.files = Object.fromEntries(entries);
+    await this.loadFiles(message.files, message.digests ?? {});
+    this.exchange = message.exchange ?? {mode: 'all'};
     if (message.data) this.data = await importData(this.host, message.data);
     const device = await this.host.openDevice(this.ort, this.files);
-    const parameters = device.parameterCount;
+    const parameters = sentCount(device, this.exchange);
     await device.release();
     // NOTE: the identity outlives the page: a reloaded page sends it again and the server knows the device.
     const key = `ort-lightning-device:${message.fleet}`;
@@ -104,6 +114,22 @@ export class FleetDevice {
     }
     this.update({fleet: message.fleet, parameters});
     this.host.send(JSON.stringify({type: MESSAGE.ready, parameters, identity}));
+  }
+
+  /** The device files by role: those it holds under the same digest kept, the others fetched (and stored). */
+  async loadFiles(urls, digests) {
+    const entries = await Promise.all(Object.entries(urls).map(async ([role, url]) => {
+      const digest = digests[role];
+      if (digest !== undefined && this.digests[role] === digest) return [role, this.files[role]];
+      const stored = digest === undefined ? undefined : await this.host.fileStore?.get(digest);
+      if (stored) return [role, stored];
+      const bytes = await this.host.fetchBytes(url);
+      this.downloaded += bytes.byteLength;
+      if (digest !== undefined) await this.host.fileStore?.put(digest, bytes);
+      return [role, bytes];
+    }));
+    this.files = Object.fromEntries(entries);
+    this.digests = {...digests};
   }
 
   /** The server admitted the device: its name (a device that comes back has its own again) and partition. */
@@ -119,11 +145,11 @@ export class FleetDevice {
     const opened = performance.now();
     const device = await this.host.openDevice(this.ort, this.files);
     try {
-      await device.setWeights(weights);
+      await setSent(device, this.exchange, weights);
       const started = performance.now();
       const run = await this.epochs(header, decoded, epochs, device);
       const seconds = since(started);
-      const trained = await device.getWeights();
+      const trained = await getSent(device, this.exchange);
       const reply = {type: MESSAGE.result, id: header.id, round: header.round, examples: run.examples, steps: run.losses.length,
         losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
         open_seconds: (started - opened) / 1000};
@@ -174,6 +200,44 @@ export const HANDLERS = Object.freeze({
   [MESSAGE.notice]: (device, message) => device.update({notice: message.message}),
   [MESSAGE.train]: (device, header, buffer) => device.train(buffer),
 });
+
+/**
+ * How many values a round carries for this exchange: all parameters, the trainable ones, or the spans' values.
+ *
+ * @param {object} device The open runner device.
+ * @param {{mode: string, size?: number, spans?: number[][]}} exchange The welcome's exchange.
+ * @returns {number} The count the device reports in `ready` (the server refuses another than its own).
+ */
+export function sentCount(device, exchange) {
+  if (exchange.mode === 'trainable') return device.trainableCount;
+  if (exchange.mode !== 'spans') return device.parameterCount;
+  return exchange.spans.every(([, end]) => end <= device.parameterCount) ? exchange.size : device.parameterCount;
+}
+
+/** Loads the round's sent values into the open device (the frozen values stay the checkpoint's). */
+async function setSent(device, exchange, sent) {
+  if (exchange.mode !== 'spans') return device.setWeights(sent, {trainableOnly: exchange.mode === 'trainable'});
+  const whole = await device.getWeights();
+  let at = 0;
+  for (const [start, end] of exchange.spans) {
+    whole.set(sent.subarray(at, at + end - start), start);
+    at += end - start;
+  }
+  return device.setWeights(whole);
+}
+
+/** The device's values of the sent tensors, as the result frame carries them. */
+async function getSent(device, exchange) {
+  if (exchange.mode !== 'spans') return device.getWeights({trainableOnly: exchange.mode === 'trainable'});
+  const whole = await device.getWeights();
+  const sent = new Float32Array(exchange.size);
+  let at = 0;
+  for (const [start, end] of exchange.spans) {
+    sent.set(whole.subarray(start, end), at);
+    at += end - start;
+  }
+  return sent;
+}
 
 /**
  * Flower's client-side fixed clipping, on the device: scales the update (trained - sent) in place so that its L2

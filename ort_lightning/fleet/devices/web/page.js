@@ -68,11 +68,28 @@ function connect(device, link) {
   });
 }
 
+/** Where a page keeps the device files it downloaded, by digest (Cache Storage; absent outside a secure context). */
+const FILES_CACHE = 'ort-lightning-device-files';
+const fileStore = typeof caches === 'undefined' ? undefined : {
+  async get(digest) {
+    const hit = await (await caches.open(FILES_CACHE)).match(`/ort-lightning-files/${digest}`);
+    return hit ? new Uint8Array(await hit.arrayBuffer()) : undefined;
+  },
+  async put(digest, bytes) {
+    // NOTE: a page without room keeps the files for this visit only: the next visit downloads them again.
+    try {
+      await (await caches.open(FILES_CACHE)).put(`/ort-lightning-files/${digest}`, new Response(bytes));
+    } catch (error) {
+      console.warn(`the device files could not be kept for the next visit (${error?.message ?? error})`);
+    }
+  },
+};
+
 function main() {
   const link = {socket: null};
   const device = new FleetDevice({
     send: (frame) => link.socket.send(frame), importModule: (specifier) => import(specifier),
-    fetchBytes: (url) => fetchBytes(url, location.href), openDevice, show, storage: localStorage,
+    fetchBytes: (url) => fetchBytes(url, location.href), openDevice, show, storage: localStorage, fileStore,
   });
   // NOTE: a normal closure: the server logs the device as one that left, not one that failed.
   document.getElementById('leave').onclick = () => link.socket.close(CLOSE.left, 'left the fleet');

@@ -17,6 +17,7 @@ from flwr.app import Context, RecordDict
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.devices.device_files import device_files, ordered
+from ort_lightning.fleet.devices.exchange import Exchange
 from ort_lightning.fleet.devices.frames import HEADER_LIMIT
 from ort_lightning.fleet.devices.protocol import DataFn
 from ort_lightning.fleet.devices.weight_order import WeightOrder
@@ -129,13 +130,16 @@ class BrowserFleet:
         self.data, self.devices, self.epochs = data, devices, epochs
         self.host = host
         self.token = token or secrets.token_urlsafe(16)
-        files = device_files(self.artifacts)
-        order = WeightOrder.checked(self.artifacts, files.training, files.checkpoint)
-        self.hub = Hub(partitions=devices, weight_order=order, device_timeout=device_timeout, on_event=on_event)
+        # NOTE: frozen parameters never travel: a page reads them from the complete checkpoint, downloaded once.
+        files = device_files(self.artifacts, complete=bool(self.artifacts.manifest.frozen))
+        exchange = Exchange.of(self.artifacts, WeightOrder.checked(self.artifacts, files.training, files.checkpoint))
+        self.hub = Hub(partitions=devices, weight_order=exchange.sent, device_timeout=device_timeout,
+                       on_event=on_event)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
         self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
-                            frame_limit=self.frame_limit, page_data=self.page_data, fleet=name)
+                            frame_limit=self.frame_limit, page_data=self.page_data, fleet=name,
+                            exchange=exchange.describe())
         self._socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self._socket.getsockname()[1]
         self._server: uvicorn.Server | None = None

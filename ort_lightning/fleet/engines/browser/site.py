@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -76,10 +77,13 @@ class _Site:
 
     def __init__(
         self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None,
-        fleet: str,
+        fleet: str, exchange: dict[str, Any] | None,
     ) -> None:
         self.hub, self.token, self.files, self.frame_limit, self.fleet = hub, token, files, frame_limit, fleet
         self.page_data = page_data
+        self.exchange = exchange or {"mode": "all", "size": hub.parameters, "spans": [[0, hub.parameters]]}
+        # NOTE: a page keeps the files it downloaded under their digests, and takes them from there on a later join.
+        self.digests = {role: _sha256(path) for role, path in files.items()}
         self.ort_module = f"{ort}/{TRAINING_BUILD}" if ort.startswith(("http://", "https://")) else \
             f"/ort/{TRAINING_BUILD}"
 
@@ -132,7 +136,8 @@ class _Site:
         data = None if self.page_data is None else f"/data.js?token={self.token}"
         await socket.send_text(json.dumps({"type": "welcome", "fleet": self.fleet, "device": device.name,
                                            "ort": self.ort_module,
-                                           "files": files, "parameters": self.hub.parameters, "data": data,
+                                           "files": files, "digests": self.digests, "exchange": self.exchange,
+                                           "parameters": self.hub.parameters, "data": data,
                                            "order": self.hub.weight_order.names}))
         reason = await self._listen(socket, device)
         self.hub.lost(device, f"{device.name} {reason}", left=reason == _LEAVING)
@@ -198,9 +203,17 @@ async def _close(socket: WebSocket, code: int, reason: str) -> None:
         await socket.close(code=code, reason=reason)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def web_app(
     hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None = None,
-    fleet: str = "ort-lightning fleet",
+    fleet: str = "ort-lightning fleet", exchange: dict[str, Any] | None = None,
 ) -> Starlette:
     """The fleet's Starlette application.
 
@@ -212,8 +225,10 @@ def web_app(
         frame_limit: the largest frame a page may send, in bytes (uvicorn's ``ws_max_size`` enforces it).
         page_data: the user's data module (an ES module the page imports), or None.
         fleet: the fleet's name, which the page shows and keys its device identity by.
+        exchange: `Exchange.describe` of the device folder (None: every value travels).
     """
-    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit, page_data=page_data, fleet=fleet)
+    site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit, page_data=page_data, fleet=fleet,
+                 exchange=exchange)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
