@@ -158,6 +158,34 @@ def test_bytes_per_device_round_are_the_adapters_plus_framing(separate: Run) -> 
         assert record.received_bytes == record.sent_bytes
 
 
+def test_batchnorm_statistics_travel_beside_the_trainable_values_and_the_frozen_stay(tmp_path: Path) -> None:
+    """A frozen layer and a BatchNorm: the device cuts the sent spans out of ORT's whole buffer (``spans``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 10))
+    model[0].requires_grad_(False)
+    exported = export_artifacts(model, torch.zeros(2, FEATURES), tmp_path / "exported", nominal_checkpoint=True,
+                                ort_format=True, verify=False)
+    device = prepare_for_web(exported, tmp_path / "device", lr=LR)
+    assert DeviceClient(device.directory, DATA).loop().exchange.mode == "spans"  # type: ignore[attr-defined]
+    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=DEVICES, min_train_nodes=DEVICES)
+    server = FleetServer(GlobalModel(exported), strategy, rounds=1, directory=tmp_path / "rounds")
+    LocalGrid(ClientApp(), nodes=1)
+    run_local(server.server_app(), DeviceClient(device.directory, DATA, epochs=EPOCHS).client_app(), nodes=DEVICES)
+    start = _values(exported.checkpoint)
+    sent = [name for name in start if name not in ("0.weight", "0.bias")]
+    assert sorted(sent) == sorted([*exported.manifest.trainable, *exported.manifest.buffers])
+    fits = [(ort_device_loop(device.directory, _epochs(p), lr=None, graphs="ort", checkpoint=device.checkpoint,
+                             values=start), _examples(p)) for p in range(DEVICES)]
+    expected = _fedavg(fits, sent)
+    written = _values(round_path(tmp_path / "rounds", 1))
+    for name in sent:
+        np.testing.assert_allclose(written[name].astype(np.float64), expected[name], rtol=0, atol=1e-6, err_msg=name)
+    assert not np.array_equal(written["1.running_mean"], start["1.running_mean"])
+    for name in ("0.weight", "0.bias"):
+        assert written[name].tobytes() == start[name].tobytes()
+
+
 # ----------------------------------------------------------------------------- FFA-LoRA
 def _products(values: dict[str, np.ndarray], layers: list[str]) -> dict[str, np.ndarray]:
     """B·A of each LoRA layer, in float64."""

@@ -132,14 +132,16 @@ class BrowserFleet:
         self.token = token or secrets.token_urlsafe(16)
         # NOTE: frozen parameters never travel: a page reads them from the complete checkpoint, downloaded once.
         files = device_files(self.artifacts, complete=bool(self.artifacts.manifest.frozen))
-        exchange = Exchange.of(self.artifacts, WeightOrder.checked(self.artifacts, files.training, files.checkpoint))
-        self.hub = Hub(partitions=devices, weight_order=exchange.sent, device_timeout=device_timeout,
+        #: What a round carries: the sent tensors, in ONNX Runtime's buffer order over the files the pages open.
+        self.exchange = Exchange.of(self.artifacts, WeightOrder.checked(self.artifacts, files.training,
+                                                                        files.checkpoint))
+        self.hub = Hub(partitions=devices, weight_order=self.exchange.sent, device_timeout=device_timeout,
                        on_event=on_event)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
         self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
                             frame_limit=self.frame_limit, page_data=self.page_data, fleet=name,
-                            exchange=exchange.describe())
+                            exchange=self.exchange.describe())
         self._socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self._socket.getsockname()[1]
         self._server: uvicorn.Server | None = None

@@ -130,7 +130,7 @@ def test_the_flat_weights_follow_onnx_runtimes_buffer_not_the_manifest_nor_the_a
 ) -> None:
     exported, web = unsorted_folders
     with BrowserFleet(web, page_data=DATA_MODULE, max_examples=40, port=0, devices=1, ort_web=CDN) as fleet:
-        declared = fleet.hub.weight_order.names
+        declared, exchange = fleet.exchange.full.names, fleet.exchange
     # ONNX Runtime's own buffer over the complete checkpoint, cut at each tensor's size in the declared order
     state = CheckpointState.load_checkpoint(str(exported.checkpoint))
     module = Module(str(exported.training_model), state, str(exported.eval_model))
@@ -140,6 +140,11 @@ def test_the_flat_weights_follow_onnx_runtimes_buffer_not_the_manifest_nor_the_a
         np.testing.assert_array_equal(flat[at : at + value.size], value, err_msg=name)
         at += value.size
     assert at == flat.size
+    # a round carries every tensor but the frozen bias (the BatchNorm statistics too), cut out of that buffer
+    assert fleet.hub.weight_order.names == [name for name in declared if name != "zeta.bias"]
+    assert exchange.mode == "spans"
+    np.testing.assert_array_equal(exchange.gather(flat), np.concatenate(
+        [np.array(state.parameters[name].data).ravel() for name in fleet.hub.weight_order.names]))
     assert declared != sorted(declared)
     assert declared != list(web.manifest.parameter_order)
     with pytest.raises(ConfigurationError, match=r"The browser fleet declares its flat weights in the order "

@@ -1,0 +1,96 @@
+"""Federated LoRA with a Chromium page and a Node device: the adapters travel, the base is read once, kept, never sent.
+
+Each round equals the example-weighted float64 FedAvg of ONNX Runtime's documented Python loop per
+device (`digits_rounds.reference_rounds`: every value copied into the nominal state), and the frozen
+base in every round file is byte for byte the export's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ort_lightning import TrainingArtifacts, export_artifacts
+from ort_lightning.demo import FEATURES, digits_mlp
+from tests._web import ROOT, ort_web_dist
+from tests.helpers import RunIf
+
+pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
+peft = pytest.importorskip("peft", reason='peft is not installed: pip install -e ".[test]"')
+
+from ort_lightning.fleet import BrowserFleet  # noqa: E402
+from tests.fleet.engines.browser.chromium import chromium  # noqa: E402
+from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
+    BROWSER_ATOL,
+    DATA,
+    HIDDEN,
+    LR,
+    assert_round,
+    checkpoint_values,
+    fedavg_server,
+    initial_values,
+    reference_rounds,
+)
+
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
+
+
+@pytest.fixture(scope="module")
+def lora_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArtifacts, TrainingArtifacts]:
+    """The digits MLP with peft LoRA on both layers, exported once, and its device folder (lr 0.01)."""
+    from ort_lightning.export import prepare_for_web
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], init_lora_weights="gaussian")
+    model = peft.get_peft_model(digits_mlp(HIDDEN, seed=0), config)
+    root = tmp_path_factory.mktemp("browser-lora")
+    exported = export_artifacts(model, torch.zeros(2, FEATURES), root / "exported", nominal_checkpoint=True,
+                                ort_format=True, verify=False)
+    return exported, prepare_for_web(exported, root / "web", lr=LR)
+
+
+@RunIf(node=True, chromium=True)
+@pytest.mark.slow
+@pytest.mark.spread
+def test_a_page_and_a_node_device_exchange_only_the_adapters(
+    lora_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    exported, web = lora_folders
+    node = shutil.which("node")
+    assert node is not None
+    fleet = BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
+    assert fleet.exchange.mode == "trainable"
+    server = fedavg_server(exported, tmp_path / "rounds", devices=2, rounds=2)
+    with fleet, chromium({"page": f"{fleet.url}&name=page"}):
+        device = subprocess.Popen([node, "--experimental-websocket", str(NODE_DEVICE), fleet.url, "--ort-web",
+                                   str(ort_web_dist()), "--name", "node"], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        try:
+            fleet.run(server, join_timeout=90)
+        finally:
+            fleet.close()
+            output, _ = device.communicate(timeout=60)
+    assert device.returncode == 0, output
+    assert fleet.refusals == []
+    assert [(r.server_round, r.devices) for r in server.history] == [(1, 2), (2, 2)]
+    start = initial_values(exported)
+    adapters = sum(start[name].nbytes for name in exported.manifest.trainable)
+    assert 3 * adapters < sum(value.nbytes for value in start.values())
+    for record in server.history:  # the adapters and their .npy headers, nothing of the base
+        assert adapters <= record.sent_bytes <= adapters + 128 * len(exported.manifest.trainable)
+        assert record.received_bytes == record.sent_bytes
+    partitions = {e.device: int(e.detail.split()[1]) for e in fleet.hub.events if e.kind == "joined"}
+    order = [p for _, p in sorted(partitions.items())]
+    expected = reference_rounds(web.directory, start, [order, order], partitions=2)
+    for record, average in zip(server.history, expected, strict=True):
+        assert_round(record.checkpoint, average, atol=BROWSER_ATOL)
+        assert record.checkpoint is not None
+        written = checkpoint_values(record.checkpoint)
+        for name in exported.manifest.frozen:
+            assert written[name].tobytes() == start[name].tobytes(), name
+        assert any(not np.array_equal(written[name], start[name]) for name in exported.manifest.trainable)
