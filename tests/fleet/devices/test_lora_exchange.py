@@ -28,7 +28,7 @@ from tests.helpers import ort_device_loop
 flwr = pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 peft = pytest.importorskip("peft", reason='peft is not installed: pip install -e ".[test]"')
 
-from flwr.app import Context, Message  # noqa: E402
+from flwr.app import ArrayRecord, Context, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
@@ -220,6 +220,17 @@ def test_ffa_needs_lora_and_frozen_a_matrices(separate: Run, ffa: Run) -> None:
         freeze_lora_a(digits_mlp(8, seed=0))
     with pytest.raises(ConfigurationError, match=r"Expected `model.lora` to be one of \['separate', 'ffa'\]"):
         FleetConfig.from_dict({"model": {"lora": "average"}})
+
+
+def test_the_server_takes_back_the_sent_tensors_alone(separate: Run) -> None:
+    model = GlobalModel(separate.exported)
+    arrays = model.arrays()
+    assert list(arrays) == list(separate.exported.manifest.trainable)
+    base = _values(separate.exported.checkpoint)["base_model.model.0.base_layer.weight"]
+    with pytest.raises(ConfigurationError, match=r"Expected the values of the tensors a fleet sends \[.*\] \(every "
+                                                 r"state tensor but the frozen parameters\), but got"):
+        model.load(ArrayRecord({**arrays.to_torch_state_dict(), "base_model.model.0.base_layer.weight":
+                                torch.from_numpy(base)}), server_round=1)
 
 
 def test_a_frozen_base_is_read_from_the_complete_checkpoint_never_the_nominal_one(separate: Run) -> None:
