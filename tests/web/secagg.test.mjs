@@ -1,6 +1,7 @@
 // Unit tests of the JavaScript SecAgg+ client's primitives against Flower's own Python (tests/web/secagg_vectors.json,
 // written by tests/fleet/devices/secagg_vectors.py with flwr 1.42.0): keys, shared key, Fernet both ways,
-// masks, Shamir, quantization, the share-keys plaintext and the .npy bytes, byte for byte.
+// masks, Shamir, quantization, the share-keys plaintext and the .npy bytes, byte for byte; then one device's stage
+// replies against those of Flower's secaggplus_mod for the same keys and draws.
 import assert from 'node:assert/strict';
 import { readFile } from 'node:fs/promises';
 import { test } from 'node:test';
@@ -9,7 +10,8 @@ const web = (name) => new URL(`../../ort_lightning/fleet/devices/web/${name}`, i
 const crypto = await import(web('secagg_crypto.js'));
 const { combineShares, createShares } = await import(web('secagg_shamir.js'));
 const { MT19937, dequantize, int64Npy, maskArrays, quantize } = await import(web('secagg_masks.js'));
-const { shareKeysPlaintextConcat, shareKeysPlaintextSeparate } = await import(web('secagg.js'));
+const { SecAggPlusClient, shareKeysPlaintextConcat, shareKeysPlaintextSeparate, weighted } = await import(
+  web('secagg.js'));
 const VECTORS = JSON.parse(await readFile(new URL('secagg_vectors.json', import.meta.url), 'utf8'));
 
 const ascii = (text) => new TextEncoder().encode(text);
@@ -106,6 +108,12 @@ for (const [index, vector] of VECTORS.quantization.entries()) {
   });
 }
 
+test("the update times the weight's factor is Flower's parameters_multiply, in float32", () => {
+  const { values, factor, product } = VECTORS.weighting;
+  assert.deepEqual(Array.from(weighted(Float32Array.from(values), factor)), product);
+  assert.notDeepEqual(Array.from(Float32Array.from(values, (v) => v * factor)), product);
+});
+
 for (const vector of VECTORS.plaintexts) {
   test(`share_keys_plaintext_concat(${vector.src}, ${vector.dst}) and its separate`, () => {
     const plaintext = shareKeysPlaintextConcat(BigInt(vector.src), BigInt(vector.dst), bytes(vector.b_share),
@@ -122,3 +130,33 @@ for (const vector of VECTORS.npy) {
     assert.equal(crypto.toBase64(int64Npy(vector.values, vector.shape)), vector.npy);
   });
 }
+
+for (const stages of VECTORS.stages) {
+  test(`one device's stage replies are Flower's secaggplus_mod's (${JSON.stringify(stages.round)})`, async () => {
+    const generator = new MT19937(stages.collect.seed);
+    const client = new SecAggPlusClient({ nodeId: BigInt(stages.nodes[1]), randomBytes: replay(stages.random),
+      uniform: () => generator.nextDouble(), now: () => stages.time + 0.5 });
+    const { pk1, pk2 } = await client.setup(stages.round, { sk1: ascii(stages.sk1), sk2: ascii(stages.sk2) });
+    assert.deepEqual([pk1, pk2], stages.public_keys[1].slice(1).map(ascii));
+
+    const shared = await client.shareKeys(stages.public_keys.map(([nid, a, b]) => [nid, [ascii(a), ascii(b)]]));
+    assert.deepEqual(shared.dsts.map(String), stages.share_keys.dsts);
+    assert.deepEqual(shared.ctxts.map((c) => new TextDecoder().decode(c)), stages.share_keys.ctxts);
+
+    const { collect } = stages;
+    const arrays = collect.arrays.map((values, i) => ({ values: Float32Array.from(values), shape: collect.shapes[i] }));
+    const masked = await client.collectMaskedVectors(
+      { ctxts: collect.ctxts.map(ascii), srcs: collect.srcs.map(BigInt) }, { numExamples: collect.num_examples, arrays });
+    assert.deepEqual(masked.masked_params.map((b) => crypto.toBase64(b)), collect.masked_params);
+
+    const { unmask } = stages;
+    const shares = client.unmask({ active_nids: unmask.active_nids.map(BigInt), dead_nids: unmask.dead_nids.map(BigInt) });
+    assert.deepEqual(shares.nids.map(String), unmask.nids);
+    assert.deepEqual(shares.shares.map((b) => crypto.toBase64(b)), unmask.shares);
+  });
+}
+
+test('a stage out of order is refused as Flower refuses it', async () => {
+  const client = new SecAggPlusClient({ nodeId: 1n });
+  await assert.rejects(client.shareKeys([]), /expect setup stage, but receive share_keys stage/);
+});

@@ -24,15 +24,23 @@ import flwr
 import numpy as np
 from Crypto.Protocol import SecretSharing
 from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.client.mod.secure_aggregation.secaggplus_mod import (
+    SecAggPlusState,
+    _collect_masked_vectors,
+    _share_keys,
+    _unmask,
+)
+from flwr.common import ConfigRecord
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
+from flwr.common.secure_aggregation.ndarrays_arithmetic import parameters_multiply
 from flwr.common.secure_aggregation.quantization import dequantize, quantize
 from flwr.common.secure_aggregation.secaggplus_utils import (
     pseudo_rand_gen,
     share_keys_plaintext_concat,
     share_keys_plaintext_separate,
 )
-from flwr.compat.common.parameter import ndarray_to_bytes
+from flwr.compat.common.parameter import ndarray_to_bytes, ndarrays_to_parameters
 from flwr.supercore.primitives.asymmetric import private_key_to_bytes, public_key_to_bytes
 
 from tests.helpers import ROOT
@@ -141,6 +149,15 @@ def _quantization() -> list[dict[str, Any]]:
     return out
 
 
+def _weighting() -> dict[str, Any]:
+    """The update times the weight's factor (``_collect_masked_vectors``), in float32 as numpy keeps it."""
+    values = np.random.default_rng(4).normal(0, 1, size=1000).astype(np.float32)
+    factor = round(37 / 74.0 * 997) / 997
+    (product,) = parameters_multiply([values], factor)
+    assert product.dtype == np.float32
+    return {"values": values.tolist(), "factor": factor, "product": product.tolist()}
+
+
 def _plaintexts() -> list[dict[str, Any]]:
     out = []
     for src, dst, b_share, sk_share in ((1, 2, b"b", b"sk"), (2**64 - 1, 12345678901234567, bytes(52), bytes(260)),
@@ -159,12 +176,74 @@ def _npy() -> list[dict[str, Any]]:
             for a in arrays]
 
 
+# Flower's defaults, then ranges that are not powers of two (the weight's factor inexact in float32, masks mod 1000).
+ROUNDS = [{"sample_num": 3, "share_num": 3, "threshold": 2, "clipping_range": 8.0, "target_range": 2**22,
+           "mod_range": 2**32, "max_weight": 1000.0},
+          {"sample_num": 3, "share_num": 3, "threshold": 2, "clipping_range": 1.5, "target_range": 997,
+           "mod_range": 100_003, "max_weight": 74.0}]  # 37 / 74 * 997 = 498.5: Python's round gives 498
+NODES = [2**64 - 3, 2**40 + 5, 3]  # the share-keys record's order; the device under test is the second
+
+
+def _pem_pair(seed: int) -> tuple[bytes, bytes]:
+    key = private_key(seed)
+    return private_key_to_bytes(key), public_key_to_bytes(key.public_key())
+
+
+def _state(nid: int, round_: dict[str, Any]) -> SecAggPlusState:
+    """Flower's mod state after its setup stage, with fixed keys in place of new ones."""
+    state = SecAggPlusState()
+    (state.sk1, state.pk1), (state.sk2, state.pk2) = _pem_pair(10 + nid % 97), _pem_pair(20 + nid % 97)
+    for key, value in {**round_, "nid": nid, "rd_seed_share_dict": {}, "sk1_share_dict": {}, "ss2_dict": {},
+                       "public_keys_dict": {}}.items():
+        setattr(state, key, value)
+    return state
+
+
+def _stages(round_: dict[str, Any]) -> dict[str, Any]:
+    """One device's share-keys, collect and unmask replies, by Flower's own stage functions."""
+    states = {nid: _state(nid, round_) for nid in NODES}
+    me = states[NODES[1]]
+    keys = ConfigRecord({str(nid): [s.pk1, s.pk2] for nid, s in states.items()})
+    stream = Stream("share keys")
+    with pinned(stream):
+        shared_keys = _share_keys(me, keys)
+    with pinned(Stream("the other nodes")):
+        sent = {nid: _share_keys(states[nid], keys) for nid in (NODES[0], NODES[2])}
+    srcs = [NODES[2], NODES[0]]
+    ctxts = [sent[nid]["ctxts"][sent[nid]["dsts"].index(me.nid)] for nid in srcs]
+    rng = np.random.default_rng(5)
+    arrays = [rng.normal(0, 0.5, size=40).astype(np.float32), rng.normal(0, 0.5, size=(2, 3)).astype(np.float32)]
+    np.random.seed(7)
+    collected = _collect_masked_vectors(me, ConfigRecord({"ctxts": ctxts, "srcs": srcs}), 37,
+                                        ndarrays_to_parameters(arrays))
+    unmasked = _unmask(me, ConfigRecord({"active_nids": [NODES[1], NODES[2]], "dead_nids": [NODES[0]]}))
+    return {"round": round_, "nodes": [str(n) for n in NODES], "sk1": me.sk1.decode(), "sk2": me.sk2.decode(),
+            "public_keys": [[str(n), s.pk1.decode(), s.pk2.decode()] for n, s in states.items()],
+            "random": _b64(bytes(stream.drawn)), "time": TIME,
+            "share_keys": {"dsts": [str(d) for d in shared_keys["dsts"]],
+                           "ctxts": [c.decode() for c in shared_keys["ctxts"]]},
+            "collect": {"srcs": [str(s) for s in srcs], "ctxts": [c.decode() for c in ctxts], "num_examples": 37,
+                        "seed": 7, "shapes": [list(a.shape) for a in arrays],
+                        "arrays": [a.flatten().tolist() for a in arrays],
+                        "masked_params": [_b64(b) for b in collected["masked_params"]]},
+            "unmask": {"active_nids": [str(NODES[1]), str(NODES[2])], "dead_nids": [str(NODES[0])],
+                       "nids": [str(n) for n in unmasked["nids"]], "shares": [_b64(b) for b in unmasked["shares"]]}}
+
+
 def vectors() -> dict[str, Any]:
-    """Every vector, as Flower writes it today."""
+    """Every vector, as Flower writes it today (numpy's global random state left as it was)."""
+    saved = np.random.get_state()
+    try:
+        return _all()
+    finally:
+        np.random.set_state(saved)
+
+
+def _all() -> dict[str, Any]:
     keys = _keys()
     return {"flwr": flwr.__version__, "keys": keys, "fernet": _fernet(keys["shared_key"].encode()),
-            "masks": _masks(), "shamir": _shamir(), "quantization": _quantization(),
-            "plaintexts": _plaintexts(), "npy": _npy()}
+            "masks": _masks(), "shamir": _shamir(), "quantization": _quantization(), "weighting": _weighting(),
+            "plaintexts": _plaintexts(), "npy": _npy(), "stages": [_stages(r) for r in ROUNDS]}
 
 
 if __name__ == "__main__":

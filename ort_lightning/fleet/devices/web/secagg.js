@@ -239,7 +239,7 @@ export class SecAggPlusClient {
  * @param {number} factor The factor.
  * @returns {Float32Array|Float64Array} The product.
  */
-function weighted(values, factor) {
+export function weighted(values, factor) {
   return values instanceof Float32Array ? values.map((v) => v * Math.fround(factor)) : values.map((v) => v * factor);
 }
 
