@@ -159,4 +159,13 @@ for (const stages of VECTORS.stages) {
 test('a stage out of order is refused as Flower refuses it', async () => {
   const client = new SecAggPlusClient({ nodeId: 1n });
   await assert.rejects(client.shareKeys([]), /expect setup stage, but receive share_keys stage/);
+  await assert.rejects(client.setup({ sample_num: 3 }), /Stage setup: the required key 'share_num' is missing/);
+});
+
+test("inputs that are not SecAgg+'s are refused in one line each", async () => {
+  await assert.rejects(crypto.bytesToPublicKey(ascii('nonsense')), /expected a PEM PUBLIC KEY/);
+  await assert.rejects(crypto.encrypt(ascii('c2hvcnQ='), new Uint8Array(1)), /expected a Fernet key of 32 bytes/);
+  await assert.rejects(crypto.decrypt(ascii(keys.shared_key), ascii('gAAAAA==')), /expected a Fernet token/);
+  assert.throws(() => createShares(new Uint8Array(4), 3, 2), /expected 1 <= threshold <= count < 2\^32/);
+  assert.throws(() => maskArrays(new Uint8Array(3), 2 ** 32, [[1]]), /expected a mask seed of a multiple of 4 bytes/);
 });

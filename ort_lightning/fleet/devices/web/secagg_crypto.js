@@ -115,7 +115,7 @@ export async function publicKeyToBytes(key) {
  * @param {Uint8Array} pem PEM PKCS#8 bytes.
  * @returns {Promise<CryptoKey>} The ECDH private key.
  */
-export function bytesToPrivateKey(pem) {
+export async function bytesToPrivateKey(pem) {
   return subtle.importKey('pkcs8', fromPem(pem, 'PRIVATE KEY'), CURVE, true, ['deriveBits']);
 }
 
@@ -125,7 +125,7 @@ export function bytesToPrivateKey(pem) {
  * @param {Uint8Array} pem PEM SubjectPublicKeyInfo bytes.
  * @returns {Promise<CryptoKey>} The ECDH public key.
  */
-export function bytesToPublicKey(pem) {
+export async function bytesToPublicKey(pem) {
   return subtle.importKey('spki', fromPem(pem, 'PUBLIC KEY'), CURVE, true, []);
 }
 
