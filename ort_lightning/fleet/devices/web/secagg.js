@@ -60,13 +60,22 @@ function roundHalfEven(x) {
 }
 
 /**
- * Doubles in [0, 1) from WebCrypto, 53 bits each (the stochastic rounding's draws on a device).
+ * A source of doubles in [0, 1) from WebCrypto, 53 bits each (the stochastic rounding's draws on a device),
+ * drawn 8192 at a time: one getRandomValues call a value made rounding a million values take seconds.
  *
- * @returns {number} The double.
+ * @returns {function(): number} The source.
  */
 function cryptoUniform() {
-  const [a, b] = globalThis.crypto.getRandomValues(new Uint32Array(2));
-  return ((a >>> 5) * 67108864 + (b >>> 6)) / 9007199254740992;
+  const words = new Uint32Array(16384);
+  let next = words.length;
+  return () => {
+    if (next >= words.length) {
+      globalThis.crypto.getRandomValues(words);
+      next = 0;
+    }
+    next += 2;
+    return ((words[next - 2] >>> 5) * 67108864 + (words[next - 1] >>> 6)) / 9007199254740992;
+  };
 }
 
 /** One device's side of a SecAgg+ round, stage by stage (the state Flower's mod keeps in its context). */
@@ -78,7 +87,7 @@ export class SecAggPlusClient {
    * @param {function(): number} [options.uniform] Doubles in [0, 1) for the stochastic rounding.
    * @param {function(): number} [options.now] Seconds since the epoch, for Fernet's timestamps.
    */
-  constructor({nodeId, randomBytes = randomBytesOf, uniform = cryptoUniform, now = () => Date.now() / 1000}) {
+  constructor({nodeId, randomBytes = randomBytesOf, uniform = cryptoUniform(), now = () => Date.now() / 1000}) {
     this.nodeId = BigInt(nodeId);
     this.random = {randomBytes, uniform, now};
     this.stage = 'unmask';
@@ -206,9 +215,15 @@ export class SecAggPlusClient {
    */
   async addMasks(vectors, shapes, srcs) {
     const modulus = this.configs.mod_range;
+    // Every value stays in [0, modulus): a sum or difference of two such is one modulus away at most.
     const add = (masks, sign) => vectors.forEach((v, a) => {
-      for (let i = 0; i < v.length; i += 1) v[i] = (((v[i] + sign * masks[a][i]) % modulus) + modulus) % modulus;
+      const mask = masks[a];
+      for (let i = 0; i < v.length; i += 1) {
+        const x = v[i] + sign * mask[i];
+        v[i] = x >= modulus ? x - modulus : x < 0 ? x + modulus : x;
+      }
     });
+    vectors.forEach((v) => v.forEach((x, i) => { v[i] = x % modulus; }));
     add(maskArrays(this.rdSeed, modulus, shapes), 1);
     for (const src of srcs) {
       const shared = await generateSharedKey(this.sk1, await bytesToPublicKey(this.publicKeys.get(src)[0]));
