@@ -162,6 +162,15 @@ test('a stage out of order is refused as Flower refuses it', async () => {
   await assert.rejects(client.setup({ sample_num: 3 }), /Stage setup: the required key 'share_num' is missing/);
 });
 
+test('a share asked for a node that is not a neighbour is refused by name', async () => {
+  const [stages] = VECTORS.stages;
+  const client = new SecAggPlusClient({ nodeId: BigInt(stages.nodes[1]) });
+  await client.setup(stages.round, { sk1: ascii(stages.sk1), sk2: ascii(stages.sk2) });
+  await client.shareKeys(stages.public_keys.map(([nid, a, b]) => [nid, [ascii(a), ascii(b)]]));
+  await assert.rejects(client.collectMaskedVectors({ ctxts: [ascii(stages.collect.ctxts[0])], srcs: [99n] },
+    { numExamples: 1, arrays: [] }), /received a ciphertext from Node 99, which is not one of its neighbours/);
+});
+
 test("inputs that are not SecAgg+'s are refused in one line each", async () => {
   await assert.rejects(crypto.bytesToPublicKey(ascii('nonsense')), /expected a PEM PUBLIC KEY/);
   await assert.rejects(crypto.encrypt(ascii('c2hvcnQ='), new Uint8Array(1)), /expected a Fernet key of 32 bytes/);

@@ -116,11 +116,12 @@ export class SecAggPlusClient {
    */
   async setup(configs, keys) {
     this.enter('setup');
-    for (const key of ['sample_num', 'share_num', 'threshold', 'clipping_range', 'target_range', 'mod_range']) {
+    const required = ['sample_num', 'share_num', 'threshold', 'clipping_range', 'target_range', 'mod_range', 'max_weight'];
+    for (const key of required) {
       if (typeof configs[key] !== 'number') throw new Error(`Stage setup: the required key '${key}' is missing ` +
         `from the ConfigRecord or not a number (got ${String(configs[key])})`);
     }
-    this.configs = {...configs, max_weight: configs.max_weight};
+    this.configs = {...configs};
     this.rdSeedShares = new Map();
     this.sk1Shares = new Map();
     this.ss2 = new Map();
@@ -189,8 +190,8 @@ export class SecAggPlusClient {
     const srcs = configs.srcs.map(BigInt);
     if (configs.ctxts.length + 1 < threshold) throw new Error('Not enough available neighbour clients.');
     for (const [i, src] of srcs.entries()) {
-      const [actual, dst, bShare, skShare] = shareKeysPlaintextSeparate(await decrypt(this.ss2.get(src),
-        configs.ctxts[i]));
+      const key = known(this.ss2, src, `Node ${this.nodeId}: received a ciphertext from Node ${src}`);
+      const [actual, dst, bShare, skShare] = shareKeysPlaintextSeparate(await decrypt(key, configs.ctxts[i]));
       if (actual !== src) throw new Error(`Node ${this.nodeId}: received ciphertext from ${actual} instead of ${src}.`);
       if (dst !== this.nodeId) throw new Error(`Node ${this.nodeId}: received an encrypted message` +
         `for Node ${dst} from Node ${src}.`);
@@ -242,8 +243,9 @@ export class SecAggPlusClient {
     const active = configs.active_nids.map(BigInt);
     const dead = configs.dead_nids.map(BigInt);
     if (active.length < this.configs.threshold) throw new Error('Available neighbours number smaller than threshold');
-    return {nids: [...active, ...dead],
-      shares: [...active.map((nid) => this.rdSeedShares.get(nid)), ...dead.map((nid) => this.sk1Shares.get(nid))]};
+    const asked = `Node ${this.nodeId}: the server asked for the share of Node`;
+    return {nids: [...active, ...dead], shares: [...active.map((nid) => known(this.rdSeedShares, nid, `${asked} ${nid}`)),
+      ...dead.map((nid) => known(this.sk1Shares, nid, `${asked} ${nid}`))]};
   }
 }
 
@@ -256,6 +258,20 @@ export class SecAggPlusClient {
  */
 export function weighted(values, factor) {
   return values instanceof Float32Array ? values.map((v) => v * Math.fround(factor)) : values.map((v) => v * factor);
+}
+
+/**
+ * A neighbour's entry, or an error naming the node that is not a neighbour.
+ *
+ * @param {Map<bigint, *>} map Entries by node id.
+ * @param {bigint} nid The node.
+ * @param {string} what What asked for it.
+ * @returns {*} The entry.
+ */
+function known(map, nid, what) {
+  if (!map.has(nid)) throw new Error(`${what}, which is not one of its neighbours [${[...map.keys()].join(', ')}]; ` +
+    'the server mixed up the rounds or the nodes of this SecAgg+ round');
+  return map.get(nid);
 }
 
 /**
