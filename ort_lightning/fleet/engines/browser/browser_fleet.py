@@ -135,13 +135,15 @@ class BrowserFleet:
         #: What a round carries: the sent tensors, in ONNX Runtime's buffer order over the files the pages open.
         self.exchange = Exchange.of(self.artifacts, WeightOrder.checked(self.artifacts, files.training,
                                                                         files.checkpoint))
+        #: The bytes of each device file served so far, by role (a page that kept its files asks for none).
+        self.served: dict[str, int] = {}
         self.hub = Hub(partitions=devices, weight_order=self.exchange.sent, device_timeout=device_timeout,
                        on_event=on_event)
         #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
         self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
         self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
                             frame_limit=self.frame_limit, page_data=self.page_data, fleet=name,
-                            exchange=self.exchange.describe())
+                            exchange=self.exchange.describe(), served=self.served)
         self._socket = socket.create_server((host, port), reuse_port=False)
         self.port: int = self._socket.getsockname()[1]
         self._server: uvicorn.Server | None = None

@@ -77,13 +77,14 @@ class _Site:
 
     def __init__(
         self, hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None,
-        fleet: str, exchange: dict[str, Any] | None,
+        fleet: str, exchange: dict[str, Any] | None, served: dict[str, int] | None,
     ) -> None:
         self.hub, self.token, self.files, self.frame_limit, self.fleet = hub, token, files, frame_limit, fleet
         self.page_data = page_data
         self.exchange = exchange or {"mode": "all", "size": hub.parameters, "spans": [[0, hub.parameters]]}
         # NOTE: a page keeps the files it downloaded under their digests, and takes them from there on a later join.
         self.digests = {role: _sha256(path) for role, path in files.items()}
+        self.served = served if served is not None else {}
         self.ort_module = f"{ort}/{TRAINING_BUILD}" if ort.startswith(("http://", "https://")) else \
             f"/ort/{TRAINING_BUILD}"
 
@@ -107,6 +108,7 @@ class _Site:
         role = request.path_params["role"]
         if role not in self.files:
             return PlainTextResponse(f"No device file {role!r}; the roles are {list(ROLES)}.", status_code=404)
+        self.served[role] = self.served.get(role, 0) + self.files[role].stat().st_size
         return FileResponse(self.files[role], media_type="application/octet-stream")
 
     async def data_module(self, request: Request) -> Response:
@@ -213,7 +215,7 @@ def _sha256(path: Path) -> str:
 
 def web_app(
     hub: Hub, *, token: str, files: dict[str, Path], ort: str, frame_limit: int, page_data: Path | None = None,
-    fleet: str = "ort-lightning fleet", exchange: dict[str, Any] | None = None,
+    fleet: str = "ort-lightning fleet", exchange: dict[str, Any] | None = None, served: dict[str, int] | None = None,
 ) -> Starlette:
     """The fleet's Starlette application.
 
@@ -226,9 +228,10 @@ def web_app(
         page_data: the user's data module (an ES module the page imports), or None.
         fleet: the fleet's name, which the page shows and keys its device identity by.
         exchange: `Exchange.describe` of the device folder (None: every value travels).
+        served: counts the bytes of each device file served, by role, as they go out.
     """
     site = _Site(hub, token=token, files=files, ort=ort, frame_limit=frame_limit, page_data=page_data, fleet=fleet,
-                 exchange=exchange)
+                 exchange=exchange, served=served)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
 from tests._web import chromium_program
 
@@ -17,12 +18,12 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 
 @contextmanager
-def chromium(urls: dict[str, str]) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """One headless Chromium per URL (each with a fresh profile), killed on exit."""
+def chromium(urls: dict[str, str], *, profile: Path | None = None) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """One headless Chromium per URL (each with a fresh profile, or the one `profile` folder, kept), killed on exit."""
     program = chromium_program()
     assert program is not None
     processes: dict[str, subprocess.Popen[bytes]] = {}
-    profiles = [tempfile.mkdtemp(prefix="ort-lightning-chromium-") for _ in urls]
+    profiles = [str(profile) if profile else tempfile.mkdtemp(prefix="ort-lightning-chromium-") for _ in urls]
     try:
         for (name, url), profile in zip(urls.items(), profiles, strict=True):
             processes[name] = subprocess.Popen([program, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", url],
@@ -32,8 +33,9 @@ def chromium(urls: dict[str, str]) -> Iterator[dict[str, subprocess.Popen[bytes]
     finally:
         for process in processes.values():
             kill_browser(process)
-        for profile in profiles:
-            shutil.rmtree(profile, ignore_errors=True)
+        for folder in profiles:
+            if profile is None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def kill_browser(process: subprocess.Popen[bytes]) -> None:

@@ -8,6 +8,7 @@ base in every round file is byte for byte the export's.
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -54,19 +55,26 @@ def lora_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArti
     return exported, prepare_for_web(exported, root / "web", lr=LR)
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @RunIf(node=True, chromium=True)
 @pytest.mark.slow
 @pytest.mark.spread
-def test_a_page_and_a_node_device_exchange_only_the_adapters(
+def test_a_page_and_a_node_device_exchange_only_the_adapters_and_the_page_keeps_the_base(
     lora_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = lora_folders
     node = shutil.which("node")
     assert node is not None
-    fleet = BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
+    port, profile = _free_port(), tmp_path / "profile"  # the page's origin and storage, the same on its second visit
+    fleet = BrowserFleet(web, DATA, port=port, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
     assert fleet.exchange.mode == "trainable"
     server = fedavg_server(exported, tmp_path / "rounds", devices=2, rounds=2)
-    with fleet, chromium({"page": f"{fleet.url}&name=page"}):
+    with fleet, chromium({"page": f"{fleet.url}&name=page"}, profile=profile):
         device = subprocess.Popen([node, "--experimental-websocket", str(NODE_DEVICE), fleet.url, "--ort-web",
                                    str(ort_web_dist()), "--name", "node"], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -78,6 +86,7 @@ def test_a_page_and_a_node_device_exchange_only_the_adapters(
     assert device.returncode == 0, output
     assert fleet.refusals == []
     assert [(r.server_round, r.devices) for r in server.history] == [(1, 2), (2, 2)]
+    assert fleet.served["checkpoint"] == 2 * web.checkpoint.stat().st_size  # the complete one: each device, once
     start = initial_values(exported)
     adapters = sum(start[name].nbytes for name in exported.manifest.trainable)
     assert 3 * adapters < sum(value.nbytes for value in start.values())
@@ -94,3 +103,11 @@ def test_a_page_and_a_node_device_exchange_only_the_adapters(
         for name in exported.manifest.frozen:
             assert written[name].tobytes() == start[name].tobytes(), name
         assert any(not np.array_equal(written[name], start[name]) for name in exported.manifest.trainable)
+
+    # The browser restarted on its profile, at the same origin: it trains from the files it stored, asking for none.
+    again = BrowserFleet(web, DATA, port=port, devices=1, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
+    server = fedavg_server(exported, tmp_path / "rounds-again", devices=1, rounds=1)
+    with again, chromium({"page": f"{again.url}&name=page"}, profile=profile):
+        again.run(server, join_timeout=90)
+    assert [(r.devices, again.refusals) for r in server.history] == [(1, [])]
+    assert again.served == {}
