@@ -41,6 +41,8 @@ LR = 0.02
 EPOCHS = 2
 DEVICES = 3
 DATA = DigitsPartitions(batch_size=32, seed=0)
+#: Unshuffled: a Trainer draws its own epochs' orders from a shuffling loader.
+FIXED = DigitsPartitions(batch_size=32, seed=0, shuffle=False)
 #: The bytes of one ``.npy`` header Flower's ``Array`` carries per tensor (an upper bound).
 NPY_HEADER = 128
 
@@ -108,8 +110,8 @@ def _values(path: Path) -> dict[str, np.ndarray]:
     return {name: np.array(p.data) for name, p in CheckpointState.load_checkpoint(str(path)).parameters}
 
 
-def _epochs(partition: int) -> list[list[torch.Tensor]]:
-    loader = DATA(partition, DEVICES).train
+def _epochs(partition: int, data: DigitsPartitions = DATA) -> list[list[torch.Tensor]]:
+    loader = data(partition, DEVICES).train
     return [list(batch) for _ in range(EPOCHS) for batch in loader]
 
 
@@ -133,19 +135,40 @@ def test_only_the_adapters_travel_and_rounds_equal_the_fedavg_of_orts_loop(separ
         assert all(sorted(reply) == sorted(adapters) for reply in separate.replies[server_round].values())
 
     start = _values(separate.exported.checkpoint)
-    for number in (1, 2):
-        # NOTE: lr None: the device folder's optimizer graph computes the rate, as in a browser.
-        fits = [(ort_device_loop(separate.device.directory, _epochs(p), lr=None, graphs="ort",
-                                 checkpoint=separate.device.checkpoint, values=start), _examples(p))
-                for p in range(DEVICES)]
-        expected = _fedavg(fits, adapters)
+    for number, expected in enumerate(_reference(separate, rounds=2), start=1):
         written = _values(round_path(separate.folder, number))
         for name in adapters:
             np.testing.assert_allclose(written[name].astype(np.float64), expected[name], rtol=0, atol=1e-6,
                                        err_msg=name)
         for name in frozen:  # byte-identical to the export: on the server and on every device's reply path
             assert written[name].tobytes() == start[name].tobytes(), name
-        start = {**start, **{name: value.astype(np.float32) for name, value in expected.items()}}
+
+
+def _reference(run: Run, *, rounds: int, data: DigitsPartitions = DATA) -> list[dict[str, np.ndarray]]:
+    """Per round, the float64 FedAvg of ORT's documented loop per device over the adapters (every value copied in)."""
+    start, averages = _values(run.exported.checkpoint), []
+    for _ in range(rounds):
+        # NOTE: lr None: the device folder's optimizer graph computes the rate, as in a browser.
+        fits = [(ort_device_loop(run.device.directory, _epochs(p, data), lr=None, graphs="ort",
+                                 checkpoint=run.device.checkpoint, values=start), _examples(p))
+                for p in range(DEVICES)]
+        averages.append(_fedavg(fits, list(run.exported.manifest.trainable)))
+        start = {**start, **{name: value.astype(np.float32) for name, value in averages[-1].items()}}
+    return averages
+
+
+def test_trainer_devices_exchange_the_adapters_alone_too(separate: Run, tmp_path: Path) -> None:
+    """``runner="lightning"``: a Trainer's fit per device, from the complete checkpoint, the adapters sent."""
+    strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=DEVICES, min_train_nodes=DEVICES)
+    server = FleetServer(GlobalModel(separate.exported), strategy, rounds=1, directory=tmp_path)
+    client = DeviceClient(separate.device.directory, FIXED, epochs=EPOCHS, runner="lightning")
+    run_local(server.server_app(), client.client_app(), nodes=DEVICES)
+    [expected] = _reference(separate, rounds=1, data=FIXED)
+    written, start = _values(round_path(tmp_path, 1)), _values(separate.exported.checkpoint)
+    for name, value in expected.items():
+        np.testing.assert_allclose(written[name].astype(np.float64), value, rtol=0, atol=2e-6, err_msg=name)
+    for name in separate.exported.manifest.frozen:
+        assert written[name].tobytes() == start[name].tobytes(), name
 
 
 def test_bytes_per_device_round_are_the_adapters_plus_framing(separate: Run) -> None:
