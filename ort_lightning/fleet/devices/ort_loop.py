@@ -78,7 +78,6 @@ class OrtLoop:
         finally:
             device.release()
 
-
     def _open(self, arrays: ArrayRecord, **options: Any) -> OrtDevice:
         """A device over the folder's files with the server's `arrays` in place of the sent tensors."""
         exchange, sent = self.exchange, self.exchange.sent.flat(arrays)
