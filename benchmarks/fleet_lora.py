@@ -148,9 +148,9 @@ def _fleet(size: str, root: Path, devices: int, batches: int, ort: str) -> Any:
 
 def node(size: str, root: Path, rounds: int, batches: int, ort: str) -> dict[str, Any]:
     """2 Node devices in one Node process."""
-    import ort_lightning
     from flwr.serverapp.strategy import FedAvg
 
+    import ort_lightning
     from ort_lightning.fleet import FleetServer, GlobalModel
 
     script = Path(ort_lightning.__file__).parent / "fleet" / "devices" / "web" / "node_device.mjs"
@@ -220,9 +220,9 @@ def _run(kind: str, args: argparse.Namespace, root: Path, checkout: Path | None)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (checkout or here, here))}
     # NOTE: run_path, not the script's path: Python would put benchmarks/ first on sys.path, where profile.py shadows
     # the standard library's (torch imports cProfile).
-    command = [sys.executable, "-c", _RUN_PATH, str(Path(__file__).resolve()), "--child", kind, "--root", str(root), "--size",
-               args.size, "--devices", str(args.devices), "--rounds", str(args.rounds), "--batches",
-               str(args.batches), "--ort", args.ort]
+    command = [sys.executable, "-c", _RUN_PATH, str(Path(__file__).resolve()), "--child", kind, "--root",
+               str(root), "--size", args.size, "--devices", str(args.devices), "--rounds", str(args.rounds),
+               "--batches", str(args.batches), "--ort", args.ort]
     done = subprocess.run(command, env=env, cwd=checkout or here, capture_output=True, text=True, check=False)
     if done.returncode != 0:  # a row that says so: the other runs still measure
         lines = [line for line in done.stderr.splitlines() if line.strip()]
