@@ -1,4 +1,4 @@
-"""What a fleet experiment leaves: the accuracy per round printed, ``history.json`` and ``accuracy.png``."""
+"""What a fleet experiment leaves: the accuracy (or perplexity) per round printed, ``history.json`` and its plot."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def _title(config: FleetConfig) -> str:
 def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, departures: bool) -> None:
     print(f"{_title(config)}, {engine}")
     if server.initial:
-        print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
+        print(f"round  0: {_score(server.initial)}  loss {server.initial['loss']:.4f}")
     for record in server.history:
-        print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
+        print(f"round {record.server_round:2d}: {_score(record.evaluation)}  "
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
               f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
               f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint)")
@@ -57,6 +57,13 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, 
             for node, reason in sorted(record.left.items()):
                 print(f"          node {node} left: {reason}")
     print(f"total: {total:.1f} s")
+
+
+def _score(evaluation: dict[str, Any]) -> str:
+    """A language model's perplexity where the evaluation has one, else the accuracy."""
+    if "perplexity" in evaluation:
+        return f"perplexity {evaluation['perplexity']:.3f}"
+    return f"accuracy {evaluation.get('accuracy', float('nan')):.2%}"
 
 
 def _device_times(metrics: dict[str, Any]) -> str:
@@ -82,18 +89,18 @@ def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    points = [(0, server.initial.get("accuracy"))] + [(r.server_round, r.evaluation.get("accuracy"))
-                                                     for r in server.history]
+    metric = "perplexity" if "perplexity" in server.initial else "accuracy"
+    points = [(0, server.initial.get(metric))] + [(r.server_round, r.evaluation.get(metric)) for r in server.history]
     xs = [x for x, y in points if y is not None]
     ys = [y for _, y in points if y is not None]
     # NOTE: a Figure without pyplot: the caller's matplotlib backend (a notebook's inline one) stays as it was.
     figure = Figure(figsize=(5, 3.5))
     axes = figure.subplots()
     axes.plot(xs, ys, marker="o")
-    axes.set(xlabel="round", ylabel="global accuracy (held-out data)", ylim=(0, 1),
-             title=_title(config))
+    axes.set(xlabel="round", ylabel=f"global {metric} (held-out data)", title=_title(config),
+             **({"ylim": (0, 1)} if metric == "accuracy" else {}))
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    path = out / "accuracy.png"
+    path = out / f"{metric}.png"
     figure.savefig(path, dpi=100)
     return path
