@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import lightning as L
 import torch
@@ -132,18 +133,17 @@ def pretrain(model: torch.nn.Module, *, topics: int, steps: int, length: int, ba
     return losses
 
 
-def lora_llama(hidden: int = 256, layers: int = 4, intermediate: int = 1536, heads: int = 4, kv_heads: int = 2,
-               vocabulary: int = 512, topics: int = 10, pretrain_steps: int = 100, length: int = 32,
-               pretrain_batch: int = 8, pretrain_lr: float = 3e-3, rank: int = 8, seed: int = 0) -> torch.nn.Module:
-    """A Llama from its config class, pre-trained on generic text, wrapped in peft LoRA on q_proj and v_proj."""
-    import peft
+def pretrained_llama(hidden: int = 256, layers: int = 4, intermediate: int = 1536, heads: int = 4, kv_heads: int = 2,
+                     vocabulary: int = 512, topics: int = 10, pretrain_steps: int = 100, length: int = 32,
+                     pretrain_batch: int = 8, pretrain_lr: float = 3e-3, seed: int = 0) -> torch.nn.Module:
+    """A Llama from its config class (random weights from `seed`), pre-trained on generic text of the grammar."""
     import transformers
 
-    vocabulary = max(vocabulary, len(Tokenizer(topics).words))
     config = transformers.LlamaConfig(
-        vocab_size=vocabulary, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=length,
-        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, pad_token_id=0,
+        vocab_size=max(vocabulary, len(Tokenizer(topics).words)), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=length, attention_dropout=0.0, tie_word_embeddings=False, use_cache=False,
+        pad_token_id=0,
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
@@ -153,5 +153,12 @@ def lora_llama(hidden: int = 256, layers: int = 4, intermediate: int = 1536, hea
     parameters = sum(p.numel() for p in model.parameters())
     print(f"pre-trained a {parameters / 1e6:.1f} M parameter Llama for {pretrain_steps} steps in "
           f"{time.perf_counter() - started:.1f} s (loss {losses[0]:.3f} -> {losses[-1]:.3f})", flush=True)
+    return model.eval()
+
+
+def lora_llama(*, rank: int = 8, **base: Any) -> torch.nn.Module:
+    """`pretrained_llama` (with the `base` options) wrapped in peft LoRA of `rank` on q_proj and v_proj."""
+    import peft
+
     lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return peft.get_peft_model(model.eval(), lora)
+    return peft.get_peft_model(pretrained_llama(**base), lora)
