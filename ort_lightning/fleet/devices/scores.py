@@ -1,10 +1,11 @@
 """What an evaluation reports: a classifier's loss and accuracy per sample, a language model's per token.
 
 An eval graph whose logits have one axis more than its labels beyond the batch (``(B, T, V)``
-against ``(B, T)``) predicts every token: its batch loss is a mean over the labelled tokens (labels
-other than ``-100``, transformers' ignored index), so batches are weighted by those tokens, and the
-perplexity is ``exp`` of the mean. Accuracy, an argmax over axis 1, means nothing there and is left
-out. A classifier's batches are weighted by their samples, its accuracy the argmax of axis 1.
+against ``(B, T)``) predicts every token: its batch loss is a mean over the tokens it predicts, so
+batches are weighted by those, and the perplexity is ``exp`` of the mean. A causal LM predicts
+each labelled token (not ``-100``, transformers' ignored index) after the first of its row; a token
+classifier's first token ([CLS]) carries no label either. Accuracy, an argmax over axis 1, means
+nothing there and is left out. A classifier's batches are weighted by their samples.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Scores:
         self.token_level = per_token(logits, labels)
         self.examples += int(labels.shape[0])
         if self.token_level:
-            count = int((labels != IGNORE_INDEX).sum())
+            count = int((labels[:, 1:] != IGNORE_INDEX).sum())
             self.tokens += count
             self.loss += loss * count
             return
