@@ -151,8 +151,9 @@ def pretrained_llama(hidden: int = 256, layers: int = 4, intermediate: int = 153
     losses = pretrain(model, topics=topics, steps=pretrain_steps, length=length, batch_size=pretrain_batch,
                       lr=pretrain_lr, seed=seed)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"pre-trained a {parameters / 1e6:.1f} M parameter Llama for {pretrain_steps} steps in "
-          f"{time.perf_counter() - started:.1f} s (loss {losses[0]:.3f} -> {losses[-1]:.3f})", flush=True)
+    if losses:
+        print(f"pre-trained a {parameters / 1e6:.1f} M parameter Llama for {pretrain_steps} steps in "
+              f"{time.perf_counter() - started:.1f} s (loss {losses[0]:.3f} -> {losses[-1]:.3f})", flush=True)
     return model.eval()
 
 
