@@ -32,10 +32,10 @@ from fleet_lora import TopicText, pretrained_llama  # noqa: E402
 
 #: The example's config made tiny: a 0.1 M parameter Llama, 3 topics and devices, 2 rounds.
 TINY_BASE = {"hidden": 64, "layers": 2, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocabulary": 96,
-             "topics": 3, "pretrain_steps": 20, "length": 16}
+             "topics": 3, "pretrain_steps": 10, "length": 16}
 TINY_DATA = {"topics": 3, "train": 16, "held_out": 4, "length": 16}
 TINY = [f"model.init_args={ {**TINY_BASE, 'rank': 4} }", f"data.init_args={TINY_DATA}", "rounds=2",
-        "devices.count=3", "devices.batch_size=8", "devices.lr=0.02", "output.plot=false"]
+        "devices.count=3", "devices.batch_size=8", "devices.lr=0.02", "output.plot=false", "model.verify=false"]
 
 
 @pytest.fixture(autouse=True, scope="module")
