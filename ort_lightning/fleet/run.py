@@ -27,6 +27,7 @@ from ort_lightning.fleet.engines.browser.browser_run import run_browser_experime
 from ort_lightning.fleet.engines.local import run_local
 from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
 from ort_lightning.fleet.server.model_artifacts import fleet_artifacts
+from ort_lightning.fleet.server.pretrained_output import write_last_round
 from ort_lightning.fleet.server.report import report
 from ort_lightning.fleet.server.server_app import FleetServer
 
@@ -105,9 +106,13 @@ def run_fleet(
         config = FleetConfig.from_dict(config)
     with _quiet(flower_log):
         data, test = fleet_data(config, search=search)
-        example = next(iter(data(0, config.devices.count).train))[0][0]
+        example = [tensor[:2] for tensor in next(iter(data(0, config.devices.count).train))]
         artifacts = fleet_artifacts(config, example, search=search)
         run_experiment(config, artifacts, None if config.engine.page_data else data, test=test, echo=echo)
+        if config.output.pretrained:
+            written = write_last_round(config, artifacts)
+            if echo:
+                print(f"pretrained:        {written}")
     return json.loads((Path(config.output.folder) / "history.json").read_text(encoding="utf-8"))
 
 

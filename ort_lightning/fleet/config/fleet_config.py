@@ -36,8 +36,8 @@ STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"
 ENGINES = ("local", "ray", "browser")
 #: How a fleet aggregates LoRA adapters: A and B apart, or A frozen and B alone (ort_lightning.fleet.server.lora).
 LORA_AGGREGATIONS = ("separate", "ffa")
-#: How the training data is cut into devices (``writers``: the bundled digits only).
-PARTITIONS = ("iid", "label", "dirichlet", "writers")
+#: How the training data is cut into devices (``writers``: the bundled digits only; ``ordered``: contiguous blocks).
+PARTITIONS = ("iid", "label", "dirichlet", "ordered", "writers")
 
 
 def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
@@ -46,13 +46,23 @@ def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
                                  "of the fleet config.")
 
 
+def _check_own_loss(model: ModelSection) -> None:
+    """A model that computes its own loss takes its labels as an input: its example input is the data's rows."""
+    if model.loss is None and model.input_shape is not None:
+        raise ConfigurationError(
+            f"Expected `model.input_shape` null with `model.loss: null` (the model's own loss), but got "
+            f"{model.input_shape}: such a model takes its labels as an input, so its example input is the data's "
+            "first rows (inputs and labels); drop input_shape and name the inputs with model.input_names.")
+
+
 @dataclass(frozen=True)
 class ModelSection:
     """What the fleet trains: the bundled digits MLP (``hidden`` wide), a torch module ``factory``, or ``artifacts``.
 
     ``factory`` is ``package.module:function`` called with ``init_args``; it is exported once with an
-    example input of ``input_shape`` (float32; None: two rows shaped like the data's first example)
-    and ``loss``, one step checked against torch in a child process unless ``verify`` is false.
+    example input of ``input_shape`` (float32; None: the data's first two rows, their dtypes kept)
+    and ``loss`` (null: the model's own, with the labels among its inputs, named by ``input_names``),
+    one step checked against torch in a child process unless ``verify`` is false.
     ``artifacts`` is a folder `export_artifacts` wrote with ``nominal_checkpoint=True``. ``lora`` is
     how a peft LoRA model's adapters are aggregated: ``separate`` or ``ffa`` (A frozen, exact).
     """
@@ -61,7 +71,8 @@ class ModelSection:
     factory: str | None = None
     init_args: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] | None = None
-    loss: str = "cross_entropy"
+    input_names: list[str] | None = None
+    loss: str | None = "cross_entropy"
     verify: bool = True
     artifacts: str | None = None
     lora: str = "separate"
@@ -71,6 +82,7 @@ class ModelSection:
         if self.factory and self.artifacts:
             raise ConfigurationError(f"Expected one of `model.factory` and `model.artifacts`, but got both "
                                      f"({self.factory!r}, {self.artifacts!r}); keep the one the fleet trains.")
+        _check_own_loss(self)
 
 
 @dataclass(frozen=True)
@@ -192,11 +204,16 @@ class EngineSection:
 
 @dataclass(frozen=True)
 class OutputSection:
-    """Where the run writes (artifacts, round checkpoints, history.json, the plot) and what it resumes from."""
+    """Where the run writes (artifacts, round checkpoints, history.json, the plot) and what it resumes from.
+
+    ``pretrained`` also writes the last round as the ``save_pretrained`` folder of the transformers or
+    peft model the artifacts were exported from (``folder/pretrained``: a peft model's adapter folder).
+    """
 
     folder: str = "fleet-digits"
     resume: str | None = None
     plot: bool = True
+    pretrained: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""Any training set cut into devices, seeded: IID, by label (shards) or Dirichlet(alpha) over the labels.
+"""Any training set cut into devices, seeded: IID, by label (shards), Dirichlet(alpha) over the labels, or in order.
+
+``ordered`` keeps the data module's own order: each device a contiguous block of its training set
+(a data module that lists its text topic after topic gives each device a topic).
 
 Example::
 
@@ -20,7 +23,7 @@ from ort_lightning.fleet.devices.protocol import ClientData
 
 __all__ = ["SCHEMES", "Partitions", "partition_rows", "tensor_dataset"]
 
-SCHEMES = ("iid", "label", "dirichlet")
+SCHEMES = ("iid", "label", "dirichlet", "ordered")
 #: Draws of Dirichlet proportions before giving up on a partition that leaves a device empty.
 _DRAWS = 100
 
@@ -37,15 +40,19 @@ def tensor_dataset(dataset: Dataset) -> TensorDataset:
 
 def partition_rows(labels: torch.Tensor, partitions: int, *, scheme: str = "iid", alpha: float = 0.5,
                    seed: int = 0) -> list[torch.Tensor]:
-    """Each device's rows: ``iid`` a seeded shuffle's, ``label`` by sorted label, ``dirichlet`` drawn per label."""
+    """Each device's rows: ``iid`` shuffled, ``label`` by sorted label, ``dirichlet`` per label, ``ordered`` as is."""
     if partitions > len(labels):
         raise ConfigurationError(f"Expected at most {len(labels)} devices for {len(labels)} training examples, but "
                                  f"got {partitions}; lower devices.count.")
     generator = torch.Generator().manual_seed(seed)
     if scheme == "dirichlet":
         return _dirichlet(labels, partitions, alpha, seed)
-    order = torch.argsort(labels, stable=True) if scheme == "label" else torch.randperm(len(labels),
-                                                                                        generator=generator)
+    if scheme == "ordered":
+        order = torch.arange(len(labels))
+    elif scheme == "label":
+        order = torch.argsort(labels, stable=True)
+    else:
+        order = torch.randperm(len(labels), generator=generator)
     return list(torch.tensor_split(order, partitions))
 
 

@@ -53,11 +53,11 @@ def import_path(path: str, *, key: str, search: Sequence[str | os.PathLike[str]]
 def fleet_data(config: FleetConfig, *, search: Sequence[str | os.PathLike[str]] = ()) -> tuple[DataFn, DataLoader]:
     """Each device's data and the batches the global model is measured on, as the ``data`` section says."""
     data, devices = config.data, config.devices
-    if data.class_path is None and data.partition != "dirichlet":
+    if data.class_path is None and data.partition not in ("dirichlet", "ordered"):
         return (DigitsPartitions(split=data.partition, batch_size=devices.batch_size, seed=config.seed),
                 digits_test_loader(config.seed))
-    if data.class_path is None:  # the digits' training split, drawn per label
-        return (Partitions(split_digits(seed=config.seed)[0], scheme="dirichlet", alpha=data.alpha,
+    if data.class_path is None:  # the digits' training split, drawn per label or cut in order
+        return (Partitions(split_digits(seed=config.seed)[0], scheme=data.partition, alpha=data.alpha,
                            batch_size=devices.batch_size, seed=config.seed), digits_test_loader(config.seed))
     module = import_path(data.class_path, key="data.class_path", search=search)(**data.init_args)
     for hook in ("prepare_data", "setup"):

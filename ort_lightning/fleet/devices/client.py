@@ -40,6 +40,7 @@ from ort_lightning.fleet.devices.protocol import (
     Loop,
     check_client_options,
 )
+from ort_lightning.fleet.devices.scores import Scores
 
 __all__ = ["DeviceClient", "evaluation"]
 
@@ -131,7 +132,7 @@ class DeviceClient:
         return Message(RecordDict({ARRAYS_KEY: fit.values, METRICS_KEY: MetricRecord(metrics)}), reply_to=message)
 
     def evaluate(self, message: Message, context: Context) -> Message:
-        """Run the eval graph on the device's test data with the global values; reply with loss and accuracy."""
+        """Run the eval graph on the device's test data with the global values; reply with its scores (`Scores`)."""
         data = self._data(context)
         if data.test is None:
             raise ConfigurationError(
@@ -139,9 +140,8 @@ class DeviceClient:
                 "batches from `data`, or set the strategy's fraction_evaluate=0."
             )
         result = evaluation(self.loop().evaluate(message.content.array_records[ARRAYS_KEY], data.test))
-        metrics: dict[str, Any] = {
-            WEIGHT_KEY: result["examples"], "eval_loss": result["loss"], "eval_accuracy": result["accuracy"]
-        }
+        metrics: dict[str, Any] = {WEIGHT_KEY: result["examples"], **{f"eval_{key}": value for key, value
+                                                                       in result.items() if key != "examples"}}
         return Message(RecordDict({METRICS_KEY: MetricRecord(metrics)}), reply_to=message)
 
     # ----------------------------------------------------------------------------- helpers
@@ -163,18 +163,12 @@ class DeviceClient:
 
 
 def evaluation(batches: Iterable[tuple[float, np.ndarray | None, np.ndarray]]) -> dict[str, float]:
-    """Loss and accuracy (argmax of the logits on axis 1) over per-batch ``(loss, logits, labels)``, per sample.
+    """Loss and accuracy per sample, or a language model's loss and perplexity per token (`Scores`).
 
     Raises:
         ConfigurationError: for empty data.
     """
-    total_loss = correct = seen = 0.0
+    scores = Scores()
     for loss, logits, labels in batches:
-        size = labels.shape[0]
-        total_loss += loss * size
-        if logits is not None:
-            correct += float((logits.argmax(axis=1) == labels).sum())
-        seen += size
-    if not seen:
-        raise ConfigurationError("The evaluation data is empty; give every evaluating device at least one sample.")
-    return {"loss": total_loss / seen, "accuracy": correct / seen, "examples": int(seen)}
+        scores.add(loss, logits, labels)
+    return scores.result()

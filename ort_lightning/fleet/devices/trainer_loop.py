@@ -132,9 +132,10 @@ def _batches(module: ORTLightningModule, loader: DataLoader) -> Iterator[tuple[f
 
 
 def evaluate_module(module: ORTLightningModule, loader: DataLoader) -> dict[str, float]:
-    """Loss and accuracy of the module's eval graph over `loader`, averaged over samples (see `evaluation`).
+    """Loss and accuracy of the module's eval graph over `loader` per sample, or per token (see `evaluation`).
 
     Returns:
-        ``{"loss": ..., "accuracy": ..., "examples": n}``.
+        ``{"loss": ..., "accuracy": ..., "examples": n}``; a language model's ``perplexity`` and ``tokens``
+        in place of ``accuracy``.
     """
     return evaluation(_batches(module, loader))

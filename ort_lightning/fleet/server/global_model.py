@@ -90,7 +90,7 @@ class GlobalModel:
         )
 
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
-        """Loss and accuracy of the global values through the eval graph (see `evaluate_module`)."""
+        """Loss and accuracy (a language model's perplexity) of the global values through the eval graph."""
         return evaluate_module(self.module, loader)
 
     def evaluate_fn(self, loader: DataLoader) -> Callable[[int, ArrayRecord], MetricRecord]:
@@ -99,7 +99,7 @@ class GlobalModel:
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             load_sent(self.module, arrays.to_torch_state_dict())
             result = self.evaluate(loader)
-            return MetricRecord({"loss": result["loss"], "accuracy": result["accuracy"]})
+            return MetricRecord({key: value for key, value in result.items() if key not in ("examples", "tokens")})
 
         return evaluate
 

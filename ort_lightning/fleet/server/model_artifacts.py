@@ -7,17 +7,18 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.export import export_artifacts
-from ort_lightning.fleet.config.fleet_config import FleetConfig
+from ort_lightning.fleet.config.fleet_config import FleetConfig, ModelSection
 from ort_lightning.fleet.data.sources import import_path
 from ort_lightning.fleet.server.lora import check_ffa, freeze_lora_a
 
-__all__ = ["fleet_artifacts"]
+__all__ = ["example_inputs", "fleet_artifacts"]
 
 #: Beside the exported folder: the ``model`` section and seed it was exported from.
 _RECORD = "fleet_model.json"
@@ -40,12 +41,13 @@ def _reuse(folder: Path, config: FleetConfig) -> bool:
     return True
 
 
-def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
+def fleet_artifacts(config: FleetConfig, example: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
                     search: Sequence[str | os.PathLike[str]] = ()) -> Path:
     """The artifacts folder the fleet trains: the ``model`` section's folder, or its model exported once.
 
-    `example` is one training input (its shape with a batch of 2 is the export's example input when
-    ``model.input_shape`` is null). The model is built under ``torch.manual_seed(seed)``.
+    `example` is the data's first rows, inputs then labels (or one input row, whose shape with a
+    batch of 2 is the example input), used when ``model.input_shape`` is null (`example_inputs`).
+    The model is built under ``torch.manual_seed(seed)``.
     """
     from ort_lightning.demo import FEATURES, digits_mlp
 
@@ -63,14 +65,36 @@ def fleet_artifacts(config: FleetConfig, example: torch.Tensor | None = None, *,
     else:
         torch.manual_seed(config.seed)
         module = import_path(model.factory, key="model.factory", search=search)(**model.init_args)
-        shape = model.input_shape or ([2, *example.shape] if example is not None else None)
-        if shape is None:
-            raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
-                                     f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
-        inputs = torch.zeros(*shape)
+        inputs = example_inputs(model, example)
     if model.lora == "ffa":
         freeze_lora_a(module)
     exported = export_artifacts(module, inputs, folder, loss=model.loss, nominal_checkpoint=True,
                                 verify=model.verify).directory
     (folder.parent / _RECORD).write_text(json.dumps(_exported_from(config), indent=1), encoding="utf-8")
     return exported
+
+
+def example_inputs(model: ModelSection, example: torch.Tensor | Sequence[torch.Tensor] | None) -> Any:
+    """The export's example input: zeros of ``input_shape``, else the data's rows in `example` as they are.
+
+    The rows are the inputs (and the labels too for ``loss: null``), by ``input_names`` when given.
+
+    Raises:
+        ConfigurationError: without a shape or rows, or for ``input_names`` that do not name every tensor.
+    """
+    if model.input_shape is not None:
+        return torch.zeros(*model.input_shape)
+    if isinstance(example, torch.Tensor):  # one row of the only input
+        return torch.zeros(2, *example.shape)
+    if example is None:
+        raise ConfigurationError("Expected `model.input_shape` (the export's example input, batch first) for "
+                                 f"`model.factory` {model.factory}; add e.g. input_shape: [2, 30].")
+    tensors = list(example) if model.loss is None else list(example)[:-1]
+    if model.input_names is None:
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+    if len(model.input_names) != len(tensors):
+        raise ConfigurationError(
+            f"Expected `model.input_names` to name the {len(tensors)} tensors the model takes from each batch "
+            f"({'inputs and labels' if model.loss is None else 'the inputs'}), but got {model.input_names}; name "
+            "each, in the order the data module yields them.")
+    return dict(zip(model.input_names, tensors, strict=True))

@@ -1,4 +1,4 @@
-"""What a fleet experiment leaves: the accuracy per round printed, ``history.json`` and ``accuracy.png``."""
+"""What a fleet experiment leaves: the accuracy (or perplexity) per round printed, ``history.json`` and its plot."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def _title(config: FleetConfig) -> str:
 def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, departures: bool) -> None:
     print(f"{_title(config)}, {engine}")
     if server.initial:
-        print(f"round  0: accuracy {server.initial['accuracy']:.2%}  loss {server.initial['loss']:.4f}")
+        print(f"round  0: {_score(server.initial)}  loss {server.initial['loss']:.4f}")
     for record in server.history:
-        print(f"round {record.server_round:2d}: accuracy {record.evaluation.get('accuracy', float('nan')):.2%}  "
+        print(f"round {record.server_round:2d}: {_score(record.evaluation)}  "
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
               f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
               f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint; {_traffic(record)})")
@@ -85,6 +85,13 @@ def _traffic(record: RoundRecord) -> str:
     return f"{_size(record.sent_bytes)} out and {_size(record.received_bytes)} back per device"
 
 
+def _score(evaluation: dict[str, Any]) -> str:
+    """A language model's perplexity where the evaluation has one, else the accuracy."""
+    if "perplexity" in evaluation:
+        return f"perplexity {evaluation['perplexity']:.3f}"
+    return f"accuracy {evaluation.get('accuracy', float('nan')):.2%}"
+
+
 def _device_times(metrics: dict[str, Any]) -> str:
     """A round's mean device timings: the local fit, the set-up before it, the loop's steps per second."""
     nan = float("nan")
@@ -109,18 +116,18 @@ def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    points = [(0, server.initial.get("accuracy"))] + [(r.server_round, r.evaluation.get("accuracy"))
-                                                     for r in server.history]
+    metric = "perplexity" if "perplexity" in server.initial else "accuracy"
+    points = [(0, server.initial.get(metric))] + [(r.server_round, r.evaluation.get(metric)) for r in server.history]
     xs = [x for x, y in points if y is not None]
     ys = [y for _, y in points if y is not None]
     # NOTE: a Figure without pyplot: the caller's matplotlib backend (a notebook's inline one) stays as it was.
     figure = Figure(figsize=(5, 3.5))
     axes = figure.subplots()
     axes.plot(xs, ys, marker="o")
-    axes.set(xlabel="round", ylabel="global accuracy (held-out data)", ylim=(0, 1),
-             title=_title(config))
+    axes.set(xlabel="round", ylabel=f"global {metric} (held-out data)", title=_title(config),
+             **({"ylim": (0, 1)} if metric == "accuracy" else {}))
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    path = out / "accuracy.png"
+    path = out / f"{metric}.png"
     figure.savefig(path, dpi=100)
     return path

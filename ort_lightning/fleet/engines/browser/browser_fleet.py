@@ -170,8 +170,10 @@ class BrowserFleet:
         if self._thread is not None:
             return self
         # NOTE: no access log: every request's query carries the join token, which no log line may show.
+        # No per-message deflate: Node 20's WebSocket (undici 6.24) drops a deflated message that inflates past
+        # 4 MiB (1006), every train frame of a model over a million values; float weights barely compress anyway.
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, ws="websockets-sansio",
-                                ws_max_size=self.frame_limit, lifespan="on",
+                                ws_max_size=self.frame_limit, ws_per_message_deflate=False, lifespan="on",
                                 ssl_certfile=self.tls[0] if self.tls else None,
                                 ssl_keyfile=self.tls[1] if self.tls else None)
         if self.tls is None and not is_loopback(self.host):
