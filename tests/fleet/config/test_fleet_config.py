@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ort_lightning.errors import ConfigurationError
-from tests._web import ROOT, ort_web_dist
+from tests._web import NODE_DEVICE, ROOT, ort_web_dist
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -34,7 +34,6 @@ from ort_lightning.fleet import FleetConfig, run_fleet  # noqa: E402
 from ort_lightning.fleet.data.partitions import partition_rows  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "fleet_own_model.yaml"
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 sys.path.insert(0, str(EXAMPLE.parent))
 from fleet_own_model import BreastCancer, mlp  # noqa: E402
 
