@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.web import find_ort_web
 
-__all__ = ["CHROMIUM_MISSING", "NODE_MISSING", "ROOT", "NodeError", "chromium_program", "ort_web_dist", "run_node"]
+__all__ = ["CHROMIUM_MISSING", "NODE_DEVICE", "NODE_MISSING", "ROOT", "NodeError", "NodeRun", "chromium_program",
+           "node_beside", "ort_web_dist", "run_beside_node", "run_node"]
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The page's FleetDevice and runner.js in Node: ``node_device.mjs URL --ort-web DIST --devices N``.
+NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 #: Debian's package installs ``chromium``; other distributions name it ``chromium-browser``.
 CHROMIUM_NAMES = ("chromium", "chromium-browser")
 
@@ -68,3 +75,36 @@ def run_node(script: Path, *args: str, timeout: float = 120) -> str:
         lines = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
         raise NodeError(lines[0].removeprefix("Error: ") if lines else result.stderr[-3000:])
     return result.stdout
+
+
+@dataclass
+class NodeRun:
+    """A Node process started beside a fleet; its output once it has ended."""
+
+    process: subprocess.Popen[str]
+    stdout: str = ""
+    stderr: str = ""
+
+
+@contextmanager
+def node_beside(script: Path, *args: object) -> Iterator[NodeRun]:
+    """``node --experimental-websocket script args...`` from the repository root, waited for (60 s) on the way out."""
+    node = shutil.which("node")
+    assert node is not None, "node_beside needs the RunIf(node=True) marker"
+    process = subprocess.Popen([node, "--experimental-websocket", str(script), *map(str, args)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = NodeRun(process)
+    try:
+        yield run
+    finally:
+        run.stdout, run.stderr = process.communicate(timeout=60)
+
+
+def run_beside_node(fleet: Any, server: Any, script: Path, *args: object, join_timeout: float = 90) -> NodeRun:
+    """Run `server` on the browser `fleet` while a Node script plays its devices; closed before Node is waited for."""
+    with node_beside(script, *args) as run:
+        try:
+            fleet.run(server, join_timeout=join_timeout)
+        finally:
+            fleet.close()
+    return run

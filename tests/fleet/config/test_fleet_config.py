@@ -9,6 +9,7 @@ quiet, and gives the same accuracy for the same seed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from ort_lightning.errors import ConfigurationError
-from tests._web import ROOT, ort_web_dist
+from tests._web import NODE_DEVICE, ROOT, ort_web_dist
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -33,7 +34,6 @@ from ort_lightning.fleet import FleetConfig, run_fleet  # noqa: E402
 from ort_lightning.fleet.data.partitions import partition_rows  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "fleet_own_model.yaml"
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 sys.path.insert(0, str(EXAMPLE.parent))
 from fleet_own_model import BreastCancer, mlp  # noqa: E402
 
@@ -177,14 +177,64 @@ def test_run_fleet_returns_the_history_quietly_and_a_seed_gives_the_same_run(
     assert other["rounds"][0]["loss"] != first["rounds"][0]["loss"]  # the seed reaches the model and the data
 
 
+#: What `ort-lightning fleet` may print: its header, the round lines, the total and the files it wrote.
+PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|round checkpoints: .*|history: .*|"
+                     r"plot: .*")
+
+
+def _round_values(folder: Path) -> dict[str, np.ndarray]:
+    return {name: np.array(p.data) for name, p in
+            CheckpointState.load_checkpoint(str(folder / "rounds" / "round-0001.ortckpt")).parameters}
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The own model's fleet on the Ray engine by the console script, as a user runs it: its folder and output.
+
+    NOTE: one Ray start for this file's Ray tests (each start costs seconds of processes importing torch).
+    """
+    folder = tmp_path_factory.mktemp("ray")
+    config = folder / "fleet.yaml"
+    config.write_text(json.dumps({**_own(folder / "run", seed=0), "engine": {"name": "ray"}}), encoding="utf-8")
+    # the example's module from its folder, as the command finds it beside examples/fleet_own_model.yaml
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLE.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([str(Path(sys.executable).with_name("ort-lightning")), "fleet", "--config", str(config)],
+                            capture_output=True, text=True, cwd=folder, env=env, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "run", result.stdout + result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # Ray
-def test_the_own_model_trains_on_the_ray_engine_as_in_process(tmp_path: Path) -> None:
+def test_the_own_model_trains_on_the_ray_engine_as_in_process(ray_run: tuple[Path, str], tmp_path: Path) -> None:
+    ray = json.loads((ray_run[0] / "history.json").read_text(encoding="utf-8"))
     local = run_fleet(_own(tmp_path / "local", seed=0), echo=False)
-    ray = run_fleet({**_own(tmp_path / "ray", seed=0), "engine": {"name": "ray"}}, echo=False)
     assert [r["devices"] for r in ray["rounds"]] == [2]
     assert ray["rounds"][0]["loss"] == pytest.approx(local["rounds"][0]["loss"], abs=1e-6)
     assert ray["rounds"][0]["accuracy"] == local["rounds"][0]["accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # Ray
+def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(
+    ray_run: tuple[Path, str], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from ort_lightning.cli import main
+
+    config = tmp_path / "local.yaml"
+    config.write_text(json.dumps({**_own(tmp_path / "local", seed=0), "engine": {"name": "local"}}), encoding="utf-8")
+    assert main(["fleet", "--config", str(config)]) == 0
+    local = capfd.readouterr()
+    shown = {"ray": ray_run[1], "local": local.out + local.err}
+    for text in shown.values():
+        noise = [line for line in text.splitlines() if line.strip() and not PRINTED.fullmatch(line)]
+        assert not noise, text
+    accuracy = [re.findall(r"accuracy ([\d.]+)%", text) for text in shown.values()]
+    assert len(accuracy[0]) == 2, shown  # round 0 and round 1
+    assert accuracy[0] == accuracy[1], shown
+    local_values = _round_values(tmp_path / "local")
+    for name, value in _round_values(ray_run[0]).items():
+        np.testing.assert_allclose(value.astype(np.float64), local_values[name], rtol=0, atol=1e-6, err_msg=name)
 
 
 @RunIf(node=True)

@@ -433,31 +433,3 @@ def test_node_runs_a_devices_round_as_the_python_device_does(
     # NOTE: the README's tolerance for browsers: 1e-5 per 1e-3 of rate
     np.testing.assert_allclose(trained, np.concatenate([array.ravel() for array in python]), rtol=0,
                                atol=1e-5 * lr / 1e-3)
-
-
-# ----------------------------------------------------------------------------- Ray: the round lines alone
-#: What `ort-lightning fleet` may print: its header, the round lines, the total and the files it wrote.
-PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|round checkpoints: .*|history: .*|"
-                     r"plot: .*")
-
-
-@pytest.mark.slow
-@pytest.mark.alone  # Ray
-def test_the_ray_engine_prints_the_round_lines_alone_and_equals_the_local_engine(tmp_path: Path) -> None:
-    from tests.cli.script import run_script
-
-    config = {"devices": {"count": 2, "epochs": 2, "batch_size": 32}, "rounds": 1, "model": {"hidden": HIDDEN}}
-    shown = {}
-    for engine in ("ray", "local"):
-        path = tmp_path / f"{engine}.yaml"
-        sections = {**config, "engine": {"name": engine}, "output": {"folder": str(tmp_path / engine)}}
-        path.write_text(json.dumps(sections), encoding="utf-8")
-        result = run_script("fleet", "--config", path, cwd=tmp_path)
-        shown[engine] = result.stdout + result.stderr
-        noise = [line for line in shown[engine].splitlines() if line.strip() and not PRINTED.fullmatch(line)]
-        assert not noise, shown[engine]
-    accuracy = [re.findall(r"accuracy ([\d.]+)%", text) for text in shown.values()]
-    assert accuracy[0] == accuracy[1], shown
-    _assert_close(_values(round_path(tmp_path / "ray" / "rounds", 1)),
-                  {n: v.astype(np.float64) for n, v in _values(round_path(tmp_path / "local" / "rounds", 1)).items()},
-                  atol=1e-6)

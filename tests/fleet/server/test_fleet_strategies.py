@@ -17,8 +17,6 @@ import inspect
 import logging
 import math
 import re
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.errors import ConfigurationError, DeviceReplyError
 from ort_lightning.export import prepare_for_web
-from tests._web import ROOT, ort_web_dist
+from tests._web import NODE_DEVICE, ROOT, ort_web_dist, run_beside_node
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -356,9 +354,6 @@ def test_a_browser_asked_to_clip_that_sends_no_norm_is_refused() -> None:
         reply_records(result, {"seconds": 0.1}, WeightOrder([("w", (3,))]), last_epoch=1, clip=0.1, device="laptop")
 
 
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
-
-
 @RunIf(node=True)
 @pytest.mark.slow
 @pytest.mark.spread
@@ -367,8 +362,6 @@ def test_node_devices_run_multikrum_under_client_side_adaptive_clipping(
 ) -> None:
     from ort_lightning.fleet.engines.browser import BrowserFleet
 
-    node = shutil.which("node")
-    assert node is not None
     exported, web = folders
     privacy = {"side": "client", "clipping": "adaptive", "noise_multiplier": 0.0, "initial_clipping_norm": NORM}
     strategy = strategy_from({"name": "multikrum", "options": {"num_malicious_nodes": 0}}, privacy, 3)
@@ -376,14 +369,7 @@ def test_node_devices_run_multikrum_under_client_side_adaptive_clipping(
     start = _numpy(model.arrays())
     server = FleetServer(model, strategy, rounds=1, directory=tmp_path / "rounds")
     with BrowserFleet(web, _data, port=0, devices=3, device_timeout=60, ort_web=ort_web_dist()) as fleet:
-        devices = subprocess.Popen([node, "--experimental-websocket", str(NODE_DEVICE), fleet.url, "--ort-web",
-                                    str(ort_web_dist()), "--devices", "3"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT)
-        try:
-            fleet.run(server, join_timeout=90)
-        finally:
-            fleet.close()
-            devices.wait(timeout=60)
+        run_beside_node(fleet, server, NODE_DEVICE, fleet.url, "--ort-web", ort_web_dist(), "--devices", 3)
     assert [record.devices for record in server.history] == [3]
     assert 0 < _distance(_numpy(model.arrays()), start) <= NORM * (1 + 1e-5)
     # NOTE: Flower's wrapper refuses a round whose replies lack norm_bit; the next norm counts the clipped ones.

@@ -10,15 +10,13 @@ most that norm, where the same round without a wrapper moves the weights more th
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-from tests._web import ROOT, ort_web_dist
+from tests._web import NODE_DEVICE, ort_web_dist, run_beside_node
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -37,13 +35,10 @@ from ort_lightning.fleet import (  # noqa: E402
 )
 from tests.fleet.engines.browser.digits_rounds import DATA, checkpoint_values, initial_values  # noqa: E402
 
-NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 NORM = 0.05
 
 
 def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Path, *, dp: str | None) -> float:
-    node = shutil.which("node")
-    assert node is not None
     strategy: Strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
     if dp is not None:
         wrapper = {"client": DifferentialPrivacyClientSideFixedClipping,
@@ -51,17 +46,19 @@ def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Pa
         strategy = wrapper(strategy, noise_multiplier=0.0, clipping_norm=NORM, num_sampled_clients=2)
     server = FleetServer(GlobalModel(exported), strategy, rounds=1, directory=folder)
     with BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist()) as fleet:
-        devices = subprocess.Popen([node, "--experimental-websocket", str(NODE_DEVICE), fleet.url, "--ort-web",
-                                    str(ort_web_dist()), "--devices", "2"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT)
-        try:
-            fleet.run(server, join_timeout=90)
-        finally:
-            fleet.close()
-            devices.wait(timeout=60)
+        run_beside_node(fleet, server, NODE_DEVICE, fleet.url, "--ort-web", ort_web_dist(), "--devices", 2)
     assert [record.devices for record in server.history] == [2]
     start, end = initial_values(exported), checkpoint_values(server.history[0].checkpoint)
     return float(np.sqrt(sum(((end[n].astype(np.float64) - start[n]) ** 2).sum() for n in start)))
+
+
+@pytest.fixture(scope="module")
+def plain(
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path_factory: pytest.TempPathFactory
+) -> float:
+    """The norm of the same round without a wrapper, run once for both sides."""
+    exported, web = digits_folders
+    return _update_norm(exported, web, tmp_path_factory.mktemp("plain"), dp=None)
 
 
 @RunIf(node=True)
@@ -69,10 +66,9 @@ def _update_norm(exported: TrainingArtifacts, web: TrainingArtifacts, folder: Pa
 @pytest.mark.spread
 @pytest.mark.parametrize("side", ["client", "server"], ids=["clipped-on-the-device", "clipped-on-the-server"])
 def test_web_device_updates_are_clipped_to_the_norm(
-    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path, side: str
+    digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], plain: float, tmp_path: Path, side: str
 ) -> None:
     exported, web = digits_folders
     clipped = _update_norm(exported, web, tmp_path / "dp", dp=side)
-    plain = _update_norm(exported, web, tmp_path / "plain", dp=None)
     assert 0 < clipped <= NORM * (1 + 1e-5), clipped
     assert plain > 10 * NORM, plain

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-from tests._web import ROOT, ort_web_dist
+from tests._web import ROOT, ort_web_dist, run_beside_node
 from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -101,8 +99,6 @@ def test_fifty_node_devices_ten_rounds_ten_leave_five_come_back_nothing_lost(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
-    node = shutil.which("node")
-    assert node is not None
     plan = _plan(seed=39)
     fleet = BrowserFleet(web, DATA, port=0, devices=DEVICES, device_timeout=60, ort_web=ort_web_dist(),
                          wait_timeout=60)
@@ -111,17 +107,10 @@ def test_fifty_node_devices_ten_rounds_ten_leave_five_come_back_nothing_lost(
     server = FleetServer(GlobalModel(exported), strategy, rounds=ROUNDS, directory=tmp_path / "rounds")
     started = time.perf_counter()
     with fleet, _Resident(fleet) as resident:
-        driver = subprocess.Popen([node, "--experimental-websocket", str(DRIVER), fleet.url, str(ort_web_dist()),
-                                   json.dumps(plan)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
-        try:
-            fleet.run(server, join_timeout=120)
-        finally:
-            fleet.close()
-            output, errors = driver.communicate(timeout=60)
+        driver = run_beside_node(fleet, server, DRIVER, fleet.url, ort_web_dist(), json.dumps(plan), join_timeout=120)
     seconds = time.perf_counter() - started
-    assert driver.returncode == 0, errors
-    devices = json.loads(output.splitlines()[-1])
+    assert driver.process.returncode == 0, driver.stderr
+    devices = json.loads(driver.stdout.splitlines()[-1])
     assert devices["errors"] == []
     assert sorted(devices["left"]) == sorted(leave["device"] for leave in plan["leaves"])  # type: ignore[union-attr]
     assert len(devices["rejoined"]) == RETURNING

@@ -9,14 +9,12 @@ Python loop over the devices whose replies it used (``tests/fleet/engines/browse
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from ort_lightning import TrainingArtifacts
-from tests._web import ROOT, ort_web_dist
+from tests._web import ROOT, ort_web_dist, run_beside_node
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -40,20 +38,12 @@ def test_node_devices_leave_and_come_back_as_themselves(
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
-    node = shutil.which("node")
-    assert node is not None
     fleet = BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=60)
     strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
     server = FleetServer(GlobalModel(exported), strategy, rounds=3, directory=tmp_path / "rounds")
     with fleet:
-        driver = subprocess.Popen([node, "--experimental-websocket", str(DRIVER), fleet.url, str(ort_web_dist())],
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            fleet.run(server, join_timeout=90)
-        finally:
-            fleet.close()
-            output, _ = driver.communicate(timeout=60)
-    assert driver.returncode == 0, output
+        driver = run_beside_node(fleet, server, DRIVER, fleet.url, ort_web_dist())
+    assert driver.process.returncode == 0, driver.stdout + driver.stderr
     kinds = [(event.device, event.kind) for event in fleet.hub.events]
     assert kinds == [*sorted([("a", "joined"), ("b", "joined")], key=kinds.index), ("b", "left"), ("b", "came back")]
     partitions = {e.device: e.detail for e in fleet.hub.events if e.kind in ("joined", "came back")}

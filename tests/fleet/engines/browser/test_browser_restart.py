@@ -13,8 +13,6 @@ from the round before.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-from tests._web import ROOT, ort_web_dist
+from tests._web import ROOT, node_beside, ort_web_dist
 from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -61,8 +59,6 @@ def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_c
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
-    node = shutil.which("node")
-    assert node is not None
     rounds = tmp_path / "rounds"
     first = _fleet(web, 0)
     port = first.port
@@ -74,9 +70,7 @@ def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_c
         except FleetError as error:
             stopped.append(error)
 
-    driver = subprocess.Popen([node, "--experimental-websocket", str(DRIVER), first.url, str(ort_web_dist())],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with node_beside(DRIVER, first.url, ort_web_dist()) as driver:
         with first:
             runner = threading.Thread(target=run_until_stopped)
             runner.start()
@@ -90,10 +84,9 @@ def test_a_server_restarted_with_the_same_token_loses_no_round_and_its_devices_c
         server = _server(exported, rounds, checkpoint=last)
         with _fleet(web, port) as second:
             second.run(server, join_timeout=60)
-    finally:
-        output, _ = driver.communicate(timeout=60)
-    assert driver.returncode == 0, output
-    assert output.strip().splitlines()[-1] == "[4000,4000]", output
+    output = driver.stdout + driver.stderr
+    assert driver.process.returncode == 0, output
+    assert driver.stdout.strip().splitlines()[-1] == "[4000,4000]", output
     assert 2 <= finished < ROUNDS
     assert sorted(path.name for path in rounds.glob("round-*.ortckpt")) == [
         f"round-{n:04d}.ortckpt" for n in range(1, ROUNDS + 1)]
