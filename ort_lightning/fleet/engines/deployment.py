@@ -53,9 +53,14 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
         run_config: Flower's run config (``[tool.flwr.app.config]``'s tables, their keys joined with dots).
 
     Raises:
-        ConfigurationError: without ``model.artifacts``, or for keys `FleetConfig` refuses.
+        ConfigurationError: without ``model.artifacts``, with ``secagg.enabled``, or for keys `FleetConfig` refuses.
     """
     config = FleetConfig.from_dict(unflatten_dict(dict(run_config)), where="the run config")
+    if config.secagg.enabled:
+        raise ConfigurationError(
+            "The run config sets `secagg.enabled: true`, but the deployment app's devices do not run SecAgg+ yet; "
+            "run the secure fleet on engine local or ray, or set secagg.enabled = false."
+        )
     if not config.model.artifacts:
         raise ConfigurationError(
             "The run config has no `model.artifacts` key; add artifacts = \"/path/to/artifacts\" under "
