@@ -1,4 +1,4 @@
-"""A fleet's records to Flower's legacy fit records and back: the values byte for byte, the names, metrics and counts."""
+"""A fleet's records to Flower's legacy fit records and back: values byte for byte, names, metrics and counts."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_arrays_become_legacy_parameters_and_come_back_exactly() -> None:
     assert list(back) == names
     for name in names:
         original, returned = record[name].numpy(), back[name].numpy()
-        assert returned.dtype == original.dtype and returned.shape == original.shape
+        assert returned.dtype == original.dtype
+        assert returned.shape == original.shape
         assert returned.tobytes() == original.tobytes()
 
 

@@ -156,7 +156,8 @@ def test_the_server_receives_no_plain_update_and_aggregates_fedavg_within_the_bo
         blobs += [item for content in contents for record in content.config_records.values()
                   for value in record.values() for item in (value if isinstance(value, list) else [value])
                   if isinstance(item, bytes)]
-        assert len(contents) == 4 and blobs  # the four stages' replies, keys and shares and the masked vector
+        assert len(contents) == 4
+        assert blobs
         for tensor in update.values():
             assert all(tensor.astype(np.float32).tobytes() not in blob for blob in blobs)
         masked = [content.config_records["secaggplus_configs"][Key.MASKED_PARAMETERS] for content in contents
@@ -176,7 +177,8 @@ def test_a_device_that_leaves_after_sharing_its_keys_is_recovered_from_the_other
 ) -> None:
     server, _ = _fleet(folders, tmp_path, mods=[drop(1, stage)])
     (record,) = server.history
-    assert record.halted is None and list(record.failures) == [2]
+    assert record.halted is None
+    assert list(record.failures) == [2]
     assert "device 1 leaves at " + stage in record.failures[2]
     _assert_fedavg(round_path(tmp_path, 1), [fits[p] for p in contributors], [_examples(p) for p in contributors])
 
@@ -190,8 +192,10 @@ def test_below_the_threshold_a_round_fails_in_one_line_writes_nothing_and_the_ne
     assert first.halted == ("secure aggregation stopped at its collect masked vectors stage: 1 of 3 devices still "
                             "answered, below the reconstruction threshold of 2 shares; no aggregate this round, and "
                             "the next one starts from the same values")
-    assert first.checkpoint is None and not round_path(tmp_path, 1).exists()
-    assert second.halted is None and second.checkpoint == round_path(tmp_path, 2)
+    assert first.checkpoint is None
+    assert not round_path(tmp_path, 1).exists()
+    assert second.halted is None
+    assert second.checkpoint == round_path(tmp_path, 2)
     # Round 2 started from the export's values again: its aggregate is round 1's FedAvg of the three.
     _assert_fedavg(round_path(tmp_path, 2), fits, [_examples(p) for p in range(DEVICES)])
 
@@ -246,7 +250,51 @@ def test_the_config_turns_it_on_and_the_run_keeps_its_files_and_history(tmp_path
     history = run_fleet({"rounds": 1, "devices": {"count": 3}, "model": {"hidden": 8, "verify": False},
                          "secagg": {"enabled": True}, "output": {"folder": str(tmp_path), "plot": False}}, echo=False)
     (record,) = history["rounds"]
-    assert record["devices"] == 3 and record["halted"] is None and 0 <= record["accuracy"] <= 1
+    assert record["devices"] == 3
+    assert record["halted"] is None
+    assert 0 <= record["accuracy"] <= 1
     assert Path(record["checkpoint"]) == round_path(tmp_path / "rounds", 1)
     assert (tmp_path / "rounds" / "last.ortckpt").exists()
     assert history["initial"]["accuracy"] != record["accuracy"]
+
+
+def test_federated_lora_composes_only_the_adapters_are_masked_and_the_base_stays(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft", reason='peft is not installed: pip install -e ".[test]"')
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"], init_lora_weights="gaussian")
+    model = peft.get_peft_model(digits_mlp(16, seed=0), config)
+    exported = export_artifacts(model, torch.zeros(2, FEATURES), tmp_path / "exported", nominal_checkpoint=True,
+                                ort_format=True, verify=False)
+    device = prepare_for_web(exported, tmp_path / "device", lr=LR)
+    adapters, frozen = list(exported.manifest.trainable), list(exported.manifest.frozen)
+    assert list(GlobalModel(exported).arrays()) == adapters  # what travels, and so what is masked
+
+    server, grid = _fleet((exported, device), tmp_path / "rounds")
+    start = _values(exported.checkpoint)
+    fits = [ort_device_loop(device.directory, [list(b) for b in DATA(p, DEVICES).train], lr=None, graphs="ort",
+                            checkpoint=device.checkpoint, values=start) for p in range(DEVICES)]
+    updates = [{name: fit[name] for name in adapters} for fit in fits]
+    _assert_fedavg(round_path(tmp_path / "rounds", 1), updates, [_examples(p) for p in range(DEVICES)])
+    written = _values(round_path(tmp_path / "rounds", 1))
+    assert all(written[name].tobytes() == start[name].tobytes() for name in frozen)
+    size = sum(start[name].size for name in adapters)
+    for contents in grid.replies.values():
+        (masked,) = [c.config_records["secaggplus_configs"][Key.MASKED_PARAMETERS] for c in contents
+                     if Key.MASKED_PARAMETERS in c.config_records["secaggplus_configs"]]
+        assert sum(bytes_to_ndarray(b).size for b in masked) == 1 + size  # the weight, then the adapters alone
+    assert server.history[0].devices == DEVICES
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # Ray
+def test_flowers_ray_simulation_runs_the_secure_round(tmp_path: Path) -> None:
+    from ort_lightning.fleet.run import run_fleet
+
+    history = run_fleet({"rounds": 1, "devices": {"count": 3}, "model": {"hidden": 8, "verify": False},
+                         "engine": {"name": "ray"}, "secagg": {"enabled": True},
+                         "output": {"folder": str(tmp_path), "plot": False}}, echo=False)
+    (record,) = history["rounds"]
+    assert record["devices"] == 3
+    assert record["halted"] is None
+    assert record["failures"] == {}
+    assert Path(record["checkpoint"]) == round_path(tmp_path / "rounds", 1)
