@@ -33,6 +33,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from ort_lightning.fleet import DeviceClient, GlobalModel, LocalGrid, round_path  # noqa: E402
 from ort_lightning.fleet.config.fleet_config import ROBUST, FleetConfig  # noqa: E402
 from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.server.report import report  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods  # noqa: E402
 
 LR = 0.01
@@ -184,14 +185,23 @@ def test_a_device_that_leaves_after_sharing_its_keys_is_recovered_from_the_other
 
 
 def test_below_the_threshold_a_round_fails_in_one_line_writes_nothing_and_the_next_round_runs(
-    folders: tuple[TrainingArtifacts, TrainingArtifacts], fits: list[dict[str, np.ndarray]], tmp_path: Path
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], fits: list[dict[str, np.ndarray]], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     server, _ = _fleet(folders, tmp_path, rounds=2, mods=[drop(0, "collect_masked_vectors"),
                                                            drop(1, "collect_masked_vectors")])
     first, second = server.history
-    assert first.halted == ("secure aggregation stopped at its collect masked vectors stage: 1 of 3 devices still "
-                            "answered, below the reconstruction threshold of 2 shares; no aggregate this round, and "
-                            "the next one starts from the same values")
+    why = ("secure aggregation stopped at its collect masked vectors stage: 1 of 3 devices still answered, below "
+           "the reconstruction threshold of 2 shares; no aggregate this round, and the next one starts from the same "
+           "values")
+    assert first.halted == why
+    config = FleetConfig.from_dict({"devices": {"count": DEVICES}, "secagg": {"enabled": True},
+                                    "output": {"folder": str(tmp_path / "out"), "plot": False}})
+    history = report(server, config, 1.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("3 devices, iid split, fedavg, SecAgg+")
+    assert f"          no aggregate: {why}" in lines
+    assert [r["halted"] for r in history["rounds"]] == [why, None]
     assert first.checkpoint is None
     assert not round_path(tmp_path, 1).exists()
     assert second.halted is None
