@@ -5,6 +5,7 @@ Flower 1.42's ``SecAggPlusWorkflow`` runs under ``LegacyContext`` and its client
 ``"arrays"`` and a ``MetricRecord`` under ``"metrics"``. Legacy ``Parameters`` carry no names, so the
 server sends them in the fit config under `NAMES_KEY`. `legacy_fit_mod` goes inside Flower's
 ``secaggplus_mod``: it converts the instruction in, the reply out, and clips in between where asked.
+`secure_when_asked` runs the two on the messages of a SecAgg+ round and passes the others.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import Code, FitRes, Parameters, Status
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
 
 from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.devices.clipping import clip_when_asked
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
 
-__all__ = ["NAMES_KEY", "arrays_to_parameters", "fit_reply", "fit_request", "legacy_fit_mod", "parameters_to_arrays"]
+__all__ = ["NAMES_KEY", "arrays_to_parameters", "fit_reply", "fit_request", "legacy_fit_mod", "parameters_to_arrays",
+           "secure_when_asked"]
 
 #: The fit config's key holding the names of the legacy parameters, in their order.
 NAMES_KEY = "ort-lightning.names"
@@ -82,3 +86,10 @@ def legacy_fit_mod(message: Message, context: Context, call_next: ClientAppCalla
         return reply
     reply.content = fit_reply(reply.content)
     return reply
+
+
+def secure_when_asked(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``secaggplus_mod`` around `legacy_fit_mod` for a SecAgg+ round's train messages; the rest pass."""
+    if message.metadata.message_type != MessageType.TRAIN or RECORD_KEY_CONFIGS not in message.content.config_records:
+        return call_next(message, context)
+    return secaggplus_mod(message, context, lambda inner, state: legacy_fit_mod(inner, state, call_next))

@@ -52,13 +52,16 @@ def fleet_server(
                        directory=Path(config.output.folder) / "rounds", device_timeout=config.devices.timeout)
 
 
-def secure_server(config: FleetConfig, artifacts: str | os.PathLike[str],
-                  test: DataLoader | None = None) -> SecureFleetServer:
+def secure_server(
+    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None, *,
+    min_nodes: int | None = None,
+) -> SecureFleetServer:
     """The experiment's server with ``secagg.enabled``: FedAvg through Flower's SecAgg+ (see `fleet_server`)."""
     model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
     return SecureFleetServer(model, rounds=config.rounds, test=test, directory=Path(config.output.folder) / "rounds",
                              devices=config.devices.count, secagg=config.secagg.workflow(),
-                             privacy=config.privacy.wrapper(), device_timeout=config.devices.timeout)
+                             privacy=config.privacy.wrapper(), min_nodes=min_nodes,
+                             device_timeout=config.devices.timeout)
 
 
 def quiet_ray() -> None:

@@ -3,7 +3,7 @@
 `SecureFleetServer` runs ``SecAggPlusWorkflow`` inside ``DefaultWorkflow`` under ``LegacyContext``
 with Flower's legacy ``FedAvg`` (client-side DP around it where asked), as Flower 1.42 requires, and
 keeps what `FleetServer` keeps: a checkpoint per round, the global evaluation, a `RoundRecord` per
-round. The devices run `secure_mods` (Flower's ``secaggplus_mod``, then `legacy_fit_mod` inside it).
+round. The devices run `secure_mods` (Flower's ``secaggplus_mod``, `legacy_fit_mod` inside it).
 A round whose devices fall below the reconstruction threshold aggregates nothing: its record says
 why in `RoundRecord.halted`, its files are not written, and the next round starts from the same values.
 A browser grid runs the same workflow once its frames carry the four stages' config records.
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, cast
 
 from flwr.app import Context, Message, RecordDict
-from flwr.client.mod import secaggplus_mod
 from flwr.common import FitIns, FitRes, Parameters, Scalar
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server import strategy as legacy
@@ -30,7 +29,12 @@ from flwr.serverapp import Grid, ServerApp
 from torch.utils.data import DataLoader
 
 from ort_lightning.errors import ConfigurationError
-from ort_lightning.fleet.devices.legacy_fit import NAMES_KEY, arrays_to_parameters, legacy_fit_mod, parameters_to_arrays
+from ort_lightning.fleet.devices.legacy_fit import (
+    NAMES_KEY,
+    arrays_to_parameters,
+    parameters_to_arrays,
+    secure_when_asked,
+)
 from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, WEIGHT_KEY
 from ort_lightning.fleet.server.global_model import LAST_NAME, GlobalModel, round_path
 from ort_lightning.fleet.server.server_app import RoundRecord
@@ -43,8 +47,8 @@ _STAGES = ("setup", "share keys", "collect masked vectors", "unmask")
 
 
 def secure_mods() -> list[Any]:
-    """A device's client mods for secure aggregation: Flower's ``secaggplus_mod``, then `legacy_fit_mod` inside it."""
-    return [secaggplus_mod, legacy_fit_mod]
+    """A device's client mods for secure aggregation: `secure_when_asked` (Flower's ``secaggplus_mod`` as it is)."""
+    return [secure_when_asked]
 
 
 def _weighted_mean(pairs: list[tuple[int, dict[str, Scalar]]]) -> dict[str, Scalar]:

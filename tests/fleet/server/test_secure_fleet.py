@@ -309,9 +309,3 @@ def test_flowers_ray_simulation_runs_the_secure_round(tmp_path: Path) -> None:
     assert record["failures"] == {}
     assert Path(record["checkpoint"]) == round_path(tmp_path / "rounds", 1)
 
-
-def test_the_deployment_app_refuses_secure_aggregation() -> None:
-    from ort_lightning.fleet.engines.deployment import read_run_config
-
-    with pytest.raises(ConfigurationError, match="the deployment app's devices do not run SecAgg"):
-        read_run_config({"model.artifacts": "artifacts", "secagg.enabled": True})
