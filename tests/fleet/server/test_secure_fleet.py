@@ -211,11 +211,13 @@ def test_below_the_threshold_a_round_fails_in_one_line_writes_nothing_and_the_ne
 
 
 # ----------------------------------------------------------------------------- with the rest of the fleet
+@pytest.mark.parametrize(("clipping", "key"), [("fixed", "clipping_norm"), ("adaptive", "initial_clipping_norm")])
 def test_client_side_clipping_composes_the_devices_clip_before_they_mask(
-    folders: tuple[TrainingArtifacts, TrainingArtifacts], fits: list[dict[str, np.ndarray]], tmp_path: Path
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], fits: list[dict[str, np.ndarray]], tmp_path: Path,
+    clipping: str, key: str,
 ) -> None:
     norm = 0.05
-    server, _ = _fleet(folders, tmp_path, privacy={"side": "client", "clipping": "fixed", "clipping_norm": norm,
+    server, _ = _fleet(folders, tmp_path, privacy={"side": "client", "clipping": clipping, key: norm,
                                                    "noise_multiplier": 0.0})
     start = {name: value.astype(np.float64) for name, value in _values(folders[0].checkpoint).items()}
     clipped = []
