@@ -32,12 +32,12 @@ __all__ = [
 #: Flower strategies the config names (lower-case class names of ``flwr.serverapp.strategy``).
 STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "qfedavg", "fedmedian",
               "fedtrimmedavg", "krum", "multikrum", "bulyan")
+#: Strategies that weigh each device's update on its own, which secure aggregation hides from the server.
+ROBUST = ("fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg")
 #: ``local``: Flower's apps in this process; ``ray``: Flower's Ray simulation; ``browser``: pages and Node devices.
 ENGINES = ("local", "ray", "browser")
 #: How a fleet aggregates LoRA adapters: A and B apart, or A frozen and B alone (ort_lightning.fleet.server.lora).
 LORA_AGGREGATIONS = ("separate", "ffa")
-#: Strategies that weigh each device's update on its own, which secure aggregation hides from the server.
-ROBUST = ("fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg")
 #: How the training data is cut into devices (``writers``: the bundled digits only).
 PARTITIONS = ("iid", "label", "dirichlet", "writers")
 
@@ -46,26 +46,6 @@ def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
     if value not in allowed:
         raise ConfigurationError(f"Expected `{key}` to be one of {list(allowed)}, but got {value!r}; fix that key "
                                  "of the fleet config.")
-
-
-def _check_secure(strategy: str, privacy: str | None) -> None:
-    """Refuse what secure aggregation cannot serve: it shows the server the sum of the updates, never one of them."""
-    if strategy in ROBUST:
-        raise ConfigurationError(
-            f"Strategy {strategy} cannot run with `secagg.enabled: true`: it needs each device's own update (to rank, "
-            "trim or weigh them), and secure aggregation shows the server only their sum; use strategy fedavg, or "
-            "turn secagg off."
-        )
-    if strategy != "fedavg":
-        raise ConfigurationError(
-            f"Expected `strategy.name: fedavg` with `secagg.enabled: true`, but got {strategy!r}: secure aggregation "
-            "runs Flower's legacy FedAvg under its SecAggPlusWorkflow; use fedavg, or turn secagg off."
-        )
-    if privacy == "server":
-        raise ConfigurationError(
-            "Expected `privacy.side: client` (or null) with `secagg.enabled: true`, but got \"server\": server-side "
-            "clipping clips each device's update, which secure aggregation hides; clip on the devices (side: client)."
-        )
 
 
 @dataclass(frozen=True)
@@ -186,6 +166,26 @@ class PrivacySection:
         if self.side is None:
             return None
         return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+def _check_secure(strategy: str, privacy: str | None) -> None:
+    """Refuse what secure aggregation cannot serve: it shows the server the sum of the updates, never one of them."""
+    if strategy in ROBUST:
+        raise ConfigurationError(
+            f"Strategy {strategy} cannot run with `secagg.enabled: true`: it needs each device's own update (to rank, "
+            "trim or weigh them), and secure aggregation shows the server only their sum; use strategy fedavg, or "
+            "turn secagg off."
+        )
+    if strategy != "fedavg":
+        raise ConfigurationError(
+            f"Expected `strategy.name: fedavg` with `secagg.enabled: true`, but got {strategy!r}: secure aggregation "
+            "runs Flower's legacy FedAvg under its SecAggPlusWorkflow; use fedavg, or turn secagg off."
+        )
+    if privacy == "server":
+        raise ConfigurationError(
+            "Expected `privacy.side: client` (or null) with `secagg.enabled: true`, but got \"server\": server-side "
+            "clipping clips each device's update, which secure aggregation hides; clip on the devices (side: client)."
+        )
 
 
 @dataclass(frozen=True)
