@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.run import run_fleet
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
     from ort_lightning.fleet.server.strategies import strategy_from
 
@@ -55,10 +56,12 @@ _HOMES = {
     "GlobalModel": "ort_lightning.fleet.server.global_model",
     "LocalGrid": "ort_lightning.fleet.engines.local",
     "RoundRecord": "ort_lightning.fleet.server.server_app",
+    "SecureFleetServer": "ort_lightning.fleet.server.secure",
     "WeightOrder": "ort_lightning.fleet.devices.weight_order",
     "evaluate_module": "ort_lightning.fleet.devices.trainer_loop",
     "get_values": "ort_lightning.fleet.devices.state_values",
     "round_path": "ort_lightning.fleet.server.global_model",
+    "secure_mods": "ort_lightning.fleet.server.secure",
     "run_fleet": "ort_lightning.fleet.run",
     "run_local": "ort_lightning.fleet.engines.local",
     "set_values": "ort_lightning.fleet.devices.state_values",
@@ -78,12 +81,14 @@ __all__ = [
     "LocalGrid",
     "Refusal",
     "RoundRecord",
+    "SecureFleetServer",
     "WeightOrder",
     "evaluate_module",
     "get_values",
     "round_path",
     "run_fleet",
     "run_local",
+    "secure_mods",
     "set_values",
     "strategy_from",
 ]

@@ -25,16 +25,17 @@ from ort_lightning.fleet.devices.client import DeviceClient
 from ort_lightning.fleet.devices.protocol import RUNNERS, DataFn
 from ort_lightning.fleet.engines.browser.browser_run import run_browser_experiment
 from ort_lightning.fleet.engines.local import run_local
-from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray
+from ort_lightning.fleet.server.assembly import device_folder, fleet_server, quiet_ray, secure_server
 from ort_lightning.fleet.server.model_artifacts import fleet_artifacts
 from ort_lightning.fleet.server.pretrained_output import write_last_round
 from ort_lightning.fleet.server.report import report
+from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods
 from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["ENGINES", "RUNNERS", "STRATEGIES", "FleetConfig", "run_experiment", "run_fleet"]
 
 
-def _run(server: FleetServer, client: DeviceClient, config: FleetConfig) -> None:
+def _run(server: FleetServer | SecureFleetServer, client: DeviceClient, config: FleetConfig) -> None:
     if config.engine.name == "local":
         run_local(server.server_app(), client.client_app(), nodes=config.devices.count)
         return
@@ -56,7 +57,7 @@ def run_experiment(
     *,
     test: DataLoader | None = None,
     echo: bool = True,
-) -> FleetServer:
+) -> FleetServer | SecureFleetServer:
     """Run the experiment; print accuracy per round (when `echo`); write history.json and accuracy.png.
 
     Args:
@@ -80,10 +81,11 @@ def run_experiment(
         raise ConfigurationError(f"Expected `data`, each device's (partition, partitions) -> ClientData, for engine "
                                  f"{config.engine.name!r}, but got None; pass the devices' data (only browser pages "
                                  "with page_data make their own).")
-    server = fleet_server(config, artifacts, test)
+    server = secure_server(config, artifacts, test) if config.secagg.enabled else fleet_server(config, artifacts, test)
     devices = config.devices
     client = DeviceClient(device_folder(config, artifacts).directory, data, epochs=devices.epochs,
-                          runner=devices.runner, optimizer_state=devices.optimizer_state, start=devices.start)
+                          runner=devices.runner, optimizer_state=devices.optimizer_state, start=devices.start,
+                          mods=tuple(secure_mods()) if config.secagg.enabled else ())
     started = time.perf_counter()
     _run(server, client, config)
     report(server, config, time.perf_counter() - started, echo=echo)

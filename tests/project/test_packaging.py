@@ -176,13 +176,14 @@ def test_fleet_public_names() -> None:
     from ort_lightning.fleet.engines.local import LocalGrid, run_local
     from ort_lightning.fleet.run import run_fleet
     from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
+    from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods
     from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
     from ort_lightning.fleet.server.strategies import strategy_from
 
     public = [BrowserDevice, BrowserFleet, BrowserGrid, CheckpointEachRound, ClientData, DeviceClient, FleetConfig,
               FleetServer,
-              GlobalModel, LocalGrid, Refusal, RoundRecord, WeightOrder, evaluate_module, get_values, round_path,
-              run_fleet, run_local, set_values, strategy_from]
+              GlobalModel, LocalGrid, Refusal, RoundRecord, SecureFleetServer, WeightOrder, evaluate_module,
+              get_values, round_path, run_fleet, run_local, secure_mods, set_values, strategy_from]
     assert fleet.__all__ == sorted(thing.__name__ for thing in public)
     assert all(getattr(fleet, thing.__name__) is thing for thing in public)  # imported on first use
     with pytest.raises(AttributeError, match="no attribute 'Trainer'"):

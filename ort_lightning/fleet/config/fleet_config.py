@@ -24,14 +24,16 @@ from ort_lightning.fleet.config.keys import build_section, merge_override, refus
 from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, OPTIMIZER_STATES, RUNNERS, STARTS
 
 __all__ = [
-    "ENGINES", "LORA_AGGREGATIONS", "PARTITIONS", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection",
+    "ENGINES", "LORA_AGGREGATIONS", "PARTITIONS", "ROBUST", "RUNNERS", "STRATEGIES", "DataSection", "DevicesSection",
     "EngineSection", "FleetConfig",
-    "ModelSection", "OutputSection", "PrivacySection", "StrategySection",
+    "ModelSection", "OutputSection", "PrivacySection", "SecAggSection", "StrategySection",
 ]
 
 #: Flower strategies the config names (lower-case class names of ``flwr.serverapp.strategy``).
 STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad", "qfedavg", "fedmedian",
               "fedtrimmedavg", "krum", "multikrum", "bulyan")
+#: Strategies that weigh each device's update on its own, which secure aggregation hides from the server.
+ROBUST = ("fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg")
 #: ``local``: Flower's apps in this process; ``ray``: Flower's Ray simulation; ``browser``: pages and Node devices.
 ENGINES = ("local", "ray", "browser")
 #: How a fleet aggregates LoRA adapters: A and B apart, or A frozen and B alone (ort_lightning.fleet.server.lora).
@@ -178,6 +180,49 @@ class PrivacySection:
         return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
+def _check_secure(strategy: str, privacy: str | None) -> None:
+    """Refuse what secure aggregation cannot serve: it shows the server the sum of the updates, never one of them."""
+    if strategy in ROBUST:
+        raise ConfigurationError(
+            f"Strategy {strategy} cannot run with `secagg.enabled: true`: it needs each device's own update (to rank, "
+            "trim or weigh them), and secure aggregation shows the server only their sum; use strategy fedavg, or "
+            "turn secagg off."
+        )
+    if strategy != "fedavg":
+        raise ConfigurationError(
+            f"Expected `strategy.name: fedavg` with `secagg.enabled: true`, but got {strategy!r}: secure aggregation "
+            "runs Flower's legacy FedAvg under its SecAggPlusWorkflow; use fedavg, or turn secagg off."
+        )
+    if privacy == "server":
+        raise ConfigurationError(
+            "Expected `privacy.side: client` (or null) with `secagg.enabled: true`, but got \"server\": server-side "
+            "clipping clips each device's update, which secure aggregation hides; clip on the devices (side: client)."
+        )
+
+
+@dataclass(frozen=True)
+class SecAggSection:
+    """Flower's SecAgg+ (``SecAggPlusWorkflow``): the server sees the sum of the updates only (off unless ``enabled``).
+
+    The other keys are the workflow's arguments, Flower's defaults but for ``num_shares`` and
+    ``reconstruction_threshold``, which Flower leaves to the caller (an int counts devices, a
+    float is a fraction of the sampled devices, as in Flower).
+    """
+
+    enabled: bool = False
+    num_shares: int | float = 3
+    reconstruction_threshold: int | float = 2
+    max_weight: float = 1000.0
+    clipping_range: float = 8.0
+    quantization_range: int = 4194304
+    modulus_range: int = 4294967296
+    timeout: float | None = None
+
+    def workflow(self) -> dict[str, Any]:
+        """The keyword arguments of Flower's ``SecAggPlusWorkflow``."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if key != "enabled"}
+
+
 @dataclass(frozen=True)
 class EngineSection:
     """Where the rounds run; the rest are the browser engine's page, TLS and join options."""
@@ -227,6 +272,7 @@ class FleetConfig:
     devices: DevicesSection = field(default_factory=DevicesSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
+    secagg: SecAggSection = field(default_factory=SecAggSection)
     engine: EngineSection = field(default_factory=EngineSection)
     output: OutputSection = field(default_factory=OutputSection)
 
@@ -239,6 +285,13 @@ class FleetConfig:
                 "returns its weights only (onnxruntime-web saves no optimizer state); use engine local or ray to keep "
                 "it."
             )
+        if self.secagg.enabled and self.engine.name == "browser":
+            raise ConfigurationError(
+                "Expected `engine.name: local` or `ray` with `secagg.enabled: true`, but got \"browser\": the browser "
+                "engine's frames do not carry SecAgg+'s stages yet; run the fleet on engine local or ray."
+            )
+        if self.secagg.enabled:
+            _check_secure(self.strategy.name, self.privacy.side)
 
     @property
     def nodes_to_wait_for(self) -> int:

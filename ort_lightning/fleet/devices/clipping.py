@@ -11,11 +11,17 @@ from flwr.clientapp.mod import adaptiveclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
+from ort_lightning.fleet.devices.protocol import ARRAYS_KEY
+
 __all__ = ["clip_when_asked"]
 
 
 def clip_when_asked(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Flower's ``adaptiveclipping_mod`` (clips, adds ``norm_bit``) where a train message asks; install once, first."""
-    asked = message.metadata.message_type == MessageType.TRAIN and any(
-        KEY_CLIPPING_NORM in record for record in message.content.config_records.values())
+    """Flower's ``adaptiveclipping_mod`` (clips, adds ``norm_bit``) where a train message asks; install once, first.
+
+    A legacy fit instruction (secure aggregation's) passes: `legacy_fit_mod` clips it inside the masking.
+    """
+    content = message.content
+    asked = message.metadata.message_type == MessageType.TRAIN and ARRAYS_KEY in content.array_records and any(
+        KEY_CLIPPING_NORM in record for record in content.config_records.values())
     return adaptiveclipping_mod(message, context, call_next) if asked else call_next(message, context)

@@ -42,6 +42,7 @@ from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.data.sources import fleet_data
 from ort_lightning.fleet.devices.client import DeviceClient
 from ort_lightning.fleet.devices.clipping import clip_when_asked
+from ort_lightning.fleet.devices.legacy_fit import secure_when_asked
 
 __all__ = ["client", "read_run_config", "server"]
 
@@ -66,7 +67,7 @@ def read_run_config(run_config: Mapping[str, object]) -> tuple[FleetConfig, Path
 
 
 # ----------------------------------------------------------------------------- the device
-client = ClientApp(mods=[clip_when_asked])
+client = ClientApp(mods=[clip_when_asked, secure_when_asked])
 
 
 @client.train()
@@ -121,13 +122,15 @@ server = ServerApp()
 def _main(grid: Grid, context: Context) -> None:
     # The server's parts (Lightning among them) are imported here: each SuperNode loads this module for
     # `client`, and a device imports no Lightning (tests/fleet/devices/test_fleet_device.py).
-    from ort_lightning.fleet.server.assembly import fleet_server
+    from ort_lightning.fleet.server.assembly import fleet_server, secure_server
     from ort_lightning.fleet.server.report import report
 
     config, artifacts = read_run_config(context.run_config)
     # NOTE: Flower's strategies wait for `min_available_nodes` before every round, for ever: waiting for
     # all `devices` would hang the run at the next round once one SuperNode is lost.
-    fleet = fleet_server(config, artifacts, fleet_data(config)[1], min_nodes=config.nodes_to_wait_for)
+    test = fleet_data(config)[1]
+    fleet = (secure_server(config, artifacts, test, min_nodes=config.nodes_to_wait_for) if config.secagg.enabled
+             else fleet_server(config, artifacts, test, min_nodes=config.nodes_to_wait_for))
     _wait_for_nodes(grid, config.devices.count, config.devices.timeout)
     started = time.perf_counter()
     fleet.main(grid, context)

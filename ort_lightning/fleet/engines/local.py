@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterable
 from itertools import count
@@ -171,10 +172,16 @@ class LocalGrid(ServerGrid):
     def _answer(self, message: Message, context: Context, answer: list[Message]) -> None:
         """The node's reply to `message`, into `answer` (run in the delivery's worker thread)."""
         try:
-            answer.append(self._app(message, context))
+            answer.append(self._app(_copied(message), context))
         except Exception as error:  # any device failure becomes an error reply, as in Flower's runtimes
             reason = f"{type(error).__name__}: {' '.join(str(error).split())}"
             answer.append(Message(Error(CLIENT_ERROR_CODE, reason), reply_to=message))
+
+
+def _copied(message: Message) -> Message:
+    """`message` as its node receives it over a wire: a copy, so that what one node changes no other node sees."""
+    # NOTE: Flower's SecAgg+ workflow sends one RecordDict to every node, and its client mod pops keys from it.
+    return copy.deepcopy(message)
 
 
 def _check_timeout(timeout: float | None) -> None:

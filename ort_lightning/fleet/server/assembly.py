@@ -17,10 +17,11 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.export import prepare_for_web
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.server.global_model import GlobalModel
+from ort_lightning.fleet.server.secure import SecureFleetServer
 from ort_lightning.fleet.server.server_app import FleetServer
 from ort_lightning.fleet.server.strategies import strategy_from
 
-__all__ = ["device_folder", "fleet_server", "quiet_ray"]
+__all__ = ["device_folder", "fleet_server", "quiet_ray", "secure_server"]
 
 
 def _strategy(config: FleetConfig, min_nodes: int | None) -> Strategy:
@@ -49,6 +50,18 @@ def fleet_server(
     model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
     return FleetServer(model, _strategy(config, min_nodes), rounds=config.rounds, test=test,
                        directory=Path(config.output.folder) / "rounds", device_timeout=config.devices.timeout)
+
+
+def secure_server(
+    config: FleetConfig, artifacts: str | os.PathLike[str], test: DataLoader | None = None, *,
+    min_nodes: int | None = None,
+) -> SecureFleetServer:
+    """The experiment's server with ``secagg.enabled``: FedAvg through Flower's SecAgg+ (see `fleet_server`)."""
+    model = GlobalModel(Path(artifacts), checkpoint=config.output.resume)
+    return SecureFleetServer(model, rounds=config.rounds, test=test, directory=Path(config.output.folder) / "rounds",
+                             devices=config.devices.count, secagg=config.secagg.workflow(),
+                             privacy=config.privacy.wrapper(), min_nodes=min_nodes,
+                             device_timeout=config.devices.timeout)
 
 
 def quiet_ray() -> None:

@@ -11,13 +11,14 @@ from ort_lightning.artifacts import TrainingArtifacts
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.devices.device_files import device_files
 from ort_lightning.fleet.devices.ort_loop import complete_start
+from ort_lightning.fleet.server.secure import SecureFleetServer
 from ort_lightning.fleet.server.server_app import FleetServer, RoundRecord
 
 __all__ = ["report"]
 
 
 def report(
-    server: FleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "",
+    server: FleetServer | SecureFleetServer, config: FleetConfig, total: float, *, echo: bool = True, engine: str = "",
     departures: bool = True,
 ) -> dict[str, Any]:
     """Print the accuracy per round (when `echo`); write ``history.json`` and ``accuracy.png``; return the history.
@@ -45,10 +46,13 @@ def report(
 
 def _title(config: FleetConfig) -> str:
     privacy = f", DP {config.privacy.side}-side" if config.privacy.side else ""
-    return f"{config.devices.count} devices, {config.data.partition} split, {config.strategy.name}{privacy}"
+    secure = ", SecAgg+" if config.secagg.enabled else ""
+    return f"{config.devices.count} devices, {config.data.partition} split, {config.strategy.name}{privacy}{secure}"
 
 
-def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, departures: bool) -> None:
+def _print(
+    server: FleetServer | SecureFleetServer, config: FleetConfig, total: float, engine: str, departures: bool
+) -> None:
     print(f"{_title(config)}, {engine}")
     if server.initial:
         print(f"round  0: {_score(server.initial)}  loss {server.initial['loss']:.4f}")
@@ -57,6 +61,8 @@ def _print(server: FleetServer, config: FleetConfig, total: float, engine: str, 
               f"loss {record.evaluation.get('loss', float('nan')):.4f}  ({record.seconds:.2f} s; {record.devices} "
               f"devices, {_device_times(record.train_metrics)}, {record.aggregate_seconds * 1e3:.1f} ms aggregate, "
               f"{record.checkpoint_seconds * 1e3:.1f} ms checkpoint; {_traffic(record)})")
+        if record.halted:
+            print(f"          no aggregate: {record.halted}")
         if departures:
             for node, reason in sorted(record.failures.items()):
                 print(f"          node {node} failed: {reason}")
@@ -100,18 +106,18 @@ def _device_times(metrics: dict[str, Any]) -> str:
             f"{metrics.get('steps_per_second', nan):.0f} steps/s")
 
 
-def _history(server: FleetServer, config: FleetConfig, total: float) -> dict[str, Any]:
+def _history(server: FleetServer | SecureFleetServer, config: FleetConfig, total: float) -> dict[str, Any]:
     rounds = [{"round": r.server_round, "seconds": r.seconds, "aggregate_seconds": r.aggregate_seconds,
                "checkpoint_seconds": r.checkpoint_seconds, "devices": r.devices, "examples": r.examples,
                "sent_bytes": r.sent_bytes, "received_bytes": r.received_bytes,
                "failures": {str(node): reason for node, reason in r.failures.items()},
-               "left": {str(node): reason for node, reason in r.left.items()},
+               "left": {str(node): reason for node, reason in r.left.items()}, "halted": r.halted,
                **r.evaluation, "train": r.train_metrics,
                "checkpoint": None if r.checkpoint is None else str(r.checkpoint)} for r in server.history]
     return {"config": dataclasses.asdict(config), "initial": server.initial, "rounds": rounds, "seconds": total}
 
 
-def _plot(server: FleetServer, config: FleetConfig, out: Path) -> Path | None:
+def _plot(server: FleetServer | SecureFleetServer, config: FleetConfig, out: Path) -> Path | None:
     try:
         from matplotlib.figure import Figure
     except ImportError:

@@ -64,6 +64,8 @@ class RoundRecord:
         checkpoint_seconds: writing the round's checkpoint files.
         sent_bytes: the bytes of the values sent to each device (Flower's arrays, ``.npy`` headers included).
         received_bytes: the bytes of the values each device sent back (the mean over the answers).
+        halted: why the round aggregated nothing though devices answered (secure aggregation below its
+            threshold); None otherwise.
     """
 
     server_round: int
@@ -79,6 +81,7 @@ class RoundRecord:
     left: dict[int, str] = field(default_factory=dict)
     sent_bytes: int = 0
     received_bytes: int = 0
+    halted: str | None = None
 
 
 class FleetServer:

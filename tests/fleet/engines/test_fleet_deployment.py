@@ -197,3 +197,42 @@ def test_run_config_without_artifacts_is_named() -> None:
 
     with pytest.raises(ValueError, match=r"The run config has no `model.artifacts` key; add artifacts = "):
         read_run_config({"devices.count": 2, "rounds": 1})
+
+
+@RunIf(linux=True)  # ends the processes it starts through /proc
+def test_the_deployment_runs_a_secure_round_on_two_supernodes(tmp_path: Path) -> None:
+    """The page's steps with ``secagg.enabled=true`` for one round: Flower's SecAgg+ over the SuperLink."""
+    commands, toml = _readme_steps()
+    port = _free_port()
+    here = f"127.0.0.1:{port}"
+    folder = tmp_path / "srv"
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "FLWR_HOME": str(tmp_path / "flwr-home"), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    (tmp_path / "flwr-home").mkdir()
+    (tmp_path / "flwr-home" / "config.toml").write_text(_replace(toml, SERVER, here) + "\n", encoding="utf-8")
+    export = shlex.split(_replace(commands["ort-lightning"], "/srv/fleet", str(folder)))
+    subprocess.run(export, env=env, check=True, capture_output=True, timeout=300)
+    superlink = _replace(_replace(commands["flower-superlink"], "--host 0.0.0.0", "--host 127.0.0.1"),
+                         "--port 9092", f"--port {port}")
+    supernode = _replace(commands["flower-supernode"], SERVER, here)
+    run = _replace(_replace(commands["flwr"], "/srv/fleet", str(folder)), "rounds=5",
+                   "rounds=1 secagg.enabled=true devices.min_nodes=2")
+    with ExitStack() as stack:
+        link = stack.enter_context(_started(shlex.split(superlink), tmp_path / "superlink.log", env))
+        _wait_for_port(port, link, tmp_path / "superlink.log")
+        for partition in (0, 1):
+            node = _replace(supernode, "partition-id=0", f"partition-id={partition}")
+            stack.enter_context(_started([*shlex.split(node), "--port", str(_free_port())],
+                                         tmp_path / f"supernode-{partition}.log", env))
+        flwr = stack.enter_context(_started(shlex.split(run), tmp_path / "flwr.log", env, cwd=ROOT))
+        flwr.wait(timeout=300)
+
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    assert flwr.returncode == 0, logs
+    history = json.loads((folder / "run" / "history.json").read_text(encoding="utf-8"))
+    (record,) = history["rounds"]
+    assert (record["devices"], record["halted"], record["failures"]) == (2, None, {}), logs
+    assert verify_digest(folder / "run" / "rounds" / "round-0001.ortckpt")
+    assert record["accuracy"] > history["initial"]["accuracy"] + 0.3, history
+    assert re.search(r"^2 devices, iid split, fedavg, SecAgg\+", (tmp_path / "flwr.log").read_text(), re.MULTILINE)
