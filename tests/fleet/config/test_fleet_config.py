@@ -179,7 +179,7 @@ def test_run_fleet_returns_the_history_quietly_and_a_seed_gives_the_same_run(
 
 #: What `ort-lightning fleet` may print: its header, the round lines, the total and the files it wrote.
 PRINTED = re.compile(r"\d+ devices, .* engine|round +\d+: accuracy .*|total: .*|round checkpoints: .*|history: .*|"
-                     r"plot: .*")
+                     r"plot: .*|device folder: .*")
 
 
 def _round_values(folder: Path) -> dict[str, np.ndarray]:
