@@ -135,8 +135,8 @@ def _peak_of(pid: int, peak: list[float], done: threading.Event) -> None:
             text = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             return
-        kib = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("VmHWM:"))
-        peak[0] = max(peak[0], kib / 2**20)
+        kib = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("VmHWM:")), 0)
+        peak[0] = max(peak[0], kib / 2**20)  # (a process that ended has no VmHWM)
 
 
 def _fleet(size: str, root: Path, devices: int, batches: int, ort: str) -> Any:
