@@ -213,3 +213,22 @@ def test_llama_benchmark_exports_a_tiny_llama_and_reports_each_process_peak() ->
     row = (rf"^\| `export_artifacts` \(passed, verification [\d.]+ s\) \| [\d.]+ \| \d+ MB \| {gib} \| [\d.]+x \| "
            rf"{gib} \| {gib} \|$")
     assert re.search(row, result.stdout, re.MULTILINE), result.stdout[-3000:]
+
+
+@pytest.mark.slow  # the benchmark's own script and its children
+def test_fleet_lora_benchmark_counts_the_adapters_bytes_of_a_tiny_llama() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fleet_lora", "--size", "tiny", "--devices", "2", "--rounds", "1",
+         "--batches", "1", "--runs", "in-process"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapters = re.search(r"LoRA adapters ([\d.]+) kB of ([\d.]+) MB", result.stdout)
+    assert adapters is not None, result.stdout
+    # 2 layers x 8 x (q: 64 + 64, v: 64 + 32 for 2 key/value heads of 16) float32 values: 14,336 bytes; 8 .npy
+    # headers of 128 bytes make 15,360
+    assert float(adapters.group(1)) == 14.3
+    row = re.search(r"^\| adapters only \| in-process \| ([\d.]+) kB / ([\d.]+) kB \| [\d.]+ \| nan \| [\d.]+ \|$",
+                    result.stdout, re.MULTILINE)
+    assert row is not None, result.stdout
+    assert float(row.group(1)) == float(row.group(2)) == 15.4
