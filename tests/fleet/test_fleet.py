@@ -291,7 +291,7 @@ def test_fleet_command_prints_accuracy_per_round_and_writes_each_round(tmp_path:
     ("values", "message"),
     [
         ({"data": {"partition": "shards"}}, r"Expected `data.partition` to be one of \['iid', 'label', 'dirichlet', "
-         r"'writers'\], but got 'shards'"),
+         r"'ordered', 'writers'\], but got 'shards'"),
         ({"strategy": {"name": "fedsgd"}}, r"Expected `strategy.name` to be one of \['fedavg'.*but got 'fedsgd'"),
         ({"devices": {"count": 0}}, r"Expected devices.count, devices.epochs and devices.batch_size >= 1, but got 0, "),
         ({"device": {}}, r"Unknown key `device` in the fleet config; did you mean `devices`\?"),
