@@ -126,26 +126,33 @@ def _started(
         _end(process)
 
 
-@RunIf(linux=True)  # ends the processes it starts through /proc
-def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a_lost_node(tmp_path: Path) -> None:
-    """The page's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written."""
+def _prepared(tmp_path: Path) -> tuple[dict[str, str], int, Path, dict[str, str]]:
+    """The README's steps before the SuperLink starts: Flower's config at a free port, the export into ``srv``.
+
+    Returns the page's commands, the SuperLink's port, the export's folder and the processes' environment.
+    """
     commands, toml = _readme_steps()
     port = _free_port()
-    here = f"127.0.0.1:{port}"
     folder = tmp_path / "srv"
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "FLWR_HOME": str(tmp_path / "flwr-home"), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
     (tmp_path / "flwr-home").mkdir()
-    (tmp_path / "flwr-home" / "config.toml").write_text(_replace(toml, SERVER, here) + "\n", encoding="utf-8")
-
+    (tmp_path / "flwr-home" / "config.toml").write_text(_replace(toml, SERVER, f"127.0.0.1:{port}") + "\n",
+                                                        encoding="utf-8")
     export = shlex.split(_replace(commands["ort-lightning"], "/srv/fleet", str(folder)))
     subprocess.run(export, env=env, check=True, capture_output=True, timeout=300)
     assert (folder / "artifacts" / "nominal_checkpoint").is_file()  # what the SuperNodes start from
+    return commands, port, folder, env
 
+
+@RunIf(linux=True)  # ends the processes it starts through /proc
+def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a_lost_node(tmp_path: Path) -> None:
+    """The page's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written."""
+    commands, port, folder, env = _prepared(tmp_path)
     superlink = _replace(_replace(commands["flower-superlink"], "--host 0.0.0.0", "--host 127.0.0.1"),
                          "--port 9092", f"--port {port}")
-    supernode = _replace(commands["flower-supernode"], SERVER, here)
+    supernode = _replace(commands["flower-supernode"], SERVER, f"127.0.0.1:{port}")
     # NOTE: a killed SuperNode stays listed until its heartbeats are missed (about a minute): round 2 may
     # still send it a message, which the device timeout then gives up on. The timeout leaves room for a
     # ClientApp process to start and fit on a busy 2-core machine (20 s was too short there).
@@ -202,20 +209,10 @@ def test_run_config_without_artifacts_is_named() -> None:
 @RunIf(linux=True)  # ends the processes it starts through /proc
 def test_the_deployment_runs_a_secure_round_on_two_supernodes(tmp_path: Path) -> None:
     """The page's steps with ``secagg.enabled=true`` for one round: Flower's SecAgg+ over the SuperLink."""
-    commands, toml = _readme_steps()
-    port = _free_port()
-    here = f"127.0.0.1:{port}"
-    folder = tmp_path / "srv"
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "FLWR_HOME": str(tmp_path / "flwr-home"), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-    (tmp_path / "flwr-home").mkdir()
-    (tmp_path / "flwr-home" / "config.toml").write_text(_replace(toml, SERVER, here) + "\n", encoding="utf-8")
-    export = shlex.split(_replace(commands["ort-lightning"], "/srv/fleet", str(folder)))
-    subprocess.run(export, env=env, check=True, capture_output=True, timeout=300)
+    commands, port, folder, env = _prepared(tmp_path)
     superlink = _replace(_replace(commands["flower-superlink"], "--host 0.0.0.0", "--host 127.0.0.1"),
                          "--port 9092", f"--port {port}")
-    supernode = _replace(commands["flower-supernode"], SERVER, here)
+    supernode = _replace(commands["flower-supernode"], SERVER, f"127.0.0.1:{port}")
     run = _replace(_replace(commands["flwr"], "/srv/fleet", str(folder)), "rounds=5",
                    "rounds=1 secagg.enabled=true devices.min_nodes=2")
     with ExitStack() as stack:
