@@ -116,6 +116,6 @@ test('a message of a type no handler knows is answered with an error naming the 
   const error = JSON.parse(sent[0]);
   assert.equal(error.type, 'error');
   assert.equal(error.message, 'the server sent a message of type "kick", but a device handles [welcome, admitted, ' +
-    'notice, train]; the server and the page are of different releases');
+    'notice, train, secagg]; the server and the page are of different releases');
   assert.equal(shown.at(-1).phase, 'failed');
 });

@@ -285,11 +285,6 @@ class FleetConfig:
                 "returns its weights only (onnxruntime-web saves no optimizer state); use engine local or ray to keep "
                 "it."
             )
-        if self.secagg.enabled and self.engine.name == "browser":
-            raise ConfigurationError(
-                "Expected `engine.name: local` or `ray` with `secagg.enabled: true`, but got \"browser\": the browser "
-                "engine's frames do not carry SecAgg+'s stages yet; run the fleet on engine local or ray."
-            )
         if self.secagg.enabled:
             _check_secure(self.strategy.name, self.privacy.side)
 

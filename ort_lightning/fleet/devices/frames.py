@@ -20,7 +20,8 @@ import torch
 
 from ort_lightning.errors import BatchError, DeviceReplyError
 
-__all__ = ["HEADER_LIMIT", "TYPES", "Result", "pack", "read_result", "train_frame", "unpack"]
+__all__ = ["HEADER_LIMIT", "TYPES", "Result", "decode_record", "encode_record", "pack", "read_counts", "read_result",
+           "record_frame", "train_frame", "unpack"]
 
 #: onnxruntime-web's tensor type names of the dtypes a batch may hold.
 TYPES = {torch.float32: "float32", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
@@ -28,6 +29,8 @@ TYPES = {torch.float32: "float32", torch.int64: "int64", torch.int32: "int32", t
 HEADER_LIMIT = 1 << 20
 _LENGTH = struct.Struct("<I")
 _ALIGN = 8
+#: The largest integer a page's JSON reads exactly (2**53 - 1): a larger one, a 64-bit node id, travels as a string.
+_EXACT = (1 << 53) - 1
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ def train_frame(
     *,
     local: dict[str, int] | None = None,
     clip: float | None = None,
+    secagg: dict[str, Any] | None = None,
+    layout: list[list[Any]] | None = None,
 ) -> bytes:
     """The train frame of one round: the weights and each epoch's batches, in the order the device trains them.
 
@@ -123,20 +128,88 @@ def train_frame(
     With `local` (``{"partition", "partitions", "epochs"}``) the frame carries no batches: the page
     makes its own with the fleet's data module, ``epochs`` times. With `clip` (``"clip"``, Flower's
     client-side fixed clipping), the device scales its update (trained minus sent weights) down to at
-    most that L2 norm over all values, and says the norm it had (``"update_norm"``).
+    most that L2 norm over all values, and says the norm it had (``"update_norm"``). With `secagg` (the
+    SecAgg+ collect stage's record, see `encode_record`) and `layout` (``[start, end, shape]`` of each
+    legacy parameter in the weights, in the order Flower sums them), the device masks its trained
+    values and replies a ``secagg`` frame instead of a result: its weights never travel.
 
     Raises:
         BatchError: for a batch tensor of a dtype onnxruntime-web does not take.
     """
     blobs: list[np.ndarray] = [np.ascontiguousarray(weights, dtype=np.float32)]
-    layout = [[[_tensor(tensor, blobs) for tensor in batch] for batch in epoch] for epoch in epochs]
-    examples = sum(int(batch[0]["dims"][0]) for batch in layout[0]) if layout else 0
-    header = {"type": "train", "id": message_id, "round": server_round, "weights": 0, "epochs": layout,
+    batches = [[[_tensor(tensor, blobs) for tensor in batch] for batch in epoch] for epoch in epochs]
+    examples = sum(int(batch[0]["dims"][0]) for batch in batches[0]) if batches else 0
+    header = {"type": "train", "id": message_id, "round": server_round, "weights": 0, "epochs": batches,
               "examples": examples}
     if local is not None:
         header["local"] = local
     if clip is not None:
         header["clip"] = clip
+    if secagg is not None:
+        header["secagg"] = encode_record(secagg, blobs)
+        header["layout"] = layout or []
+    return pack(header, blobs)
+
+
+def encode_record(record: dict[str, Any], blobs: list[np.ndarray]) -> list[list[Any]]:
+    """A SecAgg+ config record as JSON ``[key, value]`` pairs: bytes as ``{"bytes": blob}`` (appended to `blobs`).
+
+    Values are Flower's ``ConfigRecord`` values: numbers, strings, bytes and lists of them. An integer
+    beyond JSON's exact range in a page (a 64-bit node id) is ``{"int": "<digits>"}``. Pairs, not an
+    object, since a page's JSON reorders integer-like keys, and a node's Shamir share follows its key's place.
+    """
+    def encode(value: Any) -> Any:
+        if isinstance(value, list):
+            return [encode(item) for item in value]
+        if isinstance(value, bytes):
+            blobs.append(np.frombuffer(value, np.uint8))
+            return {"bytes": len(blobs) - 1}
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _EXACT:
+            return {"int": str(value)}
+        return value
+
+    return [[key, encode(value)] for key, value in record.items()]
+
+
+def decode_record(encoded: object, payload: memoryview, blobs: object, *, device: str) -> dict[str, Any]:
+    """The record `encode_record` wrote (the device's side writes the same), its bytes read from `payload`.
+
+    Raises:
+        DeviceReplyError: for a record that is not a list of pairs, or a blob it names that the frame lacks.
+    """
+    spans = blobs if isinstance(blobs, list) else [[0, payload.nbytes]]
+
+    def decode(value: Any) -> Any:
+        if isinstance(value, list):
+            return [decode(item) for item in value]
+        if isinstance(value, dict) and set(value) == {"int"} and str(value["int"]).lstrip("-").isdigit():
+            return int(value["int"])
+        if isinstance(value, dict) and set(value) == {"bytes"}:
+            index = value["bytes"]
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(spans):
+                raise DeviceReplyError(f"{device} sent a record naming blob {index!r}, but its frame holds "
+                                       f"{len(spans)}; use the fleet's page.")
+            at, size = spans[index]
+            if at + size > payload.nbytes:
+                raise DeviceReplyError(f"{device} sent a frame whose blob {index} ends past its payload; use the "
+                                       "fleet's page.")
+            return bytes(payload[at : at + size])
+        if isinstance(value, dict):
+            raise DeviceReplyError(f"{device} sent a record value {str(value)[:60]}, but a number, a string, "
+                                   "{\"bytes\": blob} or {\"int\": digits} was expected; use the fleet's page.")
+        return value
+
+    if not isinstance(encoded, list) or not all(isinstance(p, list) and len(p) == 2 for p in encoded):
+        raise DeviceReplyError(f"{device} sent a SecAgg+ record that is {str(encoded)[:60]}, not a list of [key, "
+                               "value] pairs; use the fleet's page.")
+    return {str(key): decode(value) for key, value in encoded}
+
+
+def record_frame(message_id: str, server_round: int, node: int, record: dict[str, Any]) -> bytes:
+    """A ``secagg`` frame: a SecAgg+ key stage's record (setup, share keys, unmask) for Flower node `node`."""
+    blobs: list[np.ndarray] = []
+    header = {"type": "secagg", "id": message_id, "round": server_round, "node": str(node)}
+    header["record"] = encode_record(record, blobs)
     return pack(header, blobs)
 
 
@@ -190,6 +263,17 @@ def read_result(
         raise DeviceReplyError(f"{device} sent {bad.size} non-finite weights (NaN or infinite, the first at index "
                                f"{int(bad[0])}); the device is refused and its round goes on without it (lower the lr "
                                "if every device diverges).")
+    return Result(weights, *read_counts(header, device=device, given=given, stated=stated))
+
+
+def read_counts(
+    header: dict[str, Any], *, device: str, given: int, stated: bool = False
+) -> tuple[int, int, list[float], int | None]:
+    """A reply's examples, steps, losses and last epoch's steps (`read_result`'s checks, for a masked reply too).
+
+    Raises:
+        DeviceReplyError: for an example count out of bounds, counts or losses that are not numbers.
+    """
     examples = _count(header, "examples", device)
     if not 1 <= examples <= given:
         if stated:
@@ -199,5 +283,4 @@ def read_result(
         raise DeviceReplyError(f"{device} claims {examples} examples, but it was given {given} per epoch; a device may "
                                f"claim 1 to {given}, so the device is refused.")
     losses = _losses(header, device)
-    return Result(weights, examples, _count(header, "steps", device), losses,
-                  _last_epoch_steps(header, len(losses)))
+    return examples, _count(header, "steps", device), losses, _last_epoch_steps(header, len(losses))

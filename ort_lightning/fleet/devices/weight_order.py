@@ -64,6 +64,11 @@ class WeightOrder:
         return order
 
     @property
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Each tensor's ``(start, end)`` in the buffer, by name."""
+        return {name: (start, end) for name, _, start, end in self._spans}
+
+    @property
     def names(self) -> list[str]:
         """The tensors' names, in order."""
         return [name for name, _ in self.tensors]

@@ -240,7 +240,6 @@ def test_strategies_that_need_each_update_are_refused_in_one_line(name: str) -> 
 @pytest.mark.parametrize(("values", "message"), [
     ({"strategy": {"name": "fedadam"}}, "Expected `strategy.name: fedavg` with `secagg.enabled: true`"),
     ({"privacy": {"side": "server"}}, "server-side clipping clips each device's update"),
-    ({"engine": {"name": "browser"}}, "the browser engine's frames do not carry SecAgg"),
 ])
 def test_what_secure_aggregation_cannot_serve_is_refused(values: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):

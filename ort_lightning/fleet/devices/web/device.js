@@ -18,12 +18,18 @@
 // calls the module's `batches({partition, partitions, round, epoch, inputNames})` once per local epoch
 // and trains what it returns, so the data never leaves the device.
 //
+// A fleet that runs Flower's SecAgg+ sends its key stages (setup, share keys, unmask) as `secagg` frames, which
+// the device's `SecAggPlusClient` (secagg.js) answers, and its collect stage as a train frame with the stage's
+// record (`secagg`) and the legacy parameters' places (`layout`): the device trains, masks its trained values and
+// sends them as a `secagg` frame. Its weights never leave it in clear.
+//
 // What differs between a page and Node comes in as `host`: how to import a module and read bytes by URL,
 // where to show the device's status, and runner.js's `openDevice` (a page imports it from the fleet's
 // server, Node from the package's files).
 
 import {CLOSE, MESSAGE} from '../../../web/wire.js';
-import {readTrain, resultFrame, unpack} from './frames.js';
+import {decodeRecord, readTrain, recordFrame, resultFrame, unpack} from './frames.js';
+import {SecAggPlusClient} from './secagg.js';
 
 /** Seconds since `start` (a performance.now() value). */
 const since = (start) => (performance.now() - start) / 1000;
@@ -53,6 +59,8 @@ export class FleetDevice {
     /** Bytes of device files this device downloaded (none for a file it already held). */
     this.downloaded = 0;
     this.data = null;
+    /** This round's SecAgg+ client (secagg.js), made at its setup stage. */
+    this.secagg = null;
     // NOTE: one frame at a time, in order: a train frame must wait for the files the welcome fetches.
     this.queue = Promise.resolve();
   }
@@ -154,11 +162,45 @@ export class FleetDevice {
         losses: run.losses, seconds, last_epoch_steps: run.lastEpochSteps, first_step_seconds: run.firstStep,
         open_seconds: (started - opened) / 1000};
       if (typeof header.clip === 'number') reply.update_norm = clip(trained, weights, header.clip);
-      this.host.send(resultFrame(reply, trained));
+      if (header.secagg) {
+        const masked = await this.masked(header, buffer, trained, run.examples);
+        this.host.send(recordFrame({...reply, type: MESSAGE.secagg}, masked));
+      } else {
+        this.host.send(resultFrame(reply, trained));
+      }
       this.update({phase: 'sent', rounds: this.status.rounds + 1, loss: run.losses.at(-1)});
     } finally {
       await device.release();
     }
+  }
+
+  /** A SecAgg+ key stage (setup, share keys, unmask): the client's answer, as a `secagg` frame. */
+  async secureStage(buffer) {
+    const frame = unpack(buffer);
+    const {header} = frame;
+    const pairs = decodeRecord(header.record, frame);
+    const record = Object.fromEntries(pairs);
+    if (record.stage === 'setup') this.secagg = new SecAggPlusClient({nodeId: BigInt(header.node)});
+    if (this.secagg === null) {
+      throw new Error(`the server asked for SecAgg+'s ${record.stage} stage, but this device has not set up the ` +
+        `round (it joined or reloaded after the setup stage); it sits this round out`);
+    }
+    const answer = record.stage === 'setup' ? await this.secagg.setup(record)
+      : record.stage === 'share_keys' ? await this.secagg.shareKeys(pairs.filter(([key]) => key !== 'stage'))
+        : this.secagg.unmask(record);
+    this.update({phase: `secure ${record.stage}`, round: header.round});
+    this.host.send(recordFrame({type: MESSAGE.secagg, id: header.id, round: header.round}, answer));
+  }
+
+  /** SecAgg+'s collect stage after training: the trained values, per legacy parameter, masked. */
+  async masked(header, buffer, trained, examples) {
+    if (this.secagg === null) {
+      throw new Error("the server asked for SecAgg+'s masked vectors, but this device has not set up the round " +
+        '(it joined or reloaded after the setup stage); it sits this round out');
+    }
+    const record = Object.fromEntries(decodeRecord(header.secagg, unpack(buffer)));
+    const arrays = header.layout.map(([start, end, shape]) => ({values: trained.subarray(start, end), shape}));
+    return this.secagg.collectMaskedVectors(record, {numExamples: examples, arrays});
   }
 
   /** The round's local epochs, a batch at a time (so that a view follows the steps). */
@@ -199,6 +241,7 @@ export const HANDLERS = Object.freeze({
   [MESSAGE.admitted]: (device, message) => device.admitted(message),
   [MESSAGE.notice]: (device, message) => device.update({notice: message.message}),
   [MESSAGE.train]: (device, header, buffer) => device.train(buffer),
+  [MESSAGE.secagg]: (device, header, buffer) => device.secureStage(buffer),
 });
 
 /**

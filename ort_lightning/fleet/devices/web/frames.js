@@ -118,3 +118,57 @@ export function readTrain(buffer) {
 export function resultFrame(header, weights) {
   return pack(header, [weights]);
 }
+
+/**
+ * A SecAgg+ record's [key, value] pairs as a frame carries them: bytes as {bytes: blob} (appended to `blobs`),
+ * bigints (node ids) as {int: digits}; numbers and strings as they are (frames.py's encode_record).
+ *
+ * @param {object} record The record, by key (in the order the server sent its keys).
+ * @param {Array<ArrayBufferView>} blobs The frame's blobs, appended to.
+ * @returns {Array<Array<*>>} The pairs.
+ */
+export function encodeRecord(record, blobs) {
+  const encode = (value) => {
+    if (Array.isArray(value)) return value.map(encode);
+    if (value instanceof Uint8Array) {
+      blobs.push(value);
+      return {bytes: blobs.length - 1};
+    }
+    return typeof value === 'bigint' ? {int: String(value)} : value;
+  };
+  return Object.entries(record).map(([key, value]) => [key, encode(value)]);
+}
+
+/**
+ * A frame's SecAgg+ record as [key, value] pairs, its bytes viewed in place and its {int} values as bigints.
+ *
+ * @param {Array<Array<*>>} pairs The header's record.
+ * @param {{blob: function(number): Uint8Array}} frame What `unpack` returned.
+ * @returns {Array<Array<*>>} The decoded pairs, in the server's order (a node's share follows its place).
+ */
+export function decodeRecord(pairs, frame) {
+  const decode = (value) => {
+    if (Array.isArray(value)) return value.map(decode);
+    if (value !== null && typeof value === 'object' && 'bytes' in value) return frame.blob(value.bytes);
+    if (value !== null && typeof value === 'object' && 'int' in value) return BigInt(value.int);
+    return value;
+  };
+  if (!Array.isArray(pairs)) {
+    throw new Error(`the server sent a SecAgg+ record that is ${JSON.stringify(pairs)?.slice(0, 60)}, not [key, ` +
+      'value] pairs; the server and the page are of different releases');
+  }
+  return pairs.map(([key, value]) => [key, decode(value)]);
+}
+
+/**
+ * A secagg frame: one SecAgg+ stage's record, its bytes as blobs.
+ *
+ * @param {object} header {type: 'secagg', id, round, ...}.
+ * @param {object} record The stage's answer, by key.
+ * @returns {Uint8Array} The frame.
+ */
+export function recordFrame(header, record) {
+  const blobs = [];
+  const encoded = encodeRecord(record, blobs);
+  return pack({...header, record: encoded}, blobs);
+}

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import uvicorn
 from flwr.app import Context, RecordDict
@@ -26,10 +27,14 @@ from ort_lightning.fleet.engines.browser.hub import BrowserDevice, Hub, OnEvent,
 from ort_lightning.fleet.engines.browser.site import web_app
 from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files
 from ort_lightning.fleet.engines.local import _RUN_ID
+from ort_lightning.fleet.server.secure import SecureFleetServer
 from ort_lightning.fleet.server.server_app import FleetServer
 from ort_lightning.web import find_ort_web
 
 __all__ = ["BrowserFleet"]
+
+#: A fleet's server: plain rounds (`FleetServer`) or rounds through Flower's SecAgg+ (`SecureFleetServer`).
+Server = TypeVar("Server", bound=FleetServer | SecureFleetServer)
 
 _LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
 
@@ -139,8 +144,10 @@ class BrowserFleet:
         self.served: dict[str, int] = {}
         self.hub = Hub(partitions=devices, weight_order=self.exchange.sent, device_timeout=device_timeout,
                        on_event=on_event)
-        #: The largest frame a page may send: its weights and a header of at most HEADER_LIMIT bytes.
-        self.frame_limit = 4 * self.hub.parameters + HEADER_LIMIT + 16
+        #: The largest frame a page may send: its weights, or SecAgg+'s masked vectors (int64 .npy, one per tensor
+        #: and the weight's), and a header of at most HEADER_LIMIT bytes.
+        tensors = len(self.hub.weight_order.tensors) + 1
+        self.frame_limit = 8 * self.hub.parameters + (128 + 8) * tensors + HEADER_LIMIT + 16
         self._app = web_app(self.hub, token=self.token, files=files.by_role(), ort=find_ort_web(ort_web),
                             frame_limit=self.frame_limit, page_data=self.page_data, fleet=name,
                             exchange=self.exchange.describe(), served=self.served)
@@ -194,14 +201,15 @@ class BrowserFleet:
         """Block until `min_devices` browsers have joined (or `timeout` seconds pass); whether they have."""
         return self.hub.wait_for(self.min_devices, timeout)
 
-    def run(self, server: FleetServer, *, join_timeout: float | None = None) -> FleetServer:
+    def run(self, server: Server, *, join_timeout: float | None = None) -> Server:
         """Serve, wait for the browsers, and run `server`'s rounds over them (`BrowserGrid`).
 
         Once the rounds are over, every page is told that the run finished (close code 4000, `hub.RUN_FINISHED`):
         it shows so and does not try to join again, as it does after a server restart.
 
         Args:
-            server: the fleet's server (its strategy, rounds, checkpoints, evaluation).
+            server: the fleet's server (its strategy, rounds, checkpoints, evaluation); a `SecureFleetServer`
+                runs Flower's SecAgg+ over the pages, which then send masked vectors, never their weights.
             join_timeout: seconds to wait for `devices` browsers (None: no limit).
 
         Raises:
@@ -236,7 +244,7 @@ class BrowserFleet:
     ) -> None:
         self.close()
 
-    def _check(self, server: FleetServer) -> None:
+    def _check(self, server: FleetServer | SecureFleetServer) -> None:
         theirs = {name: tuple(array.shape) for name, array in server.model.arrays().items()}
         ours = dict(self.hub.weight_order.tensors)
         if theirs != ours:

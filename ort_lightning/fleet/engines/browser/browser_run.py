@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader
 from ort_lightning.fleet.config.fleet_config import FleetConfig
 from ort_lightning.fleet.devices.protocol import DataFn
 from ort_lightning.fleet.engines.browser.browser_fleet import BrowserFleet
-from ort_lightning.fleet.server.assembly import device_folder, fleet_server
+from ort_lightning.fleet.server.assembly import device_folder, fleet_server, secure_server
 from ort_lightning.fleet.server.report import report
+from ort_lightning.fleet.server.secure import SecureFleetServer
 from ort_lightning.fleet.server.server_app import FleetServer
 
 __all__ = ["run_browser_experiment"]
@@ -38,7 +39,7 @@ def run_browser_experiment(
     *,
     test: DataLoader | None = None,
     echo: bool = True,
-) -> FleetServer:
+) -> FleetServer | SecureFleetServer:
     """Serve the fleet's page, wait for ``devices.count`` browsers, run the rounds; print and write as the others do.
 
     Args:
@@ -53,7 +54,7 @@ def run_browser_experiment(
         The `FleetServer`, whose ``history`` holds each round's record.
     """
     web = device_folder(config, artifacts)
-    server = fleet_server(config, artifacts, test)
+    server = secure_server(config, artifacts, test) if config.secagg.enabled else fleet_server(config, artifacts, test)
     engine, devices = config.engine, config.devices
     shipped = None if engine.page_data else data
     on_event = (lambda event: print(f"  {event.describe()}", flush=True)) if echo else None

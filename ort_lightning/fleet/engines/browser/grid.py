@@ -7,23 +7,31 @@ device's batches for each local epoch), so the browsers train in parallel, and
 (``arrays``, ``metrics`` with ``num-examples``, ``train_loss``, ``fit_seconds``). A browser that
 closes, is refused or exceeds the device timeout answers with an error reply, as a failed
 node does in Flower's runtimes, and the strategy aggregates the others.
+
+Flower's SecAgg+ workflow runs over the same frames: its key stages travel as ``secagg`` frames
+(`record_frame`), and its collect stage as a train frame carrying the stage's record, which the
+device answers with its masked vectors instead of its weights. Only the thread that runs the
+server waits for devices in `get_node_ids`: the legacy workflow polls from a thread of its own too.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
+from typing import Any
 from uuid import uuid4
 
-import numpy as np
 import torch
-from flwr.app import Message, MessageType
+from flwr.app import ArrayRecord, Message, MessageType
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
 
 from ort_lightning.errors import FleetError
-from ort_lightning.fleet.devices.frames import train_frame
+from ort_lightning.fleet.devices.frames import record_frame, train_frame
+from ort_lightning.fleet.devices.legacy_fit import fit_request, stage_of
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY
-from ort_lightning.fleet.engines.browser.hub import Hub
+from ort_lightning.fleet.engines.browser.hub import Asked, Hub
 from ort_lightning.fleet.engines.browser.reply import clipping_norm
 from ort_lightning.fleet.engines.local import ServerGrid
 
@@ -67,6 +75,7 @@ class BrowserGrid(ServerGrid):
         self._ids = count()
         self._floor = floor
         self._wait_timeout = wait_timeout
+        self._server_thread = threading.current_thread()
 
     def get_node_ids(self) -> Iterable[int]:
         """The node ids of the browsers that are ready, in joining order; waits (bounded) while they are too few.
@@ -75,7 +84,10 @@ class BrowserGrid(ServerGrid):
             FleetError: fewer than the strategy's minimum stayed connected for `wait_timeout` seconds.
         """
         # NOTE: Flower's strategies poll this once a second, for ever, while fewer nodes than their minimum are
-        # connected; waiting here, with a bound, is what ends a run whose devices have gone.
+        # connected; waiting here, with a bound, is what ends a run whose devices have gone. The legacy workflow's
+        # own polling thread must not wait: the run's end joins it.
+        if threading.current_thread() is not self._server_thread:
+            return self._hub.node_ids()
         if not self._hub.wait_for(self._floor, self._wait_timeout):
             connected = len(self._hub.node_ids())
             raise FleetError(f"The fleet waited {self._wait_timeout:g} s after round {self._hub.server_round} for "
@@ -107,32 +119,52 @@ class BrowserGrid(ServerGrid):
         """Send every message, then wait up to `timeout` seconds for the replies (each device has its own timeout)."""
         return self._hub.collect(list(self.push_messages(messages)), wait=timeout, close=True)
 
-    def _frame(self, message: Message) -> tuple[Message, bytes, int, int | None, int] | None:
-        """What `Hub.send` takes for a train message: (message, frame, examples given, last epoch's steps, round)."""
+    def _frame(self, message: Message) -> tuple[Message, bytes, Asked] | None:
+        """What `Hub.send` takes for a train message (a SecAgg+ stage's included): the message, its frame, its ask."""
         if message.metadata.message_type != MessageType.TRAIN:
             kind = message.metadata.message_type
             self._hub.answer(message, f"browser devices answer train messages only, not {kind!r}; pass the strategy "
                                       "fraction_evaluate=0.0 (the server evaluates the global model on its test data)")
             return None
-        device = self._hub.device(message.metadata.dst_node_id)
+        node = message.metadata.dst_node_id
+        device = self._hub.device(node)
         if device is None:
-            self._hub.answer(message, f"node {message.metadata.dst_node_id} is not a connected browser (it left)")
+            self._hub.answer(message, f"node {node} is not a connected browser (it left)")
             return None
-        server_round = _round(message)
+        server_round, stage = _round(message), stage_of(message)
+        if stage is not None and stage != Stage.COLLECT_MASKED_VECTORS:
+            record = dict(message.content.config_records[RECORD_KEY_CONFIGS])
+            return message, record_frame(message.metadata.message_id, server_round, node, record), Asked(
+                0, None, server_round, stage)
+        arrays, clip, secagg, layout, shapes = self._content(message)
+        epochs: Epochs = [] if isinstance(self._batches, PageData) else self._batches(device.partition)
+        local = None
         if isinstance(self._batches, PageData):
             local = {"partition": device.partition, "partitions": self._hub.partitions, "epochs": self._batches.epochs}
-            frame = train_frame(message.metadata.message_id, server_round, self._flat(message), [], local=local,
-                                clip=clipping_norm(message))
-            return message, frame, self._batches.max_examples, None, server_round
-        epochs = self._batches(device.partition)
-        frame = train_frame(message.metadata.message_id, server_round, self._flat(message), epochs,
-                            clip=clipping_norm(message))
+        frame = train_frame(message.metadata.message_id, server_round, self._hub.weight_order.flat(arrays), epochs,
+                            local=local, clip=clip, secagg=secagg, layout=layout)
+        if isinstance(self._batches, PageData):
+            return message, frame, Asked(self._batches.max_examples, None, server_round, stage, clip, shapes)
         given = sum(int(batch[0].shape[0]) for batch in epochs[0])
-        return message, frame, given, len(epochs[-1]), server_round
+        return message, frame, Asked(given, len(epochs[-1]), server_round, stage, clip, shapes)
 
-    def _flat(self, message: Message) -> np.ndarray:
-        """The message's arrays as one float32 buffer in the hub's `WeightOrder`."""
-        return self._hub.weight_order.flat(message.content.array_records[ARRAYS_KEY])
+    def _content(self, message: Message) -> tuple[ArrayRecord, float | None, dict[str, Any] | None,
+                                                  list[list[Any]] | None, tuple[tuple[int, ...], ...]]:
+        """A train message's arrays and clipping norm; at SecAgg+'s collect stage, its record and the legacy layout.
+
+        The layout is ``[start, end, shape]`` of each legacy parameter in the flat weights, in the order Flower
+        sums the masked vectors.
+        """
+        if stage_of(message) is None:
+            return message.content.array_records[ARRAYS_KEY], clipping_norm(message), None, None, ()
+        request = fit_request(message.content)
+        arrays = request.array_records[ARRAYS_KEY]
+        spans = self._hub.weight_order.spans
+        layout = [[*spans[name], list(arrays[name].shape)] for name in arrays]
+        record = dict(message.content.config_records[RECORD_KEY_CONFIGS])
+        clip = request.config_records["config"].get("clipping_norm")
+        shapes = tuple(tuple(arrays[name].shape) for name in arrays)
+        return arrays, None if clip is None else float(clip), record, layout, shapes  # type: ignore[arg-type]
 
 
 def _round(message: Message) -> int:
@@ -144,9 +176,18 @@ def _round(message: Message) -> int:
 
 
 def strategy_floor(strategy: object) -> int:
-    """The fewest devices a round of `strategy` needs: its ``min_available_nodes`` and ``min_train_nodes`` (else 1)."""
-    # NOTE: Flower's DP wrappers and the fleet's checkpointing hold the strategy that samples as `.strategy`.
-    while not hasattr(strategy, "min_train_nodes") and hasattr(strategy, "strategy"):
-        strategy = strategy.strategy
-    minimums = [getattr(strategy, key, 1) for key in ("min_available_nodes", "min_train_nodes")]
+    """The fewest devices a round of `strategy` needs: its minimums of available and training nodes (else 1).
+
+    Flower's Message-API strategies call them ``min_available_nodes`` and ``min_train_nodes``, its legacy ones
+    (which SecAgg+ runs) ``min_available_clients`` and ``min_fit_clients``.
+    """
+    # NOTE: Flower's DP wrappers and the fleet's checkpointing hold the strategy that samples as `.strategy`; the
+    # secure server's round keeper as `.inner`.
+    keys = ("min_available_nodes", "min_train_nodes", "min_available_clients", "min_fit_clients")
+    while not any(hasattr(strategy, key) for key in keys):
+        inner = getattr(strategy, "strategy", getattr(strategy, "inner", None))
+        if inner is None:
+            break
+        strategy = inner
+    minimums = [getattr(strategy, key, 1) for key in keys]
     return max(1, *(int(value) for value in minimums if isinstance(value, int)))

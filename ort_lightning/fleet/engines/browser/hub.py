@@ -23,19 +23,22 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from flwr.app import Error, Message, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from ort_lightning.errors import DeviceReplyError
-from ort_lightning.fleet.devices.frames import Result, read_result, unpack
+from ort_lightning.fleet.devices.frames import Result, decode_record, read_counts, read_result, unpack
+from ort_lightning.fleet.devices.legacy_fit import masked_reply, stage_reply
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, LEFT_ERROR_CODE, METRICS_KEY
 from ort_lightning.fleet.devices.weight_order import WeightOrder
 from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
-from ort_lightning.fleet.engines.browser.reply import clipping_norm, reply_records
+from ort_lightning.fleet.engines.browser.reply import reply_metrics, reply_records
 from ort_lightning.fleet.engines.local import CLIENT_ERROR_CODE
 from ort_lightning.web import wire
 
-__all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
+__all__ = ["RUN_FINISHED", "Asked", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
 _LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
 _CLOSES: dict[str, int] = wire()["closes"]
@@ -44,6 +47,9 @@ _CLOSES: dict[str, int] = wire()["closes"]
 POLICY_VIOLATION = _CLOSES["refused"]
 TOO_BIG = _CLOSES["too_big"]
 RUN_FINISHED = _CLOSES["run_finished"]
+#: SecAgg+'s collect stage: the device trains, then masks.
+_COLLECT = Stage.COLLECT_MASKED_VECTORS
+_NO_WEIGHTS = np.empty(0, np.float32)
 
 #: Sends a coroutine to the web server's event loop (a socket's send or close); its future, to wait for it.
 Schedule = Callable[[Coroutine[Any, Any, None]], concurrent.futures.Future[None]]
@@ -91,6 +97,33 @@ class _Owed:
     last_epoch: int | None
     deadline: float
     server_round: int
+    #: The SecAgg+ stage the message asks for (None: a plain round, answered with the weights).
+    stage: str | None = None
+    #: The norm the device clips its update to (client-side DP), None when it does not.
+    clip: float | None = None
+    #: The legacy parameters' shapes, whose masked vectors the collect stage's answer holds.
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a frame asks of its device, for checking the answer (`Hub.send`).
+
+    Attributes:
+        given: the examples per epoch the device was given (or may claim, with the page's own data).
+        last_epoch: the last epoch's steps (None: the page made its own batches and says).
+        server_round: the round.
+        stage: the SecAgg+ stage (None: a plain round).
+        clip: the client-side DP clipping norm, if any.
+        shapes: the legacy parameters' shapes, at SecAgg+'s collect stage.
+    """
+
+    given: int
+    last_epoch: int | None
+    server_round: int
+    stage: str | None = None
+    clip: float | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class Hub:
@@ -232,9 +265,12 @@ class Hub:
             if isinstance(frame, dict):
                 raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
                                        f"{frame.get('message', 'no reason given')}")
-            result = read_result(header, payload, device=device.name, parameters=self.parameters, given=owed.given,
-                                 stated=owed.last_epoch is None)
-            reply = self._reply(owed, header, result)
+            if owed.stage is not None:
+                reply = self._secure(owed, header, payload)
+            else:
+                result = read_result(header, payload, device=device.name, parameters=self.parameters,
+                                     given=owed.given, stated=owed.last_epoch is None)
+                reply = self._reply(owed, header, result)
         except DeviceReplyError as error:
             self._refused(device, owed.server_round, str(error))
             return
@@ -248,8 +284,23 @@ class Hub:
     def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
         """The checked result as Flower's reply to the message it answers."""
         arrays, metrics = reply_records(result, header, self.weight_order, last_epoch=owed.last_epoch,
-                                        clip=clipping_norm(owed.message), device=owed.device.name)
+                                        clip=owed.clip, device=owed.device.name)
         return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
+
+    def _secure(self, owed: _Owed, header: dict[str, Any], payload: memoryview) -> Message:
+        """A SecAgg+ stage's checked answer as ``secaggplus_mod``'s reply (the collect stage's without weights)."""
+        name, stage = owed.device.name, str(owed.stage)
+        if header.get("type") != "secagg":
+            raise DeviceReplyError(f"{name} answered SecAgg+'s {stage} stage with a {header.get('type')!r} frame, but "
+                                   "a 'secagg' frame was expected; the device is refused (its page predates secure "
+                                   "aggregation: reload it from the fleet's URL).")
+        record = decode_record(header.get("record"), payload, header.get("blobs"), device=name)
+        if stage != _COLLECT:
+            return Message(stage_reply(stage, record, device=name), reply_to=owed.message)
+        counts = read_counts(header, device=name, given=owed.given, stated=owed.last_epoch is None)
+        metrics = reply_metrics(Result(_NO_WEIGHTS, *counts), header, last_epoch=owed.last_epoch, clip=owed.clip,
+                                device=name)
+        return Message(masked_reply(record, owed.shapes, counts[0], metrics, device=name), reply_to=owed.message)
 
     def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:
         """A reply that failed its checks: on the ledger, and its device dropped."""
@@ -299,18 +350,19 @@ class Hub:
         with self._changed:
             return self._changed.wait_for(lambda: len(self._devices) >= count, timeout)
 
-    def send(self, message: Message, frame: bytes, given: int, last_epoch: int | None, server_round: int) -> None:
-        """Send `frame` to the message's device; its reply (or failure) comes to `collect`."""
+    def send(self, message: Message, frame: bytes, asked: Asked) -> None:
+        """Send `frame` to the message's device; its reply (or failure), checked against `asked`, comes to `collect`."""
         node_id = message.metadata.dst_node_id
         with self._changed:
             device = self._devices.get(node_id)
             if device is None or device.send is None or self._schedule is None:
                 self._fail(message, f"node {node_id} is not a connected browser (it left the fleet)")
                 return
-            self._owed[message.metadata.message_id] = _Owed(device, message, given, last_epoch,
-                                                            time.monotonic() + self.device_timeout, server_round)
-            self.server_round = max(self.server_round, server_round)
-        _LOG.debug("round %d: sent %d bytes to %s", server_round, len(frame), device.name)
+            self._owed[message.metadata.message_id] = _Owed(
+                device, message, asked.given, asked.last_epoch, time.monotonic() + self.device_timeout,
+                asked.server_round, asked.stage, asked.clip, asked.shapes)
+            self.server_round = max(self.server_round, asked.server_round)
+        _LOG.debug("round %d: sent %d bytes to %s", asked.server_round, len(frame), device.name)
         self._schedule(device.send(frame))
 
     def answer(self, message: Message, reason: str) -> None:

@@ -24,7 +24,7 @@ from ort_lightning.fleet.devices.frames import Result
 from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
 from ort_lightning.fleet.devices.weight_order import WeightOrder
 
-__all__ = ["clipping_norm", "reply_records"]
+__all__ = ["clipping_norm", "reply_metrics", "reply_records"]
 
 
 def _timings(header: dict[str, Any]) -> dict[str, float]:
@@ -58,7 +58,20 @@ def reply_records(
     result: Result, header: dict[str, Any], weight_order: WeightOrder, *, last_epoch: int | None,
     clip: float | None = None, device: str = "the device",
 ) -> tuple[ArrayRecord, MetricRecord]:
-    """The reply's arrays (named by `weight_order`) and metrics; `last_epoch`: its steps, else the device's count.
+    """The reply's arrays (named by `weight_order`) and metrics (`reply_metrics`).
+
+    Raises:
+        DeviceReplyError: a device asked to clip that sent no update norm.
+    """
+    metrics = reply_metrics(result, header, last_epoch=last_epoch, clip=clip, device=device)
+    return weight_order.record(result.weights), MetricRecord(dict(metrics))
+
+
+def reply_metrics(
+    result: Result, header: dict[str, Any], *, last_epoch: int | None, clip: float | None = None,
+    device: str = "the device",
+) -> dict[str, int | float]:
+    """The reply's metrics; `last_epoch`: its steps, else the device's count (a masked reply has no weights).
 
     With `clip` (client-side DP), the metrics hold Flower's ``norm_bit`` from the device's ``update_norm``.
 
@@ -69,10 +82,10 @@ def reply_records(
     last = result.losses[-steps:] if steps else []
     timings = _timings(header)
     rate = result.steps / timings["fit_seconds"] if timings["fit_seconds"] > 0 else math.nan
-    metrics: dict[str, int | float | list[int] | list[float]] = {
+    metrics: dict[str, int | float] = {
         WEIGHT_KEY: result.examples, "train_loss": float(np.mean(last)) if last else math.nan,
         "steps": result.steps, "steps_per_second": rate, **timings,
     }
     if clip is not None:
         metrics["norm_bit"] = _norm_bit(header, clip, device)
-    return weight_order.record(result.weights), MetricRecord(metrics)
+    return metrics

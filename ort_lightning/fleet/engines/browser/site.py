@@ -40,7 +40,9 @@ __all__ = ["ROLES", "SCRIPTS", "web_app"]
 #: The device files by the names runner.js's openDevice takes.
 ROLES = ("training", "eval", "optimizer", "checkpoint")
 #: The page's scripts by their folder in the package: the devices' room, and `ort_lightning.web` (runner and wire).
-SCRIPTS = {"fleet/devices/web": ("page.js", "device.js", "frames.js"), "web": ("runner.js", "wire.js", "wire.json")}
+SCRIPTS = {"fleet/devices/web": ("page.js", "device.js", "frames.js", "secagg.js", "secagg_crypto.js",
+                                 "secagg_shamir.js", "secagg_masks.js"),
+           "web": ("runner.js", "wire.js", "wire.json")}
 #: Where the device's scripts and page lie: the devices' room (`ort_lightning.fleet.devices`), beside their frames.
 _SCRIPTS = Path(__file__).resolve().parents[2] / "devices" / "web"
 #: WebSocket close code of a page that leaves on purpose (its leave button; wire.json's ``left``).
@@ -175,8 +177,8 @@ class _Site:
 
 
 #: The device's messages this site handles (wire.json's device messages): text frames here, the binary result in
-#: `Hub.receive`.
-HANDLED = {"ready": "text", "error": "text", "result": "binary"}
+#: `Hub.receive` (a SecAgg+ stage's answer too).
+HANDLED = {"ready": "text", "error": "text", "result": "binary", "secagg": "binary"}
 _TEXT = tuple(kind for kind, frame in HANDLED.items() if frame == "text")
 #: What a device's text frame must be: a JSON object of these types (results travel as binary frames).
 _EXPECTED = "a JSON object of type 'ready' or 'error' (results travel as binary frames); use the fleet's page"
