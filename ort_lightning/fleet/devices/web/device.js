@@ -188,7 +188,7 @@ export class FleetDevice {
     const answer = record.stage === 'setup' ? await this.secagg.setup(record)
       : record.stage === 'share_keys' ? await this.secagg.shareKeys(pairs.filter(([key]) => key !== 'stage'))
         : this.secagg.unmask(record);
-    this.update({phase: `secure ${record.stage}`, round: header.round});
+    this.update({phase: 'securing', stage: record.stage, round: header.round});
     this.host.send(recordFrame({type: MESSAGE.secagg, id: header.id, round: header.round}, answer));
   }
 

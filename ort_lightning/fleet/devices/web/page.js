@@ -21,6 +21,8 @@ function describe(status) {
       return `round ${status.round}, epoch ${status.epoch}/${status.epochs}, step ${status.step}/${status.steps}${loss}`;
     case 'sent':
       return `round ${status.round} sent${loss}; waiting for the next round`;
+    case 'securing':
+      return `round ${status.round}: secure aggregation, ${status.stage.replaceAll('_', ' ')} stage`;
     case 'waiting':
       return `ready (${status.parameters} parameters); waiting for a round`;
     case 'disconnected':
