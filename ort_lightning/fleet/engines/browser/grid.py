@@ -136,35 +136,48 @@ class BrowserGrid(ServerGrid):
             record = dict(message.content.config_records[RECORD_KEY_CONFIGS])
             return message, record_frame(message.metadata.message_id, server_round, node, record), Asked(
                 0, None, server_round, stage)
-        arrays, clip, secagg, layout, shapes = self._content(message)
+        content = self._content(message)
         epochs: Epochs = [] if isinstance(self._batches, PageData) else self._batches(device.partition)
         local = None
         if isinstance(self._batches, PageData):
             local = {"partition": device.partition, "partitions": self._hub.partitions, "epochs": self._batches.epochs}
-        frame = train_frame(message.metadata.message_id, server_round, self._hub.weight_order.flat(arrays), epochs,
-                            local=local, clip=clip, secagg=secagg, layout=layout)
+        frame = train_frame(message.metadata.message_id, server_round, self._hub.weight_order.flat(content.arrays),
+                            epochs, local=local, clip=content.clip, secagg=content.secagg, layout=content.layout)
         if isinstance(self._batches, PageData):
-            return message, frame, Asked(self._batches.max_examples, None, server_round, stage, clip, shapes)
+            return message, frame, Asked(self._batches.max_examples, None, server_round, stage, content.clip,
+                                         content.shapes)
         given = sum(int(batch[0].shape[0]) for batch in epochs[0])
-        return message, frame, Asked(given, len(epochs[-1]), server_round, stage, clip, shapes)
+        return message, frame, Asked(given, len(epochs[-1]), server_round, stage, content.clip, content.shapes)
 
-    def _content(self, message: Message) -> tuple[ArrayRecord, float | None, dict[str, Any] | None,
-                                                  list[list[Any]] | None, tuple[tuple[int, ...], ...]]:
-        """A train message's arrays and clipping norm; at SecAgg+'s collect stage, its record and the legacy layout.
-
-        The layout is ``[start, end, shape]`` of each legacy parameter in the flat weights, in the order Flower
-        sums the masked vectors.
-        """
+    def _content(self, message: Message) -> _TrainContent:
+        """A train message's content; at SecAgg+'s collect stage, read from Flower's legacy fit instruction."""
         if stage_of(message) is None:
-            return message.content.array_records[ARRAYS_KEY], clipping_norm(message), None, None, ()
+            return _TrainContent(message.content.array_records[ARRAYS_KEY], clipping_norm(message))
         request = fit_request(message.content)
         arrays = request.array_records[ARRAYS_KEY]
         spans = self._hub.weight_order.spans
-        layout = [[*spans[name], list(arrays[name].shape)] for name in arrays]
-        record = dict(message.content.config_records[RECORD_KEY_CONFIGS])
         clip = request.config_records["config"].get("clipping_norm")
-        shapes = tuple(tuple(arrays[name].shape) for name in arrays)
-        return arrays, None if clip is None else float(clip), record, layout, shapes  # type: ignore[arg-type]
+        return _TrainContent(arrays, None if clip is None else float(clip),  # type: ignore[arg-type]
+                             secagg=dict(message.content.config_records[RECORD_KEY_CONFIGS]),
+                             layout=[[*spans[name], list(arrays[name].shape)] for name in arrays],
+                             shapes=tuple(tuple(arrays[name].shape) for name in arrays))
+
+
+@dataclass(frozen=True)
+class _TrainContent:
+    """What a train frame carries beside the batches: the arrays, the clipping norm and, for SecAgg+, the stage.
+
+    Attributes:
+        secagg: the collect stage's record (None: a plain round).
+        layout: ``[start, end, shape]`` of each legacy parameter in the flat weights, in the order Flower sums the
+            masked vectors; `shapes` are theirs.
+    """
+
+    arrays: ArrayRecord
+    clip: float | None
+    secagg: dict[str, Any] | None = None
+    layout: list[list[Any]] | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def _round(message: Message) -> int:
