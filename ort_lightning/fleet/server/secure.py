@@ -37,7 +37,7 @@ from ort_lightning.fleet.devices.legacy_fit import (
 )
 from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT, WEIGHT_KEY
 from ort_lightning.fleet.server.global_model import LAST_NAME, GlobalModel, round_path
-from ort_lightning.fleet.server.server_app import RoundRecord
+from ort_lightning.fleet.server.server_app import RoundRecord, app_running
 
 __all__ = ["SecureFleetServer", "secure_mods"]
 
@@ -256,9 +256,7 @@ class SecureFleetServer:
 
     def server_app(self) -> ServerApp:
         """A Flower ``ServerApp`` whose main runs the rounds (``run_local`` or Flower's simulation runs it)."""
-        app = ServerApp()
-        app.main()(self.main)
-        return app
+        return app_running(self.main)
 
     def main(self, grid: Grid, context: Context) -> None:
         """Flower's ``DefaultWorkflow`` with ``SecAggPlusWorkflow`` as its fit, over `grid`, recording each round."""

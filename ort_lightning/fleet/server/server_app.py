@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.fleet.devices.protocol import DEVICE_TIMEOUT
 from ort_lightning.fleet.server.global_model import CheckpointEachRound, GlobalModel, round_path
 
-__all__ = ["DEVICE_TIMEOUT", "FleetServer", "RoundRecord"]
+__all__ = ["DEVICE_TIMEOUT", "FleetServer", "RoundRecord", "app_running"]
 
 
 @dataclass
@@ -136,9 +137,7 @@ class FleetServer:
 
     def server_app(self) -> ServerApp:
         """A Flower ``ServerApp`` whose main runs the rounds (``run_local`` or Flower's simulation runs it)."""
-        app = ServerApp()
-        app.main()(self.main)
-        return app
+        return app_running(self.main)
 
     def main(self, grid: Grid, context: Context) -> None:
         """Flower's round loop (``Strategy.start``) over `grid`, recording each round."""
@@ -174,3 +173,10 @@ class FleetServer:
                                             received_bytes=received))
         self._clock = now
         return MetricRecord(evaluation) if evaluation else None
+
+
+def app_running(main: Callable[[Grid, Context], None]) -> ServerApp:
+    """A Flower ``ServerApp`` whose main is `main` (a fleet server's rounds)."""
+    app = ServerApp()
+    app.main()(main)
+    return app
