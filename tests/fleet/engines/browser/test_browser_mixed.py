@@ -91,9 +91,13 @@ def _masked(record: dict[str, Any]) -> np.ndarray:
 
 
 def _assert_hidden(vector: np.ndarray, update: dict[str, np.ndarray]) -> None:
+    """`vector` uncorrelated with `update`: |Pearson r| below 6 / sqrt(n), which chance passes once in 10**9.
+
+    A plain update correlates near 1; at 1210 values the bound is 0.17 (0.1, 3.5 sigma, fails once in 2000 masks).
+    """
     plain = np.concatenate([value.ravel() for value in update.values()]).astype(np.float64)
     assert vector.shape == plain.shape
-    assert abs(np.corrcoef(vector, plain)[0, 1]) < 0.1
+    assert abs(np.corrcoef(vector, plain)[0, 1]) < 6 / np.sqrt(plain.size)
 
 
 def _references(folder: Path, start: dict[str, np.ndarray], partitions: dict[int, tuple[DigitsPartitions, int]]
@@ -158,7 +162,7 @@ def test_python_node_and_chromium_devices_complete_secagg_rounds_and_none_sends_
     digits_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
 ) -> None:
     exported, web = digits_folders
-    fleet = BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
+    fleet = BrowserFleet(web, DATA, port=0, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=30)
     server = RecordedServer(GlobalModel(exported), rounds=2, directory=tmp_path, devices=4, secagg=SECAGG,
                             device_timeout=60)
     simulated = LocalGrid(DeviceClient(web.directory, SIMULATED).client_app(mods=secure_mods()), nodes=2,
