@@ -61,7 +61,8 @@ class BrowserGrid(ServerGrid):
         hub: the fleet's devices and the replies they owe.
         batches: ``partition -> Epochs``, what a device of that partition trains in a round; or
             `PageData` when the pages make their own batches.
-        floor: the fewest devices a round needs (the strategy's minimums, `strategy_floor`).
+        floor: the fewest pages a round needs (the strategy's minimums, `strategy_floor`, less any simulated devices
+            beside them).
         wait_timeout: seconds to wait for `floor` devices when fewer are connected (None: no limit).
     """
 
