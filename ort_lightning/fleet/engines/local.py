@@ -54,6 +54,8 @@ CLIENT_ERROR_CODE = 1
 #: Error code of the reply to a message whose ClientApp did not return in time (Flower's "reply unavailable").
 TIMEOUT_ERROR_CODE = ErrorCode.REPLY_MESSAGE_UNAVAILABLE
 _RUN_ID = 1
+#: The largest node id Flower's messages carry (uint64).
+_LAST_NODE = 2**64 - 1
 
 
 class ServerGrid(Grid):
@@ -82,6 +84,13 @@ class ServerGrid(Grid):
         """A message to `dst_node_id` (Flower deprecates this in favour of the Message constructor)."""
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
+    def collect(self, message_ids: Iterable[str], *, timeout: float | None) -> list[Message]:
+        """The replies to pushed `message_ids`, waiting up to `timeout` s for the rest; a late one is owed no more.
+
+        `LocalGrid` answers as it is pushed, so its replies are all in; the browsers' grid waits for its pages.
+        """
+        return list(self.pull_messages(message_ids))
+
 
 class LocalGrid(ServerGrid):
     """A Flower ``Grid`` whose nodes run `client_app` in this process, one message after another.
@@ -90,6 +99,8 @@ class LocalGrid(ServerGrid):
         client_app: the ClientApp every node runs.
         nodes: number of nodes; node ``i`` gets ``node_config={"partition-id": i, "num-partitions": nodes}``
             as in Flower's simulation.
+        first_node: the first node's id (the next are ``first_node + 1``...): other ids than another grid's, for
+            devices beside a `BrowserFleet`'s pages (which are 1, 2, 3...).
         run_config: the run config every node's Context carries.
         device_timeout: seconds one node may take to answer one message before it is answered with
             an error reply and abandoned (see the module docstring); None waits as long as
@@ -98,17 +109,21 @@ class LocalGrid(ServerGrid):
 
     def __init__(
         self, client_app: ClientApp, *, nodes: int, run_config: dict | None = None,
-        device_timeout: float | None = None,
+        device_timeout: float | None = None, first_node: int = 1,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"Expected `nodes` >= 1, but got {nodes}; pass the number of simulated devices.")
+        if not 1 <= first_node <= _LAST_NODE - nodes + 1:
+            raise ConfigurationError(f"Expected `first_node` from 1 to {_LAST_NODE - nodes + 1} (Flower's node ids are "
+                                     f"unsigned 64-bit, 0 is the server's), but got {first_node}; pass the first "
+                                     "simulated device's node id.")
         _check_timeout(device_timeout)
         super().__init__()
         self._app = client_app
         config = dict(run_config or {})
         self._contexts = {
             node_id: Context(_RUN_ID, node_id, {"partition-id": i, "num-partitions": nodes}, RecordDict(), config)
-            for i, node_id in enumerate(range(1, nodes + 1))
+            for i, node_id in enumerate(range(first_node, first_node + nodes))
         }
         self._replies: dict[str, Message] = {}
         self._ids = count()

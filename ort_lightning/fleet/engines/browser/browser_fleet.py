@@ -26,7 +26,8 @@ from ort_lightning.fleet.engines.browser.grid import BrowserGrid, Epochs, PageDa
 from ort_lightning.fleet.engines.browser.hub import BrowserDevice, Hub, OnEvent, Refusal
 from ort_lightning.fleet.engines.browser.site import web_app
 from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files
-from ort_lightning.fleet.engines.local import _RUN_ID
+from ort_lightning.fleet.engines.joined import JoinedGrid
+from ort_lightning.fleet.engines.local import _RUN_ID, LocalGrid
 from ort_lightning.fleet.server.secure import SecureFleetServer
 from ort_lightning.fleet.server.server_app import FleetServer
 from ort_lightning.web import find_ort_web
@@ -201,7 +202,7 @@ class BrowserFleet:
         """Block until `min_devices` browsers have joined (or `timeout` seconds pass); whether they have."""
         return self.hub.wait_for(self.min_devices, timeout)
 
-    def run(self, server: Server, *, join_timeout: float | None = None) -> Server:
+    def run(self, server: Server, *, join_timeout: float | None = None, beside: LocalGrid | None = None) -> Server:
         """Serve, wait for the browsers, and run `server`'s rounds over them (`BrowserGrid`).
 
         Once the rounds are over, every page is told that the run finished (close code 4000, `hub.RUN_FINISHED`):
@@ -211,6 +212,9 @@ class BrowserFleet:
             server: the fleet's server (its strategy, rounds, checkpoints, evaluation); a `SecureFleetServer`
                 runs Flower's SecAgg+ over the pages, which then send masked vectors, never their weights.
             join_timeout: seconds to wait for `devices` browsers (None: no limit).
+            beside: simulated devices that join every round with the pages (`JoinedGrid`), their node ids apart
+                from the pages' (``LocalGrid(..., first_node=2**60)``); the strategy's minimum counts them,
+                `min_devices` does not.
 
         Raises:
             ConfigurationError: when the browsers did not join in time, or `server` holds another model.
@@ -222,8 +226,10 @@ class BrowserFleet:
                                      f"{join_timeout} s; open the fleet's URL in {self.min_devices} browsers (tabs), "
                                      "or pass fewer min_devices.")
         local = None if self.page_data is None else PageData(self.epochs, int(self.max_examples or 0))
-        grid = BrowserGrid(self.hub, local or self._epochs, floor=strategy_floor(server.strategy),
-                           wait_timeout=self.wait_timeout)
+        simulated = len(list(beside.get_node_ids())) if beside is not None else 0
+        pages = BrowserGrid(self.hub, local or self._epochs, floor=max(0, strategy_floor(server.strategy) - simulated),
+                            wait_timeout=self.wait_timeout)
+        grid = pages if beside is None else JoinedGrid(pages, beside)
         server.main(grid, Context(_RUN_ID, 0, {}, RecordDict(), {}))
         self.hub.finish()
         return server

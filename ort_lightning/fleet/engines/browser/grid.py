@@ -61,7 +61,8 @@ class BrowserGrid(ServerGrid):
         hub: the fleet's devices and the replies they owe.
         batches: ``partition -> Epochs``, what a device of that partition trains in a round; or
             `PageData` when the pages make their own batches.
-        floor: the fewest devices a round needs (the strategy's minimums, `strategy_floor`).
+        floor: the fewest pages a round needs (the strategy's minimums, `strategy_floor`, less any simulated devices
+            beside them).
         wait_timeout: seconds to wait for `floor` devices when fewer are connected (None: no limit).
     """
 
@@ -117,7 +118,11 @@ class BrowserGrid(ServerGrid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Send every message, then wait up to `timeout` seconds for the replies (each device has its own timeout)."""
-        return self._hub.collect(list(self.push_messages(messages)), wait=timeout, close=True)
+        return self.collect(self.push_messages(messages), timeout=timeout)
+
+    def collect(self, message_ids: Iterable[str], *, timeout: float | None) -> list[Message]:
+        """The replies to pushed `message_ids` within `timeout` s; a page that has not answered then is owed no more."""
+        return self._hub.collect(list(message_ids), wait=timeout, close=True)
 
     def _frame(self, message: Message) -> tuple[Message, bytes, Asked] | None:
         """What `Hub.send` takes for a train message (a SecAgg+ stage's included): the message, its frame, its ask."""
