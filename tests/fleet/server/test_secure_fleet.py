@@ -35,12 +35,12 @@ from ort_lightning.fleet.config.fleet_config import ROBUST, FleetConfig  # noqa:
 from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.server.report import report  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods  # noqa: E402
+from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
 
 LR = 0.01
 DEVICES = 3
 DATA = DigitsPartitions(batch_size=32, seed=0)
 SECAGG = {"num_shares": 3, "reconstruction_threshold": 2}
-CLIPPING, TARGET, MAX_WEIGHT = 8.0, 2**22, 1000.0
 
 
 @pytest.fixture(scope="module")
@@ -119,23 +119,9 @@ def _fleet(folders: tuple[TrainingArtifacts, TrainingArtifacts], folder: Path, *
     return server, grid
 
 
-def _bound(updates: list[dict[str, np.ndarray]], counts: list[int], fedavg: dict[str, np.ndarray]) -> float:
-    """docs/fleets.md's bound on |SecAgg+ aggregate - FedAvg|, asserting first that the clipping does not bite."""
-    ratios = [round(n / MAX_WEIGHT * TARGET) / TARGET for n in counts]
-    assert max(r * np.max(np.abs(v)) for r, u in zip(ratios, updates, strict=True) for v in u.values()) < CLIPPING
-    spread = max(np.max(np.abs(u[name] - fedavg[name])) for u in updates for name in fedavg)
-    top = max(np.max(np.abs(v)) for v in fedavg.values())
-    return len(updates) * (2 * CLIPPING + spread / 2) / (TARGET * sum(ratios)) + 2.0**-23 * top
-
-
-def _fedavg(updates: list[dict[str, np.ndarray]], counts: list[int]) -> dict[str, np.ndarray]:
-    return {name: sum(u[name].astype(np.float64) * n for u, n in zip(updates, counts, strict=True)) / sum(counts)
-            for name in updates[0]}
-
-
 def _assert_fedavg(written: Path, updates: list[dict[str, np.ndarray]], counts: list[int]) -> None:
-    expected = _fedavg(updates, counts)
-    bound = _bound(updates, counts, expected)
+    expected = fedavg(updates, counts)
+    bound = secagg_bound(updates, counts, expected)
     got = _values(written)
     worst = max(np.max(np.abs(got[name].astype(np.float64) - expected[name])) for name in expected)
     assert 0 < worst <= bound, (worst, bound)  # through the quantization, within its bound
