@@ -33,6 +33,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from ort_lightning.fleet import DeviceClient, GlobalModel, LocalGrid, round_path  # noqa: E402
 from ort_lightning.fleet.config.fleet_config import ROBUST, FleetConfig  # noqa: E402
 from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.devices.legacy_fit import NAMES_KEY  # noqa: E402
 from ort_lightning.fleet.server.report import report  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods  # noqa: E402
 from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
@@ -70,13 +71,16 @@ def fits(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> list[dict[str,
 
 
 class Recorder(Grid):
-    """The transport: every reply each node sends reaches the server through here, and is kept."""
+    """The transport: every message the server sends and every reply each node sends pass through here, and are kept."""
 
     def __init__(self, grid: LocalGrid) -> None:
         self.grid = grid
         self.replies: dict[int, list[RecordDict]] = {}
+        self.sent: list[Message] = []
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        self.sent += messages
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         for reply in replies:
             if not reply.has_error():
@@ -153,6 +157,22 @@ def test_the_server_receives_no_plain_update_and_aggregates_fedavg_within_the_bo
         plain = np.concatenate([v.ravel() for v in update.values()])
         assert vector.shape == plain.shape
         assert abs(np.corrcoef(vector, plain)[0, 1]) < 0.1
+
+
+def test_the_next_round_sends_the_float32_values_the_last_round_saved(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    server, grid = _fleet(folders, tmp_path, rounds=2)
+    first, second = server.history
+    (fit, *_) = [m.content for m in grid.sent if m.metadata.group_id == "2" and "fitins.parameters" in m.content]
+    names = str(fit.config_records["fitins.config"][NAMES_KEY]).split("\n")
+    arrays = fit.array_records["fitins.parameters"].values()
+    sent = {name: bytes_to_ndarray(array.data) for name, array in zip(names, arrays, strict=True)}
+    saved = _values(round_path(tmp_path, 1))
+    assert all(value.dtype == np.float32 for value in sent.values())  # not SecAgg+'s float64 dequantized sum
+    assert sorted(sent) == sorted(saved)
+    assert all(np.array_equal(sent[name], saved[name]) for name in saved)
+    assert first.sent_bytes == second.sent_bytes
 
 
 # ----------------------------------------------------------------------------- devices that drop

@@ -204,6 +204,7 @@ def test_a_page_and_node_devices_complete_secure_rounds_and_each_record_shows_th
     assert [(r.server_round, r.devices, r.examples, r.failures, r.halted) for r in history] == [
         (n, DEVICES, sum(_examples()), {}, None) for n in range(1, ROUNDS + 1)]
     assert all(r.sent_bytes > 0 and r.received_bytes > 0 for r in history)
+    assert len({(r.sent_bytes, r.received_bytes) for r in history}) == 1  # float32 values each round, as the first
 
 
 @RunIf(node=True, chromium=True)
