@@ -188,6 +188,8 @@ class _Rounds(legacy.Strategy):
             model.load(parameters_to_arrays(parameters, self.names), server_round=number)
             self.written[number] = model.save(round_path(self.server.directory, number))
             model.save(self.server.directory / LAST_NAME)
+            # NOTE: SecAgg+ dequantizes to float64; the next round sends the model's float32 values, as saved.
+            parameters, _ = arrays_to_parameters(model.arrays())
         self.seconds[number] = (aggregated - started, time.perf_counter() - aggregated)
         return parameters, metrics
 

@@ -33,14 +33,15 @@ from flwr.serverapp import Grid  # noqa: E402
 from ort_lightning.fleet import DeviceClient, GlobalModel, LocalGrid, round_path  # noqa: E402
 from ort_lightning.fleet.config.fleet_config import ROBUST, FleetConfig  # noqa: E402
 from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
+from ort_lightning.fleet.devices.legacy_fit import NAMES_KEY  # noqa: E402
 from ort_lightning.fleet.server.report import report  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods  # noqa: E402
+from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
 
 LR = 0.01
 DEVICES = 3
 DATA = DigitsPartitions(batch_size=32, seed=0)
 SECAGG = {"num_shares": 3, "reconstruction_threshold": 2}
-CLIPPING, TARGET, MAX_WEIGHT = 8.0, 2**22, 1000.0
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +71,16 @@ def fits(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> list[dict[str,
 
 
 class Recorder(Grid):
-    """The transport: every reply each node sends reaches the server through here, and is kept."""
+    """The transport: every message the server sends and every reply each node sends pass through here, and are kept."""
 
     def __init__(self, grid: LocalGrid) -> None:
         self.grid = grid
         self.replies: dict[int, list[RecordDict]] = {}
+        self.sent: list[Message] = []
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        self.sent += messages
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         for reply in replies:
             if not reply.has_error():
@@ -119,23 +123,9 @@ def _fleet(folders: tuple[TrainingArtifacts, TrainingArtifacts], folder: Path, *
     return server, grid
 
 
-def _bound(updates: list[dict[str, np.ndarray]], counts: list[int], fedavg: dict[str, np.ndarray]) -> float:
-    """docs/fleets.md's bound on |SecAgg+ aggregate - FedAvg|, asserting first that the clipping does not bite."""
-    ratios = [round(n / MAX_WEIGHT * TARGET) / TARGET for n in counts]
-    assert max(r * np.max(np.abs(v)) for r, u in zip(ratios, updates, strict=True) for v in u.values()) < CLIPPING
-    spread = max(np.max(np.abs(u[name] - fedavg[name])) for u in updates for name in fedavg)
-    top = max(np.max(np.abs(v)) for v in fedavg.values())
-    return len(updates) * (2 * CLIPPING + spread / 2) / (TARGET * sum(ratios)) + 2.0**-23 * top
-
-
-def _fedavg(updates: list[dict[str, np.ndarray]], counts: list[int]) -> dict[str, np.ndarray]:
-    return {name: sum(u[name].astype(np.float64) * n for u, n in zip(updates, counts, strict=True)) / sum(counts)
-            for name in updates[0]}
-
-
 def _assert_fedavg(written: Path, updates: list[dict[str, np.ndarray]], counts: list[int]) -> None:
-    expected = _fedavg(updates, counts)
-    bound = _bound(updates, counts, expected)
+    expected = fedavg(updates, counts)
+    bound = secagg_bound(updates, counts, expected)
     got = _values(written)
     worst = max(np.max(np.abs(got[name].astype(np.float64) - expected[name])) for name in expected)
     assert 0 < worst <= bound, (worst, bound)  # through the quantization, within its bound
@@ -167,6 +157,22 @@ def test_the_server_receives_no_plain_update_and_aggregates_fedavg_within_the_bo
         plain = np.concatenate([v.ravel() for v in update.values()])
         assert vector.shape == plain.shape
         assert abs(np.corrcoef(vector, plain)[0, 1]) < 0.1
+
+
+def test_the_next_round_sends_the_float32_values_the_last_round_saved(
+    folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    server, grid = _fleet(folders, tmp_path, rounds=2)
+    first, second = server.history
+    (fit, *_) = [m.content for m in grid.sent if m.metadata.group_id == "2" and "fitins.parameters" in m.content]
+    names = str(fit.config_records["fitins.config"][NAMES_KEY]).split("\n")
+    arrays = fit.array_records["fitins.parameters"].values()
+    sent = {name: bytes_to_ndarray(array.data) for name, array in zip(names, arrays, strict=True)}
+    saved = _values(round_path(tmp_path, 1))
+    assert all(value.dtype == np.float32 for value in sent.values())  # not SecAgg+'s float64 dequantized sum
+    assert sorted(sent) == sorted(saved)
+    assert all(np.array_equal(sent[name], saved[name]) for name in saved)
+    assert first.sent_bytes == second.sent_bytes
 
 
 # ----------------------------------------------------------------------------- devices that drop

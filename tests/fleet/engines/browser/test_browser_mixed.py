@@ -41,7 +41,7 @@ from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
     checkpoint_values,
     initial_values,
 )
-from tests.fleet.secure_bound import bound  # noqa: E402
+from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
 
 SIMULATED = DigitsPartitions(split="label", batch_size=32, seed=0)
 FIRST = 2**60 + 1
@@ -115,11 +115,11 @@ def _assert_fedavg(written: Path | None, updates: dict[int, dict[str, np.ndarray
     """The round's checkpoint within the SecAgg+ bound, plus the browsers' tolerance, of the float64 FedAvg."""
     assert written is not None
     nodes = sorted(updates)
-    fedavg = {name: sum(updates[n][name].astype(np.float64) * counts[n] for n in nodes) / sum(counts.values())
-              for name in updates[nodes[0]]}
-    limit = bound([updates[n] for n in nodes], [counts[n] for n in nodes], fedavg) + BROWSER_ATOL
+    listed, weights = [updates[n] for n in nodes], [counts[n] for n in nodes]
+    average = fedavg(listed, weights)
+    limit = secagg_bound(listed, weights, average) + BROWSER_ATOL
     got = checkpoint_values(written)
-    worst = max(np.max(np.abs(got[name].astype(np.float64) - fedavg[name])) for name in fedavg)
+    worst = max(np.max(np.abs(got[name].astype(np.float64) - average[name])) for name in average)
     assert 0 < worst <= limit, (worst, limit)
 
 
