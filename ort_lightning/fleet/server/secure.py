@@ -70,14 +70,29 @@ class _Stages(SecAggPlusWorkflow):
         state = WorkflowState()
         self.halted = None
         steps = (self.setup_stage, self.share_keys_stage, self.collect_masked_vectors_stage, self.unmask_stage)
+        sampled = 0
         for name, step in zip(_STAGES, steps, strict=True):
             if not step(grid, cast(LegacyContext, context), state):
-                self.halted = _why(name, state)
+                self.halted = _why(name, state, sampled or len(state.sampled_node_ids))
                 return
+            sampled = sampled or len(state.sampled_node_ids)
+            if name == "share keys":
+                _forget_unshared(state)
 
 
-def _why(stage: str, state: WorkflowState) -> str:
-    sampled = len(state.sampled_node_ids)
+def _forget_unshared(state: WorkflowState) -> None:
+    """Leave out of the round the devices whose key shares never went out (they left at setup or share keys).
+
+    Nobody masked with them and nobody holds a share of their keys, so SecAgg+ drops them from the round.
+    """
+    # NOTE: Flower 1.42 keeps them among the sampled nodes: its unmask stage then asks every device for shares of
+    # their keys, which none holds (each fails with a KeyError), and one device that left early loses the round.
+    state.sampled_node_ids = state.sampled_node_ids & state.active_node_ids
+    for neighbours in state.nid_to_neighbours.values():
+        neighbours &= state.active_node_ids
+
+
+def _why(stage: str, state: WorkflowState, sampled: int) -> str:
     if sampled < 2:
         return f"secure aggregation needs 2 devices or more, but {sampled} were sampled; no aggregate this round"
     return (f"secure aggregation stopped at its {stage} stage: {len(state.active_node_ids)} of {sampled} devices "

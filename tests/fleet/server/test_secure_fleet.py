@@ -176,8 +176,9 @@ def test_the_next_round_sends_the_float32_values_the_last_round_saved(
 
 
 # ----------------------------------------------------------------------------- devices that drop
-@pytest.mark.parametrize(("stage", "contributors"), [("collect_masked_vectors", [0, 2]), ("unmask", [0, 1, 2])],
-                         ids=["at-collect-masked-vectors", "at-unmask"])
+@pytest.mark.parametrize(("stage", "contributors"), [("share_keys", [0, 2]), ("collect_masked_vectors", [0, 2]),
+                                                     ("unmask", [0, 1, 2])],
+                         ids=["at-share-keys", "at-collect-masked-vectors", "at-unmask"])
 def test_a_device_that_leaves_after_sharing_its_keys_is_recovered_from_the_others_shares(
     folders: tuple[TrainingArtifacts, TrainingArtifacts], fits: list[dict[str, np.ndarray]], tmp_path: Path,
     stage: str, contributors: list[int],
