@@ -2,7 +2,8 @@
 
 Each round equals the example-weighted float64 FedAvg of ONNX Runtime's documented Python loop per
 device (`digits_rounds.reference_rounds`: every value copied into the nominal state), and the frozen
-base in every round file is byte for byte the export's.
+base in every round file is byte for byte the export's. Under SecAgg+, Node devices mask the adapters
+alone, and the round is that FedAvg within the bound of tests/fleet/secure_bound.py.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ import torch
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
-from tests._web import ROOT, ort_web_dist
-from tests.helpers import RunIf
+from tests._web import ROOT, ort_web_dist, run_beside_node
+from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 peft = pytest.importorskip("peft", reason='peft is not installed: pip install -e ".[test]"')
 
-from ort_lightning.fleet import BrowserFleet  # noqa: E402
+from flwr.common import bytes_to_ndarray  # noqa: E402
+
+from ort_lightning.fleet import BrowserFleet, GlobalModel  # noqa: E402
+from ort_lightning.fleet.devices.frames import decode_record, unpack  # noqa: E402
+from ort_lightning.fleet.server.secure import SecureFleetServer  # noqa: E402
 from tests.fleet.engines.browser.chromium import chromium  # noqa: E402
 from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
     BROWSER_ATOL,
@@ -37,6 +42,7 @@ from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
     initial_values,
     reference_rounds,
 )
+from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
 
 NODE_DEVICE = ROOT / "ort_lightning" / "fleet" / "devices" / "web" / "node_device.mjs"
 
@@ -111,3 +117,48 @@ def test_a_page_and_a_node_device_exchange_only_the_adapters_and_the_page_keeps_
         again.run(server, join_timeout=90)
     assert [(r.devices, again.refusals) for r in server.history] == [(1, [])]
     assert again.served == {}
+
+
+@RunIf(node=True)
+@pytest.mark.slow
+@pytest.mark.spread
+def test_node_devices_mask_only_the_adapters_under_secure_aggregation(
+    lora_folders: tuple[TrainingArtifacts, TrainingArtifacts], tmp_path: Path
+) -> None:
+    """Federated LoRA composes with SecAgg+ on the web: the masked vectors are the adapters', the base stays."""
+    exported, web = lora_folders
+    server = SecureFleetServer(GlobalModel(exported), rounds=1, directory=tmp_path / "rounds", devices=3,
+                               secagg={"num_shares": 3, "reconstruction_threshold": 2, "timeout": 60})
+    fleet = BrowserFleet(web, DATA, port=0, devices=3, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
+    masked: list[list[np.ndarray]] = []
+    receive = fleet.hub.receive
+
+    def record(device: object, frame: object) -> None:
+        if isinstance(frame, bytes):
+            header, payload = unpack(frame)
+            pairs = dict(decode_record(header.get("record"), payload, header.get("blobs"), device="node"))
+            if "masked_params" in pairs:
+                masked.append([bytes_to_ndarray(b) for b in pairs["masked_params"]])
+        receive(device, frame)  # type: ignore[arg-type]
+
+    fleet.hub.receive = record  # type: ignore[method-assign]
+    with fleet:
+        run = run_beside_node(fleet, server, NODE_DEVICE, fleet.url, "--ort-web", ort_web_dist(), "--devices", 3)
+    assert run.process.returncode == 0, run.stderr
+    assert [(r.devices, r.halted, r.failures) for r in server.history] == [(3, None, {})]
+    start = initial_values(exported)
+    trainable = exported.manifest.trainable
+    assert len(masked) == 3
+    for vectors in masked:  # the weight, then one vector per adapter: nothing of the frozen base
+        assert sorted(v.shape for v in vectors[1:]) == sorted(start[name].shape for name in trainable)
+    loaders = [DATA(p, 3).train for p in range(3)]
+    fits = [ort_device_loop(web.directory, list(loader), lr=LR, graphs="ort", values=start) for loader in loaders]
+    counts = [len(loader.dataset) for loader in loaders]  # type: ignore[arg-type]
+    sent = [{name: fit[name] for name in trainable} for fit in fits]
+    expected = fedavg(sent, counts)
+    written = checkpoint_values(server.history[0].checkpoint)  # type: ignore[arg-type]
+    limit = secagg_bound(sent, counts, expected) + BROWSER_ATOL
+    worst = max(np.max(np.abs(written[n].astype(np.float64) - expected[n])) for n in trainable)
+    assert 0 < worst <= limit, (worst, limit)
+    for name in exported.manifest.frozen:
+        assert written[name].tobytes() == start[name].tobytes(), name
