@@ -3,8 +3,9 @@
 A Python device speaks the page's wire over a raw WebSocket and answers each stage with Flower's own
 client functions (``secaggplus_mod``'s ``_setup``, ``_share_keys``, ``_collect_masked_vectors``,
 ``_unmask``), but for the one answer its fault spoils. Three Node devices (``node_device.mjs``, the
-page's code) answer honestly. The reference is ONNX Runtime's documented loop per honest device,
-averaged by example count in float64 (``digits_rounds.reference_rounds``), never the fleet's code.
+page's code) answer honestly. A fleet config with ``engine: browser`` and ``secagg.enabled`` runs its
+round on Node devices through ``run_fleet``. The reference is ONNX Runtime's documented loop per honest
+device, averaged by example count in float64 (``digits_rounds.reference_rounds``), never the fleet's code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import asyncio
 import concurrent.futures
 import json
 import re
+import shutil
+import socket
+import subprocess
 import threading
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,7 @@ import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-from tests._web import NODE_DEVICE, node_beside, ort_web_dist
+from tests._web import NODE_DEVICE, ROOT, node_beside, ort_web_dist
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -44,15 +49,18 @@ from ort_lightning.fleet import BrowserDevice, BrowserFleet, GlobalModel  # noqa
 from ort_lightning.fleet.devices.frames import decode_record, encode_record, pack, unpack  # noqa: E402
 from ort_lightning.fleet.devices.weight_order import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.hub import Asked, Hub  # noqa: E402
+from ort_lightning.fleet.run import run_fleet  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer  # noqa: E402
 from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
     BROWSER_ATOL,
     DATA,
     assert_round,
+    checkpoint_values,
     initial_values,
     reference_rounds,
 )
 
+TOKEN = "secure-fleet"
 #: Each faulty device's spoiled answer (its stage and round), and the one line the hub refuses it with.
 FAULTS = {
     "result": ("setup", 1, r"result answered SecAgg\+'s setup stage with a 'result' frame, but a 'secagg' frame "
@@ -218,3 +226,52 @@ def test_bad_secagg_answers_are_refused_in_one_line_and_the_fleet_goes_on(
     chosen = sorted(partitions[name] for name in partitions if name not in FAULTS)
     [expected] = reference_rounds(web.directory, initial_values(exported), [chosen], devices)
     assert_round(second.checkpoint, expected, atol=BROWSER_ATOL)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _node_devices(port: int, count: int, outputs: list[str]) -> None:
+    """Start `count` Node devices in one process once the fleet serves on `port`; keep their output."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    done = subprocess.run([str(shutil.which("node")), "--experimental-websocket", str(NODE_DEVICE),
+                           f"http://127.0.0.1:{port}/?token={TOKEN}", "--ort-web", str(ort_web_dist()), "--devices",
+                           str(count)], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    outputs.append(f"exit {done.returncode}\n{done.stdout}{done.stderr}")
+
+
+@RunIf(node=True)
+@pytest.mark.slow
+@pytest.mark.spread
+def test_a_fleet_config_with_secagg_runs_its_round_on_node_devices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port, folder = _free_port(), tmp_path / "secure"
+    config = {"rounds": 1, "seed": 0, "model": {"hidden": 16, "verify": False},
+              "devices": {"count": 3, "batch_size": 32, "timeout": 60},
+              "secagg": {"enabled": True, "num_shares": 3, "reconstruction_threshold": 2},
+              "engine": {"name": "browser", "port": port, "token": TOKEN, "ort_web": ort_web_dist()},
+              "output": {"folder": str(folder), "plot": False}}
+    outputs: list[str] = []
+    devices = threading.Thread(target=_node_devices, args=(port, 3, outputs), daemon=True)
+    devices.start()
+    history = run_fleet(config)
+    devices.join(timeout=60)
+    assert outputs[0].startswith("exit 0"), outputs
+    printed = capsys.readouterr().out
+    assert "3 devices, iid split, fedavg, SecAgg+, 3 browsers" in printed, printed
+    line = r"^round  1: accuracy [\d.]+%  loss [\d.]+  \([\d.]+ s; 3 devices, .* back per device\)$"
+    assert re.search(line, printed, re.MULTILINE), printed
+    [record] = history["rounds"]
+    assert (record["devices"], record["halted"], record["failures"]) == (3, None, {})
+    [expected] = reference_rounds(folder / "device", checkpoint_values(folder / "artifacts" / "checkpoint"),
+                                  [[0, 1, 2]], 3)
+    assert_round(Path(record["checkpoint"]), expected, atol=BROWSER_ATOL)
