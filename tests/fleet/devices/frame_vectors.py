@@ -77,7 +77,7 @@ def _secagg() -> list[dict[str, Any]]:
     """The server's key-stage frames: a share-keys record (public keys by node, in the server's order) and more."""
     share_keys = {"stage": "share_keys", str(NODE): [b"pk1 of the far node", b"pk2 of the far node"],
                   "3": [b"pk1 of node 3", b"pk2"], "clipping_range": 8.0, "sample_num": 3, "mod_range": 2**32,
-                  "active_nids": [3, NODE, 2**53 + 1], "note": "neighbours"}
+                  "active_nids": [3, NODE, 2**53 + 1], "note": "neighbours", "raw": bytes([0, 1, 254, 255])}
     unmask = {"stage": "unmask", "active_nids": [NODE], "dead_nids": []}
     stages = (("3-share", 1, NODE, share_keys), ("4-unmask", 2, 3, unmask))
     return [{"frame": _b64(record_frame(message_id, server_round, node, record)), "id": message_id,
