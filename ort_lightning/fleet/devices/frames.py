@@ -175,7 +175,8 @@ def decode_record(encoded: object, payload: memoryview, blobs: object, *, device
     """The record `encode_record` wrote (the device's side writes the same), its bytes read from `payload`.
 
     Raises:
-        DeviceReplyError: for a record that is not a list of pairs, or a blob it names that the frame lacks.
+        DeviceReplyError: for a record that is not a list of pairs, a value of another shape, or a blob it names
+            that the frame lacks or places outside its payload.
     """
     spans = blobs if isinstance(blobs, list) else [[0, payload.nbytes]]
 
@@ -189,10 +190,7 @@ def decode_record(encoded: object, payload: memoryview, blobs: object, *, device
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(spans):
                 raise DeviceReplyError(f"{device} sent a record naming blob {index!r}, but its frame holds "
                                        f"{len(spans)}; use the fleet's page.")
-            at, size = spans[index]
-            if at + size > payload.nbytes:
-                raise DeviceReplyError(f"{device} sent a frame whose blob {index} ends past its payload; use the "
-                                       "fleet's page.")
+            at, size = _span(spans[index], index, payload.nbytes, device)
             return bytes(payload[at : at + size])
         if isinstance(value, dict):
             raise DeviceReplyError(f"{device} sent a record value {str(value)[:60]}, but a number, a string, "
@@ -203,6 +201,16 @@ def decode_record(encoded: object, payload: memoryview, blobs: object, *, device
         raise DeviceReplyError(f"{device} sent a SecAgg+ record that is {str(encoded)[:60]}, not a list of [key, "
                                "value] pairs; use the fleet's page.")
     return {str(key): decode(value) for key, value in encoded}
+
+
+def _span(span: object, index: int, limit: int, device: str) -> tuple[int, int]:
+    """A blob's ``[offset, nbytes]`` from a frame's ``"blobs"``, when it lies within the payload's `limit` bytes."""
+    if not isinstance(span, list) or len(span) != 2 or not all(type(v) is int and v >= 0 for v in span):
+        raise DeviceReplyError(f"{device} sent a frame whose blob {index} is {str(span)[:40]}, not [offset, nbytes]; "
+                               "use the fleet's page.")
+    if span[0] + span[1] > limit:
+        raise DeviceReplyError(f"{device} sent a frame whose blob {index} ends past its payload; use the fleet's page.")
+    return span[0], span[1]
 
 
 def record_frame(message_id: str, server_round: int, node: int, record: dict[str, Any]) -> bytes:

@@ -6,7 +6,7 @@ keeps what `FleetServer` keeps: a checkpoint per round, the global evaluation, a
 round. The devices run `secure_mods` (Flower's ``secaggplus_mod``, `legacy_fit_mod` inside it).
 A round whose devices fall below the reconstruction threshold aggregates nothing: its record says
 why in `RoundRecord.halted`, its files are not written, and the next round starts from the same values.
-A browser grid runs the same workflow once its frames carry the four stages' config records.
+A browser grid runs the same workflow: its frames carry the four stages' records (docs/browsers.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The event loop calls `join`, `ready`, `receive` and `lost`; Flower's side (`BrowserGrid`) calls `send`
 and `collect`. A device that fails (closed, refused, silent past its deadline) owes an error reply and
 leaves a `Refusal`; one that leaves on purpose owes an error of code `LEFT_ERROR_CODE`, a departure, not a
-failure. Who the devices are is the `Population`'s business; each change is a `PopulationEvent`.
+failure; one that says it could not answer a SecAgg+ stage owes an error reply and stays. Who the devices
+are is the `Population`'s business; each change is a `PopulationEvent`.
 
 Example::
 
@@ -262,6 +263,9 @@ class Hub:
         _LOG.debug("round %d: %d bytes from %s", owed.server_round, len(frame) if isinstance(frame, bytes) else 0,
                    device.name)
         try:
+            if isinstance(frame, dict) and owed.stage is not None:
+                self._declined(device, message_id, owed, str(frame.get("message", "no reason given")))
+                return
             if isinstance(frame, dict):
                 raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
                                        f"{frame.get('message', 'no reason given')}")
@@ -301,6 +305,19 @@ class Hub:
         metrics = reply_metrics(Result(_NO_WEIGHTS, *counts), header, last_epoch=owed.last_epoch, clip=owed.clip,
                                 device=name)
         return Message(masked_reply(record, owed.shapes, counts[0], metrics, device=name), reply_to=owed.message)
+
+    def _declined(self, device: BrowserDevice, message_id: str, owed: _Owed, why: str) -> None:
+        """A device's error at a SecAgg+ stage: an error reply, as Flower's runtimes send, and the device stays."""
+        # NOTE: as a Python device's exception in Flower's runtimes: the round goes on without it (a page that reloaded
+        # after setup holds no keys for the round, for one), and the device stays for the next round.
+        reason = f"{device.name} could not answer SecAgg+'s {owed.stage} stage of round {owed.server_round}: {why}"
+        with self._changed:
+            if self._owed.pop(message_id, None) is None:
+                return
+            self.ledger.record(Receipt(owed.server_round, device.name, device.partition, "refused", reason))
+            self.ledger.closed(message_id, owed.server_round)
+            self._fail(owed.message, reason)
+        _LOG.warning("%s", reason)
 
     def _refused(self, device: BrowserDevice, server_round: int, reason: str) -> None:
         """A reply that failed its checks: on the ledger, and its device dropped."""

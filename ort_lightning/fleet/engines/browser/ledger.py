@@ -1,8 +1,9 @@
 """What became of every reply that reached a browser fleet's server: used in its round, refused, or dropped.
 
-Used: handed to the strategy; refused: it failed a check (its device is dropped); dropped: it answers a
-message no longer owed. Nothing else can happen to a reply. The last `remember` closed messages keep their
-round, so that a late reply is told which round it missed.
+Used: handed to the strategy; refused: it failed a check (its device is dropped), or it says its device
+could not answer a SecAgg+ stage (its device stays); dropped: it answers a message no longer owed.
+Nothing else can happen to a reply. The last `remember` closed messages keep their round, so that a
+late reply is told which round it missed.
 
 Example::
 
