@@ -5,7 +5,8 @@ the app project ``examples/fleet_app``. Of the page's commands the test changes 
 addresses (the server machine's becomes 127.0.0.1 and a free port; each SuperNode gets a local
 ``--port`` of its own, as the page says for one machine), the ``/srv/fleet`` folder (a temporary
 one) and the rounds (2 instead of 5, with a device timeout). One deployment checks both the page's
-steps (round 1 on both SuperNodes) and a SuperNode lost after round 1 (round 2 on the other one).
+steps (round 1 on both SuperNodes) and a SuperNode lost after round 1 (round 2 on the other one); before
+them, one round through Flower's SecAgg+ (``secagg.enabled=true``) on the same SuperLink and SuperNodes.
 Every process it starts is ended in ``finally``.
 """
 
@@ -148,7 +149,11 @@ def _prepared(tmp_path: Path) -> tuple[dict[str, str], int, Path, dict[str, str]
 
 @RunIf(linux=True)  # ends the processes it starts through /proc
 def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a_lost_node(tmp_path: Path) -> None:
-    """The page's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written."""
+    """The page's steps with 2 rounds; SuperNode 1 gets SIGKILL once round 1's checkpoint is written.
+
+    Before them, the same SuperLink and SuperNodes run the page's ``flwr run`` with ``secagg.enabled=true`` for
+    one round (into a folder of its own): Flower's SecAgg+ over the deployment runtime.
+    """
     commands, port, folder, env = _prepared(tmp_path)
     superlink = _replace(_replace(commands["flower-superlink"], "--host 0.0.0.0", "--host 127.0.0.1"),
                          "--port 9092", f"--port {port}")
@@ -158,6 +163,8 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
     # ClientApp process to start and fit on a busy 2-core machine (20 s was too short there).
     run = _replace(_replace(commands["flwr"], "/srv/fleet", str(folder)), "rounds=5",
                    f"rounds=2 devices.timeout={LOST_NODE_TIMEOUT}")
+    secure = _replace(_replace(_replace(commands["flwr"], "/srv/fleet/run", str(folder / "secure")), "/srv/fleet",
+                                        str(folder)), "rounds=5", "rounds=1 secagg.enabled=true devices.min_nodes=2")
     first = folder / "run" / "rounds" / "round-0001.ortckpt"
     with ExitStack() as stack:
         link = stack.enter_context(_started(shlex.split(superlink), tmp_path / "superlink.log", env))
@@ -167,6 +174,7 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
             node = _replace(supernode, "partition-id=0", f"partition-id={partition}")
             nodes.append(stack.enter_context(_started([*shlex.split(node), "--port", str(_free_port())],
                                                       tmp_path / f"supernode-{partition}.log", env)))
+        stack.enter_context(_started(shlex.split(secure), tmp_path / "flwr-secure.log", env, cwd=ROOT)).wait(300)
         flwr = stack.enter_context(_started(shlex.split(run), tmp_path / "flwr.log", env, cwd=ROOT))
         deadline = time.monotonic() + 300
         while not first.exists() and flwr.poll() is None and time.monotonic() < deadline:
@@ -179,6 +187,7 @@ def test_readme_deployment_steps_run_a_round_on_two_supernodes_and_one_without_a
         finished = time.monotonic()
 
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    _assert_secure_round(folder / "secure", tmp_path / "flwr-secure.log", logs)
     assert flwr.returncode == 0, logs
     history = json.loads((folder / "run" / "history.json").read_text(encoding="utf-8"))
     assert [(r["round"], r["devices"]) for r in history["rounds"]] == [(1, 2), (2, 1)], logs
@@ -206,30 +215,11 @@ def test_run_config_without_artifacts_is_named() -> None:
         read_run_config({"devices.count": 2, "rounds": 1})
 
 
-@RunIf(linux=True)  # ends the processes it starts through /proc
-def test_the_deployment_runs_a_secure_round_on_two_supernodes(tmp_path: Path) -> None:
-    """The page's steps with ``secagg.enabled=true`` for one round: Flower's SecAgg+ over the SuperLink."""
-    commands, port, folder, env = _prepared(tmp_path)
-    superlink = _replace(_replace(commands["flower-superlink"], "--host 0.0.0.0", "--host 127.0.0.1"),
-                         "--port 9092", f"--port {port}")
-    supernode = _replace(commands["flower-supernode"], SERVER, f"127.0.0.1:{port}")
-    run = _replace(_replace(commands["flwr"], "/srv/fleet", str(folder)), "rounds=5",
-                   "rounds=1 secagg.enabled=true devices.min_nodes=2")
-    with ExitStack() as stack:
-        link = stack.enter_context(_started(shlex.split(superlink), tmp_path / "superlink.log", env))
-        _wait_for_port(port, link, tmp_path / "superlink.log")
-        for partition in (0, 1):
-            node = _replace(supernode, "partition-id=0", f"partition-id={partition}")
-            stack.enter_context(_started([*shlex.split(node), "--port", str(_free_port())],
-                                         tmp_path / f"supernode-{partition}.log", env))
-        flwr = stack.enter_context(_started(shlex.split(run), tmp_path / "flwr.log", env, cwd=ROOT))
-        flwr.wait(timeout=300)
-
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
-    assert flwr.returncode == 0, logs
-    history = json.loads((folder / "run" / "history.json").read_text(encoding="utf-8"))
+def _assert_secure_round(run: Path, log: Path, logs: str) -> None:
+    """The secure run's one round: both SuperNodes' masked updates summed, written and learned."""
+    history = json.loads((run / "history.json").read_text(encoding="utf-8"))
     (record,) = history["rounds"]
     assert (record["devices"], record["halted"], record["failures"]) == (2, None, {}), logs
-    assert verify_digest(folder / "run" / "rounds" / "round-0001.ortckpt")
+    assert verify_digest(run / "rounds" / "round-0001.ortckpt")
     assert record["accuracy"] > history["initial"]["accuracy"] + 0.3, history
-    assert re.search(r"^2 devices, iid split, fedavg, SecAgg\+", (tmp_path / "flwr.log").read_text(), re.MULTILINE)
+    assert re.search(r"^2 devices, iid split, fedavg, SecAgg\+", log.read_text(), re.MULTILINE), logs

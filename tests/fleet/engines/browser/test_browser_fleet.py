@@ -76,16 +76,16 @@ def _accuracies(folder: Path) -> list[float]:
 
 
 #: The README's browser command, `ort-lightning fleet --config examples/fleet_digits.yaml --browsers --set
-#: devices.count=3 --set rounds=2`, on the example config as written (epochs: 2) and at 1 local epoch: two counts,
-#: each equal to ORT's loop at that count, show that the browsers run the epochs they are told; runner.js at 1, 2
-#: and 3 epochs is tests/fleet/devices/test_fleet_device.py's Node test.
+#: devices.count=3 --set rounds=2`, on the example config as written (epochs: 2), equal to ORT's loop at that count;
+#: the same device.js at 1, 2 and 3 epochs is tests/fleet/devices/test_fleet_device.py's Node test.
 EXAMPLE = ROOT / "examples" / "fleet_digits.yaml"
 
 
 @RunIf(chromium=True)
-@pytest.mark.parametrize("epochs", [2, 1], ids=["as-written", "1-epoch"])
-def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_path: Path, epochs: int) -> None:
+def test_the_readme_command_runs_three_browsers_as_the_simulated_fleet_does(tmp_path: Path) -> None:
     written = yaml.safe_load(EXAMPLE.read_text())
+    epochs = written["devices"]["epochs"]
+    assert epochs > 1  # so that a page that ran one epoch whatever it was told would fail
     config = {**written, "devices": {**written["devices"], "count": DEVICES, "epochs": epochs}, "rounds": ROUNDS,
               "engine": {"port": 0, "ort_web": ort_web_dist()}}
     browsers = tmp_path / "browsers"
