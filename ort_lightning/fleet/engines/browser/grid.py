@@ -31,8 +31,8 @@ from ort_lightning.errors import FleetError
 from ort_lightning.fleet.devices.frames import record_frame, train_frame
 from ort_lightning.fleet.devices.legacy_fit import fit_request, stage_of
 from ort_lightning.fleet.devices.protocol import ARRAYS_KEY
-from ort_lightning.fleet.engines.browser.hub import Asked, Hub
-from ort_lightning.fleet.engines.browser.reply import clipping_norm
+from ort_lightning.fleet.engines.browser.hub import Hub
+from ort_lightning.fleet.engines.browser.reply import Asked, clipping_norm
 from ort_lightning.fleet.engines.local import ServerGrid
 
 __all__ = ["BrowserGrid", "Epochs", "PageData", "strategy_floor"]

@@ -24,22 +24,19 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-from flwr.app import Error, Message, RecordDict
-from flwr.common.secure_aggregation.secaggplus_constants import Stage
+from flwr.app import Error, Message
 
 from ort_lightning.errors import DeviceReplyError
-from ort_lightning.fleet.devices.frames import Result, decode_record, read_counts, read_result, unpack
-from ort_lightning.fleet.devices.legacy_fit import masked_reply, stage_reply
-from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, LEFT_ERROR_CODE, METRICS_KEY
+from ort_lightning.fleet.devices.frames import unpack
+from ort_lightning.fleet.devices.protocol import LEFT_ERROR_CODE
 from ort_lightning.fleet.devices.weight_order import WeightOrder
-from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt
+from ort_lightning.fleet.engines.browser.ledger import Ledger, Receipt, Refusal
 from ort_lightning.fleet.engines.browser.population import Population, PopulationEvent
-from ort_lightning.fleet.engines.browser.reply import reply_metrics, reply_records
+from ort_lightning.fleet.engines.browser.reply import Asked, answer_content
 from ort_lightning.fleet.engines.local import CLIENT_ERROR_CODE
 from ort_lightning.web import wire
 
-__all__ = ["RUN_FINISHED", "Asked", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
+__all__ = ["RUN_FINISHED", "BrowserDevice", "Hub", "OnEvent", "Refusal"]
 
 _LOG = logging.getLogger("ort_lightning.fleet.engines.browser")
 _CLOSES: dict[str, int] = wire()["closes"]
@@ -48,9 +45,6 @@ _CLOSES: dict[str, int] = wire()["closes"]
 POLICY_VIOLATION = _CLOSES["refused"]
 TOO_BIG = _CLOSES["too_big"]
 RUN_FINISHED = _CLOSES["run_finished"]
-#: SecAgg+'s collect stage: the device trains, then masks.
-_COLLECT = Stage.COLLECT_MASKED_VECTORS
-_NO_WEIGHTS = np.empty(0, np.float32)
 
 #: Sends a coroutine to the web server's event loop (a socket's send or close); its future, to wait for it.
 Schedule = Callable[[Coroutine[Any, Any, None]], concurrent.futures.Future[None]]
@@ -80,51 +74,16 @@ class BrowserDevice:
     close: Callable[[int, str], Coroutine[Any, Any, None]] | None = field(default=None, repr=False)
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """A device that failed a round: what it was, which round, and why."""
-
-    device: str
-    server_round: int
-    reason: str
-
-
 @dataclass
 class _Owed:
     device: BrowserDevice
     message: Message
-    given: int
-    #: Steps of the last epoch (None: the page made its own batches and says; then `given` is max_examples).
-    last_epoch: int | None
+    asked: Asked
     deadline: float
-    server_round: int
-    #: The SecAgg+ stage the message asks for (None: a plain round, answered with the weights).
-    stage: str | None = None
-    #: The norm the device clips its update to (client-side DP), None when it does not.
-    clip: float | None = None
-    #: The legacy parameters' shapes, whose masked vectors the collect stage's answer holds.
-    shapes: tuple[tuple[int, ...], ...] = ()
 
-
-@dataclass(frozen=True)
-class Asked:
-    """What a frame asks of its device, for checking the answer (`Hub.send`).
-
-    Attributes:
-        given: the examples per epoch the device was given (or may claim, with the page's own data).
-        last_epoch: the last epoch's steps (None: the page made its own batches and says).
-        server_round: the round.
-        stage: the SecAgg+ stage (None: a plain round).
-        clip: the client-side DP clipping norm, if any.
-        shapes: the legacy parameters' shapes, at SecAgg+'s collect stage.
-    """
-
-    given: int
-    last_epoch: int | None
-    server_round: int
-    stage: str | None = None
-    clip: float | None = None
-    shapes: tuple[tuple[int, ...], ...] = ()
+    @property
+    def server_round(self) -> int:
+        return self.asked.server_round
 
 
 class Hub:
@@ -263,18 +222,14 @@ class Hub:
         _LOG.debug("round %d: %d bytes from %s", owed.server_round, len(frame) if isinstance(frame, bytes) else 0,
                    device.name)
         try:
-            if isinstance(frame, dict) and owed.stage is not None:
+            if isinstance(frame, dict) and owed.asked.stage is not None:
                 self._declined(device, message_id, owed, str(frame.get("message", "no reason given")))
                 return
             if isinstance(frame, dict):
                 raise DeviceReplyError(f"{device.name} could not train round {owed.server_round}: "
                                        f"{frame.get('message', 'no reason given')}")
-            if owed.stage is not None:
-                reply = self._secure(owed, header, payload)
-            else:
-                result = read_result(header, payload, device=device.name, parameters=self.parameters,
-                                     given=owed.given, stated=owed.last_epoch is None)
-                reply = self._reply(owed, header, result)
+            content = answer_content(owed.asked, header, payload, self.weight_order, device=device.name)
+            reply = Message(content, reply_to=owed.message)
         except DeviceReplyError as error:
             self._refused(device, owed.server_round, str(error))
             return
@@ -285,32 +240,13 @@ class Hub:
                 self.ledger.closed(message_id, owed.server_round)
                 self._changed.notify_all()
 
-    def _reply(self, owed: _Owed, header: dict[str, Any], result: Result) -> Message:
-        """The checked result as Flower's reply to the message it answers."""
-        arrays, metrics = reply_records(result, header, self.weight_order, last_epoch=owed.last_epoch,
-                                        clip=owed.clip, device=owed.device.name)
-        return Message(RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=owed.message)
-
-    def _secure(self, owed: _Owed, header: dict[str, Any], payload: memoryview) -> Message:
-        """A SecAgg+ stage's checked answer as ``secaggplus_mod``'s reply (the collect stage's without weights)."""
-        name, stage = owed.device.name, str(owed.stage)
-        if header.get("type") != "secagg":
-            raise DeviceReplyError(f"{name} answered SecAgg+'s {stage} stage with a {header.get('type')!r} frame, but "
-                                   "a 'secagg' frame was expected; the device is refused (its page predates secure "
-                                   "aggregation: reload it from the fleet's URL).")
-        record = decode_record(header.get("record"), payload, header.get("blobs"), device=name)
-        if stage != _COLLECT:
-            return Message(stage_reply(stage, record, device=name), reply_to=owed.message)
-        counts = read_counts(header, device=name, given=owed.given, stated=owed.last_epoch is None)
-        metrics = reply_metrics(Result(_NO_WEIGHTS, *counts), header, last_epoch=owed.last_epoch, clip=owed.clip,
-                                device=name)
-        return Message(masked_reply(record, owed.shapes, counts[0], metrics, device=name), reply_to=owed.message)
-
     def _declined(self, device: BrowserDevice, message_id: str, owed: _Owed, why: str) -> None:
-        """A device's error at a SecAgg+ stage: an error reply, as Flower's runtimes send, and the device stays."""
-        # NOTE: as a Python device's exception in Flower's runtimes: the round goes on without it (a page that reloaded
-        # after setup holds no keys for the round, for one), and the device stays for the next round.
-        reason = f"{device.name} could not answer SecAgg+'s {owed.stage} stage of round {owed.server_round}: {why}"
+        """A device's error at a SecAgg+ stage (e.g. a page reloaded since setup): an error reply, and it stays.
+
+        As a Python device's exception in Flower's runtimes, it fails the round only.
+        """
+        reason = f"{device.name} could not answer SecAgg+'s {owed.asked.stage} stage of round {owed.server_round}: " \
+                 f"{why}"
         with self._changed:
             if self._owed.pop(message_id, None) is None:
                 return
@@ -375,9 +311,8 @@ class Hub:
             if device is None or device.send is None or self._schedule is None:
                 self._fail(message, f"node {node_id} is not a connected browser (it left the fleet)")
                 return
-            self._owed[message.metadata.message_id] = _Owed(
-                device, message, asked.given, asked.last_epoch, time.monotonic() + self.device_timeout,
-                asked.server_round, asked.stage, asked.clip, asked.shapes)
+            self._owed[message.metadata.message_id] = _Owed(device, message, asked,
+                                                            time.monotonic() + self.device_timeout)
             self.server_round = max(self.server_round, asked.server_round)
         _LOG.debug("round %d: sent %d bytes to %s", asked.server_round, len(frame), device.name)
         self._schedule(device.send(frame))

@@ -3,7 +3,7 @@
 Used: handed to the strategy; refused: it failed a check (its device is dropped), or it says its device
 could not answer a SecAgg+ stage (its device stays); dropped: it answers a message no longer owed.
 Nothing else can happen to a reply. The last `remember` closed messages keep their round, so that a
-late reply is told which round it missed.
+late reply is told which round it missed. A `Refusal` is a device that failed a round, and why.
 
 Example::
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["OUTCOMES", "Ledger", "Receipt"]
+__all__ = ["OUTCOMES", "Ledger", "Receipt", "Refusal"]
 
 #: What becomes of a reply (see the module docstring).
 OUTCOMES = ("used", "refused", "dropped")
@@ -75,3 +75,12 @@ class Ledger:
     def round_of(self, message_id: object) -> int | None:
         """The round of a closed message, or None when the fleet never sent it (or has forgotten it)."""
         return self._closed.get(message_id) if isinstance(message_id, str) else None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A device that failed a round: what it was, which round, and why."""
+
+    device: str
+    server_round: int
+    reason: str

@@ -1,4 +1,8 @@
-"""A device's checked result as Flower's reply: the weights by name, FedAvg's weight, the loss and the page's timings.
+"""A device's checked answer as Flower's reply: the weights by name, FedAvg's weight, the loss and the page's timings.
+
+`Asked` is what a frame asked of its device; `answer_content` checks the answer against it: a result
+frame's weights, or a SecAgg+ stage's record as ``secaggplus_mod`` replies it (its masked vectors at
+the collect stage, never the weights).
 
 Example::
 
@@ -14,17 +18,70 @@ Example::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from ort_lightning.errors import DeviceReplyError
-from ort_lightning.fleet.devices.frames import Result
-from ort_lightning.fleet.devices.protocol import WEIGHT_KEY
+from ort_lightning.fleet.devices.frames import Result, decode_record, read_counts, read_result
+from ort_lightning.fleet.devices.legacy_fit import masked_reply, stage_reply
+from ort_lightning.fleet.devices.protocol import ARRAYS_KEY, METRICS_KEY, WEIGHT_KEY
 from ort_lightning.fleet.devices.weight_order import WeightOrder
 
-__all__ = ["clipping_norm", "reply_metrics", "reply_records"]
+__all__ = ["Asked", "answer_content", "clipping_norm", "reply_metrics", "reply_records"]
+
+_NO_WEIGHTS = np.empty(0, np.float32)
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a frame asks of its device, for checking the answer (`Hub.send`).
+
+    Attributes:
+        given: the examples per epoch the device was given (or may claim, with the page's own data).
+        last_epoch: the last epoch's steps (None: the page made its own batches and says).
+        server_round: the round.
+        stage: the SecAgg+ stage (None: a plain round).
+        clip: the client-side DP clipping norm, if any.
+        shapes: the legacy parameters' shapes, at SecAgg+'s collect stage.
+    """
+
+    given: int
+    last_epoch: int | None
+    server_round: int
+    stage: str | None = None
+    clip: float | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+def answer_content(
+    asked: Asked, header: dict[str, Any], payload: memoryview, weight_order: WeightOrder, *, device: str
+) -> RecordDict:
+    """A device's binary answer to `asked`, checked, as the content of Flower's reply.
+
+    Raises:
+        DeviceReplyError: for an answer that fails a check (its device is refused).
+    """
+    if asked.stage is None:
+        result = read_result(header, payload, device=device, parameters=weight_order.size, given=asked.given,
+                             stated=asked.last_epoch is None)
+        arrays, trained = reply_records(result, header, weight_order, last_epoch=asked.last_epoch, clip=asked.clip,
+                                        device=device)
+        return RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: trained})
+    if header.get("type") != "secagg":
+        raise DeviceReplyError(f"{device} answered SecAgg+'s {asked.stage} stage with a {header.get('type')!r} frame, "
+                               "but a 'secagg' frame was expected; the device is refused (its page predates secure "
+                               "aggregation: reload it from the fleet's URL).")
+    record = decode_record(header.get("record"), payload, header.get("blobs"), device=device)
+    if asked.stage != Stage.COLLECT_MASKED_VECTORS:
+        return stage_reply(asked.stage, record, device=device)
+    counts = read_counts(header, device=device, given=asked.given, stated=asked.last_epoch is None)
+    metrics = reply_metrics(Result(_NO_WEIGHTS, *counts), header, last_epoch=asked.last_epoch, clip=asked.clip,
+                            device=device)
+    return masked_reply(record, asked.shapes, counts[0], metrics, device=device)
 
 
 def _timings(header: dict[str, Any]) -> dict[str, float]:

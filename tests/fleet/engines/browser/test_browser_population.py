@@ -33,8 +33,9 @@ from ort_lightning.fleet import BrowserDevice, BrowserFleet  # noqa: E402
 from ort_lightning.fleet.config.fleet_config import FleetConfig  # noqa: E402
 from ort_lightning.fleet.devices.weight_order import WeightOrder  # noqa: E402
 from ort_lightning.fleet.engines.browser.grid import BrowserGrid, PageData, strategy_floor  # noqa: E402
-from ort_lightning.fleet.engines.browser.hub import Asked, Hub  # noqa: E402
+from ort_lightning.fleet.engines.browser.hub import Hub  # noqa: E402
 from ort_lightning.fleet.engines.browser.population import Population  # noqa: E402
+from ort_lightning.fleet.engines.browser.reply import Asked  # noqa: E402
 from ort_lightning.fleet.engines.browser.tls import is_loopback, tls_files  # noqa: E402
 from ort_lightning.fleet.server.global_model import _failures  # noqa: E402
 from ort_lightning.fleet.server.report import report  # noqa: E402

@@ -48,7 +48,8 @@ from websockets.sync.client import connect  # noqa: E402
 from ort_lightning.fleet import BrowserDevice, BrowserFleet, GlobalModel  # noqa: E402
 from ort_lightning.fleet.devices.frames import decode_record, encode_record, pack, unpack  # noqa: E402
 from ort_lightning.fleet.devices.weight_order import WeightOrder  # noqa: E402
-from ort_lightning.fleet.engines.browser.hub import Asked, Hub  # noqa: E402
+from ort_lightning.fleet.engines.browser.hub import Hub  # noqa: E402
+from ort_lightning.fleet.engines.browser.reply import Asked  # noqa: E402
 from ort_lightning.fleet.run import run_fleet  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer  # noqa: E402
 from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
