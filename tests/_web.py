@@ -7,7 +7,9 @@ folder is missing, and says which; ``.ci/run`` installs all three, so that they 
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from ort_lightning.errors import ConfigurationError
 from ort_lightning.web import find_ort_web
 
 __all__ = ["CHROMIUM_MISSING", "NODE_DEVICE", "NODE_MISSING", "ROOT", "NodeError", "NodeRun", "chromium_program",
-           "node_beside", "ort_web_dist", "run_beside_node", "run_node"]
+           "free_port", "node_beside", "node_devices_when_served", "ort_web_dist", "run_beside_node", "run_node"]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The page's FleetDevice and runner.js in Node: ``node_device.mjs URL --ort-web DIST --devices N``.
@@ -108,3 +110,24 @@ def run_beside_node(fleet: Any, server: Any, script: Path, *args: object, join_t
         finally:
             fleet.close()
     return run
+
+
+def free_port() -> int:
+    """A localhost port no one listens on now (a fleet whose URL a test must know before it starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def node_devices_when_served(port: int, token: str, count: int, outputs: list[str], *, timeout: float = 240) -> None:
+    """Start `count` Node devices in one process once a fleet serves on `port`; append their exit code and output."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    done = subprocess.run([str(shutil.which("node")), "--experimental-websocket", str(NODE_DEVICE),
+                           f"http://127.0.0.1:{port}/?token={token}", "--ort-web", str(ort_web_dist()), "--devices",
+                           str(count)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    outputs.append(f"exit {done.returncode}\n{done.stdout}{done.stderr}")

@@ -8,7 +8,6 @@ averaged by example count in float64, never through ort_lightning.fleet. The bou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[f
 from flwr.app import Context, Message, RecordDict  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import Key  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
 
 from ort_lightning.fleet import DeviceClient, GlobalModel, LocalGrid, round_path  # noqa: E402
 from ort_lightning.fleet.config.fleet_config import ROBUST, FleetConfig  # noqa: E402
@@ -36,6 +34,7 @@ from ort_lightning.fleet.data.digits import DigitsPartitions  # noqa: E402
 from ort_lightning.fleet.devices.legacy_fit import NAMES_KEY  # noqa: E402
 from ort_lightning.fleet.server.report import report  # noqa: E402
 from ort_lightning.fleet.server.secure import SecureFleetServer, secure_mods  # noqa: E402
+from tests.fleet.recorder import Recorder  # noqa: E402
 from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
 
 LR = 0.01
@@ -68,36 +67,6 @@ def fits(folders: tuple[TrainingArtifacts, TrainingArtifacts]) -> list[dict[str,
     start = _values(exported.checkpoint)
     return [ort_device_loop(device.directory, [list(b) for b in DATA(p, DEVICES).train], lr=None, graphs="ort",
                             values=start) for p in range(DEVICES)]
-
-
-class Recorder(Grid):
-    """The transport: every message the server sends and every reply each node sends pass through here, and are kept."""
-
-    def __init__(self, grid: LocalGrid) -> None:
-        self.grid = grid
-        self.replies: dict[int, list[RecordDict]] = {}
-        self.sent: list[Message] = []
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        messages = list(messages)
-        self.sent += messages
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        for reply in replies:
-            if not reply.has_error():
-                self.replies.setdefault(reply.metadata.src_node_id, []).append(reply.content)
-        return replies
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def _unused(self, *_: Any, **__: Any) -> Any:
-        raise NotImplementedError("the workflow only sends, receives and lists the nodes")
-
-    set_run = push_messages = pull_messages = create_message = _unused
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
 
 
 def drop(partition: int, stage: str, *, rounds: tuple[int, ...] = (1,)) -> Any:

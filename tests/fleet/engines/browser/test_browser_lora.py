@@ -9,7 +9,6 @@ alone, and the round is that FedAvg within the bound of tests/fleet/secure_bound
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from ort_lightning import TrainingArtifacts, export_artifacts
 from ort_lightning.demo import FEATURES, digits_mlp
-from tests._web import ROOT, ort_web_dist, run_beside_node
+from tests._web import ROOT, free_port, ort_web_dist, run_beside_node
 from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -61,12 +60,6 @@ def lora_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainingArti
     return exported, prepare_for_web(exported, root / "web", lr=LR)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @RunIf(node=True, chromium=True)
 @pytest.mark.slow
 @pytest.mark.spread
@@ -76,7 +69,7 @@ def test_a_page_and_a_node_device_exchange_only_the_adapters_and_the_page_keeps_
     exported, web = lora_folders
     node = shutil.which("node")
     assert node is not None
-    port, profile = _free_port(), tmp_path / "profile"  # the page's origin and storage, the same on its second visit
+    port, profile = free_port(), tmp_path / "profile"  # the page's origin and storage, the same on its second visit
     fleet = BrowserFleet(web, DATA, port=port, devices=2, device_timeout=60, ort_web=ort_web_dist(), wait_timeout=90)
     assert fleet.exchange.mode == "trainable"
     server = fedavg_server(exported, tmp_path / "rounds", devices=2, rounds=2)

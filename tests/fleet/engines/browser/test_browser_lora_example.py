@@ -8,18 +8,14 @@ transformers + peft over the base the factory builds again, gives the perplexity
 from __future__ import annotations
 
 import math
-import shutil
-import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests._web import ROOT, ort_web_dist
+from tests._web import ROOT, free_port, node_devices_when_served, ort_web_dist
 from tests.helpers import RunIf
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -39,40 +35,18 @@ DATA = {"topics": 3, "train": 16, "held_out": 4, "length": 16}
 TOKEN = "lora-example"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _devices_join(port: int, node: str, outputs: list[str]) -> None:
-    """Start 3 Node devices once the fleet serves on `port`; keep their output."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    done = subprocess.run([node, "--experimental-websocket", str(NODE_DEVICE), f"http://127.0.0.1:{port}/?token={TOKEN}",
-                           "--ort-web", str(ort_web_dist()), "--devices", "3"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
-    outputs.append(done.stdout + done.stderr)
-
-
 @RunIf(node=True)
 @pytest.mark.slow
 @pytest.mark.spread
 def test_node_devices_fine_tune_the_lora_example(tmp_path: Path) -> None:
-    node = shutil.which("node")
-    assert node is not None
-    port = _free_port()
+    port = free_port()
     config = FleetConfig.from_yaml(EXAMPLE, overrides=[
         f"model.init_args={ {**BASE, 'rank': 4} }", f"data.init_args={DATA}", "rounds=2", "devices.count=3",
         "devices.batch_size=8", "devices.lr=0.02", "model.verify=false", "output.plot=false", "engine.name=browser",
         f"engine.port={port}", f"engine.token={TOKEN}", f"engine.ort_web={ort_web_dist()}",
         f"output.folder={tmp_path / 'run'}"])
     outputs: list[str] = []
-    devices = threading.Thread(target=_devices_join, args=(port, node, outputs), daemon=True)
+    devices = threading.Thread(target=node_devices_when_served, args=(port, TOKEN, 3, outputs), daemon=True)
     devices.start()
     history = run_fleet(config, search=[EXAMPLE.parent], echo=False)
     devices.join(timeout=60)

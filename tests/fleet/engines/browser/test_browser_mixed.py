@@ -11,7 +11,6 @@ is ONNX Runtime's documented loop per partition (``tests.helpers.ort_device_loop
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
 
-from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
@@ -41,38 +40,12 @@ from tests.fleet.engines.browser.digits_rounds import (  # noqa: E402
     checkpoint_values,
     initial_values,
 )
+from tests.fleet.recorder import Recorder  # noqa: E402
 from tests.fleet.secure_bound import fedavg, secagg_bound  # noqa: E402
 
 SIMULATED = DigitsPartitions(split="label", batch_size=32, seed=0)
 FIRST = 2**60 + 1
 SECAGG = {"num_shares": 4, "reconstruction_threshold": 3}
-
-
-class Recorder(Grid):
-    """The transport between the joined grid and Flower's workflow: every reply each node sends, kept."""
-
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
-        self.replies: dict[int, list[RecordDict]] = {}
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        for reply in replies:
-            if not reply.has_error():
-                self.replies.setdefault(reply.metadata.src_node_id, []).append(reply.content)
-        return replies
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def _unused(self, *_: Any, **__: Any) -> Any:
-        raise NotImplementedError("the workflow only sends, receives and lists the nodes")
-
-    set_run = push_messages = pull_messages = create_message = _unused
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
 
 
 class RecordedServer(SecureFleetServer):

@@ -14,11 +14,7 @@ import asyncio
 import concurrent.futures
 import json
 import re
-import shutil
-import socket
-import subprocess
 import threading
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -27,7 +23,7 @@ import numpy as np
 import pytest
 
 from ort_lightning import TrainingArtifacts
-from tests._web import NODE_DEVICE, ROOT, node_beside, ort_web_dist
+from tests._web import NODE_DEVICE, free_port, node_beside, node_devices_when_served, ort_web_dist
 from tests.helpers import RunIf, ort_device_loop
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install -e ".[fleet]" to run the fleet tests')
@@ -234,40 +230,20 @@ def test_bad_secagg_answers_are_refused_in_one_line_and_the_fleet_goes_on(
     assert_round(second.checkpoint, expected, atol=BROWSER_ATOL)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _node_devices(port: int, count: int, outputs: list[str]) -> None:
-    """Start `count` Node devices in one process once the fleet serves on `port`; keep their output."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    done = subprocess.run([str(shutil.which("node")), "--experimental-websocket", str(NODE_DEVICE),
-                           f"http://127.0.0.1:{port}/?token={TOKEN}", "--ort-web", str(ort_web_dist()), "--devices",
-                           str(count)], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
-    outputs.append(f"exit {done.returncode}\n{done.stdout}{done.stderr}")
-
-
 @RunIf(node=True)
 @pytest.mark.slow
 @pytest.mark.spread
 def test_a_fleet_config_with_secagg_runs_its_round_on_node_devices(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    port, folder = _free_port(), tmp_path / "secure"
+    port, folder = free_port(), tmp_path / "secure"
     config = {"rounds": 1, "seed": 0, "model": {"hidden": 16, "verify": False},
               "devices": {"count": 3, "batch_size": 32, "timeout": 60},
               "secagg": {"enabled": True, "num_shares": 3, "reconstruction_threshold": 2},
               "engine": {"name": "browser", "port": port, "token": TOKEN, "ort_web": ort_web_dist()},
               "output": {"folder": str(folder), "plot": False}}
     outputs: list[str] = []
-    devices = threading.Thread(target=_node_devices, args=(port, 3, outputs), daemon=True)
+    devices = threading.Thread(target=node_devices_when_served, args=(port, TOKEN, 3, outputs), daemon=True)
     devices.start()
     history = run_fleet(config)
     devices.join(timeout=60)
